@@ -1,0 +1,41 @@
+# fp4forge: the two set-up commands are `make demo` (main job on the built-in testbed) and
+# `make test` (installs everything the tests need, then runs them). Both work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+VLLM_VENV ?= .venv-vllm
+LC_VENV ?= .venv-lc
+DEMO ?= demo
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast clean
+
+$(BIN)/.fp4forge-ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(BIN)/.fp4forge-ready
+
+# The main job on the built-in tiny Laguna testbed.
+demo: install
+	@if [ ! -d $(DEMO)/tiny-laguna ]; then $(BIN)/fp4forge testbed tiny-laguna $(DEMO)/tiny-laguna --seed 0; fi
+	$(BIN)/fp4forge bytes $(DEMO)/tiny-laguna
+
+# The whole suite, integration tests included: the vLLM CPU and llm-compressor venvs are
+# created side by side (each a few minutes, once) and the tests use them.
+test: install
+	@bash scripts/setup-vllm-venv.sh $(VLLM_VENV) > .venv-vllm-setup.log 2>&1 & vllm=$$!; \
+	 bash scripts/setup-lc-venv.sh $(LC_VENV) > .venv-lc-setup.log 2>&1 & lc=$$!; \
+	 ok=0; wait $$vllm || { echo "vLLM venv set-up failed:"; tail -30 .venv-vllm-setup.log; ok=1; }; \
+	 wait $$lc || { echo "llm-compressor venv set-up failed:"; tail -30 .venv-lc-setup.log; ok=1; }; \
+	 exit $$ok
+	FP4FORGE_VLLM_VENV=$(abspath $(VLLM_VENV)) FP4FORGE_LC_VENV=$(abspath $(LC_VENV)) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Unit tests only (no servers, no other venvs): seconds, for the edit-test loop.
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(DEMO) .pytest_cache

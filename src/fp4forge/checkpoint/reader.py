@@ -1,0 +1,187 @@
+"""Open a checkpoint (local directory or file, HF repo id, or an https `/resolve/` base URL),
+resolve its shards through the index, read every shard's header, and read tensors lazily."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from fp4forge.checkpoint.index import IndexFile, parse_index
+from fp4forge.checkpoint.safetensors_format import ShardHeader, TensorInfo
+from fp4forge.checkpoint.source import LocalSource, Source
+from fp4forge.checkpoint.writer import INDEX_FILE, SINGLE_FILE
+from fp4forge.errors import CheckpointError
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+# safetensors dtype string -> torch dtype attribute name.
+TORCH_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F4": "float4_e2m1fn_x2",
+}
+
+
+@dataclass
+class Checkpoint:
+    source: Source
+    shard_names: list[str]
+    headers: dict[str, ShardHeader]
+    index: IndexFile | None = None
+    config: dict[str, Any] | None = None
+    extra_json: dict[str, Any] = field(default_factory=dict)  # e.g. hf_quant_config.json
+    shard_errors: dict[str, CheckpointError] = field(default_factory=dict)
+
+    @property
+    def display(self) -> str:
+        return self.source.display
+
+    def tensors(self) -> Iterator[tuple[str, TensorInfo]]:
+        """Every (shard, tensor) pair, shard by shard in name order."""
+        for shard in self.shard_names:
+            header = self.headers.get(shard)
+            if header is not None:
+                for info in header.tensors.values():
+                    yield shard, info
+
+    def locate(self, name: str) -> tuple[str, TensorInfo]:
+        if self.index is not None and name in self.index.weight_map:
+            shard = self.index.weight_map[name]
+            header = self.headers.get(shard)
+            if header is not None and name in header.tensors:
+                return shard, header.tensors[name]
+        for shard, header in self.headers.items():
+            if name in header.tensors:
+                return shard, header.tensors[name]
+        raise CheckpointError("no such tensor in the checkpoint", file=self.display, tensor=name)
+
+    def read_raw(self, name: str) -> bytes:
+        shard, info = self.locate(name)
+        header = self.headers[shard]
+        return self.source.read(shard, header.data_start + info.begin, info.nbytes)
+
+    def read_tensor(self, name: str):
+        """Read one tensor into a torch tensor (imports torch only here)."""
+        import torch
+
+        shard, info = self.locate(name)
+        raw = bytearray(self.read_raw(name))
+        dtype = getattr(torch, TORCH_DTYPES[info.dtype], None)
+        if dtype is None:
+            raise CheckpointError(f"torch has no dtype for {info.dtype}", file=shard, tensor=name)
+        shape = list(info.shape)
+        if info.dtype == "F4":  # header holds logical elements; torch storage packs two per byte
+            shape[-1] //= 2
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _read_json(source: Source, relpath: str) -> Any | None:
+    if not source.exists(relpath):
+        return None
+    raw = source.read(relpath)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        if raw.startswith(b"version https://git-lfs"):
+            raise CheckpointError("git-LFS pointer instead of JSON; use a /resolve/ URL", file=source.describe(relpath)) from None
+        raise CheckpointError(f"not valid JSON: {exc}", file=source.describe(relpath)) from None
+
+
+def resolve_source(location: str | Path) -> tuple[Source, list[str] | None]:
+    """Turn a user's argument into a Source (and the shard list, for a single-file path)."""
+    text = str(location)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return LocalSource(path), None
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError("a file argument must be a .safetensors file (or pass the checkpoint directory)", file=text)
+        return LocalSource(path.parent), [path.name]
+    from fp4forge.checkpoint import remote  # network code only when asked for
+
+    if text.startswith(("http://", "https://")):
+        return remote.RemoteSource(text), None
+    if REPO_ID.match(text) and not text.startswith((".", "/", "~")):
+        repo, _, revision = text.partition("@")
+        return remote.RemoteSource.for_repo(repo, revision or "main"), None
+    raise CheckpointError("no such local path, and not a Hugging Face repo id or https URL", file=text)
+
+
+def open_checkpoint(location: str | Path, *, strict: bool = True) -> Checkpoint:
+    """Open and header-read a checkpoint.
+
+    strict=True raises on the first unreadable shard; strict=False records per-shard errors in
+    ``shard_errors`` (the audit reports them as findings instead).
+    """
+    source, single = resolve_source(location)
+    index: IndexFile | None = None
+    if single is not None:
+        shard_names = single
+    elif source.exists(INDEX_FILE):
+        index = parse_index(source.read(INDEX_FILE), source=source.describe(INDEX_FILE))
+        shard_names = index.shard_names
+    elif source.exists(SINGLE_FILE):
+        shard_names = [SINGLE_FILE]
+    else:
+        listed = source.list_files() or []
+        shard_names = [f for f in listed if f.endswith(".safetensors")]
+        if not shard_names:
+            raise CheckpointError(f"no {INDEX_FILE}, no {SINGLE_FILE} and no .safetensors files", file=source.display)
+
+    headers: dict[str, ShardHeader] = {}
+    errors: dict[str, CheckpointError] = {}
+
+    def load(shard: str) -> tuple[str, ShardHeader | CheckpointError]:
+        try:
+            return shard, source.read_header(shard)
+        except CheckpointError as exc:
+            return shard, exc
+
+    workers = 8 if source.is_remote else 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for shard, result in pool.map(load, shard_names):
+            if isinstance(result, CheckpointError):
+                if strict:
+                    raise result
+                errors[shard] = result
+            else:
+                headers[shard] = result
+
+    config = _read_json(source, "config.json")
+    extra = {}
+    for name in ("hf_quant_config.json", "fp4forge.json"):
+        doc = _read_json(source, name)
+        if doc is not None:
+            extra[name] = doc
+    return Checkpoint(
+        source=source,
+        shard_names=shard_names,
+        headers=headers,
+        index=index,
+        config=config,
+        extra_json=extra,
+        shard_errors=errors,
+    )

@@ -1,0 +1,257 @@
+"""The safetensors container: dtype table and strict header parsing (no I/O here).
+
+Layout (see shared/docs/formats.md §1): 8-byte little-endian u64 header length N, N bytes of
+UTF-8 JSON, then the byte buffer, which the tensors must cover exactly, back to back.
+The checks mirror the Rust reference loader so that what we accept, safetensors accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+
+from fp4forge.errors import DtypeError, HeaderError, LfsPointerError, OffsetError
+
+# The reference loader's cap (safetensors `MAX_HEADER_SIZE`).
+MAX_HEADER_BYTES = 100_000_000
+LENGTH_PREFIX_BYTES = 8
+LFS_POINTER_PREFIX = b"version https://git-lfs"
+
+# Header dtype string -> bits per element (safetensors `Dtype::bitsize`).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry. Offsets count from the start of the byte buffer, END exclusive."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed, validated safetensors header."""
+
+    source: str
+    header_len: int
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo] = field(repr=False)
+
+    @property
+    def data_start(self) -> int:
+        """File offset of the byte buffer."""
+        return LENGTH_PREFIX_BYTES + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return max((t.end for t in self.tensors.values()), default=0)
+
+    @property
+    def declared_file_size(self) -> int:
+        """The file size the header implies: prefix + header + every tensor's bytes."""
+        return self.data_start + self.data_len
+
+
+@dataclass(frozen=True)
+class LfsPointer:
+    oid: str
+    size: int
+
+
+def parse_lfs_pointer(raw: bytes) -> LfsPointer | None:
+    """Recognise a git-LFS pointer (what a `/raw/` URL returns for an LFS file)."""
+    if not raw.startswith(LFS_POINTER_PREFIX) or len(raw) > 1024:
+        return None
+    fields: dict[str, str] = {}
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        key, _, value = line.partition(" ")
+        fields[key] = value.strip()
+    try:
+        return LfsPointer(oid=fields.get("oid", ""), size=int(fields.get("size", "-1")))
+    except ValueError:
+        return LfsPointer(oid=fields.get("oid", ""), size=-1)
+
+
+def header_length(prefix: bytes, *, source: str, file_size: int | None) -> int:
+    """Decode and sanity-check the 8-byte header-length prefix."""
+    pointer = parse_lfs_pointer(prefix if len(prefix) > LENGTH_PREFIX_BYTES else b"")
+    if prefix.startswith(LFS_POINTER_PREFIX):
+        pointer = pointer or LfsPointer(oid="", size=-1)
+        raise LfsPointerError(
+            f"git-LFS pointer instead of safetensors data (oid {pointer.oid or '?'}, "
+            f"real size {pointer.size} bytes); fetch it through /resolve/, not /raw/",
+            file=source,
+        )
+    if file_size is not None and file_size < LENGTH_PREFIX_BYTES or len(prefix) < LENGTH_PREFIX_BYTES:
+        raise HeaderError("file is shorter than the 8-byte header-length prefix", file=source)
+    (length,) = struct.unpack("<Q", prefix[:LENGTH_PREFIX_BYTES])
+    if length > MAX_HEADER_BYTES:
+        raise HeaderError(
+            f"header length {length:,} exceeds the {MAX_HEADER_BYTES:,}-byte limit "
+            "(truncated, corrupt or not a safetensors file)",
+            file=source,
+        )
+    if file_size is not None and LENGTH_PREFIX_BYTES + length > file_size:
+        raise HeaderError(
+            f"header length {length:,} runs past the end of the {file_size:,}-byte file",
+            file=source,
+        )
+    return length
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise HeaderError(f"duplicate key {key!r} in header JSON")
+        out[key] = value
+    return out
+
+
+def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> ShardHeader:
+    """Validate header JSON bytes (without the length prefix) into a ShardHeader.
+
+    Checks: UTF-8, JSON object, no duplicate keys, schema of every entry, known dtypes,
+    non-negative integer shapes, whole bytes per tensor, and offsets that tile the
+    buffer from 0 with no overlap or hole.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})", file=source) from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except HeaderError as exc:
+        raise HeaderError(exc.message, file=source) from None
+    except json.JSONDecodeError as exc:
+        raise HeaderError(f"header is not valid JSON ({exc.msg} at char {exc.pos})", file=source) from None
+    if not isinstance(doc, dict):
+        raise HeaderError("header JSON is not an object", file=source)
+
+    metadata_raw = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata_raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
+    ):
+        raise HeaderError("__metadata__ must map strings to strings", file=source)
+
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in doc.items():
+        tensors[name] = _parse_entry(name, entry, source)
+    _check_tiling(tensors, source)
+    return ShardHeader(
+        source=source,
+        header_len=len(raw) if header_len is None else header_len,
+        metadata=dict(metadata_raw),
+        tensors=tensors,
+    )
+
+
+def _parse_entry(name: str, entry: object, source: str) -> TensorInfo:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise HeaderError("entry must have exactly dtype, shape and data_offsets", file=source, tensor=name)
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPE_BITS:
+        raise DtypeError(f"unknown dtype {dtype!r}", file=source, tensor=name)
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise HeaderError(f"shape must be a list of non-negative integers, got {shape!r}", file=source, tensor=name)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+    ):
+        raise HeaderError(f"data_offsets must be two non-negative integers, got {offsets!r}", file=source, tensor=name)
+    begin, end = offsets
+    if end < begin:
+        raise OffsetError(f"data_offsets end {end} < begin {begin}", file=source, tensor=name)
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8:
+        raise HeaderError(f"{dtype}{shape} is not a whole number of bytes", file=source, tensor=name)
+    if end - begin != bits // 8:
+        raise OffsetError(
+            f"byte range {begin}..{end} holds {end - begin} bytes but {dtype}{shape} needs {bits // 8}",
+            file=source,
+            tensor=name,
+        )
+    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+
+
+def _check_tiling(tensors: dict[str, TensorInfo], source: str) -> None:
+    """Offsets, sorted, must run back to back from 0 (no overlap, no hole)."""
+    expected = 0
+    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+        if info.begin < expected:
+            raise OffsetError(f"byte range {info.begin}..{info.end} overlaps the previous tensor", file=source, tensor=info.name)
+        if info.begin > expected:
+            raise OffsetError(f"hole of {info.begin - expected} bytes before this tensor", file=source, tensor=info.name)
+        expected = info.end
+
+
+def encode_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Build header bytes for tensors laid out in the given order.
+
+    Returns the full prefix (length + JSON padded with spaces to a multiple of 8, as the
+    reference writer does) and each tensor's (begin, end).
+    """
+    doc: dict[str, object] = {}
+    if metadata:
+        doc["__metadata__"] = dict(metadata)
+    offsets: dict[str, tuple[int, int]] = {}
+    cursor = 0
+    for name, dtype, shape in entries:
+        if dtype not in DTYPE_BITS:
+            raise DtypeError(f"unknown dtype {dtype!r}", tensor=name)
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if bits % 8:
+            raise HeaderError(f"{dtype}{list(shape)} is not a whole number of bytes", tensor=name)
+        offsets[name] = (cursor, cursor + bits // 8)
+        doc[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + bits // 8]}
+        cursor += bits // 8
+    body = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body, offsets
+
+
+# The reference writer sorts by its dtype enum, declared "in increasing alignment order".
+_ALIGNMENT_RANK = {dtype: rank for rank, dtype in enumerate(DTYPE_BITS)}
+
+
+def reference_order(entries: list[tuple[str, str, tuple[int, ...]]]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Order tensors the way safetensors' writer does: larger dtype alignment first, then by name."""
+    return sorted(entries, key=lambda e: (-_ALIGNMENT_RANK[e[1]], e[0]))

@@ -1,0 +1,118 @@
+"""Where checkpoint bytes come from: a local directory (here) or HTTP (``remote.py``).
+
+A source answers byte-range reads by relative path and never lets a path escape its root:
+``..``, absolute paths and symlinks that point outside the checkpoint are refused.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol
+
+from fp4forge.checkpoint.safetensors_format import (
+    LENGTH_PREFIX_BYTES,
+    ShardHeader,
+    header_length,
+    parse_header,
+)
+from fp4forge.errors import CheckpointError, IndexFileError
+
+
+class Source(Protocol):
+    """Byte access to the files of one checkpoint."""
+
+    display: str
+    is_remote: bool
+
+    def exists(self, relpath: str) -> bool: ...
+
+    def size(self, relpath: str) -> int: ...
+
+    def read(self, relpath: str, start: int = 0, length: int | None = None) -> bytes: ...
+
+    def list_files(self) -> list[str] | None:
+        """Every file of the checkpoint, or None where the transport cannot list."""
+        ...
+
+    def read_header(self, relpath: str) -> ShardHeader: ...
+
+    def describe(self, relpath: str) -> str: ...
+
+
+def check_relpath(relpath: str) -> str:
+    """A checkpoint-relative path must stay inside the checkpoint."""
+    if not relpath or relpath.startswith(("/", "\\")) or os.path.isabs(relpath) or ":" in relpath.split("/")[0]:
+        raise IndexFileError(f"absolute path {relpath!r} is not allowed inside a checkpoint")
+    parts = relpath.replace("\\", "/").split("/")
+    if any(p in ("..", "") for p in parts):
+        raise IndexFileError(f"path {relpath!r} escapes or is malformed inside the checkpoint")
+    return relpath
+
+
+class LocalSource:
+    is_remote = False
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+        self._real_root = self.root.resolve()
+        self.display = str(self.root)
+
+    def path(self, relpath: str) -> Path:
+        check_relpath(relpath)
+        candidate = self.root / relpath
+        real = candidate.resolve()
+        if real != self._real_root and self._real_root not in real.parents:
+            raise CheckpointError(f"{relpath!r} resolves outside the checkpoint (to {real}); refusing to read it", file=str(candidate))
+        return candidate
+
+    def describe(self, relpath: str) -> str:
+        return str(self.root / relpath)
+
+    def exists(self, relpath: str) -> bool:
+        return self.path(relpath).is_file()
+
+    def size(self, relpath: str) -> int:
+        return self.path(relpath).stat().st_size
+
+    def read(self, relpath: str, start: int = 0, length: int | None = None) -> bytes:
+        path = self.path(relpath)
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                return fh.read() if length is None else fh.read(length)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+    def list_files(self) -> list[str]:
+        return sorted(
+            str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file() and ".cache" not in p.parts
+        )
+
+    def read_header(self, relpath: str) -> ShardHeader:
+        path = self.path(relpath)
+        shown = str(path)
+        try:
+            file_size = path.stat().st_size
+            with open(path, "rb") as fh:
+                prefix = fh.read(max(LENGTH_PREFIX_BYTES, 64))
+                length = header_length(prefix, source=shown, file_size=file_size)
+                fh.seek(LENGTH_PREFIX_BYTES)
+                raw = fh.read(length)
+        except FileNotFoundError:
+            raise CheckpointError("shard file is missing", file=shown) from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", file=shown) from None
+        header = parse_header(raw, source=shown, header_len=length)
+        check_file_size(header, file_size)
+        return header
+
+
+def check_file_size(header: ShardHeader, file_size: int) -> None:
+    """The header must account for every byte of the file, no more and no less."""
+    if header.declared_file_size != file_size:
+        raise CheckpointError(
+            f"header declares data ending at byte {header.declared_file_size:,} but the file has {file_size:,} bytes "
+            + ("(truncated)" if file_size < header.declared_file_size else "(trailing bytes)"),
+            file=header.source,
+        )

@@ -1,0 +1,194 @@
+"""Streaming, atomic, sharded safetensors writer.
+
+The caller declares every tensor up front (name, dtype, shape); the writer assigns shards,
+writes each shard's header immediately and then accepts tensor data in any order, writing
+each at its planned offset. Only the tensor being written is ever in memory.
+
+Everything is built in a temporary directory beside the destination and renamed into place
+when complete, so an interrupted write leaves no half-written checkpoint behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, encode_header, reference_order
+from fp4forge.errors import WriteError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "BF16", "U8", "F8_E4M3"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * DTYPE_BITS[self.dtype] // 8
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy split in declaration order, as huggingface_hub does: start a new shard when
+    the next tensor would overflow this one (a tensor larger than the limit gets its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        if shards[-1] and used + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += spec.nbytes
+    return shards if shards[0] else []
+
+
+def _tensor_bytes(data: Any) -> memoryview:
+    """Raw little-endian bytes of a torch tensor, numpy array or bytes-like."""
+    if hasattr(data, "untyped_storage"):  # torch.Tensor: reinterpret as bytes without copies where possible
+        import torch
+
+        tensor = data.detach().contiguous().cpu()
+        return memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    if hasattr(data, "tobytes") and not isinstance(data, (bytes, bytearray, memoryview)):
+        return memoryview(data.tobytes())
+    return memoryview(data)
+
+
+class CheckpointWriter:
+    """Write a sharded safetensors checkpoint into ``out_dir``, atomically.
+
+    Use as a context manager; on a clean exit the index is written (for > 1 shard), every
+    tensor is checked to have been written (unless ``sparse``), and the directory appears.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        specs: list[TensorSpec],
+        *,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        metadata: dict[str, str] | None = None,
+        sparse: bool = False,
+        index_metadata: dict[str, Any] | None = None,
+    ):
+        self.out_dir = Path(out_dir)
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise WriteError(f"tensor names declared twice: {dupes[:5]}")
+        self.specs = {s.name: s for s in specs}
+        self.sparse = sparse
+        self.metadata = {"format": "pt"} if metadata is None else metadata
+        self.index_metadata = index_metadata or {}
+        self.shards = plan_shards(specs, max_shard_bytes)
+        self._tmp: Path | None = None
+        self._placement: dict[str, tuple[int, int, int]] = {}  # name -> (shard, file offset, nbytes)
+        self._handles: list[Any] = []
+        self._pending: list[set[str]] = []
+
+    # -- lifecycle -----------------------------------------------------------------
+    def __enter__(self) -> CheckpointWriter:
+        if self.out_dir.exists() and any(self.out_dir.iterdir()):
+            raise WriteError(f"output directory {self.out_dir} exists and is not empty; choose a new path")
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the output's mode
+        count = len(self.shards)
+        for shard_no, shard in enumerate(self.shards):
+            ordered = reference_order([(s.name, s.dtype, s.shape) for s in shard])
+            prefix, offsets = encode_header(ordered, self.metadata)
+            handle = open(self._tmp / shard_file_name(shard_no, count), "wb+")
+            handle.write(prefix)
+            data_len = max((end for _, end in offsets.values()), default=0)
+            handle.truncate(len(prefix) + data_len)  # holes until written; sparse mode keeps them
+            self._handles.append(handle)
+            self._pending.append(set(offsets))
+            for name, (begin, end) in offsets.items():
+                self._placement[name] = (shard_no, len(prefix) + begin, end - begin)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            for handle in self._handles:
+                handle.close()
+            if exc_type is None:
+                self._finish()
+        finally:
+            if self._tmp is not None and self._tmp.exists():
+                shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- writing ---------------------------------------------------------------------
+    def write(self, name: str, data: Any) -> None:
+        if name not in self._placement:
+            raise WriteError(f"tensor {name!r} was not declared to this writer")
+        shard_no, offset, nbytes = self._placement[name]
+        if name not in self._pending[shard_no]:
+            raise WriteError(f"tensor {name!r} written twice")
+        raw = _tensor_bytes(data)
+        if raw.nbytes != nbytes:
+            spec = self.specs[name]
+            raise WriteError(f"tensor {name!r}: got {raw.nbytes} bytes, {spec.dtype}{list(spec.shape)} needs {nbytes}")
+        handle = self._handles[shard_no]
+        handle.seek(offset)
+        handle.write(raw)
+        self._pending[shard_no].discard(name)
+
+    def write_text(self, relpath: str, text: str) -> None:
+        assert self._tmp is not None, "use CheckpointWriter as a context manager"
+        target = self._tmp / relpath
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+
+    def write_json(self, relpath: str, obj: Any) -> None:
+        self.write_text(relpath, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+    def copy_file(self, src: str | os.PathLike[str], relpath: str | None = None) -> None:
+        assert self._tmp is not None, "use CheckpointWriter as a context manager"
+        target = self._tmp / (relpath or Path(src).name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+    @property
+    def staging_dir(self) -> Path:
+        assert self._tmp is not None, "use CheckpointWriter as a context manager"
+        return self._tmp
+
+    def _finish(self) -> None:
+        assert self._tmp is not None
+        missing = sorted(n for pending in self._pending for n in pending)
+        if missing and not self.sparse:
+            raise WriteError(f"{len(missing)} declared tensors were never written, e.g. {missing[:3]}")
+        count = len(self.shards)
+        if count > 1:
+            weight_map = {
+                s.name: shard_file_name(shard_no, count) for shard_no, shard in enumerate(self.shards) for s in shard
+            }
+            total = sum(s.nbytes for s in self.specs.values())
+            index = {"metadata": {"total_size": total, **self.index_metadata}, "weight_map": dict(sorted(weight_map.items()))}
+            (self._tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        for shard_file in self._tmp.glob("*.safetensors"):
+            if not self.sparse:
+                with open(shard_file, "rb+") as fh:
+                    os.fsync(fh.fileno())
+        if self.out_dir.exists():
+            self.out_dir.rmdir()  # empty (checked on enter)
+        os.replace(self._tmp, self.out_dir)
+        self._tmp = None

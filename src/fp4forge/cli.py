@@ -1,0 +1,158 @@
+"""`fp4forge` command line: a thin shell over library calls.
+
+Every command prints a rich table for people and one JSON document with --json. Errors
+fp4forge understands become one line on stderr and a non-zero exit code; heavy imports
+(torch, transformers) happen inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fp4forge.errors import Fp4forgeError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Make, prove and measure NVFP4 / FP8 MoE checkpoints.")
+testbed_app = typer.Typer(no_args_is_help=True, help="Build local test models (no internet needed).")
+app.add_typer(testbed_app, name="testbed")
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+def emit_json(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+@contextmanager
+def progress_bar(description: str, enabled: bool = True) -> Iterator:
+    """Yields a `progress(done, total, desc)` callback drawing a rich bar on stderr."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int, desc: str = description) -> None:
+            bar.update(task, completed=done, total=total, description=desc)
+
+        yield update
+
+
+# -- testbed ------------------------------------------------------------------------------
+@testbed_app.command("tiny-laguna")
+def testbed_tiny_laguna(
+    out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to create."),
+    seed: int = typer.Option(0, help="Seed: the same seed gives byte-identical files."),
+    dense: bool = typer.Option(False, "--dense", help="Every layer a dense MLP (stock vLLM CPU can serve it)."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary."),
+) -> None:
+    """A tiny random LagunaForCausalLM: dense layer 0, sigmoid-routed MoE with shared expert, mixed attention."""
+    from fp4forge.testbed import build_tiny_laguna
+
+    with progress_bar("building tiny Laguna", not as_json) as progress:
+        path = build_tiny_laguna(out_dir, seed=seed, dense=dense, progress=progress)
+    _report_built(path, as_json)
+
+
+@testbed_app.command("tiny-qwen3-moe")
+def testbed_tiny_qwen3_moe(
+    out_dir: Path = typer.Argument(..., metavar="OUT"),
+    seed: int = typer.Option(0),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """A tiny random Qwen3MoeForCausalLM (softmax routing), same tokenizer as the tiny Laguna."""
+    from fp4forge.testbed import build_tiny_qwen3_moe
+
+    with progress_bar("building tiny Qwen3-MoE", not as_json) as progress:
+        path = build_tiny_qwen3_moe(out_dir, seed=seed, progress=progress)
+    _report_built(path, as_json)
+
+
+@testbed_app.command("synth")
+def testbed_synth(
+    out_dir: Path = typer.Argument(..., metavar="OUT"),
+    config: str = typer.Option(..., "--config", help="A config.json path or a preset name (e.g. laguna-s-2.1-like)."),
+    layers: int = typer.Option(..., "--layers", min=1, help="Decoder layers to write (the first N)."),
+    seed: int = typer.Option(0),
+    max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", help="Shard size limit in GiB."),
+    sparse: bool = typer.Option(False, "--sparse", help="Headers only; data regions are file holes."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """A shape-true synthetic checkpoint: real names, shapes and dtypes, seeded heavy-tailed values, streamed."""
+    from fp4forge.testbed import synth_checkpoint
+
+    with progress_bar("writing synthetic checkpoint", not as_json) as progress:
+        path = synth_checkpoint(config, layers, out_dir, seed=seed, max_shard_bytes=int(max_shard_gb * 2**30), sparse=sparse, progress=progress)
+    _report_built(path, as_json)
+
+
+def _report_built(path: Path, as_json: bool) -> None:
+    files = sorted(p for p in Path(path).iterdir() if p.is_file())
+    if as_json:
+        emit_json({"path": str(path), "files": [{"name": p.name, "bytes": p.stat().st_size} for p in files]})
+    else:
+        out.print(f"[green]wrote[/green] {path} ({len(files)} files, {sum(p.stat().st_size for p in files):,} bytes)")
+
+
+# -- bytes ---------------------------------------------------------------------------------
+@app.command("bytes")
+def bytes_command(
+    location: str = typer.Argument(..., metavar="PATH_OR_REPO", help="Checkpoint directory, .safetensors file, HF repo id, or https://…/resolve/<rev> URL."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object: total, components, dtypes."),
+    markdown: bool = typer.Option(False, "--markdown", help="A Markdown table, for model cards."),
+    layout: Optional[str] = typer.Option(None, "--layout", help="Architecture layout when config.json is absent or unknown."),
+) -> None:
+    """Where the bytes are: stored bytes, parameters and bits/param per component, from headers only."""
+    from fp4forge.audit.byte_table import compute_byte_table
+    from fp4forge.checkpoint.layout import layout_by_name, layout_for_config
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.report.tables import byte_table_markdown, byte_table_rich
+
+    ckpt = open_checkpoint(location)
+    chosen = layout_by_name(layout) if layout else layout_for_config(ckpt.config)
+    table = compute_byte_table(ckpt, chosen)
+    if as_json:
+        emit_json(table.to_json())
+    elif markdown:
+        sys.stdout.write(byte_table_markdown(table))
+    else:
+        for rich_table in byte_table_rich(table):
+            out.print(rich_table)
+        out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
+    if table.unknown_tensors:
+        err.print(f"[yellow]warning:[/yellow] {len(table.unknown_tensors)} tensors match no component of layout {chosen.name!r}, e.g. {table.unknown_tensors[:3]}")
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except Fp4forgeError as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise SystemExit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("[red]interrupted[/red]: nothing half-written was left in place")
+        raise SystemExit(130) from None
+    except Exception as exc:  # click usage errors carry their own exit codes
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        if isinstance(exc, click.exceptions.Exit):
+            raise SystemExit(exc.exit_code) from None
+        if isinstance(exc, click.exceptions.Abort):
+            err.print("[red]aborted[/red]")
+            raise SystemExit(130) from None
+        raise
+
+
+if __name__ == "__main__":
+    main()
