@@ -12,6 +12,8 @@ Accounting rules (stated, because headline bpp numbers are only comparable under
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass, field
 
 from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout
@@ -78,31 +80,47 @@ def logical_params(kind: str, dtype: str, numel: int) -> int:
 
 def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
     """Names of ModelOpt-style packed FP4 weights: ``U8`` ``<m>.weight`` with an FP8 ``<m>.weight_scale``."""
-    dtypes = {info.name: info.dtype for _, info in ckpt.tensors()}
+    dtypes = {info.name: info.dtype for _, info in ckpt.tensors() if info.dtype in ("U8", "F8_E4M3")}
     return {
         name
         for name, dtype in dtypes.items()
-        if dtype == "U8" and name.endswith(".weight") and dtypes.get(name[: -len("weight")] + "weight_scale") == "F8_E4M3"
+        if dtype == "U8" and name.endswith(".weight") and dtypes.get(name + "_scale") == "F8_E4M3"
     }
+
+
+_DIGITS = re.compile(r"\d+")
 
 
 def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     packed = modelopt_packed_weights(ckpt)
+    # Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): total per
+    # (name with digits masked, dtype) first, then classify one representative of each.
+    groups: dict[tuple[str, str, bool], list] = {}
+    for _, info in ckpt.tensors():
+        key = (_DIGITS.sub("#", info.name), info.dtype, info.name in packed)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = [info.name, 0, 0, 0, []]
+        group[1] += 1
+        group[2] += info.end - info.begin
+        group[3] += math.prod(info.shape)
+        group[4].append(info.name)
+
     order = layout.component_names + [KV_SCALES, UNKNOWN]
     components = {name: ComponentBytes(name) for name in order}
     dtypes: dict[str, dict[str, int]] = {}
     unknown: list[str] = []
-    for _, info in ckpt.tensors():
-        role = layout.classify(info.name, info.dtype, modelopt_packed=info.name in packed)
+    for (_, dtype, is_packed), (example, count, nbytes, numel, names) in groups.items():
+        role = layout.classify(example, dtype, modelopt_packed=is_packed)
         if role.component == UNKNOWN:
-            unknown.append(info.name)
+            unknown.extend(names)
         entry = components[role.component]
-        entry.tensors += 1
-        entry.bytes += info.nbytes
-        entry.params += logical_params(role.kind, info.dtype, info.numel)
-        by_dtype = dtypes.setdefault(info.dtype, {"bytes": 0, "tensors": 0})
-        by_dtype["bytes"] += info.nbytes
-        by_dtype["tensors"] += 1
+        entry.tensors += count
+        entry.bytes += nbytes
+        entry.params += logical_params(role.kind, dtype, numel)
+        by_dtype = dtypes.setdefault(dtype, {"bytes": 0, "tensors": 0})
+        by_dtype["bytes"] += nbytes
+        by_dtype["tensors"] += count
     total_bytes = sum(c.bytes for c in components.values())
     total_params = sum(c.params for c in components.values())
     kept = [c for c in components.values() if c.tensors]

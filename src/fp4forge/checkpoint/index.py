@@ -20,6 +20,10 @@ class IndexFile:
         return sorted(set(self.weight_map.values()))
 
 
+def _hashable(value: object) -> object:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
 def parse_index(raw: bytes, *, source: str) -> IndexFile:
     try:
         doc = json.loads(raw.decode("utf-8"))
@@ -30,12 +34,14 @@ def parse_index(raw: bytes, *, source: str) -> IndexFile:
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise IndexFileError("index has no weight_map object", file=source)
     weight_map = doc["weight_map"]
-    for name, shard in weight_map.items():
+    for shard in set(map(_hashable, weight_map.values())):  # a few distinct shard names, 10^5 entries
         if not isinstance(shard, str):
+            name = next(n for n, s in weight_map.items() if _hashable(s) == shard)
             raise IndexFileError(f"weight_map value for {name!r} is not a file name", file=source, tensor=name)
         try:
             check_relpath(shard)
         except Fp4forgeError as exc:
+            name = next(n for n, s in weight_map.items() if s == shard)
             raise IndexFileError(exc.message, file=source, tensor=name) from None
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict):

@@ -160,15 +160,18 @@ def open_checkpoint(location: str | Path, *, strict: bool = True) -> Checkpoint:
         except CheckpointError as exc:
             return shard, exc
 
-    workers = 8 if source.is_remote else 1
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for shard, result in pool.map(load, shard_names):
-            if isinstance(result, CheckpointError):
-                if strict:
-                    raise result
-                errors[shard] = result
-            else:
-                headers[shard] = result
+    if source.is_remote:  # latency-bound: overlap the requests
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(load, shard_names))
+    else:
+        results = [load(shard) for shard in shard_names]
+    for shard, result in results:
+        if isinstance(result, CheckpointError):
+            if strict:
+                raise result
+            errors[shard] = result
+        else:
+            headers[shard] = result
 
     config = _read_json(source, "config.json")
     extra = {}

@@ -11,6 +11,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fp4forge.errors import DtypeError, HeaderError, LfsPointerError, OffsetError
 
@@ -46,9 +47,9 @@ DTYPE_BITS: dict[str, int] = {
 }
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One header entry. Offsets count from the start of the byte buffer, END exclusive."""
+class TensorInfo(NamedTuple):
+    """One header entry. Offsets count from the start of the byte buffer, END exclusive.
+    (A NamedTuple: headers of real checkpoints hold 10^5 entries, and tuples build fast.)"""
 
     name: str
     dtype: str
@@ -145,6 +146,14 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]
     return out
 
 
+def _may_hold_duplicates(text: str, doc: dict) -> bool:
+    """A duplicate key collapses in the parsed dict: compare against occurrences in the text.
+
+    (Quotes inside JSON strings are escaped, so `"data_offsets"` only occurs as a key.)"""
+    entries = len(doc) - ("__metadata__" in doc)
+    return any(text.count(key) != entries for key in ('"data_offsets"', '"dtype"', '"shape"'))
+
+
 def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> ShardHeader:
     """Validate header JSON bytes (without the length prefix) into a ShardHeader.
 
@@ -157,11 +166,14 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})", file=source) from None
     try:
-        doc = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-    except HeaderError as exc:
-        raise HeaderError(exc.message, file=source) from None
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise HeaderError(f"header is not valid JSON ({exc.msg} at char {exc.pos})", file=source) from None
+    if isinstance(doc, dict) and _may_hold_duplicates(text, doc):
+        try:  # slow path, only to name the duplicate precisely
+            json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        except HeaderError as exc:
+            raise HeaderError(exc.message, file=source) from None
     if not isinstance(doc, dict):
         raise HeaderError("header JSON is not an object", file=source)
 
@@ -171,9 +183,9 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     ):
         raise HeaderError("__metadata__ must map strings to strings", file=source)
 
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in doc.items():
-        tensors[name] = _parse_entry(name, entry, source)
+    tensors = _parse_entries_fast(doc)
+    if tensors is None:  # something is off: the careful per-entry pass names it
+        tensors = {name: _parse_entry(name, entry, source) for name, entry in doc.items()}
     _check_tiling(tensors, source)
     return ShardHeader(
         source=source,
@@ -183,24 +195,49 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     )
 
 
+def _parse_entries_fast(doc: dict) -> dict[str, TensorInfo] | None:
+    """Validate and build all entries with whole-list operations (a real header has 10^5);
+    None when any entry is malformed, so the caller can run the per-entry pass for the message."""
+    try:
+        entries = list(doc.values())
+        if not all(type(e) is dict and len(e) == 3 for e in entries):
+            return None
+        dtypes = [e["dtype"] for e in entries]
+        shapes = [e["shape"] for e in entries]
+        offsets = [e["data_offsets"] for e in entries]
+    except (KeyError, TypeError):
+        return None
+    if not set(dtypes) <= DTYPE_BITS.keys():
+        return None
+    if not all(type(s) is list for s in shapes) or not all(type(d) is int and d >= 0 for s in shapes for d in s):
+        return None
+    if not all(type(o) is list and len(o) == 2 for o in offsets) or not all(type(v) is int and v >= 0 for o in offsets for v in o):
+        return None
+    bits = [math.prod(s) * DTYPE_BITS[d] for s, d in zip(shapes, dtypes)]
+    if any(b % 8 or o[1] - o[0] != b // 8 for b, o in zip(bits, offsets)):
+        return None
+    return {name: TensorInfo(name, d, tuple(s), o[0], o[1]) for name, d, s, o in zip(doc, dtypes, shapes, offsets)}
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0  # bool is a subclass of int: excluded by `type is`
+
+
 def _parse_entry(name: str, entry: object, source: str) -> TensorInfo:
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+    if type(entry) is not dict or len(entry) != 3 or "dtype" not in entry or "shape" not in entry or "data_offsets" not in entry:
         raise HeaderError("entry must have exactly dtype, shape and data_offsets", file=source, tensor=name)
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_BITS:
+    bits_per_element = DTYPE_BITS.get(dtype) if type(dtype) is str else None
+    if bits_per_element is None:
         raise DtypeError(f"unknown dtype {dtype!r}", file=source, tensor=name)
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if type(shape) is not list or not all(map(_is_count, shape)):
         raise HeaderError(f"shape must be a list of non-negative integers, got {shape!r}", file=source, tensor=name)
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-    ):
+    if type(offsets) is not list or len(offsets) != 2 or not all(map(_is_count, offsets)):
         raise HeaderError(f"data_offsets must be two non-negative integers, got {offsets!r}", file=source, tensor=name)
     begin, end = offsets
     if end < begin:
         raise OffsetError(f"data_offsets end {end} < begin {begin}", file=source, tensor=name)
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    bits = math.prod(shape) * bits_per_element
     if bits % 8:
         raise HeaderError(f"{dtype}{shape} is not a whole number of bytes", file=source, tensor=name)
     if end - begin != bits // 8:
@@ -212,10 +249,14 @@ def _parse_entry(name: str, entry: object, source: str) -> TensorInfo:
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 
+def _by_offsets(info: TensorInfo) -> tuple[int, int]:
+    return info.begin, info.end
+
+
 def _check_tiling(tensors: dict[str, TensorInfo], source: str) -> None:
     """Offsets, sorted, must run back to back from 0 (no overlap, no hole)."""
     expected = 0
-    for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+    for info in sorted(tensors.values(), key=_by_offsets):
         if info.begin < expected:
             raise OffsetError(f"byte range {info.begin}..{info.end} overlaps the previous tensor", file=source, tensor=info.name)
         if info.begin > expected:

@@ -1,0 +1,45 @@
+"""Which tensors a quantization scheme stores, per layout (data in ``layouts/_schemes.toml``)."""
+
+from __future__ import annotations
+
+import tomllib
+from functools import lru_cache
+from importlib import resources
+
+from fp4forge.checkpoint.writer import TensorSpec
+from fp4forge.errors import ConfigError
+
+NVFP4_BLOCK = 16
+LAYOUTS = ("compressed-tensors", "modelopt")
+
+
+@lru_cache(maxsize=1)
+def scheme_table() -> dict[str, dict[str, dict[str, dict]]]:
+    text = resources.files("fp4forge.checkpoint").joinpath("layouts", "_schemes.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+def _resolve_dim(symbol: int | str, out_features: int, in_features: int) -> int:
+    if isinstance(symbol, int):
+        return symbol
+    return {"out": out_features, "in": in_features, "in_half": in_features // 2, "in_blocks": in_features // NVFP4_BLOCK}[symbol]
+
+
+def linear_tensor_specs(layout: str, scheme: str, module: str, out_features: int, in_features: int) -> list[TensorSpec]:
+    """The tensors `<module>.*` that `scheme` stores in `layout` for a Linear [out, in]."""
+    try:
+        entries = scheme_table()[layout][scheme]
+    except KeyError:
+        raise ConfigError(f"no scheme {scheme!r} for layout {layout!r}") from None
+    if scheme.startswith("nvfp4") and in_features % NVFP4_BLOCK:
+        raise ConfigError(f"{module}: input size {in_features} is not a multiple of {NVFP4_BLOCK} (NVFP4 block)")
+    return [
+        TensorSpec(f"{module}.{suffix}", entry["dtype"], tuple(_resolve_dim(d, out_features, in_features) for d in entry["shape"]))
+        for suffix, entry in entries.items()
+    ]
+
+
+def kv_scale_specs(layout: str, layer_prefix: str) -> list[TensorSpec]:
+    """KV-cache scale tensors for one attention layer (`layer_prefix` = `model.layers.N`)."""
+    entries = scheme_table()[layout]["kv"]
+    return [TensorSpec(f"{layer_prefix}.{entry['on']}.{suffix}", entry["dtype"], tuple(entry["shape"])) for suffix, entry in entries.items()]
