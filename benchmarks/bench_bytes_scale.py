@@ -30,7 +30,8 @@ SHARDS = 7
 
 
 def build_sparse_quantized(layout_format: str, out: Path) -> Path:
-    from fp4forge.testbed.synth import checkpoint_specs, load_preset
+    from fp4forge.checkpoint.skeleton import checkpoint_specs
+    from fp4forge.testbed.synth import load_preset
 
     if (out / "config.json").exists():
         return out

@@ -1,0 +1,82 @@
+"""The tensors a checkpoint of a given config.json holds on disk, derived without weights.
+
+The transformers model is built on the meta device and run through the same steps
+``save_pretrained`` uses (ignored keys, tied weights, and the reverse weight conversion that turns
+transformers 5's fused 3-D experts back into per-expert 2-D tensors), so the names and shapes are
+exactly the on-disk ones. The synthetic testbed writes these; the audit checks checkpoints
+against them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedConfig
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from fp4forge.checkpoint.writer import TensorSpec
+from fp4forge.errors import ConfigError
+
+TORCH_TO_SAFETENSORS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+
+
+def model_config_dict(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as written to disk: fp4forge's own annotations removed."""
+    return {k: v for k, v in config.items() if not k.startswith("_fp4forge")}
+
+
+
+def _to_transformers_config(config: dict[str, Any] | PreTrainedConfig) -> PreTrainedConfig:
+    if isinstance(config, PreTrainedConfig):
+        return config
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"model_type {model_type!r} is not known to this transformers version")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(model_config_dict(config))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid {model_type} config: {exc}") from exc
+
+
+def _config_dtype(config: PreTrainedConfig) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if dtype not in TORCH_TO_SAFETENSORS:
+        raise ConfigError(f"unsupported checkpoint dtype {dtype!r}")
+    return dtype
+
+
+def checkpoint_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSpec]:
+    """Every tensor ``save_pretrained`` writes for this config, in its natural layer order."""
+    hf_config = _to_transformers_config(config)
+    dtype = _config_dtype(hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    # The same steps as PreTrainedModel.save_pretrained, minus the data.
+    state_dict = model.state_dict()
+    for key in model._keys_to_ignore_on_save or []:
+        state_dict.pop(key, None)
+    state_dict = remove_tied_weights_from_state_dict(state_dict, model)
+    state_dict = revert_weight_conversion(model, state_dict)
+    specs = []
+    for name, tensor in state_dict.items():
+        if tensor.dtype not in TORCH_TO_SAFETENSORS:
+            raise ConfigError(f"tensor {name} has dtype {tensor.dtype}, which fp4forge cannot describe", tensor=name)
+        specs.append(TensorSpec(name, TORCH_TO_SAFETENSORS[tensor.dtype], tuple(tensor.shape)))
+    return specs
+
+
+def count_parameters(config: dict[str, Any] | PreTrainedConfig) -> int:
+    """Number of parameters a full checkpoint of ``config`` stores (as save_pretrained writes it)."""
+    return sum(math.prod(spec.shape) for spec in checkpoint_specs(config))
+
+
+
+def expected_tensor_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSpec]:
+    """The on-disk (name, dtype, shape) of every tensor a BF16 checkpoint of ``config`` holds."""
+    return checkpoint_specs(config)

@@ -1,0 +1,212 @@
+"""Shape-true synthetic checkpoints at real scale, written shard by shard.
+
+``synth_checkpoint`` writes exactly the tensor names, shapes and dtypes that ``save_pretrained``
+of the configured architecture would write, for the first N decoder layers (plus embeddings,
+final norm and lm_head), filled with seeded heavy-tailed values (Student-t, 4 degrees of freedom,
+std 0.02; RMSNorm weights centred on 1). Names come from the real model class built on the meta
+device with N layers, run through the same steps ``save_pretrained`` uses (ignored keys, tied
+weights, and transformers' reverse weight conversion, which turns the fused 3-D expert tensors into
+per-expert 2-D ones), so no full model is ever materialised. Only one tensor is in memory at a time;
+``sparse=True`` writes the headers only and leaves the data as file holes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp4forge.checkpoint.skeleton import (
+    TORCH_TO_SAFETENSORS,
+    checkpoint_specs,
+    count_parameters,
+    model_config_dict,
+)
+from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
+from fp4forge.errors import ConfigError
+from fp4forge.testbed.tiny import Progress, ensure_fresh_output
+
+PRESET_NOTES_KEY = "_fp4forge_preset_notes"
+PRESETS: dict[str, str] = {"laguna-s-2.1-like": "laguna-s-2.1-like.json"}
+
+# Keys holding one entry per decoder layer: cut to the first N with the layer count.
+PER_LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "num_attention_heads_per_layer")
+# Keys holding layer *indices*: keep the indices below N.
+LAYER_INDEX_LIST_KEYS = ("mlp_only_layers",)
+# Files beside a source config.json that still describe the truncated model.
+COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+SAFETENSORS_TO_TORCH = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
+
+WEIGHT_STD = 0.02
+STUDENT_T_DOF = 4  # finite variance, but outliers far heavier than a Gaussian's: what quantizers meet
+GENERATION_CHUNK = 1 << 21  # elements generated at a time (fp32 scratch ~24 MB per thread)
+GENERATION_THREADS = min(8, os.cpu_count() or 1)
+
+
+# -- presets and config sources -------------------------------------------------------------------
+def load_preset(name: str) -> dict[str, Any]:
+    """The preset's config.json contents, including its ``_fp4forge_preset_notes``."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    text = resources.files("fp4forge.testbed").joinpath("presets").joinpath(PRESETS[name]).read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def resolve_config_source(config_path_or_preset: str | Path) -> tuple[dict[str, Any], Path | None]:
+    """(config dict, directory holding it or None for a preset) from a preset name, a config.json
+    or a checkpoint directory."""
+    if isinstance(config_path_or_preset, str) and config_path_or_preset in PRESETS:
+        return load_preset(config_path_or_preset), None
+    path = Path(config_path_or_preset)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ConfigError(
+            f"{config_path_or_preset!s} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json "
+            "or a directory with one",
+            file=str(config_file),
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read config: {exc}", file=str(config_file)) from exc
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ConfigError("config.json has no model_type", file=str(config_file))
+    return config, config_file.parent
+
+
+def truncated_config(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The config of the first ``layers`` decoder layers of ``config``."""
+    total = config.get("num_hidden_layers")
+    if not isinstance(total, int) or total < 1:
+        raise ConfigError("config has no positive integer num_hidden_layers")
+    if not 1 <= layers <= total:
+        raise ConfigError(f"layers must be between 1 and {total} (the config's num_hidden_layers), got {layers}")
+    out = copy.deepcopy(model_config_dict(config))
+    out["num_hidden_layers"] = layers
+    for key in PER_LAYER_LIST_KEYS:
+        if isinstance(out.get(key), list):
+            if len(out[key]) != total:
+                raise ConfigError(f"config {key} has {len(out[key])} entries for {total} layers")
+            out[key] = out[key][:layers]
+    for key in LAYER_INDEX_LIST_KEYS:
+        if isinstance(out.get(key), list):
+            out[key] = [index for index in out[key] if index < layers]
+    return out
+
+
+# -- values ---------------------------------------------------------------------------------------
+def _tensor_seed(seed: int, name: str) -> int:
+    """Per-tensor seed from the tensor's name, so values do not depend on write order or N."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _fill_chunk(flat: torch.Tensor, tensor_seed: int, chunk: int, scale: float, centre: float) -> None:
+    """One chunk of Student-t (4 dof) values: normal / sqrt(chi2_4 / 4), chi2_4 = 2 (E1 + E2).
+
+    Each chunk has its own generator (seeded by tensor and chunk index), so chunks can be filled
+    by several threads and the values never depend on scheduling; numpy releases the GIL here.
+    """
+    start = chunk * GENERATION_CHUNK
+    count = min(GENERATION_CHUNK, flat.numel() - start)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([tensor_seed, chunk])))
+    values = rng.standard_normal(count, dtype=np.float32)
+    exponentials = rng.standard_exponential(2 * count, dtype=np.float32)
+    chi2_over_dof = exponentials[:count]
+    chi2_over_dof += exponentials[count:]
+    chi2_over_dof *= 2.0 / STUDENT_T_DOF
+    values /= np.sqrt(chi2_over_dof)
+    values *= scale
+    values += centre
+    flat[start : start + count].copy_(torch.from_numpy(values))
+
+
+def synthetic_tensor(spec: TensorSpec, seed: int, *, threads: int = GENERATION_THREADS) -> torch.Tensor:
+    """Seeded heavy-tailed values for ``spec``, generated chunk by chunk into the output dtype."""
+    tensor_seed = _tensor_seed(seed, spec.name)
+    flat = torch.empty(math.prod(spec.shape), dtype=SAFETENSORS_TO_TORCH[spec.dtype])
+    scale = WEIGHT_STD / math.sqrt(STUDENT_T_DOF / (STUDENT_T_DOF - 2))  # t_4 has variance 2
+    centre = 1.0 if spec.name.endswith("norm.weight") else 0.0  # RMSNorm gains sit near 1
+    chunks = range(-(-flat.numel() // GENERATION_CHUNK))
+    if threads <= 1 or len(chunks) <= 1:
+        for chunk in chunks:
+            _fill_chunk(flat, tensor_seed, chunk, scale, centre)
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(lambda chunk: _fill_chunk(flat, tensor_seed, chunk, scale, centre), chunks))
+    return flat.view(spec.shape)
+
+
+# -- writing --------------------------------------------------------------------------------------
+def synth_checkpoint(
+    config_path_or_preset: str | Path,
+    layers: int,
+    out: Path,
+    *,
+    seed: int = 0,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    sparse: bool = False,
+    progress: Progress = None,
+) -> Path:
+    """Write a synthetic checkpoint of the first ``layers`` layers of a config or preset to ``out``."""
+    out = Path(out)
+    ensure_fresh_output(out)
+    if max_shard_bytes < 1:
+        raise ConfigError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    source, source_dir = resolve_config_source(config_path_or_preset)
+    config = truncated_config(source, layers)
+    specs = checkpoint_specs(config)
+    total_parameters = sum(math.prod(spec.shape) for spec in specs)
+    total_bytes = sum(spec.nbytes for spec in specs)
+
+    with CheckpointWriter(
+        out,
+        specs,
+        max_shard_bytes=max_shard_bytes,
+        metadata={"format": "pt"},
+        sparse=sparse,
+        index_metadata={"total_parameters": total_parameters},
+    ) as writer:
+        writer.write_text("config.json", json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        if source_dir is not None:
+            for name in COMPANION_FILES:
+                if (source_dir / name).is_file():
+                    writer.copy_file(source_dir / name, name)
+        if sparse:
+            if progress is not None:
+                progress(total_bytes, total_bytes, "headers written (sparse)")
+            return out
+        done = 0
+        for spec in specs:
+            writer.write(spec.name, synthetic_tensor(spec, seed))
+            done += spec.nbytes
+            if progress is not None:
+                progress(done, total_bytes, spec.name)
+    return out
+
+
+__all__ = [
+    "PRESETS",
+    "checkpoint_specs",
+    "count_parameters",
+    "load_preset",
+    "synth_checkpoint",
+    "synthetic_tensor",
+    "truncated_config",
+]
