@@ -43,3 +43,21 @@ def kv_scale_specs(layout: str, layer_prefix: str) -> list[TensorSpec]:
     """KV-cache scale tensors for one attention layer (`layer_prefix` = `model.layers.N`)."""
     entries = scheme_table()[layout]["kv"]
     return [TensorSpec(f"{layer_prefix}.{entry['on']}.{suffix}", entry["dtype"], tuple(entry["shape"])) for suffix, entry in entries.items()]
+
+
+def role_suffixes(layout: str, scheme: str) -> dict[str, str]:
+    """role (packed, block_scale, global_scale, input_scale, weight, weight_scale) -> tensor suffix."""
+    try:
+        entries = scheme_table()[layout][scheme]
+    except KeyError:
+        raise ConfigError(f"no scheme {scheme!r} for layout {layout!r}") from None
+    return {entry["role"]: suffix for suffix, entry in entries.items()}
+
+
+def kv_role_names(layout: str, layer_prefix: str) -> dict[str, TensorSpec]:
+    """`k_scale` / `v_scale` role -> the spec of that layer's tensor in this layout."""
+    entries = scheme_table()[layout]["kv"]
+    return {
+        entry["role"]: TensorSpec(f"{layer_prefix}.{entry['on']}.{suffix}", entry["dtype"], tuple(entry["shape"]))
+        for suffix, entry in entries.items()
+    }

@@ -24,6 +24,7 @@ from fp4forge.errors import WriteError
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+JOURNAL_FILE = ".fp4forge-journal"
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class CheckpointWriter:
         metadata: dict[str, str] | None = None,
         sparse: bool = False,
         index_metadata: dict[str, Any] | None = None,
+        resume_key: str | None = None,
     ):
         self.out_dir = Path(out_dir)
         names = [s.name for s in specs]
@@ -101,21 +103,25 @@ class CheckpointWriter:
         self._placement: dict[str, tuple[int, int, int]] = {}  # name -> (shard, file offset, nbytes)
         self._handles: list[Any] = []
         self._pending: list[set[str]] = []
+        # Resumable writes: a fixed staging dir and a journal of finished work units. The key
+        # names everything that determines the bytes (plan, options); a mismatch starts over.
+        self.resume_key = resume_key
+        self.completed_units: set[str] = set()
+        self.completed_payloads: dict[str, Any] = {}
+        self._journal: Any = None
 
     # -- lifecycle -----------------------------------------------------------------
     def __enter__(self) -> CheckpointWriter:
         if self.out_dir.exists() and any(self.out_dir.iterdir()):
             raise WriteError(f"output directory {self.out_dir} exists and is not empty; choose a new path")
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self._tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the output's mode
+        resuming = self._open_staging()
         count = len(self.shards)
         for shard_no, shard in enumerate(self.shards):
             ordered = reference_order([(s.name, s.dtype, s.shape) for s in shard])
             prefix, offsets = encode_header(ordered, self.metadata)
-            handle = open(self._tmp / shard_file_name(shard_no, count), "wb+")
+            path = self._tmp / shard_file_name(shard_no, count)
+            handle = open(path, "rb+" if resuming and path.exists() else "wb+")
             handle.write(prefix)
             data_len = max((end for _, end in offsets.values()), default=0)
             handle.truncate(len(prefix) + data_len)  # holes until written; sparse mode keeps them
@@ -123,16 +129,64 @@ class CheckpointWriter:
             self._pending.append(set(offsets))
             for name, (begin, end) in offsets.items():
                 self._placement[name] = (shard_no, len(prefix) + begin, end - begin)
+        if resuming:
+            self._replay_journal()
         return self
 
+    def _open_staging(self) -> bool:
+        """Create (or, when resumable and matching, reopen) the staging dir; True if resuming."""
+        umask = os.umask(0)
+        os.umask(umask)
+        if self.resume_key is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.partial-", dir=self.out_dir.parent))
+            os.chmod(self._tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the output's mode
+            return False
+        self._tmp = self.out_dir.parent / f".{self.out_dir.name}.partial"
+        journal = self._tmp / JOURNAL_FILE
+        if journal.is_file() and journal.read_text().split("\n", 1)[0] == self.resume_key:
+            self._journal = open(journal, "a")
+            return True
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.mkdir(mode=0o777 & ~umask)
+        self._journal = open(journal, "w")
+        self._journal.write(self.resume_key + "\n")
+        self._journal.flush()
+        return False
+
+    def _replay_journal(self) -> None:
+        lines = (self._tmp / JOURNAL_FILE).read_text().split("\n")[1:]
+        for line in lines:
+            if not line.endswith("\t."):  # a line cut by a kill is not a finished unit
+                continue
+            unit, names, payload, _ = line.split("\t")
+            self.completed_units.add(unit)
+            self.completed_payloads[unit] = json.loads(payload)
+            for name in filter(None, names.split(",")):
+                shard_no = self._placement[name][0]
+                self._pending[shard_no].discard(name)
+
+    def commit_unit(self, unit: str, names: list[str], payload: Any = None) -> None:
+        """Record a finished work unit whose tensors were all written (resumable writers).
+        ``payload`` (JSON-able) comes back in ``completed_payloads`` when a later run resumes."""
+        if self._journal is None:
+            return
+        for handle in self._handles:
+            handle.flush()  # bytes reach the OS before the journal says they are there
+        self._journal.write(f"{unit}\t{','.join(names)}\t{json.dumps(payload)}\t.\n")
+        self._journal.flush()
+        self.completed_units.add(unit)
+
     def __exit__(self, exc_type, exc, tb) -> None:
+        keep_for_resume = self.resume_key is not None and exc_type is not None
         try:
             for handle in self._handles:
                 handle.close()
+            if self._journal is not None:
+                self._journal.close()
             if exc_type is None:
                 self._finish()
         finally:
-            if self._tmp is not None and self._tmp.exists():
+            if self._tmp is not None and self._tmp.exists() and not keep_for_resume:
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- writing ---------------------------------------------------------------------
@@ -188,6 +242,7 @@ class CheckpointWriter:
             if not self.sparse:
                 with open(shard_file, "rb+") as fh:
                     os.fsync(fh.fileno())
+        (self._tmp / JOURNAL_FILE).unlink(missing_ok=True)
         if self.out_dir.exists():
             self.out_dir.rmdir()  # empty (checked on enter)
         os.replace(self._tmp, self.out_dir)

@@ -50,3 +50,17 @@ def byte_table_markdown(table: ByteTable) -> str:
     lines += ["", f"Headline: **{_fmt_bpp(table.bpp)} bits per parameter**"
               + (f"; routed experts alone: **{_fmt_bpp(table.experts_bpp)}**." if table.experts_bpp is not None else ".")]
     return "\n".join(lines) + "\n"
+
+
+def quantize_summary_rich(summary) -> Table:
+    table = Table(title=f"quantized -> {summary.output} ({summary.layout_format}, recipe {summary.recipe})")
+    for h in ("component:scheme", "linears", "mean rel. error", "max rel. error"):
+        table.add_column(h, justify="left" if h.startswith("component") else "right")
+    for key, entry in (summary.weight_error.get("by_component") or {}).items():
+        table.add_row(key, f"{entry['linears']:,}", f"{entry['mean']:.4f}", f"{entry['max']:.4f}")
+    table.caption = (
+        f"{summary.tensors_written:,} tensors, {summary.bytes_written / 2**20:,.1f} MiB written, "
+        f"{summary.bytes_read / 1e9:.3f} GB read in {summary.seconds:.1f} s ({summary.read_gb_per_s:.3f} GB/s)"
+        + (f"; resumed after {summary.resumed_units} finished units" if summary.resumed_units else "")
+    )
+    return table

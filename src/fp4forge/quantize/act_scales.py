@@ -1,0 +1,80 @@
+"""Where activation (input) amax values come from: calibration statistics, or an explicit
+constant the user asked for. There is no silent default: W4A4 and static FP8 need one of
+them, and the choice is recorded in the provenance (the audit flags constants).
+
+Statistics file (written by `fp4forge calibrate`): a safetensors file with F32 tensors
+  `<module>.input_amax`            [1]  running max |x| over all calibration tokens
+  `<layer>.self_attn.k_amax`       [1]  (and `v_amax`) as written to the KV cache
+plus `__metadata__` {"fp4forge_stats": "1", ...}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp4forge.errors import ConfigError
+
+STATS_MARKER = "fp4forge_stats"
+
+
+@dataclass(frozen=True)
+class ConstantAmax:
+    value: float
+
+    def input_amax(self, module: str) -> float:
+        return self.value
+
+    def kv_amax(self, layer_prefix: str) -> tuple[float, float]:
+        return self.value, self.value
+
+    def provenance(self) -> dict:
+        return {"source": "constant", "amax": self.value, "note": "explicit constant, not calibrated"}
+
+
+class StatsAmax:
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        try:
+            with safe_open(self.path, framework="pt") as fh:
+                metadata = fh.metadata() or {}
+                self._values = {name: float(fh.get_tensor(name).float().max()) for name in fh.keys()}
+        except (OSError, ValueError, RuntimeError) as exc:  # safetensors raises these for bad files
+            raise ConfigError(f"cannot read statistics file {self.path}: {exc}") from None
+        if metadata.get(STATS_MARKER) is None:
+            raise ConfigError(f"{self.path} is not an fp4forge statistics file (no {STATS_MARKER} metadata)")
+        self.metadata = metadata
+
+    def _get(self, name: str) -> float:
+        if name not in self._values:
+            raise ConfigError(f"statistics file {self.path} has no {name!r}; was it calibrated on this model?")
+        return self._values[name]
+
+    def input_amax(self, module: str) -> float:
+        return self._get(f"{module}.input_amax")
+
+    def kv_amax(self, layer_prefix: str) -> tuple[float, float]:
+        return self._get(f"{layer_prefix}.self_attn.k_amax"), self._get(f"{layer_prefix}.self_attn.v_amax")
+
+    def provenance(self) -> dict:
+        return {"source": "calibration", "file": self.path.name, "metadata": self.metadata}
+
+
+def parse_act_scales(option: str | None, stats: str | Path | None):
+    """`--stats FILE` or `--act-scales constant:AMAX` (exactly one, when needed)."""
+    if stats is not None and option is not None:
+        raise ConfigError("give either --stats or --act-scales, not both")
+    if stats is not None:
+        return StatsAmax(stats)
+    if option is None:
+        return None
+    kind, _, value = option.partition(":")
+    try:
+        amax = float(value)
+    except ValueError:
+        amax = float("nan")
+    if kind != "constant" or not amax > 0 or amax == float("inf"):
+        raise ConfigError(f"--act-scales must be constant:AMAX with a finite AMAX > 0, got {option!r}")
+    return ConstantAmax(amax)

@@ -1,0 +1,137 @@
+"""The `quantization_config` (and ModelOpt's `hf_quant_config.json`) an export declares.
+
+compressed-tensors: one config group per scheme, targets as anchored regexes over the
+targeted module names (every layer/expert index generalised to `\\d+`), with any module a
+pattern would over-match listed in `ignore` — so what vLLM matches is exactly what was
+quantized. Fields follow compressed-tensors' pydantic models (`extra="forbid"`), see
+shared/docs/formats.md §3.2. ModelOpt: `quant_algo` NVFP4/FP8 for one scheme, or
+`MIXED_PRECISION` with per-module `quantized_layers` (vLLM's ModelOptMixedPrecisionConfig),
+§4.1–4.2.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any
+
+from fp4forge.quantize.plan import ExportPlan
+
+CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized", "fp8": "float-quantized", "fp8_dynamic": "float-quantized"}
+MODELOPT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
+COMPRESSED_TENSORS_VERSION = "0.17.0"  # the version vLLM 0.32/0.33 pin; our fields are that model's
+
+
+def _float_args(num_bits: int, strategy: str, *, group_size: int | None, dynamic: bool | str, scale_dtype: str | None, observer: str | None) -> dict[str, Any]:
+    return {
+        "num_bits": num_bits,
+        "type": "float",
+        "symmetric": True,
+        "group_size": group_size,
+        "strategy": strategy,
+        "block_structure": None,
+        "dynamic": dynamic,
+        "actorder": None,
+        "scale_dtype": scale_dtype,
+        "zp_dtype": None,
+        "observer": observer,
+        "observer_kwargs": {},
+    }
+
+
+def ct_scheme_args(scheme: str) -> dict[str, Any]:
+    """`weights` / `input_activations` of one config group, as llm-compressor's presets write them."""
+    if scheme in ("nvfp4", "nvfp4a16"):
+        weights = _float_args(4, "tensor_group", group_size=16, dynamic=False, scale_dtype="torch.float8_e4m3fn", observer="static_minmax")
+        inputs = (
+            _float_args(4, "tensor_group", group_size=16, dynamic="local", scale_dtype="torch.float8_e4m3fn", observer="static_minmax")
+            if scheme == "nvfp4"
+            else None
+        )
+    elif scheme == "fp8":
+        weights = _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
+        inputs = _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="static_minmax")
+    elif scheme == "fp8_dynamic":
+        weights = _float_args(8, "channel", group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
+        inputs = _float_args(8, "token", group_size=None, dynamic=True, scale_dtype=None, observer=None)
+    else:
+        raise ValueError(f"unknown scheme {scheme!r}")
+    return {"weights": weights, "input_activations": inputs, "output_activations": None}
+
+
+def generalise(module: str) -> str:
+    """`model.layers.7.mlp.experts.12.up_proj` -> anchored regex with every index as \\d+."""
+    return "^" + r"\d+".join(re.escape(part) for part in re.split(r"\d+", module)) + "$"
+
+
+def targets_and_overmatches(modules: list[str], all_linears: list[str]) -> tuple[list[str], list[str]]:
+    """Generalised patterns for `modules`, and linears they match that are not in `modules`."""
+    patterns = sorted({generalise(m) for m in modules})
+    compiled = [re.compile(p) for p in patterns]
+    chosen = set(modules)
+    over = sorted(m for m in all_linears if m not in chosen and any(c.match(m) for c in compiled))
+    return [f"re:{p}" for p in patterns], over
+
+
+def kv_cache_scheme_ct() -> dict[str, Any]:
+    return _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
+
+
+def compressed_tensors_config(plan: ExportPlan, all_linears: list[str]) -> dict[str, Any]:
+    by_scheme: dict[str, list[str]] = defaultdict(list)
+    for target in plan.targets.values():
+        by_scheme[target.scheme].append(target.module)
+    groups: dict[str, Any] = {}
+    ignore: set[str] = set()
+    for number, (scheme, modules) in enumerate(sorted(by_scheme.items())):
+        targets, over = targets_and_overmatches(modules, all_linears)
+        ignore.update(over)
+        groups[f"group_{number}"] = {"targets": targets, "format": CT_FORMATS[scheme], **ct_scheme_args(scheme)}
+    formats = {CT_FORMATS[s] for s in by_scheme}
+    return {
+        "config_groups": groups,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "global_compression_ratio": None,
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": kv_cache_scheme_ct() if plan.kv_layers else None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": COMPRESSED_TENSORS_VERSION,
+    }
+
+
+def modelopt_configs(plan: ExportPlan, all_linears: list[str], producer_version: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(`quantization_config` for config.json, `hf_quant_config.json`)."""
+    schemes = {t.scheme for t in plan.targets.values()}
+    unsupported = schemes - MODELOPT_ALGOS.keys()
+    if unsupported:
+        from fp4forge.errors import ConfigError
+
+        raise ConfigError(f"the ModelOpt layout has no form for schemes {sorted(unsupported)}; use compressed-tensors")
+    exclude = sorted(set(all_linears) - set(plan.targets))
+    kv_algo = "FP8" if plan.kv_layers else None
+    producer = {"name": "fp4forge", "version": producer_version}
+    quantization: dict[str, Any] = {"kv_cache_quant_algo": kv_algo, "exclude_modules": exclude}
+    if len(schemes) == 1:
+        algo = MODELOPT_ALGOS[schemes.pop()]
+        quantization["quant_algo"] = algo
+        if "NVFP4" in algo:
+            quantization["group_size"] = 16
+    else:
+        quantization["quant_algo"] = "MIXED_PRECISION"
+        quantization["quantized_layers"] = {
+            t.module: ({"quant_algo": MODELOPT_ALGOS[t.scheme], "group_size": 16} if "nvfp4" in t.scheme else {"quant_algo": MODELOPT_ALGOS[t.scheme]})
+            for t in sorted(plan.targets.values(), key=lambda t: t.module)
+        }
+    hf_quant_config = {"producer": producer, "quantization": quantization}
+    config_form: dict[str, Any] = {
+        "quant_method": "modelopt",
+        "producer": producer,
+        **{k: v for k, v in quantization.items() if k != "exclude_modules"},
+        "ignore": exclude,
+    }
+    if kv_algo:
+        config_form["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    return config_form, hf_quant_config
