@@ -172,7 +172,13 @@ def quantize_command(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # With standalone_mode=False, typer turns Ctrl-C into a returned 130 and click returns
+        # other `Exit` codes instead of raising them.
+        code = app(standalone_mode=False)
+        if code == 130:
+            err.print("[red]interrupted[/red]: nothing half-written was left in place")
+        if isinstance(code, int) and code:
+            raise SystemExit(code)
     except Fp4forgeError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False)
         raise SystemExit(exc.exit_code) from None

@@ -21,9 +21,8 @@ written (§4.1); tokenizer, chat-template and generation files are copied.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, CheckpointWriter, TensorSpec
@@ -44,7 +43,10 @@ def ct_global_to_modelopt_scale(global_scale):
 
     if global_scale.numel() != 1:
         raise ConfigError(f"a per-tensor global scale must hold one value, got shape {list(global_scale.shape)}")
-    return torch.reciprocal(global_scale.to(torch.float32).reshape(()))
+    value = global_scale.to(torch.float32).reshape(())
+    if not (torch.isfinite(value) and value > 0):
+        raise ConfigError(f"global scale {value.item()} is not a positive finite number; its inverse is no scale")
+    return torch.reciprocal(value)
 
 
 def modelopt_scale_to_ct_global(scale):
@@ -64,8 +66,7 @@ def kv_scale_to_modelopt(scale):
 
 
 # -- names ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Mapping:
+class Mapping(NamedTuple):
     src: str
     dst: str
     dtype: str
