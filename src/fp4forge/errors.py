@@ -65,3 +65,7 @@ class WriteError(Fp4forgeError):
 
 class ConfigError(Fp4forgeError):
     """A config, preset or option that cannot be honoured."""
+
+
+class ServeError(Fp4forgeError):
+    """A model server could not be started, did not become ready, or died."""
