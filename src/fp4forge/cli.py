@@ -170,6 +170,16 @@ def quantize_command(
         out.print(quantize_summary_rich(summary))
 
 
+def _register_subcommands() -> None:
+    """Commands that live beside their library layer (each module adds itself to the app)."""
+    from fp4forge import cli_audit
+
+    cli_audit.register(app)
+
+
+_register_subcommands()
+
+
 def main() -> None:
     try:
         # With standalone_mode=False, typer turns Ctrl-C into a returned 130 and click returns

@@ -1,0 +1,340 @@
+"""Declarations against tensors: does every Linear the quantization_config (or ModelOpt's
+hf_quant_config.json) targets carry exactly its scheme's tensors, with the right dtypes and
+shapes; do activation scales match W4A4 vs weight-only; do fused shards share their scales;
+are the scales finite and positive; and does a declared FP8 KV cache ship one k and one v scale
+per attention layer under the names vLLM loads.
+
+Scales are read even without --deep: they are a few bytes each, read in coalesced ranges.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from functools import lru_cache
+from importlib import resources
+
+from fp4forge.audit.engine import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
+from fp4forge.audit.findings import Issue, natural_key
+from fp4forge.audit.quant_config import Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.layout import split_suffix
+from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
+from fp4forge.errors import ConfigError
+
+FLOAT_WEIGHT_DTYPES = ("BF16", "F16", "F32")
+INPUT_SCALE_KINDS = ("input_scale", "input_global_scale")
+KV_SUFFIXES = ("k_scale", "v_scale")
+EXPERTS = "routed_experts"
+MISSING_TENSOR_RULES = ("scheme-tensor-missing", "moe-input-scale-invalid")
+W4A4_SCHEME = "nvfp4"
+
+
+def run(ctx: AuditContext) -> list[Issue]:
+    ctx.values(ctx.small_scales)  # every small scale in a few coalesced reads, up front
+    issues = format_issues(ctx)
+    decl = ctx.declaration
+    if decl is None:
+        issues += undeclared_quantization_issues(ctx)
+    else:
+        issues += [issue("quant-config-invalid", f"problems in {decl.where}", problem) for problem in decl.problems]
+        issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
+        if ctx.layout is not None and ctx.tensor_format is not None:
+            resolution = resolve(decl, list(ctx.linear_modules))
+            issues += target_issues(resolution)
+            issues += fused_ignore_issues(ctx, resolution)
+            issues += scheme_issues(ctx, resolution)
+            issues += fused_scale_issues(ctx, resolution)
+    issues += scale_value_issues(ctx)
+    issues += kv_issues(ctx)
+    return issues
+
+
+# -- the declaration itself -----------------------------------------------------------------------
+def format_issues(ctx: AuditContext) -> list[Issue]:
+    if ctx.fmt == "auto":
+        return []
+    detected = detect_format(ctx.ckpt.config, ctx.ckpt.extra_json)
+    if detected == ctx.fmt:
+        return []
+    return [issue("quant-format-conflict", "--format", f"audited as {ctx.fmt}, but the checkpoint declares {detected or 'no quantization'}")]
+
+
+def undeclared_quantization_issues(ctx: AuditContext) -> list[Issue]:
+    issues = []
+    for module, params in ctx.modules.items():
+        quantized = [s for s in params if _kind(s) in SCALE_KINDS + ("packed_fp4",)]
+        if quantized:
+            tensors = [f"{module}.{s}" for s in quantized]
+            issues.append(issue("quantized-without-declaration", "modules with quantization tensors but no quantization_config", module, tensors=tensors, file=ctx.file_of(tensors[0])))
+    return issues
+
+
+def target_issues(resolution: Resolution) -> list[Issue]:
+    issues = [issue("target-matches-nothing", "config-group targets that match no Linear", f"{group}: {target}") for group, target in resolution.unmatched_targets]
+    issues += [issue("target-matches-nothing", "ignore entries that match no Linear", pattern) for pattern in resolution.unmatched_ignores]
+    return issues
+
+
+def fused_groups(ctx: AuditContext) -> list[tuple[str, str, list[str]]]:
+    """(parent, group name, member modules) for every fused group whose shards all exist."""
+    assert ctx.layout is not None
+    linears = ctx.linear_modules
+    leaf_group = {leaf: (name, members) for name, members in ctx.layout.fused.items() for leaf in members}
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for module in linears:
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in leaf_group:
+            continue
+        name, members = leaf_group[leaf]
+        shards = [f"{parent}.{m}" for m in members]
+        if (parent, name) not in seen and all(s in linears for s in shards):
+            seen.add((parent, name))
+            out.append((parent, name, shards))
+    return out
+
+
+def fused_ignore_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
+    issues = []
+    for parent, name, shards in fused_groups(ctx):
+        ignored = [s for s in shards if s in resolution.ignored]
+        if ignored and len(ignored) != len(shards):
+            leaves = ", ".join(s.rpartition(".")[2] for s in ignored)
+            issues.append(issue("fused-ignore-inconsistent", f"fused {name} groups ignored in part", f"{parent}.{name}", detail=f"ignored: {leaves}"))
+    return issues
+
+
+# -- per-module tensor sets -----------------------------------------------------------------------
+def scheme_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
+    issues: list[Issue] = []
+    missing_inputs: list[Issue] = []
+    w4a4_modules = 0
+    w4a4_with_inputs = 0
+    for module, group in resolution.scheme_of.items():
+        if group.scheme is None or module not in ctx.modules:
+            continue  # unsupported scheme (reported), or absent module (a names finding)
+        module_issues = module_scheme_issues(ctx, module, group)
+        if group.scheme == W4A4_SCHEME:
+            w4a4_modules += 1
+            w4a4_with_inputs += any(_kind(s) in INPUT_SCALE_KINDS for s in ctx.modules[module])
+        for found in module_issues:
+            (missing_inputs if _is_missing_input_scale(found) else issues).append(found)
+    if w4a4_modules and not w4a4_with_inputs:
+        issues.append(issue("w4a4-without-activation-scales", "declared NVFP4 W4A4", f"{w4a4_modules:,} Linears declare 4-bit activations and none carries an input scale"))
+    else:
+        issues += missing_inputs
+    for module in sorted(resolution.ignored | resolution.untargeted):
+        issues += unexpected_quantization(ctx, module, "ignored" if module in resolution.ignored else "untargeted")
+    return issues
+
+
+def _is_missing_input_scale(found: Issue) -> bool:
+    return found.rule in MISSING_TENSOR_RULES and _kind(found.tensors[0].rpartition(".")[2]) in INPUT_SCALE_KINDS
+
+
+@lru_cache(maxsize=None)
+def _kind(suffix: str) -> str:
+    return split_suffix(f"m.{suffix}")[2]
+
+
+def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> list[Issue]:
+    fmt, scheme = ctx.tensor_format, group.scheme
+    component = ctx.linear_modules.get(module, "")
+    params = ctx.modules[module]
+    table = scheme_table()[fmt][scheme]
+    file = ctx.file_of(f"{module}.{next(iter(params))}")
+    if _stored_unquantized(params, table):
+        dtype = params["weight"].dtype
+        return [issue("module-not-quantized", f"{modules_noun(component)} targeted as {scheme} by {group.description}, stored {dtype}", module, tensors=[f"{module}.weight"], file=file)]
+    shape = ctx.linear_shape(module)
+    issues: list[Issue] = []
+    try:
+        expected = scheme_template(fmt, scheme, *shape) if shape else {}
+    except ConfigError as exc:
+        return [issue("scheme-tensor-shape", f"{scheme} Linears whose shape the scheme cannot hold", module, detail=exc.message.partition(": ")[2], file=file)]
+    for suffix, (dtype, expected_shape) in expected.items():
+        info = params.get(suffix)
+        name = f"{module}.{suffix}"
+        if info is None:
+            issues.append(_missing_tensor(module, suffix, scheme, component, file))
+        elif info.dtype != dtype and info.dtype not in table[suffix].get("accept", ()):
+            issues.append(issue("scheme-tensor-dtype", f"{scheme} {suffix} tensors stored as {info.dtype} instead of {dtype}", name, tensors=[name], file=file))
+        elif not _same_shape(info.shape, expected_shape):
+            issues.append(issue("scheme-tensor-shape", f"{scheme} {suffix} tensors with the wrong shape", name, tensors=[name], detail=f"{list(info.shape)}, expected {list(expected_shape)}", file=file))
+    for suffix in params:
+        if suffix in table or suffix == "bias" or _kind(suffix) == "kv_scale":  # ModelOpt hangs KV scales on k/v_proj
+            continue
+        name = f"{module}.{suffix}"
+        if _kind(suffix) in INPUT_SCALE_KINDS:
+            issues.append(issue("weight-only-with-activation-scales", f"{suffix} tensors on Linears declared {scheme} (no static activation scale)", module, tensors=[name], file=file))
+        else:
+            issues.append(issue("scheme-tensor-foreign", f"tensors a {fmt} {scheme} Linear does not have ({suffix})", name, tensors=[name], file=file))
+    return issues
+
+
+@lru_cache(maxsize=None)
+def scheme_template(fmt: str, scheme: str, out_features: int, in_features: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """suffix -> (dtype, shape) a [out, in] Linear stores under ``scheme`` (the same for every
+    module of that shape, so computed once per shape, not per module)."""
+    return {spec.name.rpartition(".")[2]: (spec.dtype, tuple(spec.shape)) for spec in linear_tensor_specs(fmt, scheme, "m", out_features, in_features)}
+
+
+def _stored_unquantized(params: dict, table: dict) -> bool:
+    """A plain float weight and none of the scheme's scales: the quantizer never touched it."""
+    weight = params.get("weight")
+    if weight is None or weight.dtype not in FLOAT_WEIGHT_DTYPES:
+        return False
+    scheme_weight = table.get("weight") or table.get("weight_packed")
+    return scheme_weight["dtype"] not in FLOAT_WEIGHT_DTYPES and not any(_kind(s) in SCALE_KINDS for s in params)
+
+
+def _missing_tensor(module: str, suffix: str, scheme: str, component: str, file: str | None) -> Issue:
+    name = f"{module}.{suffix}"
+    if _kind(suffix) in INPUT_SCALE_KINDS:
+        rule = "moe-input-scale-invalid" if component == EXPERTS else "scheme-tensor-missing"
+        return issue(rule, f"{modules_noun(component)} declared W4A4 but lacking {suffix}", module, tensors=[name], file=file)
+    return issue("scheme-tensor-missing", f"{scheme} Linears lacking {suffix}", module, tensors=[name], file=file)
+
+
+def _same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Per-tensor scales may be 0-d or [1]: vLLM loads either [§4.3]."""
+    scalar = ((), (1,))
+    return tuple(stored) == tuple(expected) or (tuple(stored) in scalar and tuple(expected) in scalar)
+
+
+def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Issue]:
+    params = ctx.modules.get(module, {})
+    weight = params.get("weight")
+    scales = [s for s in params if _kind(s) in SCALE_KINDS or _kind(s) == "packed_fp4"]
+    quantized_weight = weight is not None and weight.dtype not in FLOAT_WEIGHT_DTYPES
+    if not scales and not quantized_weight:
+        return []
+    tensors = [f"{module}.{s}" for s in scales] + ([f"{module}.weight"] if quantized_weight else [])
+    phrase = "ignored Linears carrying quantized tensors" if why == "ignored" else "Linears no config group targets carrying quantized tensors"
+    return [issue("quantized-but-not-targeted", phrase, module, tensors=tensors, file=ctx.file_of(tensors[0]))]
+
+
+# -- fused groups ---------------------------------------------------------------------------------
+def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
+    issues = []
+    for parent, name, shards in fused_groups(ctx):
+        if not all(s in resolution.scheme_of for s in shards):
+            continue
+        for kinds, rule in ((("weight_global_scale",), "fused-weight-scale-mismatch"), (INPUT_SCALE_KINDS, "fused-input-scale-mismatch")):
+            names = [_scale_name(ctx, s, kinds) for s in shards]
+            if None in names:
+                continue  # a missing scale is its own finding
+            values = ctx.values(names)  # type: ignore[arg-type]
+            if len(values) != len(names) or any(v.size != 1 for v in values.values()):
+                continue
+            floats = [float(values[n][0]) for n in names]
+            if len(set(floats)) > 1 and min(floats) > 0:
+                kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
+                issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
+    return issues
+
+
+def _scale_name(ctx: AuditContext, module: str, kinds: tuple[str, ...]) -> str | None:
+    for suffix in ctx.modules.get(module, {}):
+        if _kind(suffix) in kinds:
+            return f"{module}.{suffix}"
+    return None
+
+
+# -- scale values ---------------------------------------------------------------------------------
+def scale_value_issues(ctx: AuditContext) -> list[Issue]:
+    issues = []
+    for name, values in ctx.values(ctx.small_scales).items():
+        if is_finite_positive(values):
+            continue
+        module, suffix, kind = ctx.roles[name]
+        if kind in INPUT_SCALE_KINDS and ctx.component(module) == EXPERTS:
+            issues.append(issue("moe-input-scale-invalid", f"routed experts whose {suffix} is not finite and positive", module, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
+        else:
+            issues.append(issue("scale-invalid", f"{suffix} tensors that are NaN, Inf, zero or negative", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
+    return issues
+
+
+# -- KV cache scales ------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def kv_scale_remaps() -> tuple[tuple[re.Pattern[str], str], ...]:
+    text = resources.files("fp4forge.audit").joinpath("serving_quirks.toml").read_text(encoding="utf-8")
+    return tuple((re.compile(r["pattern"]), r["replacement"]) for r in tomllib.loads(text)["kv_scale_remap"])
+
+
+def vllm_kv_target(name: str) -> str | None:
+    """The parameter vLLM's cache-scale remapper turns a checkpoint name into (first rule wins)."""
+    for pattern, replacement in kv_scale_remaps():
+        if pattern.search(name):
+            return pattern.sub(replacement, name, count=1)
+    return None
+
+
+def attention_layers(ctx: AuditContext) -> list[str]:
+    """`model.layers.N` prefixes of every attention module, present or expected."""
+    names = list(ctx.tensors) + list(ctx.expected_shapes)
+    return sorted({n.split(".self_attn.")[0] for n in names if ".self_attn." in n and not n.endswith(KV_SUFFIXES)}, key=natural_key)
+
+
+def kv_issues(ctx: AuditContext) -> list[Issue]:
+    present = {n for n in ctx.tensors if n.endswith(tuple("." + s for s in KV_SUFFIXES))}
+    kv = ctx.declaration.kv if ctx.declaration else None
+    if kv is None:
+        note = "vLLM keeps a BF16 cache and never reads them"
+        return [issue("kv-scale-undeclared", "KV scales without an FP8 KV declaration", n, tensors=[n], file=ctx.file_of(n), note=note) for n in sorted(present, key=natural_key)]
+    if kv.dynamic or ctx.tensor_format is None:
+        return []  # nothing to calibrate, or a format without a KV naming table
+    issues: list[Issue] = []
+    expected: dict[str, tuple[str, str]] = {}
+    for layer in attention_layers(ctx):
+        for spec in kv_scale_specs(ctx.tensor_format, layer):
+            expected[spec.name] = (layer, spec.name.rpartition(".")[2])
+    attributed: set[str] = set()
+    for name, (layer, suffix) in expected.items():
+        if name in present:
+            continue
+        stand_ins = sorted(n for n in present - expected.keys() if n.startswith(layer + ".") and n.endswith("." + suffix))
+        if stand_ins:
+            attributed.update(stand_ins)
+            issues += [_misnamed(ctx, n, layer, name) for n in stand_ins]
+        else:
+            issues.append(issue("kv-scale-absent", f"attention layers without {suffix} ({kv.algo.upper()} KV declared in {kv.where})", layer, tensors=[name], note="vLLM runs this layer's cache at scale 1.0"))
+    for name in sorted(present - expected.keys() - attributed, key=natural_key):
+        issues.append(_misnamed(ctx, name, None, None))
+    issues += kv_value_issues(ctx, sorted(present & expected.keys(), key=natural_key))
+    return issues
+
+
+def _misnamed(ctx: AuditContext, name: str, layer: str | None, expected_name: str | None) -> Issue:
+    target = vllm_kv_target(name)
+    layer_attention = f"{layer}.self_attn.attn." if layer else None
+    remapped = bool(target and layer_attention and target.startswith(layer_attention))
+    detail = f"expected {expected_name}" if expected_name else "no attention layer expects it"
+    if remapped:
+        group = f"KV scales in another layout's spelling (the {ctx.tensor_format} loader expects its own)"
+        note = "vLLM 0.33's generic remapper rescues this spelling only for models loaded through AutoWeightsLoader; per-model loaders and other engines drop it"
+    else:
+        group = "KV scales under names no vLLM remapping rule reaches (dropped silently)"
+        note = "the FP8 cache of those layers runs at scale 1.0"
+    return issue("kv-scale-misnamed", group, name, tensors=[name], detail=detail, file=ctx.file_of(name), note=note)
+
+
+def kv_value_issues(ctx: AuditContext, names: list[str]) -> list[Issue]:
+    kv = ctx.declaration.kv  # type: ignore[union-attr]
+    heads = (ctx.ckpt.config or {}).get("num_key_value_heads") or 1
+    elements = heads if kv.strategy == "attn_head" else 1
+    issues = []
+    ok_values = []
+    for name in names:
+        info = ctx.tensors[name][1]
+        if info.numel != elements or info.dtype not in FLOAT_WEIGHT_DTYPES:
+            issues.append(issue("kv-scale-invalid", "KV scales of the wrong size or dtype", name, tensors=[name], detail=f"{info.dtype}{list(info.shape)}, expected {elements} float element(s)", file=ctx.file_of(name)))
+    values = ctx.values([n for n in names if ctx.tensors[n][1].numel == elements])
+    for name, value in values.items():
+        if is_finite_positive(value):
+            ok_values.append(value)
+        else:
+            issues.append(issue("kv-scale-invalid", "KV scales that are NaN, Inf, zero or negative", name, tensors=[name], detail=describe_value(value), file=ctx.file_of(name)))
+    if ok_values and len(ok_values) == len(names) and all(bool((v == 1.0).all()) for v in ok_values):
+        issues.append(issue("kv-scale-uncalibrated", "KV scales", f"all {len(names):,} k/v scales are exactly 1.0", tensors=names))
+    return issues

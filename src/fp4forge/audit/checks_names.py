@@ -1,0 +1,264 @@
+"""Names against the architecture: every tensor must map to a parameter of the model config.json
+describes, and every parameter must be present, with the shape the config implies. Expected
+names come from the model class built on the meta device (``checkpoint.skeleton``): the on-disk
+names save_pretrained writes (per-expert 2-D), not transformers' fused in-memory ones.
+
+Quantized names map back to their parameter (`<m>.weight_packed`, `<m>.weight_scale`, … →
+`<m>.weight`); KV scales are the declarations check's business. Misses are grouped by pattern,
+and an unexpected pattern that differs from a missing one in a single name part is reported as a
+rename ("`mlp.shared_mlp.*` present where `mlp.shared_expert.*` is expected").
+
+Also here: the serving engine's known blind spots (``serving_quirks.toml``), by engine version.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+import tomllib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from fp4forge.audit.engine import AuditContext, issue, modules_noun, parse_version
+from fp4forge.audit.findings import Issue
+from fp4forge.checkpoint.layout import UNKNOWN, split_suffix
+from fp4forge.errors import Fp4forgeError
+
+# Kinds that hang off a Linear's weight rather than being a parameter of their own.
+WEIGHT_METADATA_KINDS = ("packed_fp4", "weight_scale", "weight_global_scale", "input_scale", "input_global_scale", "zero_point")
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+NUMERIC_PART = re.compile(r"\.\d+(?=\.|$)")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+VERSION_COMPARISONS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt, ">": operator.gt}
+
+
+# -- expected names -------------------------------------------------------------------------------
+@lru_cache(maxsize=8)
+def _expected_for(config_json: str, trust_remote_code: bool) -> tuple[tuple[Any, ...] | None, str | None]:
+    config = json.loads(config_json)
+    config.pop("quantization_config", None)  # names are the unquantized model's
+    try:
+        from fp4forge.checkpoint import skeleton
+
+        kwargs = {"trust_remote_code": True} if trust_remote_code and _accepts(skeleton.expected_tensor_specs, "trust_remote_code") else {}
+        return tuple(skeleton.expected_tensor_specs(config, **kwargs)), None
+    except Fp4forgeError as exc:
+        return None, exc.message
+    except (ImportError, ValueError, KeyError, TypeError, AttributeError) as exc:  # transformers' own complaints
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _accepts(function: Any, parameter: str) -> bool:
+    import inspect
+
+    return parameter in inspect.signature(function).parameters
+
+
+def build_expected_specs(ctx: AuditContext) -> list[Any] | None:
+    specs, _ = expected_or_reason(ctx)
+    return specs
+
+
+def expected_or_reason(ctx: AuditContext) -> tuple[list[Any] | None, str | None]:
+    if not ctx.ckpt.config:
+        return None, "no config.json"
+    specs, reason = _expected_for(json.dumps(ctx.ckpt.config, sort_keys=True), ctx.trust_remote_code)
+    return (list(specs) if specs is not None else None), reason
+
+
+# -- comparison -----------------------------------------------------------------------------------
+@dataclass
+class NameComparison:
+    unexpected: dict[str, list[str]] = field(default_factory=dict)  # parameter name -> stored tensors
+    missing: list[str] = field(default_factory=list)
+    wrong_shape: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+
+
+def parameter_of(name: str) -> str:
+    """The architecture parameter a stored tensor stands for."""
+    module, _, kind = split_suffix(name)
+    return f"{module}.weight" if kind in WEIGHT_METADATA_KINDS else name
+
+
+def compare(ctx: AuditContext, expected: dict[str, tuple[int, ...]]) -> NameComparison:
+    result = NameComparison()
+    found: set[str] = set()
+    for name, (_, info) in ctx.tensors.items():
+        module, _, kind = ctx.roles[name]
+        if kind == "kv_scale":
+            continue
+        parameter = f"{module}.weight" if kind in WEIGHT_METADATA_KINDS else name
+        if parameter not in expected:
+            result.unexpected.setdefault(parameter, []).append(name)
+            continue
+        found.add(parameter)
+        if name == parameter and not _shape_fits(info.shape, info.dtype, expected[parameter]):
+            result.wrong_shape.append((name, tuple(info.shape), expected[parameter]))
+    result.missing = [name for name in expected if name not in found]
+    return result
+
+
+def _shape_fits(stored: tuple[int, ...], dtype: str, expected: tuple[int, ...]) -> bool:
+    if tuple(stored) == tuple(expected):
+        return True
+    # ModelOpt stores packed FP4 as a U8 `.weight` of [out, in/2].
+    return dtype == "U8" and len(expected) == 2 and tuple(stored) == (expected[0], expected[1] // 2)
+
+
+def pattern_of(name: str) -> str:
+    return NUMERIC_PART.sub(".*", name)
+
+
+def find_renames(unexpected: list[str], missing: list[str]) -> dict[str, tuple[str, int]]:
+    """unexpected name -> (the missing name it stands for, differing part index), where the two
+    differ in exactly one non-numeric dotted part."""
+    index: dict[tuple[int, int, tuple[str, ...]], str] = {}
+    for name in missing:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if not part.isdigit():
+                index.setdefault((len(parts), i, tuple(parts[:i] + parts[i + 1 :])), name)
+    renames: dict[str, tuple[str, int]] = {}
+    taken: set[str] = set()
+    for name in unexpected:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            target = index.get((len(parts), i, tuple(parts[:i] + parts[i + 1 :])))
+            if target is not None and not part.isdigit() and target not in taken:
+                renames[name] = (target, i)
+                taken.add(target)
+                break
+    return renames
+
+
+def _rename_phrase(old: str, new: str, position: int) -> str:
+    old_parts, new_parts = old.split("."), new.split(".")
+    before = old_parts[position - 1] if position > 0 and not old_parts[position - 1].isdigit() else None
+    after = ".*" if position < len(old_parts) - 1 else ""
+    lead = f"{before}." if before else ""
+    return f"`{lead}{old_parts[position]}{after}` present where `{lead}{new_parts[position]}{after}` is expected"
+
+
+def _layers(names: list[str]) -> set[str]:
+    return {m.group(1) for n in names if (m := LAYER_INDEX.search(n))}
+
+
+def name_issues(ctx: AuditContext, comparison: NameComparison, architecture: str) -> list[Issue]:
+    issues: list[Issue] = []
+    renames = find_renames(list(comparison.unexpected), comparison.missing)
+    by_phrase: dict[str, list[tuple[str, str]]] = {}
+    for old, (new, position) in renames.items():
+        by_phrase.setdefault(_rename_phrase(old, new, position), []).append((old, new))
+    for phrase, pairs in by_phrase.items():
+        new_names = [new for _, new in pairs]
+        component = ctx.component(split_suffix(new_names[0])[0])
+        layers = _layers(new_names)
+        scope = f"{len(layers):,} layers' {modules_noun(component)}" if layers else modules_noun(component)
+        note = f"{scope} would stay uninitialised ({len(pairs):,} parameters)"
+        for old, new in pairs:
+            issues.append(issue("tensor-misnamed", phrase, old, tensors=comparison.unexpected[old], file=ctx.file_of(comparison.unexpected[old][0]), note=note))
+    rest_unexpected = [n for n in comparison.unexpected if n not in renames]
+    renamed_targets = {new for new, _ in renames.values()}
+    rest_missing = [n for n in comparison.missing if n not in renamed_targets]
+    for pattern, names in _by_pattern(rest_unexpected).items():
+        stored = [t for n in names for t in comparison.unexpected[n]]
+        issues.append(issue("tensor-unexpected", f"tensors matching no parameter of {architecture}", pattern, tensors=stored, detail=_count(len(stored), "tensor"), file=ctx.file_of(stored[0])))
+    for pattern, names in _by_pattern(rest_missing).items():
+        component = ctx.component(split_suffix(names[0])[0])
+        detail = _count(len(names), "parameter") + (f", {modules_noun(component)}" if component != UNKNOWN else "")
+        issues.append(issue("parameter-missing", f"parameters of {architecture} absent from the checkpoint", pattern, tensors=names, detail=detail, note="they would stay uninitialised at serve time"))
+    for name, stored, expected in comparison.wrong_shape:
+        issues.append(issue("parameter-shape-mismatch", "tensors whose shape differs from config.json's", name, tensors=[name], detail=f"{list(stored)}, expected {list(expected)}", file=ctx.file_of(name)))
+    return issues
+
+
+def _by_pattern(names: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name in names:
+        out.setdefault(pattern_of(name), []).append(name)
+    return out
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'s' if n != 1 else ''}"
+
+
+# -- serving engine blind spots -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Quirk:
+    id: str
+    engine: str
+    affects: str
+    architectures: tuple[str, ...]
+    tensors: re.Pattern[str]
+    effect: str
+    workaround: str
+    source: str
+    when_config: dict[str, Any]
+
+    def applies_to(self, version: tuple[int, ...], config: dict[str, Any]) -> bool:
+        if not version_matches(version, self.affects):
+            return False
+        if not set(config.get("architectures") or []) & set(self.architectures):
+            return False
+        return all(config.get(key) == value for key, value in self.when_config.items())
+
+
+@lru_cache(maxsize=1)
+def serving_quirks() -> tuple[Quirk, ...]:
+    text = resources.files("fp4forge.audit").joinpath("serving_quirks.toml").read_text(encoding="utf-8")
+    return tuple(
+        Quirk(
+            id=q["id"],
+            engine=q["engine"],
+            affects=q["affects"],
+            architectures=tuple(q["architectures"]),
+            tensors=re.compile(q["tensors"]),
+            effect=q["effect"],
+            workaround=q["workaround"],
+            source=q["source"],
+            when_config=dict(q.get("when_config", {})),
+        )
+        for q in tomllib.loads(text)["quirk"]
+    )
+
+
+def version_matches(version: tuple[int, ...], spec: str) -> bool:
+    """`(0, 32)` against `"<=0.32"` / `">=0.30,<0.34"`."""
+    for clause in (c.strip() for c in spec.split(",") if c.strip()):
+        op = next(o for o in VERSION_COMPARISONS if clause.startswith(o))
+        bound = parse_version(clause[len(op) :])
+        width = max(len(version), len(bound))
+        if not VERSION_COMPARISONS[op](version + (0,) * (width - len(version)), bound + (0,) * (width - len(bound))):
+            return False
+    return True
+
+
+def quirk_issues(ctx: AuditContext) -> list[Issue]:
+    config = ctx.ckpt.config or {}
+    version = ".".join(map(str, ctx.vllm_version))
+    issues = []
+    for quirk in serving_quirks():
+        if not quirk.applies_to(ctx.vllm_version, config):
+            continue
+        note = f"{quirk.effect}. Workaround: {quirk.workaround} (source: {quirk.source})"
+        for name in (n for n in ctx.tensors if quirk.tensors.fullmatch(n)):
+            issues.append(issue("serving-blind-spot", f"tensors {ENGINE_NAMES.get(quirk.engine, quirk.engine)} {version} mishandles ({quirk.id})", name, tensors=[name], file=ctx.file_of(name), note=note))
+    return issues
+
+
+# -- entry point ----------------------------------------------------------------------------------
+def run(ctx: AuditContext) -> list[Issue]:
+    issues = quirk_issues(ctx)
+    if not ctx.ckpt.config:
+        return issues  # config-missing is reported by the integrity checks
+    specs, reason = expected_or_reason(ctx)
+    architecture = ", ".join(ctx.ckpt.config.get("architectures") or []) or str(ctx.ckpt.config.get("model_type"))
+    if specs is None:
+        hint = "" if ctx.trust_remote_code else " (a remote-code model needs --trust-remote-code)"
+        return issues + [issue("names-not-checked", "expected names", architecture, detail=(reason or "unknown reason") + hint)]
+    expected = {spec.name: tuple(spec.shape) for spec in specs}
+    return issues + name_issues(ctx, compare(ctx, expected), architecture)

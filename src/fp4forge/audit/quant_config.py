@@ -1,0 +1,373 @@
+"""Read what a checkpoint *declares* about its quantization into one typed structure, whether it
+is written compressed-tensors style (config.json ``quantization_config``, quant_method
+``compressed-tensors``) or ModelOpt style (``quant_method: modelopt`` in config.json, or
+``hf_quant_config.json``), and resolve it per Linear module: which scheme of
+``checkpoint/layouts/_schemes.toml`` each module must carry, which are ignored, which targets
+match nothing.
+
+vLLM reads config.json's ``quantization_config`` first and falls back to hf_quant_config.json
+only when it is absent (formats.md §4.2); so does this module. Problems vLLM would reject or
+misread are collected as plain messages in ``QuantDeclaration.problems``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+CT = "compressed-tensors"
+MODELOPT = "modelopt"
+FORMATS = (CT, MODELOPT)
+HF_QUANT_CONFIG = "hf_quant_config.json"
+LINEAR_CLASS_TARGET = "Linear"
+
+# compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'
+# (num_bits, type, strategy), then what the input activations must be for that scheme:
+# "nvfp4" (4-bit float tensor_group), "static-tensor" (8-bit float, per tensor, dynamic false),
+# "dynamic" (dynamic true) or None (no input_activations).
+CT_SCHEMES: tuple[tuple[tuple[int, str, str], str | None, str], ...] = (
+    ((4, "float", "tensor_group"), "nvfp4", "nvfp4"),
+    ((4, "float", "tensor_group"), None, "nvfp4a16"),
+    ((8, "float", "tensor"), "static-tensor", "fp8"),
+    ((8, "float", "channel"), "dynamic", "fp8_dynamic"),
+    ((8, "float", "channel"), None, "fp8_dynamic"),
+)
+# ModelOpt quant_algo -> scheme key.
+MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4a16", "NVFP4_W4A16": "nvfp4a16", "FP8": "fp8"}
+MODELOPT_ALGO_NAMES = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
+# Keys vLLM requires, per form [§3.2, §4.1, §8 rule 4].
+CT_KV_REQUIRED = ("strategy", "symmetric")
+HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
+KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
+
+
+@dataclass(frozen=True)
+class SchemeGroup:
+    """One config group (CT) or the single quant_algo (ModelOpt): a scheme and what it targets."""
+
+    name: str
+    scheme: str | None  # key in _schemes.toml; None: a scheme fp4forge has no tensor table for
+    targets: tuple[str, ...]
+    description: str  # how the declaration spells it, for messages
+
+
+@dataclass(frozen=True)
+class KvDeclaration:
+    algo: str  # "fp8" | "nvfp4"
+    strategy: str  # "tensor" | "attn_head"
+    dynamic: bool
+    where: str
+
+
+@dataclass
+class QuantDeclaration:
+    format: str  # CT | MODELOPT
+    where: str  # "config.json quantization_config" | "hf_quant_config.json"
+    groups: list[SchemeGroup]
+    ignore: tuple[str, ...]
+    kv: KvDeclaration | None
+    problems: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)  # schemes declared but not audited
+
+    @property
+    def matcher(self) -> Callable[[str, str], bool]:
+        return match_ct if self.format == CT else match_modelopt
+
+
+# -- matching -------------------------------------------------------------------------------------
+def match_ct(pattern: str, module: str) -> bool:
+    """compressed-tensors / vLLM target matching: `re:` + re.match, else exact name. A name that
+    is an ancestor of the module (an expert stack `...mlp.experts`) targets its Linears too."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.startswith(pattern + ".")
+
+
+def match_modelopt(pattern: str, module: str) -> bool:
+    """ModelOpt exclude_modules / quantized_layers: fnmatch wildcards over the module or a parent."""
+    parts = module.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(len(parts), 0, -1))
+
+
+def is_class_name(target: str) -> bool:
+    return not target.startswith("re:") and "." not in target and target[:1].isupper()
+
+
+# -- parsing --------------------------------------------------------------------------------------
+def _ct_input_kind(inputs: Any) -> str | None:
+    if inputs is None:
+        return None
+    if not isinstance(inputs, dict):
+        return "invalid"
+    if inputs.get("dynamic") is True:
+        return "dynamic"
+    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy")) == (4, "float", "tensor_group"):
+        return "nvfp4"
+    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("dynamic")) == (8, "float", "tensor", False):
+        return "static-tensor"
+    return "other"
+
+
+def _ct_scheme(weights: dict[str, Any], inputs: Any) -> str | None:
+    key = (weights.get("num_bits"), weights.get("type"), weights.get("strategy"))
+    kind = _ct_input_kind(inputs)
+    for weight_key, input_kind, scheme in CT_SCHEMES:
+        if weight_key == key and input_kind == kind:
+            return scheme
+    return None
+
+
+def _ct_group_problems(name: str, group: dict[str, Any]) -> list[str]:
+    weights = group.get("weights")
+    problems = []
+    if (weights or {}).get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "tensor_group":
+        if weights.get("group_size") != 16 or weights.get("symmetric") is False:
+            problems.append(f"config group {name!r}: NVFP4 needs group_size 16 and symmetric true (vLLM's _is_nvfp4_format)")
+        kind = _ct_input_kind(group.get("input_activations"))
+        if kind not in (None, "nvfp4"):
+            problems.append(
+                f"config group {name!r}: NVFP4 weights with non-NVFP4 input_activations; vLLM raises "
+                "'For NVFP4 weights, input quantization must also be NVFP4 format, None for NVFP4A16'"
+            )
+    return problems
+
+
+def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
+    where = "config.json quantization_config"
+    problems: list[str] = []
+    groups: list[SchemeGroup] = []
+    unsupported: list[str] = []
+    raw_groups = qc.get("config_groups")
+    if not isinstance(raw_groups, dict) or not raw_groups:
+        problems.append("quantization_config has no config_groups")
+        raw_groups = {}
+    for name, group in raw_groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            problems.append(f"config group {name!r} has no weights arguments")
+            continue
+        targets = group.get("targets") or []
+        if isinstance(targets, str):
+            targets = [targets]
+        problems.extend(_ct_group_problems(name, group))
+        scheme = _ct_scheme(group["weights"], group.get("input_activations"))
+        description = f"{name} ({group.get('format') or qc.get('format') or 'format?'})"
+        if scheme is None:
+            unsupported.append(description)
+        groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description))
+    ignore = qc.get("ignore") or []
+    kv = _ct_kv(qc.get("kv_cache_scheme"), problems)
+    if qc.get("sparsity_config"):
+        problems.append("sparsity_config is not empty; vLLM raises DeprecationWarning for sparse compressed-tensors")
+    return QuantDeclaration(CT, where, groups, tuple(ignore), kv, problems, unsupported)
+
+
+def _ct_kv(scheme: Any, problems: list[str]) -> KvDeclaration | None:
+    if scheme is None:
+        return None
+    where = "config.json quantization_config.kv_cache_scheme"
+    if not isinstance(scheme, dict):
+        problems.append(f"kv_cache_scheme is {scheme!r}, not an object")
+        return None
+    missing = [key for key in CT_KV_REQUIRED if key not in scheme or scheme[key] is None]
+    if missing:
+        problems.append(f"kv_cache_scheme lacks {', '.join(missing)}; vLLM's validate_kv_cache_scheme raises on it")
+    if scheme.get("symmetric") is False:
+        problems.append("kv_cache_scheme is asymmetric; vLLM supports symmetric FP8 KV only")
+    if (scheme.get("type"), scheme.get("num_bits")) != ("float", 8):
+        problems.append(f"kv_cache_scheme {scheme.get('type')}/{scheme.get('num_bits')} bits; vLLM supports 8-bit float only")
+        return None
+    strategy = scheme.get("strategy") or "tensor"
+    if strategy not in ("tensor", "attn_head"):
+        problems.append(f"kv_cache_scheme strategy {strategy!r}; vLLM supports tensor and attn_head")
+    return KvDeclaration("fp8", strategy, scheme.get("dynamic") is True, where)
+
+
+def parse_modelopt(doc: dict[str, Any], *, where: str) -> QuantDeclaration:
+    """config.json's ModelOpt quantization_config, or hf_quant_config.json's `quantization`."""
+    problems: list[str] = []
+    unsupported: list[str] = []
+    quant = doc.get("quantization") if where == HF_QUANT_CONFIG else doc
+    if not isinstance(quant, dict):
+        return QuantDeclaration(MODELOPT, where, [], (), None, [f"{where} has no `quantization` object"])
+    algo = quant.get("quant_algo")
+    if where == HF_QUANT_CONFIG and isinstance(algo, str) and "FP4" in algo.upper():
+        missing = [key for key in HF_QUANT_REQUIRED if key not in quant]
+        if missing:
+            problems.append(f"{where} lacks {', '.join(missing)}; vLLM's ModelOptNvFp4Config requires them")
+    exclude = quant.get("exclude_modules", quant.get("ignore")) or []
+    groups: list[SchemeGroup] = []
+    if algo == "MIXED_PRECISION":
+        layers = quant.get("quantized_layers") or {}
+        by_scheme: dict[str | None, list[str]] = {}
+        for module, entry in layers.items():
+            layer_algo = (entry or {}).get("quant_algo")
+            scheme = MODELOPT_ALGOS.get(layer_algo)
+            if scheme is None and f"quantized_layers {layer_algo}" not in unsupported:
+                unsupported.append(f"quantized_layers {layer_algo}")
+            by_scheme.setdefault(scheme, []).append(module)
+        groups = [
+            SchemeGroup(f"quantized_layers {MODELOPT_ALGO_NAMES.get(s, '?')}", s, tuple(m), f"MIXED_PRECISION {MODELOPT_ALGO_NAMES.get(s, '?')}")
+            for s, m in by_scheme.items()
+        ]
+    elif algo is not None:
+        scheme = MODELOPT_ALGOS.get(algo)
+        if scheme == "nvfp4" and _all_groups_weight_only(quant):
+            scheme = "nvfp4a16"  # vLLM reroutes it (PR #54427)
+        if scheme is None:
+            unsupported.append(f"quant_algo {algo}")
+        groups = [SchemeGroup(f"quant_algo {algo}", scheme, ("*",), f"quant_algo {algo}")]
+    kv = _modelopt_kv(quant, where, problems)
+    return QuantDeclaration(MODELOPT, where, groups, tuple(exclude), kv, problems, unsupported)
+
+
+def _all_groups_weight_only(quant: dict[str, Any]) -> bool:
+    groups = quant.get("config_groups")
+    return isinstance(groups, dict) and bool(groups) and all(
+        isinstance(g, dict) and g.get("input_activations") is None for g in groups.values()
+    )
+
+
+def _modelopt_kv(quant: dict[str, Any], where: str, problems: list[str]) -> KvDeclaration | None:
+    """vLLM checks kv_cache_scheme before kv_cache_quant_algo [§5a]."""
+    scheme = quant.get("kv_cache_scheme")
+    if isinstance(scheme, dict):
+        if scheme.get("dynamic") is not False:
+            problems.append(
+                "ModelOpt kv_cache_scheme lacks `dynamic: false`; vLLM then resolves the KV dtype to auto "
+                "(BF16) and ignores the declaration"
+            )
+            return None
+        if (scheme.get("type"), scheme.get("num_bits")) == ("float", 8):
+            return KvDeclaration("fp8", "tensor", False, f"{where} kv_cache_scheme")
+        if (scheme.get("type"), scheme.get("num_bits")) == ("float", 4):
+            return KvDeclaration("nvfp4", "tensor", False, f"{where} kv_cache_scheme")
+        problems.append(f"ModelOpt kv_cache_scheme {scheme} is neither FP8 nor NVFP4")
+        return None
+    algo = scheme if isinstance(scheme, str) else quant.get("kv_cache_quant_algo")
+    if algo is None:
+        return None
+    kv = KV_ALGOS.get(str(algo).upper())
+    if kv is None:
+        problems.append(f"kv_cache_quant_algo {algo!r} is unknown to vLLM (it falls back to auto, a BF16 cache)")
+        return None
+    return KvDeclaration(kv, "tensor", False, f"{where} kv_cache_quant_algo")
+
+
+def detect_format(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> str | None:
+    """The format vLLM will read: config.json's quantization_config first, then hf_quant_config.json."""
+    qc = (config or {}).get("quantization_config")
+    if isinstance(qc, dict):
+        method = str(qc.get("quant_method", ""))
+        if method == CT:
+            return CT
+        if method.startswith(MODELOPT):
+            return MODELOPT
+        return method or "unknown"
+    if HF_QUANT_CONFIG in extra_json:
+        return MODELOPT
+    return None
+
+
+def read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> QuantDeclaration | None:
+    """The declaration vLLM would act on, or None when the checkpoint declares no quantization."""
+    detected = detect_format(config, extra_json)
+    qc = (config or {}).get("quantization_config")
+    if detected == CT:
+        return parse_compressed_tensors(qc)
+    if detected == MODELOPT and isinstance(qc, dict):
+        return parse_modelopt(qc, where="config.json quantization_config")
+    if detected == MODELOPT:
+        doc = extra_json[HF_QUANT_CONFIG]
+        return parse_modelopt(doc if isinstance(doc, dict) else {}, where=HF_QUANT_CONFIG)
+    if detected is not None:
+        return QuantDeclaration(detected, "config.json quantization_config", [], (), None, unsupported=[f"quant_method {detected}"])
+    return None
+
+
+# -- resolution per module ------------------------------------------------------------------------
+@dataclass
+class Resolution:
+    """Which scheme each Linear must carry under a declaration."""
+
+    scheme_of: dict[str, SchemeGroup]  # targeted and not ignored
+    ignored: set[str]
+    untargeted: set[str]
+    unmatched_targets: list[tuple[str, str]]  # (group name, target)
+    unmatched_ignores: list[str]
+
+
+def resolve(decl: QuantDeclaration, linears: list[str]) -> Resolution:
+    """Apply targets and ignore to every Linear module name.
+
+    Precedence as vLLM's compressed-tensors `find_matched_target`: an exact name beats a
+    regex, which beats the class target `Linear`; ignore always wins."""
+    by_name = _by_ancestor(linears)
+    ignored: set[str] = set()
+    unmatched_ignores = []
+    for pattern in decl.ignore:
+        hits = _hits(pattern, linears, by_name, decl.matcher)
+        ignored.update(hits)
+        if not hits:
+            unmatched_ignores.append(pattern)
+    scheme_of: dict[str, tuple[int, SchemeGroup]] = {}
+    unmatched_targets = []
+    for group in decl.groups:
+        for target in group.targets:
+            rank = _target_rank(target)
+            hits = _hits(target, linears, by_name, decl.matcher)
+            if not hits and not target.endswith("Attention"):  # vLLM drops attention targets: KV only
+                unmatched_targets.append((group.name, target))
+            for module in hits:
+                if module not in scheme_of or rank < scheme_of[module][0]:
+                    scheme_of[module] = (rank, group)
+    return Resolution(
+        scheme_of={m: g for m, (_, g) in scheme_of.items() if m not in ignored},
+        ignored=ignored,
+        untargeted={m for m in linears if m not in scheme_of and m not in ignored},
+        unmatched_targets=unmatched_targets,
+        unmatched_ignores=unmatched_ignores,
+    )
+
+
+def _by_ancestor(linears: list[str]) -> dict[str, list[str]]:
+    """Every module and each of its ancestors -> the Linears at or below it."""
+    index: dict[str, list[str]] = {}
+    for module in linears:
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):
+            index.setdefault(".".join(parts[:i]), []).append(module)
+    return index
+
+
+def _is_pattern(text: str) -> bool:
+    return text.startswith("re:") or any(c in text for c in "*?[")
+
+
+def _hits(pattern: str, linears: list[str], by_name: dict[str, list[str]], match: Callable[[str, str], bool]) -> list[str]:
+    if pattern in (LINEAR_CLASS_TARGET, "*"):
+        return list(linears)  # callers pass Linear modules only
+    if is_class_name(pattern):
+        return []  # other class names cannot be resolved from headers
+    if not _is_pattern(pattern):
+        return by_name.get(pattern, [])  # an exact name, or an ancestor such as an expert stack
+    # Compiled once, for 10^4-10^5 modules.
+    if match is match_ct and pattern.startswith("re:"):
+        regex = re.compile(pattern[3:])
+        return [m for m in linears if regex.match(m)]
+    if match is match_modelopt:
+        wildcard = re.compile(fnmatch.translate(pattern))
+        return [m for m in linears if any(wildcard.match(prefix) for prefix in _self_and_parents(m))]
+    return [m for m in linears if match(pattern, m)]
+
+
+def _self_and_parents(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _target_rank(target: str) -> int:
+    if target in (LINEAR_CLASS_TARGET, "*"):
+        return 2
+    return 1 if _is_pattern(target) else 0

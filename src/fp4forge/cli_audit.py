@@ -1,0 +1,134 @@
+"""`fp4forge audit` and `fp4forge diff`, added to the main Typer app by ``register(app)``.
+
+    fp4forge audit PATH_OR_REPO [--json] [--markdown] [--deep] [--format auto|compressed-tensors|modelopt]
+                   [--vllm-version 0.32] [--trust-remote-code]
+    fp4forge audit --list-rules [--json] [--markdown]
+    fp4forge diff A B [--json] [--markdown] [--values]
+
+Exit codes. audit: 0 no errors (warnings allowed), 1 at least one error, 2 the input could not be
+audited. diff: 0 identical, 1 differences, 2 a checkpoint could not be read. Exit 2 always comes
+with a one-line message on stderr (and, with --json, a {"error": ...} document on stdout).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from fp4forge.errors import Fp4forgeError
+
+EXIT_UNREADABLE = 2
+
+
+def register(app: typer.Typer) -> None:
+    app.command("audit")(audit_command)
+    app.command("diff")(diff_command)
+
+
+def _emit(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+def _fail(message: str, as_json: bool, **context: object) -> SystemExit:
+    """Exit 2 with a one-line message (and a JSON error document when --json)."""
+    from rich.console import Console
+
+    if as_json:
+        _emit({**context, "error": message})
+    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
+    return SystemExit(EXIT_UNREADABLE)
+
+
+def audit_command(
+    location: Optional[str] = typer.Argument(None, metavar="PATH_OR_REPO", help="Checkpoint directory, .safetensors file, HF repo id, or https://…/resolve/<rev> URL."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document: checkpoint, findings, summary."),
+    markdown: bool = typer.Option(False, "--markdown", help="A Markdown report (for issues and model cards)."),
+    deep: bool = typer.Option(False, "--deep", help="Also read every value: NaN/Inf weights, zero matrices, block scales, scale statistics."),
+    fmt: str = typer.Option("auto", "--format", help="auto, compressed-tensors or modelopt: the format the checkpoint must be in."),
+    vllm_version: str = typer.Option("0.32", "--vllm-version", help="vLLM version the checkpoint will be served with (selects known blind spots)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code when building its expected tensor names."),
+    list_rules: bool = typer.Option(False, "--list-rules", help="Print every rule the audit applies and exit."),
+) -> None:
+    """Will this checkpoint load, and load right? Integrity, declarations vs tensors, names vs the architecture."""
+    if list_rules:
+        _print_rules(as_json, markdown)
+        return
+    if location is None:
+        raise _fail("give a checkpoint (PATH_OR_REPO), or --list-rules", as_json)
+    from fp4forge.audit.engine import audit_checkpoint
+
+    try:
+        report = audit_checkpoint(location, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code)
+    except Fp4forgeError as exc:
+        raise _fail(f"could not audit: {exc}", as_json, checkpoint=location) from None
+    except (OSError, MemoryError, RecursionError) as exc:  # hostile input the checks did not foresee
+        raise _fail(f"could not audit: {type(exc).__name__}: {exc}", as_json, checkpoint=location) from None
+    _print_report(report, as_json, markdown)
+    # SystemExit, not typer.Exit: `app(standalone_mode=False)` (fp4forge.cli.main) returns a
+    # typer.Exit's code instead of exiting with it, and the exit code is this command's answer.
+    raise SystemExit(report.exit_code)
+
+
+def _print_rules(as_json: bool, markdown: bool) -> None:
+    from dataclasses import asdict
+
+    from fp4forge.audit.findings import rule_table, rules_markdown
+
+    if as_json:
+        _emit({"rules": [asdict(r) for r in rule_table().values()]})
+    elif markdown:
+        sys.stdout.write(rules_markdown())
+    else:
+        from rich.console import Console
+
+        from fp4forge.report.audit_tables import rules_rich
+
+        Console().print(rules_rich())
+
+
+def _print_report(report, as_json: bool, markdown: bool) -> None:
+    from rich.console import Console
+
+    from fp4forge.report.audit_tables import findings_markdown, findings_rich, summary_line
+
+    if as_json:
+        _emit(report.to_json())
+    elif markdown:
+        sys.stdout.write(findings_markdown(report))
+    else:
+        console = Console()
+        for block in findings_rich(report) if report.findings else []:
+            console.print(block)
+        style = "bold red" if report.summary["errors"] else "bold green"
+        console.print(summary_line(report), style=style, highlight=False)
+
+
+def diff_command(
+    a: str = typer.Argument(..., metavar="A", help="First checkpoint (directory, repo id or /resolve/ URL)."),
+    b: str = typer.Argument(..., metavar="B", help="Second checkpoint."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document: summary, per component, differing tensors."),
+    markdown: bool = typer.Option(False, "--markdown", help="A Markdown table of the counts."),
+    values: bool = typer.Option(False, "--values", help="Max abs / rel difference of differing tensors of equal shape (float32)."),
+) -> None:
+    """Which tensors two checkpoints share byte for byte (blake2b per tensor, streamed)."""
+    from rich.console import Console
+
+    from fp4forge.audit.diff import diff_checkpoints
+    from fp4forge.report.audit_tables import diff_markdown, diff_rich
+
+    try:
+        report = diff_checkpoints(a, b, values=values)
+    except Fp4forgeError as exc:
+        raise _fail(f"could not diff: {exc}", as_json, a=a, b=b) from None
+    if as_json:
+        _emit(report.to_json())
+    elif markdown:
+        sys.stdout.write(diff_markdown(report))
+    else:
+        console = Console()
+        for table in diff_rich(report):
+            console.print(table)
+    raise SystemExit(report.exit_code)

@@ -1,0 +1,337 @@
+"""`fp4forge audit`, declaration rules: quantization_config / hf_quant_config.json against the
+tensors. Every defect is planted in a copy of a real llm-compressor export of the tiny Laguna
+(NVFP4 W4A4 + FP8 KV, FP8_DYNAMIC) or of its ModelOpt conversion, and must give exactly its
+finding; the clean exports must give no error at all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_audit_integrity import (
+    assert_exactly,
+    audit,
+    copy_checkpoint,
+    finding,
+    load_tensors,
+    patch_json,
+    rebuild,
+    rules,
+)
+
+pytestmark = pytest.mark.slow
+
+ATTN = "model.layers.1.self_attn"
+EXPERT = "model.layers.2.mlp.experts"
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+def qc(doc: dict) -> dict:
+    return doc["quantization_config"]
+
+
+@pytest.fixture()
+def ct(lc_nvfp4_kv_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of the llm-compressor NVFP4 W4A4 + FP8-KV export (compressed-tensors)."""
+    return copy_checkpoint(lc_nvfp4_kv_dir, tmp_path / "ct")
+
+
+@pytest.fixture()
+def modelopt(modelopt_nvfp4_kv_dir: Path, tmp_path: Path) -> Path:
+    return copy_checkpoint(modelopt_nvfp4_kv_dir, tmp_path / "modelopt")
+
+
+def edited(src: Path, tmp_path: Path, edit) -> Path:
+    return rebuild(src, tmp_path / "edited", edit)
+
+
+# -- clean exports ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fixture", ["lc_nvfp4_kv_dir", "lc_fp8_dynamic_dir", "modelopt_nvfp4_kv_dir"])
+def test_clean_exports_have_no_errors(fixture: str, request: pytest.FixtureRequest) -> None:
+    report = audit(request.getfixturevalue(fixture))
+    assert_exactly(report)
+    assert report.exit_code == 0
+
+
+def test_clean_export_deep_reports_scale_statistics(lc_nvfp4_kv_dir: Path) -> None:
+    report = audit(lc_nvfp4_kv_dir, deep=True)
+    assert_exactly(report)
+    stats = [f for f in report.findings if f.rule == "scale-statistics"]
+    assert any("routed-expert Linears" in f.message and "input_global_scale" in f.message for f in stats)
+
+
+# -- the declaration itself -------------------------------------------------------------------------
+def test_kv_cache_scheme_without_strategy(ct: Path) -> None:
+    patch_json(ct / "config.json", lambda d: qc(d)["kv_cache_scheme"].pop("strategy"))
+    report = audit(ct)
+    assert_exactly(report, "quant-config-invalid")
+    assert "strategy" in finding(report, "quant-config-invalid").message
+
+
+def test_hf_quant_config_without_group_size(modelopt: Path) -> None:
+    patch_json(modelopt / "config.json", lambda d: d.pop("quantization_config"))  # vLLM falls back to hf_quant_config.json
+    patch_json(modelopt / HF_QUANT_CONFIG, lambda d: d["quantization"].pop("group_size"))
+    report = audit(modelopt)
+    assert_exactly(report, "quant-config-invalid")
+    assert "group_size" in finding(report, "quant-config-invalid").message
+
+
+def test_format_flag_disagreeing_with_the_declaration(lc_nvfp4_kv_dir: Path) -> None:
+    report = audit(lc_nvfp4_kv_dir, fmt="modelopt")
+    assert_exactly(report, "quant-format-conflict")
+    assert rules(audit(lc_nvfp4_kv_dir, fmt="compressed-tensors"), "error") == set()
+
+
+def test_quantized_tensors_without_declaration(ct: Path) -> None:
+    patch_json(ct / "config.json", lambda d: d.pop("quantization_config"))
+    report = audit(ct)
+    assert_exactly(report, "quantized-without-declaration", warnings={"kv-scale-undeclared"})
+
+
+def test_scheme_without_tensor_table_is_reported_not_judged(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
+    fp8 = copy_checkpoint(lc_fp8_dynamic_dir, tmp_path / "fp8")
+    patch_json(fp8 / "config.json", lambda d: qc(d)["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[128, 128]))
+    report = audit(fp8)
+    assert_exactly(report)
+    assert "scheme-not-audited" in rules(report, "info")
+
+
+# -- KV cache scales --------------------------------------------------------------------------------
+def test_kv_scale_absent(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t.pop(f"{ATTN}.v_scale")))
+    assert_exactly(report, "kv-scale-absent")
+    assert finding(report, "kv-scale-absent").tensors == [f"{ATTN}.v_scale"]
+
+
+def test_kv_scales_all_absent_says_scale_one(ct: Path, tmp_path: Path) -> None:
+    def drop_all(tensors):
+        for name in [n for n in tensors if n.endswith(("k_scale", "v_scale"))]:
+            del tensors[name]
+
+    report = audit(edited(ct, tmp_path, drop_all))
+    assert_exactly(report, "kv-scale-absent")
+    assert finding(report, "kv-scale-absent").count == 4 and "1.0" in finding(report, "kv-scale-absent").message
+
+
+def test_kv_scale_in_the_modelopt_spelling_inside_a_ct_checkpoint(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t.update({f"{ATTN}.k_proj.k_scale": t.pop(f"{ATTN}.k_scale")})))
+    assert_exactly(report, "kv-scale-misnamed")
+    assert finding(report, "kv-scale-misnamed").tensors == [f"{ATTN}.k_proj.k_scale"]
+
+
+def test_kv_scale_in_the_ct_spelling_inside_a_modelopt_checkpoint(modelopt: Path, tmp_path: Path) -> None:
+    def respell(tensors):
+        for layer in range(4):
+            for kv in "kv":
+                prefix = f"model.layers.{layer}.self_attn"
+                tensors[f"{prefix}.{kv}_scale"] = tensors.pop(f"{prefix}.{kv}_proj.{kv}_scale")
+
+    report = audit(edited(modelopt, tmp_path, respell))
+    assert_exactly(report, "kv-scale-misnamed")
+    assert finding(report, "kv-scale-misnamed").count == 8
+
+
+def test_kv_scale_under_a_name_vllm_drops(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t.update({"model.layers.1.mlp.k_scale": t.pop(f"{ATTN}.k_scale")})))
+    assert_exactly(report, "kv-scale-misnamed")  # it stands in for layer 1's k_scale, which is absent
+    assert "expected model.layers.1.self_attn.k_scale" in finding(report, "kv-scale-misnamed").message
+    assert "dropped silently" in finding(report, "kv-scale-misnamed").message
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_kv_scale_not_finite_positive(bad: float, ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t[f"{ATTN}.k_scale"].fill_(bad)))
+    assert_exactly(report, "kv-scale-invalid")
+
+
+def test_kv_scale_with_more_than_one_element(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t.update({f"{ATTN}.v_scale": torch.ones(2, dtype=torch.bfloat16)})))
+    assert_exactly(report, "kv-scale-invalid")
+
+
+def test_kv_scales_all_one_are_uncalibrated(ct: Path, tmp_path: Path) -> None:
+    def ones(tensors):
+        for name in tensors:
+            if name.endswith(("k_scale", "v_scale")):
+                tensors[name].fill_(1.0)
+
+    report = audit(edited(ct, tmp_path, ones))
+    assert_exactly(report, warnings={"kv-scale-uncalibrated"})
+    assert report.exit_code == 0
+
+
+def test_kv_scales_without_declaration(ct: Path) -> None:
+    patch_json(ct / "config.json", lambda d: qc(d).update(kv_cache_scheme=None))
+    report = audit(ct)
+    assert_exactly(report, warnings={"kv-scale-undeclared"})
+
+
+# -- targets and ignore ---------------------------------------------------------------------------
+def test_target_and_ignore_that_match_nothing(ct: Path) -> None:
+    def add(d):
+        qc(d)["config_groups"]["group_0"]["targets"].append("re:.*mlp\\.shared_mlp\\..*")
+        qc(d)["ignore"].append("model.layers.9.mlp.gate")
+
+    patch_json(ct / "config.json", add)
+    report = audit(ct)
+    assert_exactly(report, warnings={"target-matches-nothing"})
+    assert "shared_mlp" in finding(report, "target-matches-nothing").message
+
+
+def test_fused_group_ignored_in_part(ct: Path) -> None:
+    patch_json(ct / "config.json", lambda d: qc(d)["ignore"].append(f"{ATTN}.k_proj"))
+    report = audit(ct)
+    # The ignored shard also carries quantized tensors now, which vLLM would not load.
+    assert_exactly(report, "fused-ignore-inconsistent", "quantized-but-not-targeted")
+
+
+def test_bf16_experts_under_nvfp4(ct: Path, lc_source_dir: Path, tmp_path: Path) -> None:
+    source = load_tensors(lc_source_dir)
+    bf16 = {proj: source[f"{EXPERT}.7.{proj}_proj.weight"] for proj in ("gate", "up", "down")}
+
+    def unquantize(tensors):
+        for proj in ("gate", "up", "down"):
+            module = f"{EXPERT}.7.{proj}_proj"
+            for suffix in ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+                del tensors[f"{module}.{suffix}"]
+            tensors[f"{module}.weight"] = bf16[proj]
+
+    report = audit(edited(ct, tmp_path, unquantize))
+    assert_exactly(report, "module-not-quantized")
+    found = finding(report, "module-not-quantized")
+    assert found.count == 3 and "routed-expert Linears" in found.message and "BF16" in found.message
+
+
+def test_router_targeted_but_stored_bf16(ct: Path) -> None:
+    patch_json(ct / "config.json", lambda d: qc(d).update(ignore=[i for i in qc(d)["ignore"] if not i.endswith("mlp.gate")]))
+    report = audit(ct)
+    assert_exactly(report, "module-not-quantized")
+    assert finding(report, "module-not-quantized").count == 3 and "router" in finding(report, "module-not-quantized").message
+
+
+def test_quantized_tensors_on_an_ignored_module(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t.update({"lm_head.weight_scale": torch.ones(1, dtype=torch.bfloat16)})))
+    assert_exactly(report, "quantized-but-not-targeted")
+
+
+# -- per-module tensor sets -----------------------------------------------------------------------
+def test_missing_block_scale(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t.pop(f"{ATTN}.q_proj.weight_scale")))
+    assert_exactly(report, "scheme-tensor-missing")
+    assert "weight_scale" in finding(report, "scheme-tensor-missing").message
+
+
+def test_global_scale_in_bf16(ct: Path, tmp_path: Path) -> None:
+    name = f"{ATTN}.o_proj.weight_global_scale"
+    report = audit(edited(ct, tmp_path, lambda t: t.update({name: t[name].to(torch.bfloat16)})))
+    assert_exactly(report, "scheme-tensor-dtype")
+    assert finding(report, "scheme-tensor-dtype").tensors == [name]
+
+
+def test_block_scale_with_the_wrong_shape(ct: Path, tmp_path: Path) -> None:
+    name = f"{ATTN}.o_proj.weight_scale"
+    report = audit(edited(ct, tmp_path, lambda t: t.update({name: t[name].reshape(16, -1).contiguous()})))
+    assert_exactly(report, "scheme-tensor-shape")
+
+
+def test_modelopt_name_inside_a_ct_module(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t.update({f"{ATTN}.o_proj.weight_scale_2": torch.ones((), dtype=torch.float32)})))
+    assert_exactly(report, "scheme-tensor-foreign")
+
+
+def test_ct_name_inside_a_modelopt_module(modelopt: Path, tmp_path: Path) -> None:
+    name = f"{EXPERT}.4.down_proj"
+    report = audit(edited(modelopt, tmp_path, lambda t: t.update({f"{name}.weight_global_scale": 1 / t[f"{name}.weight_scale_2"].reshape(1)})))
+    assert_exactly(report, "scheme-tensor-foreign")
+
+
+# -- activation scales ------------------------------------------------------------------------------
+def test_experts_beyond_expert_zero_lack_input_scales(ct: Path, tmp_path: Path) -> None:
+    def drop(tensors):
+        for expert in range(5, 16):
+            del tensors[f"{EXPERT}.{expert}.up_proj.input_global_scale"]
+
+    report = audit(edited(ct, tmp_path, drop))
+    assert_exactly(report, "moe-input-scale-invalid")
+    found = finding(report, "moe-input-scale-invalid")
+    assert found.count == 11 and "(+8 more)" in found.message
+
+
+def test_expert_input_scale_zero(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t[f"{EXPERT}.9.gate_proj.input_global_scale"].zero_()))
+    # gate and up of expert 9 now disagree too, but a zero is its own finding, not a ratio.
+    assert_exactly(report, "moe-input-scale-invalid")
+    assert "(0)" in finding(report, "moe-input-scale-invalid").message
+
+
+def test_w4a4_declared_without_any_activation_scale(ct: Path, tmp_path: Path) -> None:
+    def drop(tensors):
+        for name in [n for n in tensors if n.endswith("input_global_scale")]:
+            del tensors[name]
+
+    report = audit(edited(ct, tmp_path, drop))
+    assert_exactly(report, "w4a4-without-activation-scales")
+
+
+def test_weight_only_declared_while_activation_scales_ship(ct: Path) -> None:
+    patch_json(ct / "config.json", lambda d: qc(d)["config_groups"]["group_0"].update(input_activations=None))
+    report = audit(ct)
+    assert_exactly(report, warnings={"weight-only-with-activation-scales"})
+
+
+# -- fused groups -----------------------------------------------------------------------------------
+def test_qkv_weight_global_scales_differ(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t[f"{ATTN}.k_proj.weight_global_scale"].mul_(1.5)))
+    assert_exactly(report, "fused-weight-scale-mismatch")
+    assert "ratio 1.5×" in finding(report, "fused-weight-scale-mismatch").message
+
+
+def test_expert_gate_up_weight_global_scales_differ(modelopt: Path, tmp_path: Path) -> None:
+    report = audit(edited(modelopt, tmp_path, lambda t: t[f"{EXPERT}.11.up_proj.weight_scale_2"].mul_(2.0)))
+    assert_exactly(report, "fused-weight-scale-mismatch")
+    assert f"{EXPERT}.11" in finding(report, "fused-weight-scale-mismatch").message
+
+
+def test_qkv_input_scales_differ(ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t[f"{ATTN}.v_proj.input_global_scale"].mul_(1.25)))
+    assert_exactly(report, warnings={"fused-input-scale-mismatch"})
+
+
+# -- scale values -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_global_scale_not_finite_positive(bad: float, ct: Path, tmp_path: Path) -> None:
+    report = audit(edited(ct, tmp_path, lambda t: t[f"{ATTN}.o_proj.weight_global_scale"].fill_(bad)))
+    assert_exactly(report, "scale-invalid")
+
+
+def test_fp8_channel_scale_zero(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
+    def zero_row(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight_scale"][3] = 0
+
+    report = audit(rebuild(lc_fp8_dynamic_dir, tmp_path / "fp8", zero_row))
+    assert_exactly(report, "scale-invalid")
+    assert "1 of 256" in finding(report, "scale-invalid").message
+
+
+def test_deep_finds_nan_block_scales(ct: Path, tmp_path: Path) -> None:
+    def plant(tensors):
+        scale = tensors[f"{EXPERT}.2.down_proj.weight_scale"]
+        scale.view(torch.uint8)[0, 0] = 0x7F  # E4M3FN NaN
+
+    damaged = edited(ct, tmp_path, plant)
+    assert rules(audit(damaged), "error") == set()
+    report = audit(damaged, deep=True)
+    assert_exactly(report, "block-scale-invalid")
+
+
+def test_json_lists_every_tensor_of_a_grouped_finding(ct: Path, tmp_path: Path) -> None:
+    def drop(tensors):
+        for expert in range(16):
+            del tensors[f"{EXPERT}.{expert}.down_proj.input_global_scale"]
+
+    doc = audit(edited(ct, tmp_path, drop)).to_json()
+    (entry,) = [f for f in doc["findings"] if f["rule"] == "moe-input-scale-invalid"]
+    assert len(entry["tensors"]) == 16 and json.dumps(doc)
