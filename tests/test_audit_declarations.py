@@ -335,3 +335,17 @@ def test_json_lists_every_tensor_of_a_grouped_finding(ct: Path, tmp_path: Path) 
     doc = audit(edited(ct, tmp_path, drop)).to_json()
     (entry,) = [f for f in doc["findings"] if f["rule"] == "moe-input-scale-invalid"]
     assert len(entry["tensors"]) == 16 and json.dumps(doc)
+
+
+def test_fp4forge_export_with_constant_activation_scales_is_flagged(lc_source_dir: Path, tmp_path: Path) -> None:
+    """`--act-scales constant:AMAX` is legal but never silent: the provenance says so and the
+    audit warns; the export is otherwise clean."""
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    out = tmp_path / "constant"
+    quantize_checkpoint(lc_source_dir, out, QuantizeOptions(load_recipe("nvfp4-experts-fp8-attn"), act_amax=ConstantAmax(8.0)))
+    report = audit(out)
+    assert finding(report, "activation-scales-constant")
+    assert report.exit_code == 0

@@ -172,9 +172,10 @@ def quantize_command(
 
 def _register_subcommands() -> None:
     """Commands that live beside their library layer (each module adds itself to the app)."""
-    from fp4forge import cli_audit
+    from fp4forge import cli_audit, cli_bench
 
     cli_audit.register(app)
+    cli_bench.register(app)
 
 
 _register_subcommands()

@@ -46,7 +46,17 @@ def run(ctx: AuditContext) -> list[Issue]:
             issues += fused_scale_issues(ctx, resolution)
     issues += scale_value_issues(ctx)
     issues += kv_issues(ctx)
+    issues += provenance_issues(ctx)
     return issues
+
+
+def provenance_issues(ctx: AuditContext) -> list[Issue]:
+    """fp4forge's own exports say where their activation scales came from."""
+    provenance = ctx.ckpt.extra_json.get("fp4forge.json") or {}
+    source = (provenance.get("activation_scales") or {})
+    if source.get("source") != "constant":
+        return []
+    return [issue("activation-scales-constant", "activation and KV scales", f"constant amax {source.get('amax')}", file="fp4forge.json")]
 
 
 # -- the declaration itself -----------------------------------------------------------------------

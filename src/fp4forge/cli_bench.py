@@ -1,0 +1,306 @@
+"""`fp4forge bench`: serving speed with its whole spread. Added to the main app by ``register(app)``.
+
+    fp4forge bench perf --url URL --model NAME --out DIR [--workload default] [--mode sequential|concurrency|rate]
+                        [--endpoint completions|chat] [--prefix-cache] [--prompt-tokens 81,633] [--output-tokens 128]
+                        [--concurrency 1,2,4] [--rate 0.5,1] [--warmups 2] [--samples 7] [--json] [--no-plots]
+    fp4forge bench analyze DIR [--json] [--markdown] [--no-plots]
+    fp4forge bench compare RUN_A RUN_B [--json] [--markdown]
+
+Exit codes. perf: 0 every request succeeded; 1 the run finished but some requests failed (counted
+in the summary); 2 the run could not start (bad options, no server, model not served); 3 the
+server stopped answering mid-run: every finished sample is kept in DIR/samples.jsonl and
+summarised; 130 interrupted (Ctrl-C), also with everything finished kept and summarised.
+analyze / compare: 0, or 2 when a directory cannot be read. ``python -m fp4forge.cli_bench`` runs
+the same commands standalone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+
+from fp4forge.errors import ConfigError, Fp4forgeError
+
+EXIT_SOME_FAILED = 1
+EXIT_UNUSABLE = 2
+EXIT_ABORTED = 3
+EXIT_INTERRUPTED = 130
+
+bench_app = typer.Typer(no_args_is_help=True, help="Serving benchmarks: TTFT, prefill and decode with their whole spread.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
+
+
+def _out() -> Console:
+    return Console()
+
+
+def _err() -> Console:
+    return Console(stderr=True, soft_wrap=True)
+
+
+def _emit(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+def _fail(message: str, code: int, as_json: bool = False) -> typer.Exit:
+    if as_json:
+        _emit({"error": message})
+    _err().print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ConfigError(f"{option} takes comma-separated integers, got {text!r}") from error
+
+
+def _float_list(text: Optional[str], option: str) -> Optional[list[float]]:
+    if text is None:
+        return None
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ConfigError(f"{option} takes comma-separated numbers, got {text!r}") from error
+
+
+# -- perf ---------------------------------------------------------------------------------------
+@bench_app.command("perf")
+def perf_command(
+    url: str = typer.Option(..., "--url", help="Server root or its /v1 (e.g. http://127.0.0.1:8000)."),
+    model: str = typer.Option(..., "--model", help="Served model name, as /v1/models lists it."),
+    out_dir: Path = typer.Option(..., "--out", help="New directory for samples.jsonl, summary.json, summary.md and plots."),
+    workload: str = typer.Option("default", "--workload", help="Workload from workloads.toml (default, decode, cpu-small, cpu-tiny)."),
+    workloads_file: Optional[Path] = typer.Option(None, "--workloads-file", help="A TOML file with [workload.NAME] tables."),
+    mode: str = typer.Option("sequential", "--mode", help="sequential (concurrency 1), concurrency (sweep) or rate (Poisson sweep)."),
+    endpoint: str = typer.Option("completions", "--endpoint", help="completions (token-ID prompts) or chat."),
+    prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Override the ladder: comma-separated prompt lengths."),
+    output_tokens: Optional[int] = typer.Option(None, "--output-tokens", min=1, help="Override generated tokens per request."),
+    concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Override the concurrency sweep, e.g. 1,2,4,8."),
+    rate: Optional[str] = typer.Option(None, "--rate", help="Override the arrival-rate sweep (requests/s), e.g. 0.5,1,2."),
+    warmups: Optional[int] = typer.Option(None, "--warmups", min=0, help="Discarded requests per cell."),
+    samples: Optional[int] = typer.Option(None, "--samples", min=1, help="Kept requests per cell."),
+    prefix_cache: bool = typer.Option(False, "--prefix-cache", help="Share a prompt prefix within each shape on purpose."),
+    prefix_fraction: float = typer.Option(0.5, "--prefix-fraction", help="Shared share of each prompt with --prefix-cache."),
+    output_control: str = typer.Option("ignore_eos", "--output-control", help="How output length is fixed: ignore_eos, min_tokens or none."),
+    extra_body: Optional[str] = typer.Option(None, "--extra-body", help='JSON merged into every request, e.g. \'{"chat_template_kwargs":{"enable_thinking":false}}\'.'),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Count tokens with this tokenizer instead of the server's /tokenize."),
+    timeout_s: float = typer.Option(600.0, "--timeout", help="Seconds one request may take before it counts as failed."),
+    seed: int = typer.Option(0, "--seed", help="Seed for prompt filler and Poisson gaps."),
+    as_json: bool = typer.Option(False, "--json", help="Print summary.json instead of tables."),
+    no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
+) -> None:
+    """Measure TTFT, prefill and decode per prompt length, warmups discarded, every request kept."""
+    from fp4forge.bench.analyze import analyze_dir
+    from fp4forge.bench.runner import BenchAborted, run_bench
+
+    try:
+        config = _perf_config(
+            url=url, model=model, out_dir=out_dir, workload=workload, workloads_file=workloads_file, mode=mode,
+            endpoint=endpoint, prompt_tokens=prompt_tokens, output_tokens=output_tokens, concurrency=concurrency,
+            rate=rate, warmups=warmups, samples=samples, prefix_cache=prefix_cache, prefix_fraction=prefix_fraction,
+            output_control=output_control, extra_body=extra_body, tokenizer=tokenizer, timeout_s=timeout_s, seed=seed,
+        )
+    except Fp4forgeError as error:
+        raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
+
+    samples_path = out_dir / "samples.jsonl"
+    had_samples = samples_path.exists()  # then the run refuses to start; never summarise an old run
+    ending: tuple[int, str] | None = None
+    try:
+        with LiveCells(enabled=not as_json) as live:
+            outcome = asyncio.run(run_bench(config, live.update))
+    except BenchAborted as error:
+        ending = (EXIT_ABORTED, str(error))
+    except KeyboardInterrupt:
+        ending = (EXIT_INTERRUPTED, f"interrupted; every finished sample is in {samples_path}")
+    except Fp4forgeError as error:
+        if had_samples or not samples_path.is_file():
+            raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
+        ending = (EXIT_UNUSABLE, str(error))
+
+    summary = analyze_dir(out_dir, plots=not no_plots) if samples_path.is_file() else None
+    _print_summary(summary, as_json)
+    if ending is not None:
+        if not as_json:
+            _err().print(f"[red]error:[/red] {ending[1]}", highlight=False)
+        raise typer.Exit(ending[0])
+    if outcome.failed:
+        _err().print(f"[yellow]{outcome.failed} request(s) failed[/yellow]; see failures in {out_dir / 'summary.md'}")
+        raise typer.Exit(EXIT_SOME_FAILED)
+
+
+def _perf_config(**options: Any) -> Any:
+    from fp4forge.bench.runner import BenchConfig, Shape, load_points, load_workloads
+
+    workloads = load_workloads(options["workloads_file"])
+    if options["workload"] not in workloads:
+        raise ConfigError(f"unknown workload {options['workload']!r}; known: {sorted(workloads)}")
+    chosen = workloads[options["workload"]]
+    if options["mode"] not in ("sequential", "concurrency", "rate"):
+        raise ConfigError(f"--mode must be sequential, concurrency or rate, not {options['mode']!r}")
+    if options["endpoint"] not in ("completions", "chat"):
+        raise ConfigError(f"--endpoint must be completions or chat, not {options['endpoint']!r}")
+    if options["output_control"] not in ("ignore_eos", "min_tokens", "none"):
+        raise ConfigError(f"--output-control must be ignore_eos, min_tokens or none, not {options['output_control']!r}")
+    output = options["output_tokens"] or chosen.shapes[0].output_tokens
+    prompts = _int_list(options["prompt_tokens"], "--prompt-tokens") or [s.prompt_tokens for s in chosen.shapes]
+    extra_body: dict[str, Any] = {}
+    if options["extra_body"]:
+        try:
+            extra_body = json.loads(options["extra_body"])
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--extra-body is not JSON: {error}") from error
+        if not isinstance(extra_body, dict):
+            raise ConfigError("--extra-body must be a JSON object")
+    points = load_points(
+        options["mode"],
+        _int_list(options["concurrency"], "--concurrency") or list(chosen.concurrency),
+        _float_list(options["rate"], "--rate") or list(chosen.rates_rps),
+    )
+    return BenchConfig(
+        base_url=options["url"],
+        model=options["model"],
+        out_dir=Path(options["out_dir"]),
+        shapes=[Shape(p, output) for p in prompts],
+        points=points,
+        warmups=chosen.warmups if options["warmups"] is None else options["warmups"],
+        samples=chosen.samples if options["samples"] is None else options["samples"],
+        endpoint=options["endpoint"],
+        request_timeout_s=options["timeout_s"],
+        seed=options["seed"],
+        prefix_cache_fraction=options["prefix_fraction"] if options["prefix_cache"] else 0.0,
+        output_control=options["output_control"],
+        extra_body=extra_body,
+        tokenizer_path=options["tokenizer"],
+        workload=chosen.name,
+    )
+
+
+def _print_summary(summary: dict[str, Any] | None, as_json: bool) -> None:
+    from fp4forge.report.bench_tables import summary_rich
+
+    if summary is None:
+        return
+    if as_json:
+        _emit(summary)
+        return
+    out = _out()
+    for block in summary_rich(summary):
+        out.print(block)
+
+
+class LiveCells:
+    """A rich progress line per cell on stderr: phase, done/total, last and median TTFT, failures."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._progress: Any = None
+        self._tasks: dict[tuple[str, str], Any] = {}
+        self._ttfts: dict[tuple[str, str], list[float]] = {}
+
+    def __enter__(self) -> LiveCells:
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=_err(),
+            )
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def update(self, event: Any) -> None:
+        if self._progress is None:
+            return
+        import statistics
+
+        key = (event.load, event.shape)
+        description = f"{event.load} {event.shape} {event.phase}"
+        if key not in self._tasks:
+            self._tasks[key] = self._progress.add_task(description, total=event.total or None, detail="")
+        task = self._tasks[key]
+        ttfts = self._ttfts.setdefault(key, [])
+        if event.phase == "measure" and event.sample and event.sample.get("ttft_s") is not None and event.sample["ok"]:
+            ttfts.append(event.sample["ttft_s"])
+        detail = f"failed {event.failed}"
+        if ttfts:
+            detail = f"TTFT last {ttfts[-1] * 1000:,.1f} ms, median {statistics.median(ttfts) * 1000:,.1f} ms · " + detail
+        if event.phase == "done":
+            self._progress.update(task, description=f"{event.load} {event.shape} done", detail=detail)
+        else:
+            self._progress.update(task, description=description, completed=event.done, total=event.total or None, detail=detail)
+
+
+# -- analyze / compare --------------------------------------------------------------------------
+@bench_app.command("analyze")
+def analyze_command(
+    run_dir: Path = typer.Argument(..., metavar="DIR", help="A `bench perf --out` directory (only samples.jsonl is required)."),
+    as_json: bool = typer.Option(False, "--json", help="Print summary.json."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the Markdown table (also written to DIR/summary.md)."),
+    no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
+) -> None:
+    """Recompute every statistic from DIR/samples.jsonl; write summary.json, summary.md and plots."""
+    from fp4forge.bench.analyze import analyze_dir
+    from fp4forge.report.bench_tables import summary_markdown
+
+    try:
+        summary = analyze_dir(run_dir, plots=not no_plots)
+    except (Fp4forgeError, OSError) as error:
+        raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
+    if markdown:
+        sys.stdout.write(summary_markdown(summary))
+    else:
+        _print_summary(summary, as_json)
+
+
+@bench_app.command("compare")
+def compare_command(
+    run_a: Path = typer.Argument(..., metavar="RUN_A"),
+    run_b: Path = typer.Argument(..., metavar="RUN_B"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document."),
+    markdown: bool = typer.Option(False, "--markdown", help="A Markdown table."),
+) -> None:
+    """Per-cell ratios B/A of median TTFT and decode rate with bootstrap CIs; "no difference" when a CI covers 1."""
+    from fp4forge.bench.analyze import compare_dirs
+    from fp4forge.report.bench_tables import compare_markdown, compare_rich
+
+    try:
+        doc = compare_dirs(run_a, run_b)
+    except (Fp4forgeError, OSError) as error:
+        raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
+    if as_json:
+        _emit(doc)
+    elif markdown:
+        sys.stdout.write(compare_markdown(doc))
+    else:
+        out = _out()
+        for block in compare_rich(doc):
+            out.print(block)
+
+
+def main() -> None:
+    """Standalone entry point: ``python -m fp4forge.cli_bench bench perf ...``."""
+    app = typer.Typer(no_args_is_help=True, add_completion=False)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":
+    main()
