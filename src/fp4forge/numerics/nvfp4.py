@@ -1,0 +1,392 @@
+"""NVFP4: E2M1 elements, one FP8 E4M3 scale per 16 consecutive elements of the last dim, and
+one FP32 per-tensor scale (shared/docs/formats.md §2.2–§2.4).
+
+Two conventions for the per-tensor scalar, same block scales and same packed bytes:
+
+* ``"compressed-tensors"`` (llm-compressor writes it; CT 0.17):
+  ``weight_global_scale = 2688 / amax`` (F32 ``[1]``), computed in **amax's dtype** (for a bf16
+  weight llm-compressor's observer takes amax in bf16, so the quotient is rounded to bf16 before
+  the cast to F32), NaN/Inf -> 1.0, amax clamped to ``finfo(dtype).tiny`` (CT ``generate_gparam``)::
+
+      raw   = global_scale * (amax_blk / 6)          # amax_blk / 6 in W.dtype; product in F32
+      scale = e4m3(clamp(raw, -448, 448)); scale == 0 -> 0.125      # CT calculate_qparams
+      q     = e2m1(clamp(W / (scale / global_scale), -6, 6))        # CT _quantize
+      W'    = e2m1_value * (scale / global_scale)                   # CT decompress ("divide")
+
+  A raw block scale at or below 2^-10 rounds to E4M3 zero (2^-10 is the tie with the smallest
+  subnormal 2^-9) and is then replaced by 0.125 (CT's eps), so such a block quantizes to all
+  zeros; raw scales in (2^-10, 2^-6) become E4M3 subnormals (multiples of 2^-9).
+
+  The scalar must keep the shape ``[1]``: a 0-dim F32 scalar does not promote CT's bf16
+  ``scale / global_scale`` to F32, and CT's decompress then divides in bf16 (this is what happens
+  to checkpoints made by CT's ``ModelOptNvfp4Converter``, which keeps ModelOpt's ``[]``).
+
+* ``"modelopt"`` (ModelOpt ``NVFP4QTensor``): ``weight_scale_2 = amax / 2688`` (F32 scalar ``[]``)::
+
+      scale = e4m3(clamp(amax_blk / (6 * scale_2), 2^-9, 448)); raw 0 -> 1.0
+      q     = e2m1(W / (scale * scale_2))
+      W'    = e2m1_value * (scale * scale_2)                        # ModelOpt / vLLM ("multiply")
+
+Converting between them: ``weight_global_scale = 1 / weight_scale_2`` in F32 (what CT's
+``ModelOptNvfp4Converter`` does); block scales and packed bytes are unchanged.
+
+vLLM (0.32, emulation) dequantizes a CT weight with ``scale * fp32(1 / global_scale)``, i.e. the
+"multiply" formula, and quantizes activations with :func:`nvfp4_quantize_activation`.
+
+Everything is vectorised over the tensor and works on any leading shape; blocks run along the
+last dim. Given the same global scale (pass ``global_amax`` or ``global_scale``), a row chunk gives
+exactly the rows of the whole-tensor result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from fp4forge.numerics.e2m1 import (
+    E2M1_MAX,
+    NumericsError,
+    decode_packed_blocks,
+    e2m1_decode,
+    e2m1_encode,
+    encode_packed_blocks,
+    row_chunks,
+    unpack_fp4,
+)
+from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+
+__all__ = [
+    "NVFP4_BLOCK",
+    "NVFP4_GLOBAL_NUMERATOR",
+    "Convention",
+    "DequantFormula",
+    "Nvfp4Weight",
+    "absmax",
+    "ct_global_to_modelopt_scale_2",
+    "modelopt_scale_2_to_ct_global",
+    "nvfp4_block_scales",
+    "nvfp4_dequantize",
+    "nvfp4_encode",
+    "nvfp4_fake_quantize_activation",
+    "nvfp4_global_scale",
+    "nvfp4_quantize",
+    "nvfp4_quantize_activation",
+    "nvfp4_raw_block_scales",
+    "nvfp4_scale_2",
+]
+
+NVFP4_BLOCK = 16
+NVFP4_GLOBAL_NUMERATOR = FP8_E4M3_MAX * E2M1_MAX  # 2688
+CT_ZERO_SCALE = 0.125  # compressed-tensors eps for an FP8 scale
+MODELOPT_ZERO_SCALE = 1.0  # ModelOpt: an all-zero block gets scale 1.0
+MODELOPT_MIN_SCALE = 2.0**-9  # ModelOpt clamps block scales at the smallest E4M3 subnormal
+
+Convention = Literal["compressed-tensors", "modelopt"]
+DequantFormula = Literal["divide", "multiply"]
+_CONVENTIONS = ("compressed-tensors", "modelopt")
+
+
+# -- per-tensor scalars ---------------------------------------------------------------------------
+def absmax(w: Tensor) -> Tensor:
+    """``max |w|`` as a 0-dim tensor in ``w``'s dtype (exact; combine row chunks with ``torch.maximum``)."""
+    return w.abs().amax()
+
+
+def nvfp4_global_scale(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX, dtype: torch.dtype | None = None) -> Tensor:
+    """compressed-tensors ``generate_gparam``: ``(fp8_max * 6) / amax`` -> F32 ``[1]``.
+
+    The division runs in ``amax``'s dtype (or ``dtype`` if given, amax is cast first), as CT does;
+    amax is clamped to that dtype's ``tiny``; NaN/Inf results become 1.0 (so amax = 0, a tiny amax
+    whose quotient overflows, and NaN all give 1.0). The same formula gives the activation
+    ``input_global_scale`` from a calibrated activation amax. ``fp8_max=256`` is Four-Over-Six's.
+    """
+    a = torch.as_tensor(amax)
+    if dtype is not None:
+        a = a.to(dtype)
+    if not a.is_floating_point():
+        a = a.to(torch.float32)
+    a = a.abs().clamp(min=torch.finfo(a.dtype).tiny)
+    g = (fp8_max * E2M1_MAX) / a
+    g = torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
+    return g.to(torch.float32).reshape(1)
+
+
+def nvfp4_scale_2(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX) -> Tensor:
+    """ModelOpt ``get_weights_scaling_factor_2``: ``float32(amax) / (6 * fp8_max)`` -> F32 ``[]``.
+
+    Also ModelOpt's activation ``input_scale`` (amax / 2688) from a calibrated activation amax."""
+    return (torch.as_tensor(amax).float() / (E2M1_MAX * fp8_max)).reshape(())
+
+
+def ct_global_to_modelopt_scale_2(global_scale: Tensor) -> Tensor:
+    """CT ``weight_global_scale`` (F32 ``[1]``) -> ModelOpt ``weight_scale_2`` (F32 ``[]``): ``1 / x``
+    in F32, correctly rounded (what CT's ``ModelOptNvfp4Converter`` does in the other direction)."""
+    return (1.0 / global_scale.to(torch.float32)).reshape(())
+
+
+def modelopt_scale_2_to_ct_global(scale_2: Tensor) -> Tensor:
+    """ModelOpt ``weight_scale_2`` -> CT ``weight_global_scale`` (F32 ``[1]``): ``1 / x`` in F32."""
+    return (1.0 / scale_2.to(torch.float32)).reshape(1)
+
+
+# -- the quantized weight ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Nvfp4Weight:
+    """An NVFP4 weight as it lies on disk.
+
+    ``packed``: uint8 ``[..., K/2]`` (element 2i in the low nibble); ``block_scale``:
+    float8_e4m3fn ``[..., K/16]``, row-major, not swizzled; ``global_scale``: F32, the convention's
+    own scalar: CT ``weight_global_scale`` ``[1]`` (2688/amax) or ModelOpt ``weight_scale_2`` ``[]``
+    (amax/2688).
+    """
+
+    packed: Tensor
+    block_scale: Tensor
+    global_scale: Tensor
+    convention: Convention = "compressed-tensors"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the unpacked weight."""
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    @property
+    def weight_global_scale(self) -> Tensor:
+        """The CT scalar (F32 ``[1]``), converted if this weight is in ModelOpt convention."""
+        if self.convention == "compressed-tensors":
+            return self.global_scale
+        return modelopt_scale_2_to_ct_global(self.global_scale)
+
+    @property
+    def weight_scale_2(self) -> Tensor:
+        """The ModelOpt scalar (F32 ``[]``), converted if this weight is in CT convention."""
+        if self.convention == "modelopt":
+            return self.global_scale
+        return ct_global_to_modelopt_scale_2(self.global_scale)
+
+    def codes(self) -> Tensor:
+        """Unpacked E2M1 codes, uint8 ``[..., K]``."""
+        return unpack_fp4(self.packed)
+
+    def to_convention(self, convention: Convention) -> Nvfp4Weight:
+        """Same bytes and block scales, the per-tensor scalar converted by ``1/x`` in F32."""
+        _check_convention(convention)
+        if convention == self.convention:
+            return self
+        g = self.weight_global_scale if convention == "compressed-tensors" else self.weight_scale_2
+        return replace(self, global_scale=g, convention=convention)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16, *, formula: DequantFormula | None = None) -> Tensor:
+        """See :func:`nvfp4_dequantize`."""
+        return nvfp4_dequantize(self, dtype, formula=formula)
+
+
+def _check_convention(convention: str) -> None:
+    if convention not in _CONVENTIONS:
+        raise NumericsError(f"unknown NVFP4 convention {convention!r} (compressed-tensors | modelopt)")
+
+
+def _blocks(w: Tensor) -> Tensor:
+    if not w.is_floating_point():
+        raise NumericsError(f"NVFP4 quantization needs a float tensor, got {w.dtype}")
+    if w.ndim == 0 or w.shape[-1] % NVFP4_BLOCK:
+        raise NumericsError(f"NVFP4 needs the last dim to be a multiple of {NVFP4_BLOCK}, got shape {list(w.shape)}")
+    return w.unflatten(-1, (w.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK))
+
+
+def _check_finite(amax_blk: Tensor) -> None:
+    """NaN and Inf propagate into the block maxima, so checking those (1/16 of the data) suffices."""
+    if not bool(torch.isfinite(amax_blk).all()):
+        raise NumericsError("weight holds NaN or Inf; refusing to quantize it")
+
+
+def _resolve_scalar(
+    w: Tensor,
+    amax_blk: Tensor,
+    convention: Convention,
+    global_amax: Tensor | float | None,
+    global_scale: Tensor | None,
+    fp8_max: float,
+) -> Tensor:
+    if global_scale is not None:
+        if global_amax is not None:
+            raise NumericsError("pass global_amax or global_scale, not both")
+        return global_scale.to(torch.float32).reshape(1 if convention == "compressed-tensors" else ())
+    if global_amax is None:
+        amax = amax_blk.amax() if amax_blk.numel() else torch.zeros((), dtype=w.dtype)
+    else:
+        # CT computes the quotient in the weight's dtype; a bf16 max is exact in bf16.
+        amax = torch.as_tensor(global_amax, device=w.device).to(w.dtype).reshape(())
+    if convention == "compressed-tensors":
+        return nvfp4_global_scale(amax, fp8_max=fp8_max)
+    s2 = nvfp4_scale_2(amax, fp8_max=fp8_max)
+    if float(s2) == 0.0:
+        # ModelOpt would divide 0/0 here (NaN scales). Use the CT fallback (global 1.0) instead.
+        s2 = torch.ones((), dtype=torch.float32)
+    return s2
+
+
+# -- block scales -------------------------------------------------------------------------------------
+def nvfp4_raw_block_scales(amax_blk: Tensor, global_scale: Tensor, convention: Convention = "compressed-tensors") -> Tensor:
+    """Block scales before the E4M3 rounding, F32 ``[..., K/16]``.
+
+    CT: ``global_scale * (amax_blk / 6)`` with ``amax_blk / 6`` in amax_blk's dtype (as CT);
+    ModelOpt: ``float32(amax_blk) / (6 * scale_2)``.
+    """
+    if convention == "compressed-tensors":
+        # keep the scalar 1-D: a 0-dim F32 tensor would not promote a bf16 product to F32
+        return global_scale.to(torch.float32).reshape(1) * (amax_blk / E2M1_MAX)
+    return amax_blk.float() / (E2M1_MAX * global_scale.to(torch.float32).reshape(()))
+
+
+def _finish_block_scales(raw: Tensor, convention: Convention) -> Tensor:
+    """Round raw F32 block scales to E4M3 with the convention's clamps and zero rule."""
+    if convention == "compressed-tensors":
+        s = raw.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        s = torch.where(s == 0, torch.full_like(s, CT_ZERO_SCALE), s)
+        return s.to(torch.float8_e4m3fn)
+    s = torch.where(raw == 0, torch.full_like(raw, MODELOPT_ZERO_SCALE), raw)
+    return s.clamp(MODELOPT_MIN_SCALE, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def nvfp4_block_scales(
+    w: Tensor, global_scale: Tensor, convention: Convention = "compressed-tensors", *, multiplier: float = 1.0
+) -> Tensor:
+    """The round-to-nearest ("minmax") E4M3 block scales of ``w`` ``[..., K]`` -> ``[..., K/16]``.
+
+    ``multiplier`` scales the raw block scale before rounding (1.5 maps the block max to 4 instead
+    of 6); 1.0 is compressed-tensors' / ModelOpt's own rule.
+    """
+    _check_convention(convention)
+    amax_blk = _blocks(w).abs().amax(dim=-1)
+    raw = nvfp4_raw_block_scales(amax_blk, global_scale, convention)
+    if multiplier != 1.0:
+        raw = raw * multiplier
+    return _finish_block_scales(raw, convention)
+
+
+def _effective_scale(block_scale: Tensor, global_scale: Tensor, convention: Convention) -> Tensor:
+    """F32 per-block step multiplier: CT ``scale / global_scale``; ModelOpt ``scale * scale_2``."""
+    s = block_scale.to(torch.float32)
+    if convention == "compressed-tensors":
+        return s / global_scale.to(torch.float32)
+    return s * global_scale.to(torch.float32)
+
+
+def nvfp4_encode(
+    w: Tensor, block_scale: Tensor, global_scale: Tensor, convention: Convention = "compressed-tensors"
+) -> Tensor:
+    """E2M1 codes (uint8 ``[..., K]``) of ``w`` under the given scales.
+
+    CT: ``e2m1(clamp(w / (scale / global_scale), -6, 6))``; ModelOpt: ``e2m1(w / (scale * scale_2))``
+    (the clamp is implied: anything above 5 rounds to 6). The division is in F32.
+    """
+    _check_convention(convention)
+    blocks = _blocks(w)
+    eff = _effective_scale(block_scale, global_scale, convention)
+    scaled = blocks / eff.unsqueeze(-1)  # bf16 / F32 promotes: the division runs in F32
+    return e2m1_encode(scaled).flatten(-2)
+
+
+def nvfp4_quantize(
+    w: Tensor,
+    *,
+    convention: Convention = "compressed-tensors",
+    global_amax: Tensor | float | None = None,
+    global_scale: Tensor | None = None,
+    block_scale: Tensor | None = None,
+    fp8_max: float = FP8_E4M3_MAX,
+) -> Nvfp4Weight:
+    """Quantize ``w`` ``[..., K]`` (K a multiple of 16) to NVFP4, round-to-nearest block scales.
+
+    * ``global_amax``: use this amax for the per-tensor scalar instead of ``max |w|`` — the max over
+      a fused group (q/k/v, gate/up) so they share one scalar, or the whole tensor's amax when
+      quantizing it in row chunks. Cast to ``w.dtype`` first, as CT's observer has it.
+    * ``global_scale``: give the convention's scalar directly (CT ``[1]`` / ModelOpt ``[]``).
+    * ``block_scale``: give E4M3 block scales (from a scale search) instead of the minmax ones.
+    * ``fp8_max``: 448 (standard); 256 for Four-Over-Six's headroom.
+
+    With the defaults this is bit-identical to compressed-tensors 0.17 as llm-compressor runs it
+    (``generate_gparam`` + ``calculate_qparams`` + ``NVFP4PackedCompressor.compress``).
+    """
+    _check_convention(convention)
+    blocks = _blocks(w)
+    amax_blk = blocks.abs().amax(dim=-1)
+    _check_finite(amax_blk)
+    g = _resolve_scalar(w, amax_blk, convention, global_amax, global_scale, fp8_max)
+    if block_scale is None:
+        block_scale = _finish_block_scales(nvfp4_raw_block_scales(amax_blk, g, convention), convention)
+    elif block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != amax_blk.shape:
+        raise NumericsError(
+            f"block_scale must be float8_e4m3fn {list(amax_blk.shape)}, got {block_scale.dtype} {list(block_scale.shape)}"
+        )
+    packed = encode_packed_blocks(blocks, _effective_scale(block_scale, g, convention))
+    return Nvfp4Weight(packed, block_scale, g, convention)
+
+
+def nvfp4_dequantize(
+    q: Nvfp4Weight, dtype: torch.dtype = torch.bfloat16, *, formula: DequantFormula | None = None
+) -> Tensor:
+    """E2M1 values times the per-block step, computed in F32, cast to ``dtype``.
+
+    ``formula``: ``"divide"`` = ``value * (scale / weight_global_scale)`` (compressed-tensors
+    decompress); ``"multiply"`` = ``value * (scale * weight_scale_2)`` (ModelOpt dequantize and
+    vLLM's emulation, which uses ``weight_scale_2 = fp32(1 / weight_global_scale)`` for a CT
+    checkpoint). Default: the weight's own convention's formula.
+    """
+    if formula is None:
+        formula = "divide" if q.convention == "compressed-tensors" else "multiply"
+    s = q.block_scale.to(torch.float32)
+    if formula == "divide":
+        step = s / q.weight_global_scale.to(torch.float32)
+    elif formula == "multiply":
+        step = s * q.weight_scale_2.to(torch.float32)
+    else:
+        raise NumericsError(f"unknown dequantization formula {formula!r} (divide | multiply)")
+    return decode_packed_blocks(q.packed, step, NVFP4_BLOCK, dtype)
+
+
+# -- activations (vLLM's runtime quantization, emulated) --------------------------------------------
+def _reciprocal_vllm(x: Tensor) -> Tensor:
+    """vLLM ``get_reciprocal``: ``1 / (x + (x == 0) * 1e8)`` (so 0 -> 1e-8, not inf)."""
+    return 1.0 / (x + (x == 0) * 1e8)
+
+
+def nvfp4_quantize_activation(x: Tensor, input_global_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """vLLM ``ref_nvfp4_quant``: per-16 block quantization of activations ``x`` ``[..., K]``.
+
+    ``input_global_scale`` is the CT ``input_global_scale`` (2688/amax; = 1/ModelOpt
+    ``input_scale``), F32. Returns (E2M1 values as F32 ``[..., K]``, block scales as F32
+    ``[..., K/16]`` holding E4M3 values)::
+
+        s   = e4m3(clamp(gs * (amax_blk * (1/6)), -448, 448))       # no zero replacement
+        inv = 1 / (s * (1/gs))                                      # vLLM get_reciprocal twice
+        q   = e2m1(clamp(x * inv, -6, 6))
+
+    (``get_reciprocal(0)`` is 1e-8, so an all-zero block gives zeros.)
+    """
+    gs = input_global_scale.to(torch.float32)
+    blocks = _blocks(x)
+    amax_blk = blocks.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    scale = gs * (amax_blk * (1.0 / E2M1_MAX))
+    scale = scale.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    inv = _reciprocal_vllm(scale * _reciprocal_vllm(gs))
+    nb = blocks.shape[-2]
+    b2, i2 = blocks.reshape(-1, nb, NVFP4_BLOCK), inv.reshape(-1, nb, 1)
+    values = torch.empty(b2.shape, dtype=torch.float32, device=x.device)
+    for rows in row_chunks(b2.shape[0], nb * NVFP4_BLOCK):
+        scaled = (b2[rows].to(torch.float32) * i2[rows]).clamp(-E2M1_MAX, E2M1_MAX)
+        values[rows] = e2m1_decode(e2m1_encode(scaled), torch.float32)
+    return values.reshape(x.shape), scale.squeeze(-1)
+
+
+def nvfp4_fake_quantize_activation(x: Tensor, input_global_scale: Tensor) -> Tensor:
+    """vLLM ``ref_nvfp4_quant_dequant`` (its CPU path): quantize, then ``value * (scale / gs)``,
+    cast back to ``x.dtype``. For W4A4 emulation of activations."""
+    values, scale = nvfp4_quantize_activation(x, input_global_scale)
+    step = scale.unsqueeze(-1) / input_global_scale.to(torch.float32)
+    values = values.unflatten(-1, (values.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK))
+    return (values * step).flatten(-2).to(x.dtype)

@@ -1,0 +1,186 @@
+"""NVFP4 block-scale choice, and the relative weight error ||W - Q(W)|| / ||W||
+(shared/docs/quantization.md §2.1, §3).
+
+Methods (all keep the packed layout and formulas of :mod:`fp4forge.numerics.nvfp4`; only the
+E4M3 block scales differ, so any NVFP4 loader reads the result):
+
+* ``"minmax"`` (default): round-to-nearest block scale, block max -> 6. Exactly
+  :func:`~fp4forge.numerics.nvfp4.nvfp4_quantize`, i.e. compressed-tensors.
+* ``"four_over_six"``: per block, the better (lower block squared error) of block max -> 6 and
+  block max -> 4 (raw scale x 1.5), Cook et al. arXiv:2512.02010. Default per-tensor headroom
+  ``fp8_max=256`` (global = 1536/amax) as in the paper, llm-compressor and ModelOpt, so that even
+  the largest blocks can take the x1.5 scale (256 * 1.5 = 384 <= 448).
+* ``"mse"``: per block, every E4M3 value between ``round(lo * raw)`` and ``round(hi * raw)``
+  (default 0.8x .. 1.8x, about ten E4M3 steps) is tried; the lowest block squared error wins.
+  Default ``fp8_max=448``, so the minmax scale is always one of the candidates.
+
+A candidate replaces the minmax scale only when its block error is strictly lower, so "mse" is
+never worse than "minmax" at the same global scale. The error of each block is that of the real
+quantize -> dequantize round trip (F32, the convention's own formulas).
+
+Every method returns the error sums, so callers that quantize in row chunks add up ``err_sq``
+and ``ref_sq`` over chunks and report ``sqrt(sum err_sq / sum ref_sq)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from fp4forge.numerics.e2m1 import _BOUNDARIES, NumericsError, e2m1_decode, row_chunks
+from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+from fp4forge.numerics.nvfp4 import (
+    NVFP4_BLOCK,
+    Convention,
+    Nvfp4Weight,
+    _blocks,
+    _check_convention,
+    _check_finite,
+    _effective_scale,
+    _finish_block_scales,
+    _resolve_scalar,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+    nvfp4_raw_block_scales,
+)
+
+__all__ = [
+    "FOUR_OVER_SIX_FP8_MAX",
+    "ScaleMethod",
+    "ScaleSearchResult",
+    "error_sums",
+    "relative_error",
+    "search_nvfp4",
+]
+
+ScaleMethod = Literal["minmax", "four_over_six", "mse"]
+FOUR_OVER_SIX_FP8_MAX = 256.0
+DEFAULT_MSE_RANGE = (0.8, 1.8)
+
+
+def error_sums(w: Tensor, w_hat: Tensor) -> tuple[float, float]:
+    """(sum (w - w_hat)^2, sum w^2): differences in F32, sums accumulated in F64 — add these
+    over row chunks to get a whole tensor's error."""
+    if w.shape != w_hat.shape:
+        raise NumericsError(f"shapes differ: {list(w.shape)} vs {list(w_hat.shape)}")
+    w2 = w.reshape(-1, w.shape[-1]) if w.ndim else w.reshape(1, 1)
+    h2 = w_hat.reshape(w2.shape)
+    err = ref = 0.0
+    for rows in row_chunks(w2.shape[0], w2.shape[1]):
+        x = w2[rows].to(torch.float32)
+        d = x - h2[rows].to(torch.float32)
+        err += float(torch.sum(d * d, dtype=torch.float64))
+        ref += float(torch.sum(x * x, dtype=torch.float64))
+    return err, ref
+
+
+def relative_error(w: Tensor, w_hat: Tensor) -> float:
+    """``||w - w_hat|| / ||w||`` (Frobenius). 0.0 when both are zero; inf when only w is."""
+    err, ref = error_sums(w, w_hat)
+    if ref == 0.0:
+        return 0.0 if err == 0.0 else math.inf
+    return math.sqrt(err / ref)
+
+
+@dataclass(frozen=True)
+class ScaleSearchResult:
+    """The quantized weight, how it was chosen and how far it is from the input.
+
+    ``relative_error`` = sqrt(err_sq / ref_sq) with the F32 dequantization of ``weight``;
+    ``blocks_changed`` = blocks whose scale differs from minmax (0 for "minmax").
+    """
+
+    weight: Nvfp4Weight
+    method: ScaleMethod
+    relative_error: float
+    err_sq: float
+    ref_sq: float
+    blocks_changed: int
+
+
+def _block_sq_error(a: Tensor, bits: Tensor, g: Tensor, convention: Convention) -> Tensor:
+    """Per-block sum of squared error of quantize -> dequantize, from ``a = |w|`` (F32
+    ``[rows, nb, 16]``) and E4M3 scale bits ``[rows, nb]``: the sign never changes the error."""
+    eff = _effective_scale(bits.view(torch.float8_e4m3fn), g, convention).unsqueeze(-1)
+    scaled = a / eff
+    mag = torch.zeros(scaled.shape, dtype=torch.uint8, device=a.device)
+    for bound, inclusive in _BOUNDARIES:  # the E2M1 magnitude index, as e2m1_encode computes it
+        mag += (scaled >= bound) if inclusive else (scaled > bound)
+    d = e2m1_decode(mag, torch.float32) * eff - a
+    return (d * d).sum(dim=-1)
+
+
+def _candidates(method: str, raw: Tensor, convention: Convention, mse_range: tuple[float, float]):
+    """E4M3 bit patterns ``[rows, nb]`` to try against the minmax scale."""
+    if method == "four_over_six":
+        yield _finish_block_scales(raw * 1.5, convention).view(torch.uint8)
+        return
+    lo, hi = mse_range
+    # Bit patterns of positive E4M3 values increase with the value: sweep every code in range.
+    c_lo = _finish_block_scales(raw * lo, convention).view(torch.uint8).to(torch.int16)
+    c_hi = _finish_block_scales(raw * hi, convention).view(torch.uint8).to(torch.int16)
+    span = int((c_hi - c_lo).max()) + 1 if c_lo.numel() else 0
+    for k in range(span):
+        yield torch.minimum(c_lo + k, c_hi).to(torch.uint8)
+
+
+def search_nvfp4(
+    w: Tensor,
+    method: ScaleMethod = "minmax",
+    *,
+    convention: Convention = "compressed-tensors",
+    global_amax: Tensor | float | None = None,
+    global_scale: Tensor | None = None,
+    fp8_max: float | None = None,
+    mse_range: tuple[float, float] = DEFAULT_MSE_RANGE,
+) -> ScaleSearchResult:
+    """Quantize ``w`` ``[..., K]`` to NVFP4 choosing block scales by ``method``; report the error.
+
+    ``global_amax`` / ``global_scale`` as in :func:`~fp4forge.numerics.nvfp4.nvfp4_quantize` (a
+    fused group must use one method, so that it shares one scalar). ``fp8_max`` defaults to 256
+    for "four_over_six" and 448 otherwise.
+    """
+    _check_convention(convention)
+    if method not in ("minmax", "four_over_six", "mse"):
+        raise NumericsError(f"unknown block-scale method {method!r} (minmax | four_over_six | mse)")
+    if fp8_max is None:
+        fp8_max = FOUR_OVER_SIX_FP8_MAX if method == "four_over_six" else FP8_E4M3_MAX
+    lo, hi = mse_range
+    if not 0.0 < lo <= 1.0 <= hi:
+        raise NumericsError(f"mse_range must satisfy 0 < lo <= 1 <= hi, got {mse_range}")
+
+    blocks = _blocks(w)
+    amax_blk = blocks.abs().amax(dim=-1)
+    _check_finite(amax_blk)
+    g = _resolve_scalar(w, amax_blk, convention, global_amax, global_scale, fp8_max)
+    raw = nvfp4_raw_block_scales(amax_blk, g, convention)
+    minmax_scale = _finish_block_scales(raw, convention)
+    chosen = minmax_scale
+
+    if method != "minmax":
+        nb = blocks.shape[-2]
+        b2 = blocks.reshape(-1, nb, NVFP4_BLOCK)
+        raw2 = raw.reshape(-1, nb)
+        best_bits = minmax_scale.view(torch.uint8).reshape(-1, nb).clone()
+        # Row chunks outside, candidates inside: a chunk's |w| stays in cache for all candidates.
+        for rows in row_chunks(b2.shape[0], nb * NVFP4_BLOCK):
+            a = b2[rows].to(torch.float32).abs()
+            best = best_bits[rows]
+            best_err = _block_sq_error(a, best, g, convention)
+            for bits in _candidates(method, raw2[rows], convention, mse_range):
+                err = _block_sq_error(a, bits, g, convention)
+                better = err < best_err  # strictly lower: ties keep the minmax scale
+                best_err = torch.where(better, err, best_err)
+                best = torch.where(better, bits, best)
+            best_bits[rows] = best
+        chosen = best_bits.view(torch.float8_e4m3fn).reshape(minmax_scale.shape)
+
+    q = nvfp4_quantize(w, convention=convention, global_scale=g, block_scale=chosen, fp8_max=fp8_max)
+    err_sq, ref_sq = error_sums(w, nvfp4_dequantize(q, torch.float32))
+    rel = 0.0 if ref_sq == 0.0 else math.sqrt(err_sq / ref_sq)
+    changed = int((chosen.view(torch.uint8) != minmax_scale.view(torch.uint8)).sum())
+    return ScaleSearchResult(q, method, rel, err_sq, ref_sq, changed)
