@@ -51,6 +51,15 @@ from fp4forge.numerics import (
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one torch thread is faster, and far faster on a busy 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bits of a tensor, for bit-exact comparisons (so -0.0 != 0.0 and NaN == NaN)."""
     t = t.contiguous()

@@ -62,12 +62,16 @@ from compressed_tensors.quantization.utils.helpers import calculate_qparams, gen
 
 @pytest.fixture(autouse=True, scope="module")
 def _eager_compressed_tensors():
+    """CT eager (see the module docstring) and one torch thread (small tensors; a busy 2-core
+    machine makes every multi-threaded kernel wait for both cores)."""
     import torch._dynamo
 
-    old = torch._dynamo.config.disable
+    old, old_threads = torch._dynamo.config.disable, torch.get_num_threads()
     torch._dynamo.config.disable = True
+    torch.set_num_threads(1)
     yield
     torch._dynamo.config.disable = old
+    torch.set_num_threads(old_threads)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -68,16 +68,22 @@ _BOUNDARIES: tuple[tuple[float, bool], ...] = (
 _TABLE_CACHE: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 _PAIR_CACHE: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
-#: Elements per chunk in the chunked loops below: every temporary stays at 1 MiB (F32), i.e. in
-#: cache, whatever the tensor's size; on the 2-core target this cut single-thread CPU time of
-#: NVFP4 quantization by ~1/3 against one whole-tensor pass.
-CHUNK_ELEMENTS = 1 << 18
+#: Elements per chunk in the chunked loops below. With one torch thread, small chunks keep every
+#: temporary (1 MiB F32) in cache: ~1/3 less CPU time for NVFP4 quantization on the 2-core target.
+#: With several threads every kernel is an OpenMP region whose threads must all be scheduled, and
+#: on a busy machine hundreds of small regions cost seconds, so chunks are large (16 MiB F32) and
+#: only bound the memory of the temporaries.
+CHUNK_ELEMENTS_ONE_THREAD = 1 << 18
+CHUNK_ELEMENTS_THREADED = 1 << 22
+#: Override for both (None: choose by ``torch.get_num_threads()``).
+CHUNK_ELEMENTS: int | None = None
 
 
 def row_chunks(n_rows: int, row_elements: int, chunk_elements: int | None = None) -> list[slice]:
-    """Row slices covering ``n_rows`` rows with about ``chunk_elements`` (default
-    :data:`CHUNK_ELEMENTS`) elements each."""
-    per_chunk = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    """Row slices covering ``n_rows`` rows with about ``chunk_elements`` elements each."""
+    per_chunk = chunk_elements or CHUNK_ELEMENTS
+    if not per_chunk:
+        per_chunk = CHUNK_ELEMENTS_ONE_THREAD if torch.get_num_threads() == 1 else CHUNK_ELEMENTS_THREADED
     step = max(1, per_chunk // max(1, row_elements))
     return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
 

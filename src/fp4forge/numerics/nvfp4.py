@@ -243,7 +243,11 @@ def nvfp4_raw_block_scales(amax_blk: Tensor, global_scale: Tensor, convention: C
 
 
 def _finish_block_scales(raw: Tensor, convention: Convention) -> Tensor:
-    """Round raw F32 block scales to E4M3 with the convention's clamps and zero rule."""
+    """Round raw F32 block scales to E4M3 with the convention's clamps and zero rule.
+
+    (The 448 clamp on the ModelOpt side is ours: ModelOpt has none, which only matters when a
+    supplied global amax is below a block's amax; torch's CPU cast saturates there too, other
+    backends may give NaN.)"""
     if convention == "compressed-tensors":
         s = raw.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
         s = torch.where(s == 0, torch.full_like(s, CT_ZERO_SCALE), s)
