@@ -31,14 +31,26 @@ class RepoServer:
     def __init__(self, repos: dict[str, Path]):
         self.repos = repos
         self.requests: list[tuple[str, str, str | None]] = []
+        self.bytes_sent = 0  # response body bytes, for "what did a remote read cost"
         self.port = _free_port()
         app = Starlette(routes=[Route("/{org}/{name}/{kind}/{rev}/{path:path}", self._serve, methods=["GET", "HEAD"])])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(self._counting(app), host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def _counting(self, app):
+        async def counted(scope, receive, send):
+            async def counting_send(message):
+                if message["type"] == "http.response.body":
+                    self.bytes_sent += len(message.get("body", b""))
+                await send(message)
+
+            await app(scope, receive, counting_send)
+
+        return counted
 
     async def _serve(self, request: Request) -> Response:
         repo = f"{request.path_params['org']}/{request.path_params['name']}"

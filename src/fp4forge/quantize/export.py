@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import shutil
+import os
 import statistics
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -50,6 +51,7 @@ class QuantizeOptions:
     block_scales: str = "minmax"  # minmax | four_over_six | mse
     act_amax: ConstantAmax | StatsAmax | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    workers: int = max(1, os.cpu_count() or 1)  # units quantized concurrently (bytes do not depend on it)
 
 
 @dataclass
@@ -91,7 +93,7 @@ def _check_source(ckpt: Checkpoint) -> None:
         raise ConfigError("source is already quantized; fp4forge quantizes BF16/F16/F32 checkpoints", file=ckpt.display)
 
 
-def _linear_names(specs: list[TensorSpec], layout: Layout) -> list[str]:
+def linear_names(specs: list[TensorSpec], layout: Layout) -> list[str]:
     """Every 2-D `.weight` module that a layout component owns (the Linears a config can name)."""
     out = []
     for spec in specs:
@@ -202,6 +204,49 @@ class UnitQuantizer:
         return out
 
 
+def _process_unit(unit: WorkUnit, ckpt: Checkpoint, quantizer: UnitQuantizer) -> tuple[WorkUnit, dict[str, Any], list[LinearError], int]:
+    """Read and quantize one unit (pass-through tensors are carried as raw bytes)."""
+    tensors: dict[str, Any] = {}
+    unit_bytes = 0
+    for name in unit.passthrough:
+        tensors[name] = ckpt.read_raw(name)
+        unit_bytes += len(tensors[name])
+    errors: list[LinearError] = []
+    if unit.linears:
+        weights = {t.module: ckpt.read_tensor(f"{t.module}.weight") for t in unit.linears}
+        unit_bytes += sum(w.numel() * w.element_size() for w in weights.values())
+        quantized, errors = quantizer.quantize(unit, weights)
+        tensors.update(quantized)
+    return unit, tensors, errors, unit_bytes
+
+
+def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, workers: int):
+    """Yield processed units in plan order, `workers` of them computed at a time.
+
+    Torch kernels release the GIL, so threads with one intra-op thread each keep every core
+    busy without the oversubscription of nested OpenMP pools; the window of in-flight units
+    (workers + 1) bounds memory to a few units whatever the model's size. Writing stays on the
+    caller's thread."""
+    if workers <= 1:
+        for unit in units:
+            yield _process_unit(unit, ckpt, quantizer)
+        return
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            window: deque = deque()
+            queue = iter(units)
+            for unit in queue:
+                window.append(pool.submit(_process_unit, unit, ckpt, quantizer))
+                if len(window) > workers:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
 def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
     by_component: dict[str, list[float]] = {}
     for e in errors:
@@ -227,38 +272,30 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             f"recipe {options.recipe.name} quantizes activations (W4A4 / static FP8 / FP8 KV): pass --stats FILE "
             "(from `fp4forge calibrate`) or an explicit --act-scales constant:AMAX (recorded as uncalibrated)"
         )
-    all_linears = _linear_names(specs, layout)
+    all_linears = linear_names(specs, layout)
     source_digest = source_header_digest(ckpt)
     key = resume_key(plan, options, source_digest)
     out = Path(out)
     quantizer = UnitQuantizer(options)
-    errors: list[LinearError] = []
     bytes_read = 0
     total_units = len(plan.units) + (1 if plan.kv_layers else 0)
     with CheckpointWriter(out, plan.output_specs, max_shard_bytes=options.max_shard_bytes, resume_key=key) as writer:
         resumed = len(writer.completed_units)
-        for number, unit in enumerate(plan.units, start=1):
-            if unit.key in writer.completed_units:
-                errors += [LinearError(**e) for e in writer.completed_payloads.get(unit.key) or []]
-                continue
-            names: list[str] = []
-            for name in unit.passthrough:
-                writer.write(name, ckpt.read_raw(name))
-                bytes_read += ckpt.locate(name)[1].nbytes
-                names.append(name)
-            if unit.linears:
-                weights = {t.module: ckpt.read_tensor(f"{t.module}.weight") for t in unit.linears}
-                bytes_read += sum(w.numel() * w.element_size() for w in weights.values())
-                tensors, unit_errors = quantizer.quantize(unit, weights)
-                for name, tensor in tensors.items():
-                    writer.write(name, tensor)
-                names += list(tensors)
-                errors += unit_errors
-            else:
-                unit_errors = []
-            writer.commit_unit(unit.key, names, [e.__dict__ for e in unit_errors])
+        pending = [u for u in plan.units if u.key not in writer.completed_units]
+        finished: dict[str, list[LinearError]] = {
+            u.key: [LinearError(**e) for e in writer.completed_payloads.get(u.key) or []] for u in plan.units if u.key in writer.completed_units
+        }
+        done = resumed
+        for unit, tensors, unit_errors, unit_bytes in _process_units(pending, ckpt, quantizer, options.workers):
+            for name, tensor in tensors.items():
+                writer.write(name, tensor)
+            writer.commit_unit(unit.key, list(tensors), [e.__dict__ for e in unit_errors])
+            finished[unit.key] = unit_errors
+            bytes_read += unit_bytes
+            done += 1
             if progress:
-                progress(number, total_units, f"{unit.key} · {bytes_read / 1e9 / max(time.perf_counter() - started, 1e-9):.2f} GB/s")
+                progress(done, total_units, f"{unit.key} · {bytes_read / 1e9 / max(time.perf_counter() - started, 1e-9):.3f} GB/s")
+        errors = [e for u in plan.units for e in finished.get(u.key, [])]  # plan order, resumed or not
         if plan.kv_layers and "kv_scales" not in writer.completed_units:
             kv = {}
             for prefix in plan.kv_layers:
