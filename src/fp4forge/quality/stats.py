@@ -1,0 +1,356 @@
+"""Statistics for two arms on a small suite: noise floor, paired tests, bootstrap, power, verdict.
+
+Pure functions over plain data: a *run* is a mapping ``scenario id -> (earned, max)``; an *arm* is
+a list of runs. Per-scenario scores are fractions ``s_i = earned / max`` so that every scenario
+weighs the same (docs/benchmarking.md §6 notation); totals are also reported in points. Within an
+arm, the K runs are averaged per scenario before pairing (§6.2); the run-level data gives the A/A
+noise floor.
+
+Tests:
+* sign test on ``sign(d_i)``, ``d_i = s_B,i - s_A,i``, exact two-sided, ties dropped:
+  ``p = min(1, 2 * sum_{i<=min(b,c)} C(b+c, i) / 2^(b+c))``;
+* McNemar on the binary view "fully correct in every run of the arm" (exact, plus the chi-square
+  with continuity correction for reference);
+* paired bootstrap percentile CI of the mean difference (resampling scenarios, seeded), and a
+  sign-flip permutation p (exact up to 16 non-zero differences, Monte Carlo beyond);
+* power of the exact sign test for n scenarios (discordance probability psi, share q of
+  discordant pairs favouring one arm), and the graded-score minimum detectable effect.
+
+The verdict orders two arms only when every one of these holds: the sign test is significant, the
+bootstrap CI excludes 0, the difference in points exceeds what an arm moved between its own runs,
+and there are more discordant scenarios between arms than within an arm. Otherwise it says
+"cannot order" and lists which condition failed; without two runs of at least one arm there is no
+noise floor and it never orders.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+Run = Mapping[str, tuple[int, int]]  # scenario id -> (earned, max)
+
+DEFAULT_ALPHA = 0.05
+DEFAULT_BOOTSTRAP = 10_000
+EXACT_SIGN_FLIP_LIMIT = 16  # 2^16 sign patterns enumerated; Monte Carlo beyond
+EPSILON = 1e-12
+
+
+# -- exact tests --------------------------------------------------------------------------------
+def binomial_cdf_half(k: int, n: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2), exactly (integer arithmetic, then one division)."""
+    if k < 0:
+        return 0.0
+    return sum(math.comb(n, i) for i in range(0, min(k, n) + 1)) / 2**n
+
+
+def sign_test(b: int, c: int) -> float:
+    """Exact two-sided sign test on b discordant pairs one way and c the other."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    return min(1.0, 2.0 * binomial_cdf_half(min(b, c), n))
+
+
+@dataclass(frozen=True)
+class McNemar:
+    b: int
+    c: int
+    exact_p: float
+    chi2: float
+    chi2_p: float
+
+
+def mcnemar(b: int, c: int) -> McNemar:
+    """Exact McNemar (= the sign test on the discordant pairs) and the continuity-corrected chi-square.
+
+    The correction stops at zero: b == c gives chi2 = 0, not (0 - 1)^2 / (b + c).
+    """
+    n = b + c
+    chi2 = (max(0, abs(b - c) - 1) ** 2) / n if n else 0.0
+    return McNemar(b, c, sign_test(b, c), chi2, math.erfc(math.sqrt(chi2 / 2.0)))
+
+
+def smallest_significant_discordance(alpha: float = DEFAULT_ALPHA) -> int:
+    """The fewest discordant pairs, all in one direction, that the exact sign test can call (6 at 0.05)."""
+    n = 1
+    while sign_test(0, n) > alpha:
+        n += 1
+    return n
+
+
+def paired_bootstrap_ci(diffs: Sequence[float], *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile CI of mean(diffs), resampling items with replacement."""
+    values = np.asarray(diffs, dtype=float)
+    if values.size == 0:
+        return (0.0, 0.0)
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, values.size, size=(n_boot, values.size))].mean(axis=1)
+    tail = (1.0 - level) / 2.0 * 100.0
+    low, high = np.percentile(means, [tail, 100.0 - tail])
+    return (float(low), float(high))
+
+
+def sign_flip_p(diffs: Sequence[float], *, n_perm: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> float:
+    """Two-sided permutation p of mean(diffs) under random sign flips (exact for few non-zero diffs)."""
+    nonzero = np.asarray([d for d in diffs if abs(d) > EPSILON], dtype=float)
+    if nonzero.size == 0:
+        return 1.0
+    observed = abs(nonzero.sum())
+    if nonzero.size <= EXACT_SIGN_FLIP_LIMIT:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=nonzero.size)))
+    else:
+        signs = np.random.default_rng(seed).choice((1.0, -1.0), size=(n_perm, nonzero.size))
+    sums = np.abs(signs @ nonzero)
+    return float(np.mean(sums >= observed - EPSILON))
+
+
+# -- power --------------------------------------------------------------------------------------
+def sign_test_power(n: int, psi: float, q: float, alpha: float = DEFAULT_ALPHA) -> float:
+    """Exact power of the two-sided sign test with n paired items.
+
+    Each item is discordant with probability psi; a discordant item favours one arm with
+    probability q. The gap in pass rate this detects is delta = psi * (2q - 1).
+    """
+    total = 0.0
+    for discordant in range(n + 1):
+        p_discordant = math.comb(n, discordant) * psi**discordant * (1 - psi) ** (n - discordant)
+        if p_discordant == 0.0:
+            continue
+        reject = sum(
+            math.comb(discordant, k) * q**k * (1 - q) ** (discordant - k)
+            for k in range(discordant + 1)
+            if sign_test(k, discordant - k) <= alpha
+        )
+        total += p_discordant * reject
+    return total
+
+
+def minimum_detectable_effect(n: int, sd_diff: float, alpha: float = DEFAULT_ALPHA, power: float = 0.8) -> float:
+    """Paired normal approximation: (z_{1-alpha/2} + z_power) * sd(d) / sqrt(n)."""
+    z = NormalDist()
+    return (z.inv_cdf(1 - alpha / 2) + z.inv_cdf(power)) * sd_diff / math.sqrt(n)
+
+
+def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 1.0)
+    z = NormalDist().inv_cdf(1 - (1 - level) / 2)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def power_table(n: int, observed_psi: float | None, alpha: float = DEFAULT_ALPHA) -> list[dict[str, float]]:
+    psis = sorted({0.1, 0.2, 0.3} | ({round(observed_psi, 4)} if observed_psi else set()))
+    return [
+        {"psi": psi, "q": q, "delta": round(psi * (2 * q - 1), 4), "power": sign_test_power(n, psi, q, alpha)}
+        for psi in psis
+        for q in (0.8, 0.9, 1.0)
+    ]
+
+
+# -- one arm: the noise floor -------------------------------------------------------------------
+def fraction(points: tuple[int, int]) -> float:
+    earned, maximum = points
+    return earned / maximum if maximum else 0.0
+
+
+def common_ids(runs: Sequence[Run]) -> list[str]:
+    if not runs:
+        return []
+    shared = set(runs[0])
+    for run in runs[1:]:
+        shared &= set(run)
+    return [i for i in runs[0] if i in shared]  # first run's order
+
+
+def noise_floor(runs: Sequence[Run], categories: Mapping[str, str]) -> dict[str, Any]:
+    """What one arm does between its own runs: flipping scenarios and categories, the spread."""
+    ids = common_ids(runs)
+    totals = [sum(run[i][0] for i in ids) for run in runs]
+    pairs = []
+    for (a, run_a), (b, run_b) in itertools.combinations(enumerate(runs), 2):
+        moved = [i for i in ids if run_a[i][0] != run_b[i][0]]
+        pairs.append({
+            "runs": [a + 1, b + 1],
+            "discordant": len(moved),
+            "discordant_ids": moved,
+            "points_diff": totals[b] - totals[a],
+            "mean_fraction_diff": float(np.mean([fraction(run_b[i]) - fraction(run_a[i]) for i in ids])) if ids else 0.0,
+        })
+    flipping = [i for i in ids if len({run[i][0] for run in runs}) > 1]
+    per_category: dict[str, dict[str, Any]] = {}
+    for category in dict.fromkeys(categories[i] for i in ids):
+        members = [i for i in ids if categories[i] == category]
+        earned = [sum(run[i][0] for i in members) for run in runs]
+        per_category[category] = {
+            "earned_per_run": earned,
+            "max": sum(runs[0][i][1] for i in members),
+            "spread": max(earned) - min(earned),
+            "flipping": [i for i in members if i in flipping],
+        }
+    measured = len(runs) >= 2
+    return {
+        "runs": len(runs),
+        "measured": measured,
+        "scenarios": len(ids),
+        "total_per_run": totals,
+        "max_points": sum(runs[0][i][1] for i in ids) if runs else 0,
+        "spread_points": (max(totals) - min(totals)) if totals else 0,
+        "pairs": pairs,
+        "flipping_scenarios": flipping,
+        "categories": per_category,
+        "categories_moved": sum(1 for entry in per_category.values() if entry["spread"] > 0),
+        "band_points": max((abs(p["points_diff"]) for p in pairs), default=None),
+        "band_fraction": max((abs(p["mean_fraction_diff"]) for p in pairs), default=None),
+        "max_discordant": max((p["discordant"] for p in pairs), default=None),
+    }
+
+
+# -- two arms -----------------------------------------------------------------------------------
+def compare_arms(
+    runs_a: Sequence[Run],
+    runs_b: Sequence[Run],
+    categories: Mapping[str, str],
+    *,
+    alpha: float = DEFAULT_ALPHA,
+    n_boot: int = DEFAULT_BOOTSTRAP,
+    seed: int = 0,
+) -> dict[str, Any]:
+    if not runs_a or not runs_b:
+        raise ValueError("each arm needs at least one run")
+    ids = [i for i in common_ids(runs_a) if i in set(common_ids(runs_b))]
+    floor_a, floor_b = noise_floor(runs_a, categories), noise_floor(runs_b, categories)
+    mean_a = {i: float(np.mean([fraction(run[i]) for run in runs_a])) for i in ids}
+    mean_b = {i: float(np.mean([fraction(run[i]) for run in runs_b])) for i in ids}
+    diffs = [mean_b[i] - mean_a[i] for i in ids]
+    favours_a = [i for i, d in zip(ids, diffs) if d < -EPSILON]
+    favours_b = [i for i, d in zip(ids, diffs) if d > EPSILON]
+    pass_a = {i: all(run[i][0] == run[i][1] for run in runs_a) for i in ids}
+    pass_b = {i: all(run[i][0] == run[i][1] for run in runs_b) for i in ids}
+    binary = mcnemar(sum(pass_a[i] and not pass_b[i] for i in ids), sum(pass_b[i] and not pass_a[i] for i in ids))
+    flipping_a, flipping_b = set(floor_a["flipping_scenarios"]), set(floor_b["flipping_scenarios"])
+    flips = [
+        {
+            "id": i,
+            "category": categories[i],
+            "max": runs_a[0][i][1],
+            "a": [run[i][0] for run in runs_a],
+            "b": [run[i][0] for run in runs_b],
+            "diff_fraction": mean_b[i] - mean_a[i],
+            "favours": "B" if mean_b[i] > mean_a[i] else "A",
+            "flips_within_a": i in flipping_a,
+            "flips_within_b": i in flipping_b,
+        }
+        for i in favours_a + favours_b
+    ]
+    flips.sort(key=lambda f: ids.index(f["id"]))
+    points_a = float(np.mean([sum(run[i][0] for i in ids) for run in runs_a]))
+    points_b = float(np.mean([sum(run[i][0] for i in ids) for run in runs_b]))
+    n = len(ids)
+    sd_diff = float(np.std(diffs, ddof=1)) if n > 1 else 0.0
+    discordant = len(favours_a) + len(favours_b)
+    result = {
+        "scenarios": n,
+        "max_points": sum(runs_a[0][i][1] for i in ids),
+        "runs": {"A": len(runs_a), "B": len(runs_b)},
+        "points": {"A": points_a, "B": points_b, "diff": points_b - points_a},
+        "mean_fraction": {"A": float(np.mean(list(mean_a.values()))) if n else 0.0, "B": float(np.mean(list(mean_b.values()))) if n else 0.0},
+        "mean_fraction_diff": float(np.mean(diffs)) if n else 0.0,
+        "bootstrap_ci": list(paired_bootstrap_ci(diffs, n_boot=n_boot, seed=seed)),
+        "bootstrap": {"resamples": n_boot, "seed": seed, "level": 0.95},
+        "sign_test": {"favours_a": len(favours_a), "favours_b": len(favours_b), "ties": n - discordant, "p": sign_test(len(favours_a), len(favours_b))},
+        "sign_flip_p": sign_flip_p(diffs, n_perm=n_boot, seed=seed),
+        "mcnemar_fully_correct": binary.__dict__,
+        "discordant": discordant,
+        "discordance_rate": discordant / n if n else 0.0,
+        "flips": flips,
+        "flips_also_within_arm": sum(1 for f in flips if f["flips_within_a"] or f["flips_within_b"]),
+        "noise_floor": {"A": floor_a, "B": floor_b},
+        "categories": category_comparison(runs_a, runs_b, ids, categories),
+        "power": {
+            "sd_diff": sd_diff,
+            "mde_80": minimum_detectable_effect(n, sd_diff, alpha) if n > 1 and sd_diff > 0 else None,
+            "mde_80_by_sd": {str(sd): minimum_detectable_effect(n, sd, alpha) for sd in (0.2, 0.3, 0.4, 0.5)} if n > 1 else {},
+            "smallest_significant_discordance": smallest_significant_discordance(alpha),
+            "sign_test": power_table(n, discordant / n if n else None, alpha) if n else [],
+        },
+        "alpha": alpha,
+    }
+    result["verdict"] = verdict(result, alpha)
+    return result
+
+
+def category_comparison(runs_a: Sequence[Run], runs_b: Sequence[Run], ids: list[str], categories: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Per category: points per run of each arm, the means, the difference and the within-arm spread.
+
+    Descriptive only: about four scenarios per category cannot support a per-category test.
+    """
+    table: dict[str, dict[str, Any]] = {}
+    for category in dict.fromkeys(categories[i] for i in ids):
+        members = [i for i in ids if categories[i] == category]
+        earned_a = [sum(run[i][0] for i in members) for run in runs_a]
+        earned_b = [sum(run[i][0] for i in members) for run in runs_b]
+        spread = max(max(earned_a) - min(earned_a), max(earned_b) - min(earned_b))
+        measured = len(runs_a) > 1 or len(runs_b) > 1
+        diff = float(np.mean(earned_b) - np.mean(earned_a))
+        table[category] = {
+            "scenarios": len(members),
+            "max": sum(runs_a[0][i][1] for i in members),
+            "a": earned_a,
+            "b": earned_b,
+            "mean_a": float(np.mean(earned_a)),
+            "mean_b": float(np.mean(earned_b)),
+            "diff": diff,
+            "within_arm_spread": spread if measured else None,
+            "within_noise": (abs(diff) <= spread) if measured else None,
+        }
+    return table
+
+
+def verdict(result: dict[str, Any], alpha: float = DEFAULT_ALPHA) -> dict[str, Any]:
+    """Order the arms only when the difference clears every test and the noise floor."""
+    floors = result["noise_floor"]
+    measured = [floor for floor in floors.values() if floor["measured"]]
+    diff = result["points"]["diff"]
+    discordant = result["discordant"]
+    sign = result["sign_test"]
+    if discordant == 0:
+        text = "no difference: both arms earned the same points on every scenario"
+        if not measured:
+            text += " (no noise floor measured: run an arm twice to know how stable that is)"
+        return {"ordering": "none", "label": "no difference", "text": text, "reasons": []}
+    reasons = []
+    if not measured:
+        reasons.append("no A/A noise floor: run at least one arm twice")
+    if sign["p"] >= alpha:
+        reasons.append(f"sign test p = {sign['p']:.3f} on {discordant} discordant scenarios "
+                       f"({sign['favours_a']} favour A, {sign['favours_b']} favour B; needs p < {alpha})")
+    low, high = result["bootstrap_ci"]
+    if low <= 0.0 <= high:
+        reasons.append(f"the 95% bootstrap CI of the mean difference [{low:+.3f}, {high:+.3f}] includes 0")
+    if measured:
+        band = max(floor["band_points"] for floor in measured)
+        within = max(floor["max_discordant"] for floor in measured)
+        if abs(diff) <= band:
+            reasons.append(f"the difference ({diff:+.1f} points) is within the noise floor (an arm moved up to {band} points between its own runs)")
+        if discordant <= within:
+            reasons.append(f"{discordant} scenarios differ between the arms, no more than the {within} that differ between one arm's own runs")
+    also = result["flips_also_within_arm"]
+    notes = [f"{also} of the {discordant} discordant scenarios also flip within an arm's own runs"] if measured else []
+    if reasons:
+        return {"ordering": "none", "label": "cannot order the arms", "text": "cannot order the arms: " + "; ".join(reasons), "reasons": reasons, "notes": notes}
+    better = "B" if diff > 0 else "A"
+    worse = "A" if better == "B" else "B"
+    text = (f"{better} scores higher than {worse}: {abs(diff):.1f} points (mean per-scenario difference "
+            f"{result['mean_fraction_diff']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}]), sign test p = {sign['p']:.3g}, "
+            f"outside the A/A noise floor")
+    return {"ordering": f"{better}>{worse}", "label": f"{better} better", "text": text, "reasons": [], "notes": notes}
