@@ -78,10 +78,11 @@ def test_list_rules_human_and_markdown(app) -> None:
     assert markdown.stdout == rules_markdown()
 
 
-def test_docs_rule_list_is_generated_from_the_table() -> None:
-    text = AUDIT_DOC.read_text(encoding="utf-8")
+@pytest.mark.parametrize("doc", [AUDIT_DOC, REPO_ROOT / "README.md"], ids=["docs-audit", "readme"])
+def test_docs_rule_list_is_generated_from_the_table(doc: Path) -> None:
+    text = doc.read_text(encoding="utf-8")
     assert RULES_BEGIN in text and RULES_END in text
-    assert sync_rules_doc(text) == text, "docs/audit.md is stale: run `python -m fp4forge.audit.findings docs/audit.md`"
+    assert sync_rules_doc(text) == text, f"{doc.name} is stale: run `python -m fp4forge.audit.findings {doc.relative_to(REPO_ROOT)}`"
     for rule_id in rule_table():
         assert f"`{rule_id}`" in text
 
