@@ -140,7 +140,10 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
     groups: list[SchemeGroup] = []
     unsupported: list[str] = []
     raw_groups = qc.get("config_groups")
-    if not isinstance(raw_groups, dict) or not raw_groups:
+    # A KV-cache-only declaration (empty config_groups + kv_cache_scheme) is valid: vLLM 0.32
+    # serves it with an FP8 cache and BF16 weights (what `fp4forge kv calibrate` writes).
+    kv_only = raw_groups == {} and isinstance(qc.get("kv_cache_scheme"), dict)
+    if not isinstance(raw_groups, dict) or (not raw_groups and not kv_only):
         problems.append("quantization_config has no config_groups")
         raw_groups = {}
     for name, group in raw_groups.items():

@@ -1,0 +1,215 @@
+"""Calibration and evaluation text: a built-in corpus every machine has, plus the user's files.
+
+Built-in corpus: the documented functions and classes of the running interpreter's standard
+library (top-level ``*.py`` files, sorted), each made into one short chat — a question about the
+object and its docstring or source as the answer — rendered through the model's chat template.
+Items whose ``crc32("module:qualname") % 8 == 0`` form the held-out split (for ``fidelity``);
+the rest are the calibration split. The same Python and tokenizer always give the same samples.
+
+User files: ``.jsonl`` lines with ``{"messages": [...]}`` (rendered through the chat template) or
+``{"text": "..."}`` (used raw); any other file is one raw text document.
+
+Samples are packed: documents are tokenized, concatenated and cut into ``samples`` rows of exactly
+``seq_len`` tokens, so no sample is padded and every batch has one shape (the masks and rotary
+tables the model builds are then identical for all batches).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import hashlib
+import json
+import sysconfig
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp4forge.errors import ConfigError
+
+SPLITS = ("calibration", "heldout")
+HELDOUT_MODULUS = 8
+MAX_SOURCE_CHARS = 3000  # keeps one chat to a few hundred tokens: many objects per sample
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class Document:
+    """One text to tokenize: a chat (rendered through the template) or raw text."""
+
+    origin: str
+    messages: tuple[Message, ...] = ()
+    text: str | None = None
+
+
+# -- the built-in corpus ----------------------------------------------------------------------------
+def _stdlib_files() -> list[Path]:
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _documented_objects(path: Path) -> Iterator[tuple[str, str, str]]:
+    """(qualname, docstring, source) of every documented top-level function, class and method."""
+    source = path.read_text(encoding="utf-8", errors="replace")
+    lines = source.splitlines()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # a test-data file the running Python cannot parse
+        return
+    nodes: list[tuple[str, ast.AST]] = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            nodes.append((node.name, node))
+            if isinstance(node, ast.ClassDef):
+                nodes += [(f"{node.name}.{m.name}", m) for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for qualname, node in nodes:
+        doc = ast.get_docstring(node)
+        # whole lines by number: ast.get_source_segment re-splits the file on every call
+        segment = "\n".join(lines[node.lineno - 1 : node.end_lineno])[:MAX_SOURCE_CHARS]
+        if doc and segment:
+            yield qualname, doc, segment
+
+
+# Three ways to ask about one object, chosen by its position: prose answers and code answers.
+def _ask_doc(module: str, qualname: str, doc: str, source: str) -> tuple[Message, ...]:
+    return ({"role": "user", "content": f"What does `{module}.{qualname}` do?"}, {"role": "assistant", "content": doc})
+
+
+def _ask_source(module: str, qualname: str, doc: str, source: str) -> tuple[Message, ...]:
+    return (
+        {"role": "user", "content": f"Show me how `{qualname}` is implemented in Python's `{module}` module."},
+        {"role": "assistant", "content": f"```python\n{source}\n```"},
+    )
+
+
+def _ask_docstring(module: str, qualname: str, doc: str, source: str) -> tuple[Message, ...]:
+    return (
+        {"role": "user", "content": f"Write a docstring for this code:\n```python\n{source}\n```"},
+        {"role": "assistant", "content": doc},
+    )
+
+
+CHAT_FORMS = (_ask_doc, _ask_source, _ask_docstring)
+
+
+def builtin_documents(split: str = "calibration") -> Iterator[Document]:
+    """The built-in corpus, lazily (packing stops reading files once it has enough tokens)."""
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
+    number = 0
+    for path in _stdlib_files():
+        module = path.stem
+        for qualname, doc, source in _documented_objects(path):
+            heldout = zlib.crc32(f"{module}:{qualname}".encode()) % HELDOUT_MODULUS == 0
+            if heldout == (split == "heldout"):
+                form = CHAT_FORMS[number % len(CHAT_FORMS)]
+                yield Document(f"stdlib:{module}:{qualname}", messages=form(module, qualname, doc, source))
+                number += 1
+
+
+# -- user files ----------------------------------------------------------------------------------
+def _jsonl_documents(path: Path) -> Iterator[Document]:
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record: Any = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"line {number}: not JSON ({exc})", file=str(path)) from None
+        origin = f"{path.name}:{number}"
+        if isinstance(record, dict) and isinstance(record.get("messages"), list):
+            yield Document(origin, messages=tuple(record["messages"]))
+        elif isinstance(record, dict) and isinstance(record.get("text"), str):
+            yield Document(origin, text=record["text"])
+        else:
+            raise ConfigError(f'line {number}: expected {{"messages": [...]}} or {{"text": "..."}}', file=str(path))
+
+
+def file_documents(paths: Sequence[str | Path]) -> list[Document]:
+    documents: list[Document] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_file():
+            raise ConfigError("no such text file", file=str(path))
+        if path.suffix == ".jsonl":
+            documents += list(_jsonl_documents(path))
+        else:
+            documents.append(Document(path.name, text=path.read_text(encoding="utf-8", errors="replace")))
+    return documents
+
+
+# -- tokenizing and packing -------------------------------------------------------------------------
+def render(tokenizer: Any, document: Document) -> str:
+    if document.text is not None:
+        return document.text
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the tokenizer has no chat template; pass raw text files (--text) instead")
+    return tokenizer.apply_chat_template(list(document.messages), tokenize=False)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Token ids [samples, seq_len] and what they were made of."""
+
+    input_ids: torch.Tensor
+    sources: tuple[str, ...]
+    documents_used: int
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.input_ids.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+    def batches(self, batch_size: int) -> list[torch.Tensor]:
+        return list(self.input_ids.split(batch_size))
+
+    def describe(self) -> dict[str, Any]:
+        count, seq_len = self.input_ids.shape
+        return {"samples": count, "seq_len": seq_len, "tokens": count * seq_len, "sources": list(self.sources), "documents": self.documents_used, "token_digest": self.digest}
+
+
+def pack(tokenizer: Any, documents: Iterable[Document], samples: int, seq_len: int) -> tuple[torch.Tensor, int]:
+    """Concatenate the documents' tokens and cut ``samples`` rows of ``seq_len``."""
+    if samples < 1 or seq_len < 2:
+        raise ConfigError(f"need samples >= 1 and seq_len >= 2, got {samples} x {seq_len}")
+    needed = samples * seq_len
+    stream: list[int] = []
+    used = 0
+    for document in documents:
+        if len(stream) >= needed:
+            break
+        stream += tokenizer(render(tokenizer, document), add_special_tokens=False)["input_ids"]
+        used += 1
+    if len(stream) < needed:
+        raise ConfigError(f"the text gives {len(stream):,} tokens but {samples} x {seq_len} = {needed:,} are needed; add --text files or ask for fewer samples")
+    return torch.tensor(stream[:needed], dtype=torch.int64).reshape(samples, seq_len), used
+
+
+def load_samples(
+    tokenizer: Any,
+    *,
+    samples: int,
+    seq_len: int,
+    text_files: Sequence[str | Path] = (),
+    split: str = "calibration",
+    builtin: bool = True,
+) -> Samples:
+    """User files first (in the order given), then the built-in corpus's ``split``."""
+    documents: Iterable[Document] = file_documents(text_files)
+    sources = [Path(p).name for p in text_files]
+    if builtin:
+        documents = itertools.chain(documents, builtin_documents(split))
+        sources.append(f"builtin:{split}")
+    ids, used = pack(tokenizer, documents, samples, seq_len)
+    return Samples(ids, tuple(sources), used)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"no usable tokenizer at {path} ({exc}); pass --tokenizer DIR", file=str(path)) from None

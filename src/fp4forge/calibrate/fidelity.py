@@ -1,0 +1,707 @@
+"""Fidelity of a quantized student against its BF16 teacher, both layer-streamed.
+
+The student runs the numerics a W4A4 deployment runs, on any CPU:
+
+* weights dequantized as vLLM's emulation does (NVFP4: ``e2m1 * fp8(block) * weight_scale_2``;
+  FP8: ``fp8 * scale``), in the teacher's dtype;
+* NVFP4 activations fake-quantized per 16-element block with the checkpoint's input global scale
+  (``nvfp4_fake_quantize_activation``, vLLM's ``ref_nvfp4_quant_dequant``); static FP8
+  activations with their input scale; FP8-dynamic per token. Fused shards (q/k/v, gate/up) use
+  the group's largest amax, as vLLM takes the max. Routed experts: ``moe_input_scale``
+  ``global-max`` (one scale per projection over all experts of a layer, what vLLM's FlashInfer
+  and emulation MoE backends use) or ``per-expert`` (VLLM_CUTLASS);
+* the KV cache fake-quantized to FP8 E4M3 with the checkpoint's k/v scales — at 1.0 when an FP8
+  cache is declared without scales, which is what vLLM then does.
+
+``numerics="w4a16"`` keeps everything but drops the NVFP4 activation quantization (what MARLIN
+and HUMMING do to a W4A4 checkpoint), so W4A4 and W4A16 can be compared on the same bytes.
+
+Reported: KL(teacher || student) per predicted position (mean, median, p99), top-1 agreement,
+perplexity of both on the text's next tokens, and the relative error ``||s - t|| / ||t||`` of every
+decoder layer's output (``accumulated``: the student fed its own activations; ``local``: the
+student layer fed the teacher's input).
+
+Teacher cache (``teacher_cache``): per position the teacher's top-k token ids and log-probs, ``m``
+token ids sampled (with replacement, seeded) from the teacher's distribution restricted to the
+remaining vocabulary, their log-probs, the remaining mass ``r``, and the log-prob of the actual
+next token. KL is then estimated as
+
+    KL ~= sum_{i in top-k} p_i (log p_i - log q_i)  +  r * mean_j (log p_{t_j} - log q_{t_j})
+
+with ``q`` the student's full softmax, computed live. The first term is exact, the second a Monte
+Carlo mean over the tail distribution ``p / r``: unbiased for each position's KL (its variance
+shrinks with ``m`` and with ``r``); perplexity and top-1 agreement stay exact. Without a cache, or
+while writing one, the KL is exact (full vocabulary) and the estimate is reported beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fp4forge import __version__
+from fp4forge.calibrate.data import Samples, load_samples, load_tokenizer
+from fp4forge.calibrate.kv import attention_layers, find_scale_tensors, kv_layout
+from fp4forge.calibrate.observers import (
+    KVCacheTap,
+    NoTap,
+    check_fused_experts,
+    install_experts_forward,
+    install_kv_tap,
+    is_fused_experts,
+)
+from fp4forge.calibrate.streaming import (
+    DEFAULT_RAM_BUDGET_BYTES,
+    ActivationStore,
+    LayerCall,
+    SpillSpace,
+    StreamedModel,
+    call_layer,
+)
+from fp4forge.audit.quant_config import read_declaration
+from fp4forge.checkpoint.layout import layout_for_config
+from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
+from fp4forge.checkpoint.schemes import scheme_table
+from fp4forge.errors import ConfigError
+from fp4forge.numerics.fp8 import FP8_E4M3_MAX, Fp8Weight, fp8_dequantize_weight
+from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_fake_quantize_activation
+
+NUMERICS = ("w4a4", "w4a16")
+MOE_INPUT_SCALES = ("global-max", "per-expert")
+KV_SUFFIXES = ("k_scale", "v_scale", "q_scale", "prob_scale")
+ARCHITECTURE_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_key_value_heads")
+Progress = Callable[[int, int, str], None] | None
+
+
+@dataclass(frozen=True)
+class FidelityOptions:
+    numerics: str = "w4a4"
+    samples: int = 16
+    seq_len: int = 256
+    batch_size: int = 4
+    text_files: tuple[Path, ...] = ()
+    builtin_corpus: bool = True
+    tokenizer: Path | None = None
+    teacher_cache: Path | None = None
+    top_k: int = 32
+    tail_samples: int = 32
+    seed: int = 0
+    moe_input_scale: str = "global-max"
+    ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
+    spill_dir: Path | None = None
+
+    def check(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ConfigError(f"--numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+        if self.moe_input_scale not in MOE_INPUT_SCALES:
+            raise ConfigError(f"--moe-input-scale must be one of {', '.join(MOE_INPUT_SCALES)}, got {self.moe_input_scale!r}")
+
+
+# -- activation fake-quantization ------------------------------------------------------------------
+def _fp8_fake(x: Tensor, scale: Tensor) -> Tensor:
+    q = (x.to(torch.float32) / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+def _fp8_dynamic_fake(x: Tensor) -> Tensor:
+    scale = (x.abs().amax(dim=-1, keepdim=True).to(torch.float32) / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return _fp8_fake(x, scale)
+
+
+ActQuant = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ActivationScale:
+    """A Linear's input quantization: ``kind`` (nvfp4 | fp8 | fp8_dynamic) and its per-tensor
+    amax-like value (``amax``: CT gs = 2688/amax, FP8 scale = amax/448), comparable across shards."""
+
+    kind: str
+    amax: float
+
+    def quantizer(self) -> ActQuant:
+        return ACTIVATION_QUANTIZERS[self.kind](self.amax)
+
+
+def _nvfp4_quantizer(amax: float) -> ActQuant:
+    gs = torch.tensor([2688.0 / amax], dtype=torch.float32) if amax > 0 else torch.ones(1)
+    return lambda x: nvfp4_fake_quantize_activation(x, gs)
+
+
+def _fp8_quantizer(amax: float) -> ActQuant:
+    scale = torch.tensor(amax / FP8_E4M3_MAX, dtype=torch.float32)
+    return lambda x: _fp8_fake(x, scale)
+
+
+ACTIVATION_QUANTIZERS: dict[str, Callable[[float], ActQuant]] = {
+    "nvfp4": _nvfp4_quantizer,
+    "fp8": _fp8_quantizer,
+    "fp8_dynamic": lambda _amax: _fp8_dynamic_fake,
+}
+
+
+# -- reading a quantized checkpoint as BF16 weights --------------------------------------------------
+@dataclass(frozen=True)
+class QuantizedLinear:
+    module: str
+    scheme: str  # nvfp4 | nvfp4a16 | fp8 | fp8_dynamic
+    names: dict[str, str]  # role (packed, block_scale, global_scale, input_scale, weight, weight_scale) -> tensor
+    out_features: int
+    in_features: int
+
+
+def _scheme_signatures(layout: str) -> dict[frozenset[str], str]:
+    return {frozenset(entries): scheme for scheme, entries in scheme_table()[layout].items() if scheme != "kv"}
+
+
+def _input_amax(layout: str, scheme: str, value: float) -> float:
+    """The amax an input scale stands for: CT NVFP4 gs = 2688/amax, ModelOpt NVFP4 amax/2688,
+    FP8 amax/448 (both layouts)."""
+    if scheme == "nvfp4":
+        return 2688.0 / value if layout == "compressed-tensors" else value * 2688.0
+    return value * FP8_E4M3_MAX
+
+
+class StudentTensors:
+    """A quantized checkpoint seen as the BF16 checkpoint it came from: ``<m>.weight`` is the
+    dequantized weight of every quantized Linear, quantization metadata is hidden."""
+
+    def __init__(self, ckpt: Checkpoint, layout: str, dtype: torch.dtype):
+        self.ckpt = ckpt
+        self.layout = layout
+        self.dtype = dtype
+        self.linears: dict[str, QuantizedLinear] = {}
+        self._plain: dict[str, tuple[int, ...]] = {}
+        self._classify()
+
+    def _classify(self) -> None:
+        signatures = _scheme_signatures(self.layout)
+        by_module: dict[str, dict[str, Any]] = {}
+        for _, info in self.ckpt.tensors():
+            module, _, suffix = info.name.rpartition(".")
+            if suffix in KV_SUFFIXES:
+                continue
+            by_module.setdefault(module, {})[suffix] = info
+        for module, tensors in by_module.items():
+            scheme = signatures.get(frozenset(tensors))
+            if scheme is None:
+                for suffix, info in tensors.items():
+                    self._plain[f"{module}.{suffix}"] = tuple(info.shape)
+                continue
+            roles = {entry["role"]: f"{module}.{suffix}" for suffix, entry in scheme_table()[self.layout][scheme].items()}
+            weight_info = tensors["weight" if "weight" in tensors else "weight_packed"]
+            out_features, stored_in = weight_info.shape
+            in_features = stored_in * 2 if scheme.startswith("nvfp4") else stored_in
+            self.linears[module] = QuantizedLinear(module, scheme, roles, out_features, in_features)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = dict(self._plain)
+        shapes.update({f"{q.module}.weight": (q.out_features, q.in_features) for q in self.linears.values()})
+        return shapes
+
+    def read(self, name: str) -> Tensor:
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        quantized = self.linears.get(module) if module else None
+        if quantized is None:
+            return self.ckpt.read_tensor(name)
+        return DEQUANTIZERS[quantized.scheme](self, quantized)
+
+    def _tensor(self, q: QuantizedLinear, role: str) -> Tensor:
+        return self.ckpt.read_tensor(q.names[role])
+
+    def dequantize_nvfp4(self, q: QuantizedLinear) -> Tensor:
+        weight = Nvfp4Weight(self._tensor(q, "packed"), self._tensor(q, "block_scale"), self._tensor(q, "global_scale").to(torch.float32), self.layout)
+        return weight.dequantize(self.dtype, formula="multiply")  # vLLM's emulation formula, both layouts
+
+    def dequantize_fp8(self, q: QuantizedLinear) -> Tensor:
+        scale = self._tensor(q, "weight_scale")
+        strategy = "tensor" if scale.numel() == 1 else "channel"
+        return fp8_dequantize_weight(Fp8Weight(self._tensor(q, "weight"), scale.reshape(1) if strategy == "tensor" else scale, strategy), self.dtype)
+
+    def activation_scale(self, module: str) -> ActivationScale | None:
+        """How vLLM quantizes this module's input (None: not at all)."""
+        q = self.linears.get(module)
+        if q is None or q.scheme == "nvfp4a16":
+            return None
+        if q.scheme == "fp8_dynamic":
+            return ActivationScale("fp8_dynamic", 0.0)
+        value = float(self._tensor(q, "input_scale").to(torch.float32).reshape(-1)[0])
+        return ActivationScale(q.scheme, _input_amax(self.layout, q.scheme, value))
+
+
+DEQUANTIZERS: dict[str, Callable[[StudentTensors, QuantizedLinear], Tensor]] = {
+    "nvfp4": StudentTensors.dequantize_nvfp4,
+    "nvfp4a16": StudentTensors.dequantize_nvfp4,
+    "fp8": StudentTensors.dequantize_fp8,
+    "fp8_dynamic": StudentTensors.dequantize_fp8,
+}
+
+
+# -- the student's numerics on one layer -------------------------------------------------------------
+class ExpertFakeQuant:
+    """An expert tap that fake-quantizes each expert's GEMM inputs."""
+
+    def __init__(self, gate_up: list[ActQuant | None], down: list[ActQuant | None]):
+        self.gate_up = gate_up
+        self.down = down
+
+    def routed(self, counts: Tensor) -> None:
+        pass
+
+    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
+        quant = self.gate_up[expert]
+        return x if quant is None else quant(x)
+
+    def down_input(self, expert: int, h: Tensor) -> Tensor:
+        quant = self.down[expert]
+        return h if quant is None else quant(h)
+
+    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
+        pass
+
+
+def _group_scale(scales: list[ActivationScale | None]) -> ActivationScale | None:
+    """Shards vLLM fuses share the largest amax (vLLM takes the max scale)."""
+    present = [s for s in scales if s is not None]
+    if not present:
+        return None
+    return ActivationScale(present[0].kind, max(s.amax for s in present))
+
+
+class StudentNumerics:
+    """Hooks that make a materialised layer compute what the quantized deployment computes."""
+
+    def __init__(self, streamed: StreamedModel, tensors: StudentTensors, ckpt: Checkpoint, options: FidelityOptions):
+        self.streamed = streamed
+        self.tensors = tensors
+        self.options = options
+        layout = layout_for_config(ckpt.config)
+        self.fused = layout.fused
+        self.kv_scales = _student_kv_scales(ckpt)
+        self.activation_quantized = 0
+
+    def _scale(self, disk_module: str) -> ActivationScale | None:
+        scale = self.tensors.activation_scale(disk_module)
+        if scale is not None and scale.kind == "nvfp4" and self.options.numerics == "w4a16":
+            return None  # MARLIN / HUMMING drop the activation scales
+        return scale
+
+    def _fused_scale(self, disk_module: str) -> ActivationScale | None:
+        if disk_module not in self.tensors.linears:
+            return None
+        parent, _, leaf = disk_module.rpartition(".")
+        group = next((members for members in self.fused.values() if leaf in members), (leaf,))
+        return _group_scale([self._scale(f"{parent}.{m}") for m in group if f"{parent}.{m}" in self.tensors.linears])
+
+    def attach(self, layer: nn.Module, prefix: str) -> Callable[[], None]:
+        undo = [install_kv_tap(layer, KVCacheTap(None, prefix, self.kv_scales.get(prefix)))]
+        for name, module in layer.named_modules():
+            full = f"{prefix}.{name}" if name else prefix
+            if isinstance(module, nn.Linear):
+                scale = self._fused_scale(self.streamed.plan.disk_module(full))
+                if scale is not None:
+                    undo.append(_quantize_input(module, scale.quantizer()))
+                    self.activation_quantized += 1
+            elif is_fused_experts(module):
+                check_fused_experts(module, full)
+                undo.append(install_experts_forward(module, self._expert_tap(full, module.num_experts)))
+        return _undo_all(undo)
+
+    def _expert_tap(self, experts: str, count: int) -> ExpertFakeQuant:
+        plan = self.streamed.plan
+        gate_up = [_group_scale([self._scale(m) for m in plan.expert_modules(f"{experts}.gate_up_proj", e)]) for e in range(count)]
+        down = [_group_scale([self._scale(m) for m in plan.expert_modules(f"{experts}.down_proj", e)]) for e in range(count)]
+        if self.options.moe_input_scale == "global-max":
+            gate_up = [_group_scale(gate_up)] * count
+            down = [_group_scale(down)] * count
+        self.activation_quantized += sum(s is not None for s in gate_up + down)
+        return ExpertFakeQuant([s and s.quantizer() for s in gate_up], [s and s.quantizer() for s in down])
+
+    def attach_head(self, head: nn.Module) -> Callable[[], None]:
+        scale = self._scale(self.streamed.plan.disk_module(self.streamed.head_name))
+        return _quantize_input(head, scale.quantizer()) if scale is not None else (lambda: None)
+
+
+def _quantize_input(module: nn.Module, quant: ActQuant) -> Callable[[], None]:
+    def hook(_: nn.Module, args: tuple) -> tuple:
+        return (quant(args[0]), *args[1:])
+
+    return module.register_forward_pre_hook(hook).remove
+
+
+def _fp8_kv_transform(k_scale: Tensor, v_scale: Tensor) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    def broadcast(scale: Tensor) -> Tensor:  # [] or [kv_heads] against [B, kv_heads, S, D]
+        return scale.reshape(1, -1, 1, 1) if scale.numel() > 1 else scale.reshape(())
+
+    k, v = broadcast(k_scale), broadcast(v_scale)
+    return lambda key, value: (_fp8_fake(key, k), _fp8_fake(value, v))
+
+
+def _student_kv_scales(ckpt: Checkpoint) -> dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]]:
+    """Per layer prefix, the FP8 KV fake-quant (absent scales of a declared cache -> 1.0, as vLLM)."""
+    declaration = read_declaration(ckpt.config, ckpt.extra_json)
+    if declaration is None or declaration.kv is None:
+        return {}
+    if declaration.kv.algo != "fp8":
+        raise ConfigError(f"fidelity emulates FP8 KV caches only, the checkpoint declares {declaration.kv.algo}", file=ckpt.display)
+    layers = attention_layers(ckpt)
+    _, found = find_scale_tensors(ckpt, layers)
+    one = torch.ones((), dtype=torch.float32)
+    out = {}
+    for layer in layers:
+        names = found.get(layer, {})
+        scales = [ckpt.read_tensor(names[r]).to(torch.float32).reshape(-1) if r in names else one for r in ("k_scale", "v_scale")]
+        out[layer] = _fp8_kv_transform(*[s.reshape(()) if s.numel() == 1 else s for s in scales])
+    return out
+
+
+# -- metrics --------------------------------------------------------------------------------------
+@dataclass
+class PositionMetrics:
+    """Per predicted position (all samples, positions 0..S-2), F32 on the CPU."""
+
+    kl: list[Tensor] = field(default_factory=list)
+    kl_estimate: list[Tensor] = field(default_factory=list)
+    agree: list[Tensor] = field(default_factory=list)
+    teacher_nll: list[Tensor] = field(default_factory=list)
+    student_nll: list[Tensor] = field(default_factory=list)
+
+    @staticmethod
+    def _cat(parts: list[Tensor]) -> Tensor:
+        return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0)
+
+    def summary(self) -> dict[str, Any]:
+        exact = self._cat(self.kl)
+        estimate = self._cat(self.kl_estimate)
+        kl = exact if exact.numel() else estimate
+        out: dict[str, Any] = {
+            "positions": int(kl.numel()),
+            "kl": _distribution(kl) | {"estimator": "exact (full vocabulary)" if exact.numel() else "top-k + sampled tail (unbiased)"},
+            "top1_agreement": float(self._cat(self.agree).float().mean()),
+            "perplexity": {"teacher": math.exp(float(self._cat(self.teacher_nll).mean())), "student": math.exp(float(self._cat(self.student_nll).mean()))},
+        }
+        if exact.numel() and estimate.numel():
+            out["kl_cache_estimate"] = _distribution(estimate)
+        return out
+
+
+def _distribution(values: Tensor) -> dict[str, float]:
+    values = values.to(torch.float64)
+    return {"mean": float(values.mean()), "median": float(values.median()), "p99": float(torch.quantile(values, 0.99))}
+
+
+@dataclass
+class TeacherEntry:
+    """The teacher's view of one batch [B, S-1 predicted positions]."""
+
+    topk_ids: Tensor  # int64 [B, P, k]
+    topk_logp: Tensor  # F32
+    tail_ids: Tensor  # int64 [B, P, m]
+    tail_logp: Tensor  # F32
+    tail_mass: Tensor  # F32 [B, P]
+    target_logp: Tensor  # F32 [B, P]
+    argmax: Tensor  # int64 [B, P]
+
+
+def teacher_entry(logp: Tensor, targets: Tensor, top_k: int, tail_samples: int, generator: torch.Generator) -> TeacherEntry:
+    """Top-k, a seeded sample of the tail distribution, and the exact target log-prob."""
+    topk_logp, topk_ids = logp.topk(top_k, dim=-1)
+    tail = logp.exp().scatter(-1, topk_ids, 0.0)
+    tail_mass = tail.sum(-1)
+    flat = tail.reshape(-1, tail.shape[-1])
+    rows_with_tail = flat.sum(-1) > 0
+    draws = torch.zeros(flat.shape[0], tail_samples, dtype=torch.int64)
+    if bool(rows_with_tail.any()):
+        draws[rows_with_tail] = torch.multinomial(flat[rows_with_tail], tail_samples, replacement=True, generator=generator)
+    tail_ids = draws.reshape(*logp.shape[:-1], tail_samples)
+    return TeacherEntry(
+        topk_ids=topk_ids,
+        topk_logp=topk_logp,
+        tail_ids=tail_ids,
+        tail_logp=logp.gather(-1, tail_ids),
+        tail_mass=tail_mass,
+        target_logp=logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1),
+        argmax=topk_ids[..., 0],
+    )
+
+
+def estimated_kl(entry: TeacherEntry, student_logp: Tensor) -> Tensor:
+    """sum_top-k p (log p - log q) + r * mean over tail samples of (log p - log q)."""
+    head = (entry.topk_logp.exp() * (entry.topk_logp - student_logp.gather(-1, entry.topk_ids))).sum(-1)
+    tail = (entry.tail_logp - student_logp.gather(-1, entry.tail_ids)).mean(-1)
+    return head + entry.tail_mass * tail
+
+
+def exact_kl(teacher_logp: Tensor, student_logp: Tensor) -> Tensor:
+    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+
+
+def log_probs(logits: Tensor) -> Tensor:
+    """Log-softmax over the vocabulary of all but the last position (they predict the next token)."""
+    return F.log_softmax(logits[:, :-1].to(torch.float32), dim=-1)
+
+
+# -- the teacher cache ------------------------------------------------------------------------------
+CACHE_FIELDS = ("topk_ids", "topk_logp", "tail_ids", "tail_logp", "tail_mass", "target_logp", "argmax")
+
+
+def save_teacher_cache(path: Path, entries: list[TeacherEntry], samples: Samples, meta: dict[str, Any]) -> None:
+    import json
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    tensors = {name: torch.cat([getattr(e, name) for e in entries]).contiguous() for name in CACHE_FIELDS}
+    tensors["input_ids"] = samples.input_ids.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"fp4forge_teacher_cache": "1", "meta": json.dumps(meta, sort_keys=True)})
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def load_teacher_cache(path: Path, batch_size: int) -> tuple[list[TeacherEntry], Tensor, dict[str, Any]]:
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        metadata = fh.metadata() or {}
+        if "fp4forge_teacher_cache" not in metadata:
+            raise ConfigError("not an fp4forge teacher cache", file=str(path))
+        tensors = {name: fh.get_tensor(name) for name in (*CACHE_FIELDS, "input_ids")}
+    split = {name: tensors[name].split(batch_size) for name in CACHE_FIELDS}
+    entries = [TeacherEntry(**{name: split[name][i] for name in CACHE_FIELDS}) for i in range(len(split["argmax"]))]
+    return entries, tensors["input_ids"], json.loads(metadata["meta"])
+
+
+# -- the run ------------------------------------------------------------------------------------------
+@dataclass
+class FidelityReport:
+    teacher: str
+    student: str
+    numerics: str
+    moe_input_scale: str
+    data: dict[str, Any]
+    metrics: dict[str, Any]
+    layers: list[dict[str, Any]]
+    kv_cache: str
+    activation_quantized_gemm_inputs: int
+    teacher_cache: dict[str, Any] | None
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _LayerError:
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+    local_err_sq: float = 0.0
+
+    def add(self, student: Tensor, teacher: Tensor, local: Tensor | None) -> None:
+        t = teacher.to(torch.float32)
+        self.err_sq += float((student.to(torch.float32) - t).pow(2).sum())
+        self.ref_sq += float(t.pow(2).sum())
+        if local is not None:
+            self.local_err_sq += float((local.to(torch.float32) - t).pow(2).sum())
+
+    def to_json(self, layer: str) -> dict[str, Any]:
+        ref = math.sqrt(self.ref_sq) or 1.0
+        return {"layer": layer, "relative_error": math.sqrt(self.err_sq) / ref, "local_relative_error": math.sqrt(self.local_err_sq) / ref}
+
+
+def _check_pair(teacher: Checkpoint, student: Checkpoint) -> str:
+    if teacher.config is None or student.config is None:
+        raise ConfigError("teacher and student both need a config.json")
+    differing = [k for k in ARCHITECTURE_KEYS if teacher.config.get(k) != student.config.get(k)]
+    if differing:
+        raise ConfigError(f"student and teacher differ in {differing}: not the same model", file=student.display)
+    if teacher.config.get("quantization_config") or "hf_quant_config.json" in teacher.extra_json:
+        raise ConfigError("the teacher must be the unquantized checkpoint", file=teacher.display)
+    layout = kv_layout(student)
+    if layout is None:
+        raise ConfigError("the student declares no quantization", file=student.display)
+    return layout
+
+
+@contextlib.contextmanager
+def _attached(detach: Callable[[], None]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        detach()
+
+
+def _teacher_attach(layer: nn.Module) -> Callable[[], None]:
+    """The teacher runs the same eager expert loop as the student, untapped."""
+    return _undo_all([install_experts_forward(m, NoTap()) for m in layer.modules() if is_fused_experts(m)])
+
+
+def _undo_all(steps: list[Callable[[], None]]) -> Callable[[], None]:
+    def undo() -> None:
+        for step in steps:
+            step()
+
+    return undo
+
+
+def _embed(streamed: StreamedModel, batches: list[Tensor], space: SpillSpace, name: str) -> tuple[ActivationStore, dict[tuple[int, ...], list[LayerCall]]]:
+    store = ActivationStore(space, name)
+    calls: dict[tuple[int, ...], list[LayerCall]] = {}
+    with streamed.embedding():
+        for number, ids in enumerate(batches):
+            hidden, layer_calls = streamed.prologue(ids)
+            calls.setdefault(tuple(ids.shape), layer_calls)
+            store.put(number, hidden)
+    return store, calls
+
+
+def _run(layer: nn.Module, index: int, store: ActivationStore, batches: list[Tensor], calls: dict, out: ActivationStore) -> None:
+    for number, ids in enumerate(batches):
+        out.put(number, call_layer(layer, store.get(number), calls[tuple(ids.shape)][index]))
+
+
+@torch.inference_mode()
+def evaluate(teacher_src: str | Path, student_src: str | Path, options: FidelityOptions = FidelityOptions(), *, progress: Progress = None) -> FidelityReport:
+    options.check()
+    started = time.perf_counter()
+    teacher_ckpt, student_ckpt = open_checkpoint(teacher_src), open_checkpoint(student_src)
+    layout = _check_pair(teacher_ckpt, student_ckpt)
+    cached = options.teacher_cache is not None and options.teacher_cache.is_file()
+    tokenizer = load_tokenizer(options.tokenizer or getattr(teacher_ckpt.source, "root", None) or getattr(student_ckpt.source, "root"))
+    samples = load_samples(tokenizer, samples=options.samples, seq_len=options.seq_len, text_files=options.text_files, split="heldout", builtin=options.builtin_corpus)
+    batches = samples.batches(options.batch_size)
+
+    teacher = None if cached else StreamedModel.from_checkpoint(teacher_ckpt)
+    student_tensors = StudentTensors(student_ckpt, layout, _model_dtype(teacher_ckpt))
+    student = StreamedModel(student_ckpt.config, student_tensors)
+    numerics = StudentNumerics(student, student_tensors, student_ckpt, options)
+    space = SpillSpace(options.ram_budget_bytes, options.spill_dir)
+    errors = [_LayerError() for _ in range(student.num_layers)]
+    total = student.num_layers + 2
+    try:
+        s_store, s_calls = _embed(student, batches, space, "s-in")
+        t_store, t_calls = _embed(teacher, batches, space, "t-in") if teacher else (None, None)
+        for index in range(student.num_layers):
+            if progress:
+                progress(index + 1, total, f"layer {index + 1}/{student.num_layers}")
+            t_out = ActivationStore(space, f"t{index}") if teacher else None
+            if teacher:
+                with teacher.layer(index) as layer, _attached(_teacher_attach(layer)):
+                    _run(layer, index, t_store, batches, t_calls, t_out)
+            s_out = ActivationStore(space, f"s{index}")
+            with student.layer(index) as layer, _attached(numerics.attach(layer, student.layer_prefix(index))):
+                for number, ids in enumerate(batches):
+                    call = s_calls[tuple(ids.shape)][index]
+                    s_out.put(number, call_layer(layer, s_store.get(number), call))
+                    if teacher:
+                        local = call_layer(layer, t_store.get(number), call)
+                        errors[index].add(s_out.get(number), t_out.get(number), local)
+                    s_store.drop(number)
+                    if teacher:
+                        t_store.drop(number)
+            s_store, t_store = s_out, t_out
+        metrics, cache_info = _head(teacher, student, numerics, batches, s_store, t_store, samples, options, teacher_ckpt)
+    finally:
+        space.close()
+    if progress:
+        progress(total, total, "done")
+    return FidelityReport(
+        teacher=teacher_ckpt.display,
+        student=student_ckpt.display,
+        numerics=options.numerics,
+        moe_input_scale=options.moe_input_scale,
+        data=samples.describe(),
+        metrics=metrics,
+        layers=[e.to_json(student.layer_prefix(i)) for i, e in enumerate(errors)] if teacher else [],
+        kv_cache=_describe_kv(student_ckpt),
+        activation_quantized_gemm_inputs=numerics.activation_quantized,
+        teacher_cache=cache_info,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _model_dtype(ckpt: Checkpoint) -> torch.dtype:
+    name = (ckpt.config or {}).get("dtype") or (ckpt.config or {}).get("torch_dtype") or "bfloat16"
+    return getattr(torch, name)
+
+
+def _describe_kv(ckpt: Checkpoint) -> str:
+    declaration = read_declaration(ckpt.config, ckpt.extra_json)
+    if declaration is None or declaration.kv is None:
+        return "not quantized (no FP8 KV declared)"
+    _, found = find_scale_tensors(ckpt, attention_layers(ckpt))
+    return "fp8 with the checkpoint's k/v scales" if found else "fp8 at scale 1.0 (declared without scales, as vLLM runs it)"
+
+
+def _head(
+    teacher: StreamedModel | None,
+    student: StreamedModel,
+    numerics: StudentNumerics,
+    batches: list[Tensor],
+    s_store: ActivationStore,
+    t_store: ActivationStore | None,
+    samples: Samples,
+    options: FidelityOptions,
+    teacher_ckpt: Checkpoint,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Logits of both, per batch, with the teacher either live or from the cache."""
+    metrics = PositionMetrics()
+    generator = torch.Generator().manual_seed(options.seed)
+    entries: list[TeacherEntry] = []
+    cache_info: dict[str, Any] | None = None
+    if teacher is None:
+        entries, cached_ids, meta = load_teacher_cache(options.teacher_cache, options.batch_size)
+        if not torch.equal(cached_ids, samples.input_ids):
+            raise ConfigError("the teacher cache was made on other text (samples, seq_len or files differ)", file=str(options.teacher_cache))
+        if meta.get("teacher_digest") != _digest(teacher_ckpt):
+            raise ConfigError("the teacher cache was made from another teacher checkpoint", file=str(options.teacher_cache))
+        cache_info = {"path": str(options.teacher_cache), "used": True, **meta}
+    with contextlib.ExitStack() as stack:
+        s_norm, s_head = stack.enter_context(student.final_norm()), stack.enter_context(student.lm_head())
+        stack.enter_context(_attached(numerics.attach_head(s_head)))
+        t_norm = t_head = None
+        if teacher is not None:
+            t_norm, t_head = stack.enter_context(teacher.final_norm()), stack.enter_context(teacher.lm_head())
+        for number, ids in enumerate(batches):
+            targets = ids[:, 1:]
+            student_logp = log_probs(s_head(s_norm(s_store.get(number))))
+            if teacher is not None:
+                teacher_logp = log_probs(t_head(t_norm(t_store.get(number))))
+                entry = teacher_entry(teacher_logp, targets, options.top_k, options.tail_samples, generator)
+                metrics.kl.append(exact_kl(teacher_logp, student_logp))
+                if options.teacher_cache is not None:
+                    entries.append(entry)
+            else:
+                entry = entries[number]
+            if teacher is None or options.teacher_cache is not None:
+                metrics.kl_estimate.append(estimated_kl(entry, student_logp))
+            metrics.agree.append(entry.argmax == student_logp.argmax(-1))
+            metrics.teacher_nll.append(-entry.target_logp)
+            metrics.student_nll.append(-student_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    if teacher is not None and options.teacher_cache is not None:
+        meta = {"teacher": teacher_ckpt.display, "teacher_digest": _digest(teacher_ckpt), "top_k": options.top_k, "tail_samples": options.tail_samples, "seed": options.seed, "fp4forge_version": __version__}
+        save_teacher_cache(options.teacher_cache, entries, samples, meta)
+        cache_info = {"path": str(options.teacher_cache), "used": False, "written": True, **meta}
+    return metrics.summary(), cache_info
+
+
+def _digest(ckpt: Checkpoint) -> str:
+    from fp4forge.quantize.export import source_header_digest
+
+    return source_header_digest(ckpt)

@@ -1,0 +1,445 @@
+"""FP8 KV-cache scales: calibrate them into a checkpoint, transplant them from a donor, show them.
+
+Scale = amax / 448 per layer (per tensor; per KV head where the layout has a form for it:
+compressed-tensors ``strategy: attn_head``, shape [num_kv_heads, 1, 1]). Names and dtypes follow
+``layouts/_schemes.toml`` (compressed-tensors ``<layer>.self_attn.k_scale`` BF16 [1]; ModelOpt
+``<layer>.self_attn.k_proj.k_scale`` F32 []).
+
+The scales travel as one extra shard, ``model-kvscales.safetensors``, beside the checkpoint's own
+shards, which are never rewritten. Installing into a checkpoint writes every new file under a
+temporary name and renames them in an order where each intermediate state is a valid checkpoint
+(shard, then the re-resolved index, then the declaration): at no point does a declaration exist
+without its tensors, which is the defect the seeds describe (an FP8 cache at scale 1.0).
+
+Declarations written: compressed-tensors ``quantization_config.kv_cache_scheme`` (a KV-only
+config when the checkpoint had none); ModelOpt ``kv_cache_quant_algo: FP8`` in
+``hf_quant_config.json`` and ``kv_cache_scheme {dynamic: false, num_bits: 8, type: float}`` in
+config.json. vLLM's ModelOpt loader requires a ``quant_algo``, so a KV-only ModelOpt declaration
+names ``FP8`` and lists every Linear in ``exclude_modules`` (no weight is quantized).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp4forge import __version__
+from fp4forge.audit.quant_config import CT, MODELOPT, detect_format, read_declaration
+from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
+from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
+from fp4forge.checkpoint.writer import INDEX_FILE
+from fp4forge.errors import ConfigError, WriteError
+from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+from fp4forge.quantize.qconfig import COMPRESSED_TENSORS_VERSION, kv_cache_scheme_ct
+from fp4forge.testbed.tiny import atomic_output_dir
+
+KV_SHARD = "model-kvscales.safetensors"
+PROVENANCE_FILE = "fp4forge.json"
+HF_QUANT_CONFIG = "hf_quant_config.json"
+LAYOUTS = (CT, MODELOPT)
+ROLES = ("k_scale", "v_scale")
+ATTENTION_LAYER = re.compile(r"^(?P<layer>.+)\.self_attn\.k_proj\.(weight|weight_packed)$")
+MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
+_DTYPE_ORDER = ("F32", "BF16", "F16")  # the layout default first, then what it accepts
+
+
+@dataclass
+class KvScales:
+    """F32 scales per layer prefix (``model.layers.N``): {"k_scale": t, "v_scale": t}, each
+    t of shape [] (per tensor) or [num_kv_heads] (per head)."""
+
+    layers: dict[str, dict[str, torch.Tensor]]
+    provenance: dict[str, Any] = field(default_factory=dict)
+    source_dtypes: dict[str, str] = field(default_factory=dict)  # role -> dtype the values came in
+    lossless: bool = False  # True: store the values bit-exactly (transplants); False: round to the layout's dtype
+
+    @property
+    def per_head(self) -> bool:
+        return any(t.dim() > 0 for roles in self.layers.values() for t in roles.values())
+
+
+def attention_layers(ckpt: Checkpoint) -> list[str]:
+    """Layer prefixes that hold an attention k_proj, in natural order."""
+    found = {m.group("layer") for _, info in ckpt.tensors() if (m := ATTENTION_LAYER.match(info.name))}
+    return sorted(found, key=_natural)
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+# -- where scales come from --------------------------------------------------------------------
+def scales_from_stats(path: str | Path, layers: list[str], *, per_head: bool = False) -> KvScales:
+    """k/v scale = amax / 448 from an fp4forge statistics file."""
+    from safetensors import safe_open
+
+    from fp4forge.quantize.act_scales import STATS_MARKER
+
+    suffix = "_per_head" if per_head else ""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(path), framework="pt") as fh:
+        if STATS_MARKER not in (fh.metadata() or {}):
+            raise ConfigError("not an fp4forge statistics file", file=str(path))
+        names = set(fh.keys())
+        for layer in layers:
+            entry = {}
+            for role, stat in (("k_scale", "k_amax"), ("v_scale", "v_amax")):
+                name = f"{layer}.self_attn.{stat}{suffix}"
+                if name not in names:
+                    raise ConfigError(f"statistics have no {name!r}; were they calibrated on this model?", file=str(path))
+                amax = fh.get_tensor(name).to(torch.float32)
+                entry[role] = (amax if per_head else amax.reshape(())) / FP8_E4M3_MAX
+            out[layer] = entry
+    return KvScales(out, {"source": "calibration", "statistics": Path(path).name, "formula": "amax / 448", "per_head": per_head})
+
+
+def kv_layout(ckpt: Checkpoint) -> str | None:
+    """The layout whose declaration the checkpoint carries (None: no quantization declared)."""
+    detected = detect_format(ckpt.config, ckpt.extra_json)
+    if detected is not None and detected not in LAYOUTS:
+        raise ConfigError(f"quant_method {detected!r}: fp4forge writes KV scales for {', '.join(LAYOUTS)} only", file=ckpt.display)
+    return detected
+
+
+def find_scale_tensors(ckpt: Checkpoint, layers: list[str]) -> tuple[str | None, dict[str, dict[str, str]]]:
+    """(layout whose names the KV scales use, {layer: {role: tensor name}}) — the layout with the
+    most names present; (None, {}) when there are none."""
+    present = {info.name for _, info in ckpt.tensors()}
+    best: tuple[str | None, dict[str, dict[str, str]]] = (None, {})
+    for layout in LAYOUTS:
+        found: dict[str, dict[str, str]] = {}
+        for layer in layers:
+            names = {role: spec.name for role, spec in kv_role_names(layout, layer).items() if spec.name in present}
+            if names:
+                found[layer] = names
+        if sum(map(len, found.values())) > sum(map(len, best[1].values())):
+            best = (layout, found)
+    return best
+
+
+def scales_from_checkpoint(ckpt: Checkpoint) -> tuple[str, KvScales]:
+    """A donor's KV scales as F32 values, and the layout they were stored in."""
+    layers = attention_layers(ckpt)
+    layout, found = find_scale_tensors(ckpt, layers)
+    if layout is None:
+        raise ConfigError("the checkpoint carries no k_scale/v_scale tensors", file=ckpt.display)
+    missing = [f"{layer} {role}" for layer in layers for role in ROLES if role not in found.get(layer, {})]
+    if missing:
+        raise ConfigError(f"the checkpoint lacks KV scales for {len(missing)} layer roles, e.g. {missing[:3]}", file=ckpt.display)
+    dtypes: dict[str, str] = {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for layer, names in found.items():
+        entry = {}
+        for role, name in names.items():
+            dtypes[role] = ckpt.locate(name)[1].dtype
+            value = ckpt.read_tensor(name).to(torch.float32)
+            entry[role] = value.reshape(()) if value.numel() == 1 else value.reshape(-1)
+        out[layer] = entry
+    return layout, KvScales(out, {"source": "checkpoint", "checkpoint": ckpt.display, "layout": layout}, dtypes, lossless=True)
+
+
+# -- scales -> tensors in a layout ---------------------------------------------------------------
+def _storage_dtype(layout: str, role: str, values: torch.Tensor, scales: KvScales) -> torch.dtype:
+    """The layout's dtype for ``role``. A transplant (``lossless``) keeps values bit-exact: when the
+    default dtype would round them it keeps the donor's dtype if the layout accepts it
+    (compressed-tensors takes F32 scales), so CT -> ModelOpt -> CT returns the same bytes."""
+    entry = scheme_table()[layout]["kv"][role]
+    default = getattr(torch, TORCH_DTYPES[entry["dtype"]])
+    if not scales.lossless or torch.equal(values.to(default).to(torch.float32), values):
+        return default
+    source = scales.source_dtypes.get(role, "F32")
+    if source in (entry["dtype"], *entry.get("accept", [])):
+        return getattr(torch, TORCH_DTYPES[source])
+    raise ConfigError(f"{layout} cannot store the donor's {source} {role} values exactly")
+
+
+def layout_tensors(scales: KvScales, layout: str) -> dict[str, torch.Tensor]:
+    """The tensors ``scales`` become under ``layout``'s names, dtypes and shapes."""
+    out: dict[str, torch.Tensor] = {}
+    for layer, roles in scales.layers.items():
+        specs = kv_role_names(layout, layer)
+        for role, value in roles.items():
+            spec = specs[role]
+            dtype = _storage_dtype(layout, role, value, scales)
+            if value.dim() > 0 and layout == CT:  # attn_head: [num_kv_heads, 1, 1]
+                out[spec.name] = value.to(dtype).reshape(-1, 1, 1)
+            else:
+                out[spec.name] = value.amax().to(dtype).reshape(spec.shape)  # per head -> the max
+    return out
+
+
+# -- declarations --------------------------------------------------------------------------------
+def _linear_modules(ckpt: Checkpoint) -> list[str]:
+    """Every module with a 2-D weight except embeddings (the Linears a declaration can exclude)."""
+    modules = []
+    for _, info in ckpt.tensors():
+        if info.name.endswith(".weight") and len(info.shape) == 2 and not info.name.endswith("embed_tokens.weight"):
+            modules.append(info.name[: -len(".weight")])
+    return sorted(set(modules), key=_natural)
+
+
+def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(config.json, hf_quant_config.json or None) with the FP8 KV declaration added."""
+    config = json.loads(json.dumps(ckpt.config or {}))
+    qc = config.get("quantization_config")
+    if layout == CT:
+        scheme = kv_cache_scheme_ct()
+        if per_head:
+            scheme["strategy"] = "attn_head"
+        if qc is None:  # KV-only: no Linear is quantized
+            qc = {
+                "config_groups": {},
+                "format": "dense",
+                "global_compression_ratio": None,
+                "ignore": [],
+                "quant_method": CT,
+                "quantization_status": "compressed",
+                "sparsity_config": {},
+                "transform_config": {},
+                "version": COMPRESSED_TENSORS_VERSION,
+            }
+        qc["kv_cache_scheme"] = scheme
+        config["quantization_config"] = qc
+        return config, None
+    if per_head:
+        raise ConfigError("the ModelOpt layout has per-tensor KV scales only; drop --per-head")
+    hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG) or {}))
+    if not hf_quant and qc is None:  # KV-only: vLLM needs a quant_algo, so FP8 with every Linear excluded
+        exclude = _linear_modules(ckpt)
+        hf_quant = {"producer": {"name": "fp4forge", "version": __version__}, "quantization": {"quant_algo": "FP8", "exclude_modules": exclude, "kv_cache_quant_algo": "FP8"}}
+        qc = {"quant_method": "modelopt", "producer": hf_quant["producer"], "quant_algo": "FP8", "ignore": exclude}
+    if hf_quant:
+        hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
+    if qc is not None:
+        qc["kv_cache_quant_algo"] = "FP8"
+        qc["kv_cache_scheme"] = dict(MODELOPT_KV_SCHEME)
+        config["quantization_config"] = qc
+    return config, (hf_quant or None)
+
+
+# -- writing into a checkpoint directory ---------------------------------------------------------
+def _weight_map(ckpt: Checkpoint) -> dict[str, str]:
+    if ckpt.index is not None:
+        return dict(ckpt.index.weight_map)
+    return {info.name: shard for shard, info in ckpt.tensors()}
+
+
+def _total_size(ckpt: Checkpoint, extra: int) -> int:
+    return sum(info.nbytes for _, info in ckpt.tensors()) + extra
+
+
+def _staged(directory: Path, name: str) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)
+    os.close(fd)
+    return Path(tmp)
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | None = None) -> dict[str, Any]:
+    """Add ``scales`` to the checkpoint at ``directory`` as ``model-kvscales.safetensors`` plus the
+    re-resolved index and the KV declaration. ``layout``: needed only when the checkpoint declares
+    no quantization yet. Returns the provenance entry written to ``fp4forge.json``."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    ckpt = open_checkpoint(directory)
+    declared = kv_layout(ckpt)
+    if declared is not None and layout is not None and layout != declared:
+        raise ConfigError(f"the checkpoint declares {declared}; cannot add {layout} KV scales to it", file=ckpt.display)
+    layout = declared or layout
+    if layout is None:
+        raise ConfigError("the checkpoint declares no quantization: choose the layout (--format compressed-tensors|modelopt)", file=ckpt.display)
+    layers = attention_layers(ckpt)
+    missing = sorted(set(layers) - set(scales.layers), key=_natural)
+    if missing:
+        raise ConfigError(f"no KV scales for {len(missing)} attention layers, e.g. {missing[:3]}", file=ckpt.display)
+    foreign = sorted(set(scales.layers) - set(layers), key=_natural)
+    if foreign:
+        raise ConfigError(f"KV scales for layers this checkpoint does not have: {foreign[:3]}", file=ckpt.display)
+    _, existing = find_scale_tensors(ckpt, layers)
+    elsewhere = sorted({ckpt.locate(n)[0] for names in existing.values() for n in names.values()} - {KV_SHARD})
+    if elsewhere:
+        raise ConfigError(f"the checkpoint already carries KV scales in {elsewhere}; write a new checkpoint with `kv transplant` instead", file=ckpt.display)
+    tensors = layout_tensors(scales, layout)
+    config, hf_quant = declare_kv(ckpt, layout, per_head=scales.per_head)
+    provenance = {**scales.provenance, "layout": layout, "layers": len(layers), "shard": KV_SHARD, "tensors": len(tensors)}
+    doc = json.loads(json.dumps(ckpt.extra_json.get(PROVENANCE_FILE) or {}))
+    doc["kv_cache"] = {**doc.get("kv_cache", {}), "scales": provenance} if isinstance(doc.get("kv_cache"), dict) else {"scales": provenance}
+
+    weight_map = {n: s for n, s in _weight_map(ckpt).items() if s != KV_SHARD}
+    weight_map.update({name: KV_SHARD for name in tensors})
+    kv_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    old_kv_bytes = sum(info.nbytes for shard, info in ckpt.tensors() if shard == KV_SHARD)
+    index = {"metadata": {"total_size": _total_size(ckpt, kv_bytes - old_kv_bytes)}, "weight_map": dict(sorted(weight_map.items()))}
+
+    shard_tmp = _staged(directory, KV_SHARD)
+    try:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(shard_tmp), metadata={"format": "pt"})  # one key: safetensors orders a metadata map by hash
+    except BaseException:
+        shard_tmp.unlink(missing_ok=True)
+        raise
+    # Renamed in the order that keeps each step loadable: tensors, index, then the declaration.
+    _replace_all(directory, [(shard_tmp, KV_SHARD)], [(INDEX_FILE, index), (HF_QUANT_CONFIG, hf_quant), ("config.json", config), (PROVENANCE_FILE, doc)])
+    return provenance
+
+
+def write_declaration(directory: str | Path, layout: str, *, per_head: bool = False) -> None:
+    """Declare an FP8 KV cache without shipping scales — the seeds' defect (vLLM then runs the
+    cache at 1.0). For reproducing that state in tests and comparisons; never done implicitly."""
+    directory = Path(directory)
+    config, hf_quant = declare_kv(open_checkpoint(directory), layout, per_head=per_head)
+    _replace_all(directory, [], [(HF_QUANT_CONFIG, hf_quant), ("config.json", config)])
+
+
+def _replace_all(directory: Path, files: list[tuple[Path, str]], docs: list[tuple[str, Any]]) -> None:
+    """Stage every JSON doc (None: skip) beside ``files``, then rename all into place in order."""
+    staged = list(files)
+    try:
+        for name, payload in docs:
+            if payload is not None:
+                tmp = _staged(directory, name)
+                _write_json(tmp, payload)
+                staged.append((tmp, name))
+        umask = os.umask(0)
+        os.umask(umask)
+        for tmp, name in staged:
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, directory / name)
+    except OSError as exc:
+        raise WriteError(f"could not update {directory}: {exc}") from exc
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard link when possible (shards are never modified in place, only replaced by rename)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def transplant(donor: str | Path, recipient: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write ``out`` = ``recipient`` plus the donor's KV scales, converted to the recipient's layout.
+    Refuses donors of another architecture, layer count or attention layout."""
+    donor_ckpt = open_checkpoint(donor)
+    recipient_ckpt = open_checkpoint(recipient)
+    _check_compatible(donor_ckpt, recipient_ckpt)
+    donor_layout, scales = scales_from_checkpoint(donor_ckpt)
+    layout = kv_layout(recipient_ckpt) or donor_layout
+    root = getattr(recipient_ckpt.source, "root", None)
+    if root is None:
+        raise ConfigError("the recipient must be a local checkpoint directory", file=recipient_ckpt.display)
+    scales.provenance = {
+        "source": "transplant",
+        "donor": donor_ckpt.display,
+        "donor_layout": donor_layout,
+        "approximation": True,
+        "note": "copied from a donor checkpoint of the same base model; the donor's own quantization noise rides along",
+    }
+    if scales.per_head and layout == MODELOPT:
+        scales.provenance["per_head_reduced"] = "per-head donor scales reduced to their max (ModelOpt has per-tensor KV scales)"
+    with atomic_output_dir(Path(out)) as staging:
+        for path in sorted(Path(root).iterdir()):
+            if path.is_file():
+                _link_or_copy(path, staging / path.name)
+        return install_kv_scales(staging, scales, layout)
+
+
+ARCHITECTURE_KEYS = ("architectures", "model_type", "num_hidden_layers", "num_key_value_heads", "head_dim", "hidden_size")
+
+
+def _check_compatible(donor: Checkpoint, recipient: Checkpoint) -> None:
+    donor_config, recipient_config = donor.config or {}, recipient.config or {}
+    differing = [k for k in ARCHITECTURE_KEYS if donor_config.get(k) != recipient_config.get(k)]
+    if differing:
+        detail = ", ".join(f"{k}: {donor_config.get(k)!r} vs {recipient_config.get(k)!r}" for k in differing)
+        raise ConfigError(f"refusing to transplant KV scales between different architectures ({detail})", file=donor.display)
+    donor_layers, recipient_layers = attention_layers(donor), attention_layers(recipient)
+    if donor_layers != recipient_layers:
+        only = sorted(set(donor_layers) ^ set(recipient_layers), key=_natural)
+        raise ConfigError(f"attention layers differ between donor and recipient, e.g. {only[:3]}", file=donor.display)
+
+
+# -- showing -------------------------------------------------------------------------------------
+@dataclass
+class KvReport:
+    checkpoint: str
+    layout: str | None
+    declared: bool
+    layers: list[dict[str, Any]]
+    findings: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "layout": self.layout, "declared": self.declared, "layers": self.layers, "findings": self.findings}
+
+
+def _value(tensor: torch.Tensor) -> float | list[float]:
+    flat = tensor.to(torch.float32).reshape(-1)
+    return float(flat[0]) if flat.numel() == 1 else [float(v) for v in flat]
+
+
+def _finding(severity: str, code: str, message: str, layers: list[str] | None = None) -> dict[str, Any]:
+    return {"severity": severity, "code": code, "message": message, "layers": layers or []}
+
+
+def show(location: str | Path) -> KvReport:
+    """Per-layer k/v scales (and the amax they imply), with findings."""
+    ckpt = open_checkpoint(location)
+    declaration = read_declaration(ckpt.config, ckpt.extra_json)
+    declared_kv = declaration.kv if declaration is not None else None
+    declared_layout = declaration.format if declaration is not None else None
+    layers = attention_layers(ckpt)
+    name_layout, found = find_scale_tensors(ckpt, layers)
+    rows = []
+    for layer in layers:
+        row: dict[str, Any] = {"layer": layer}
+        for role in ROLES:
+            name = found.get(layer, {}).get(role)
+            value = ckpt.read_tensor(name) if name else None
+            row[role] = None if value is None else _value(value)
+            row[role.replace("scale", "amax")] = None if value is None else _value(value.to(torch.float32) * FP8_E4M3_MAX)
+        rows.append(row)
+    findings = _kv_findings(rows, layers, declared_kv is not None, declared_layout, name_layout)
+    return KvReport(ckpt.display, declared_layout or name_layout, declared_kv is not None, rows, findings)
+
+
+def _flat(value: float | list[float] | None) -> list[float]:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def _kv_findings(rows: list[dict[str, Any]], layers: list[str], declared: bool, declared_layout: str | None, name_layout: str | None) -> list[dict[str, Any]]:
+    findings = []
+    with_scales = [r for r in rows if r["k_scale"] is not None or r["v_scale"] is not None]
+    incomplete = [r["layer"] for r in rows if r["k_scale"] is None or r["v_scale"] is None]
+    if declared and not with_scales:
+        findings.append(_finding("error", "declared-without-scales", "FP8 KV cache declared but no k/v scale ships: vLLM runs the cache at scale 1.0"))
+    elif declared and incomplete:
+        findings.append(_finding("error", "missing-layers", f"{len(incomplete)} attention layers lack a k or v scale: vLLM runs them at scale 1.0", incomplete))
+    if with_scales and not declared:
+        findings.append(_finding("warning", "scales-without-declaration", "k/v scales ship but no FP8 KV cache is declared: vLLM keeps a BF16 cache and ignores them"))
+    if declared_layout and name_layout and declared_layout != name_layout:
+        findings.append(_finding("error", "misnamed", f"the scales use {name_layout} names but the checkpoint declares {declared_layout}: vLLM ignores them"))
+    values = [v for r in with_scales for role in ROLES for v in _flat(r[role])]
+    if values and all(v == 1.0 for v in values):
+        findings.append(_finding("warning", "constant-1.0", "every k/v scale is exactly 1.0: an uncalibrated cache (vLLM's own fallback)"))
+    bad = [r["layer"] for r in with_scales if any(not (math.isfinite(v) and v > 0) for role in ROLES for v in _flat(r[role]))]
+    if bad:
+        findings.append(_finding("error", "invalid", "k/v scales that are zero, negative, NaN or Inf", bad))
+    over = [r["layer"] for r in with_scales if any(v > 1.0 for role in ROLES for v in _flat(r[role]))]
+    if over:
+        findings.append(_finding("info", "amax-over-448", "scales above 1.0 imply K/V amax > 448: at scale 1.0 these layers' caches would saturate", over))
+    return findings

@@ -1,0 +1,295 @@
+"""What calibration records, and the hooks that record it on one decoder layer.
+
+* **Linear inputs**: a forward pre-hook per ``nn.Linear`` keeps the *running* max of ``|x|`` over
+  every calibration token (``torch.maximum`` with the batch's amax; never the last batch only).
+* **Routed experts**: transformers 5 keeps them fused (``gate_up_proj`` [E, 2I, H],
+  ``down_proj`` [E, H, I]) with no per-expert Linear to hook, so the experts module runs
+  :func:`experts_forward` — transformers' eager expert loop (``LagunaExperts.forward`` /
+  ``Qwen3MoeExperts.forward``) with a tap at each expert's two GEMM inputs. The tap sees each
+  expert's rows; the output is the eager loop's. Coverage policies:
+
+  - ``routed``: an expert's statistics come from the tokens the router sends it. An expert that
+    saw none gets its layer peers' max (per projection) and is listed in the metadata.
+  - ``all-experts``: additionally every token goes through every expert's gate/up projection (as
+    llm-compressor's ``moe_calibrate_all_experts``), for statistics only; the layer's output still
+    uses the routed tokens alone.
+
+  Tokens per expert (routed token-expert pairs) are counted in both.
+* **KV cache**: the object passed to attention as ``past_key_values`` (:class:`KVCacheTap`)
+  receives K and V exactly as they would be written to the cache, after k-norm and RoPE; amax is
+  kept per tensor and per KV head. The same tap fake-quantizes K/V for the fidelity student.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fp4forge.calibrate.streaming import WeightPlan
+from fp4forge.errors import ConfigError
+
+POLICIES = ("routed", "all-experts")
+INPUT_AMAX = "input_amax"
+
+
+class AmaxTable:
+    """Running max |x| per name, as F32 scalars (exact: the max of bf16 values is a bf16 value)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Tensor] = {}
+
+    def update(self, name: str, x: Tensor) -> None:
+        self.update_value(name, x.detach().abs().amax().to(torch.float32))
+
+    def update_value(self, name: str, value: Tensor) -> None:
+        current = self.values.get(name)
+        self.values[name] = value.clone() if current is None else torch.maximum(current, value)
+
+
+# -- routed experts -------------------------------------------------------------------------------
+class ExpertTap(Protocol):
+    """Sees (and may replace) the input of each expert's gate/up and down GEMMs."""
+
+    def routed(self, counts: Tensor) -> None: ...
+
+    def gate_up_input(self, expert: int, x: Tensor) -> Tensor: ...
+
+    def down_input(self, expert: int, h: Tensor) -> Tensor: ...
+
+    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None: ...
+
+
+def check_fused_experts(module: nn.Module, name: str) -> None:
+    """The eager loop below covers gated, concatenated [gate; up], untransposed, bias-free experts."""
+    layout = {
+        "has_gate": getattr(module, "has_gate", True),
+        "has_bias": getattr(module, "has_bias", False),
+        "is_transposed": getattr(module, "is_transposed", False),
+        "is_concatenated": getattr(module, "is_concatenated", True),
+        "has_post_expert_norm": getattr(module, "has_post_expert_norm", False),
+    }
+    if layout != {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True, "has_post_expert_norm": False}:
+        raise ConfigError(f"{name}: fused experts with layout {layout} are not supported by fp4forge's expert loop")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == 3 and hasattr(module, "num_experts")
+
+
+def apply_gate(module: nn.Module, gate_up: Tensor) -> Tensor:
+    """The experts' gating (``act(gate) * up``), through the class's own ``_apply_gate`` if any."""
+    custom = getattr(module, "_apply_gate", None)
+    if custom is not None:
+        return custom(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+@torch.no_grad()
+def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, tap: ExpertTap) -> Tensor:
+    """transformers' eager expert loop (same ops, same order), with ``tap`` at the GEMM inputs."""
+    num_experts = module.num_experts
+    final = torch.zeros_like(hidden_states)
+    expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+    tap.routed(torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts])
+    hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in hit:
+        expert = int(expert_idx[0])
+        if expert == num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert])
+        state = tap.gate_up_input(expert, hidden_states[token_idx])
+        hidden = apply_gate(module, F.linear(state, module.gate_up_proj[expert]))
+        hidden = F.linear(tap.down_input(expert, hidden), module.down_proj[expert])
+        hidden = hidden * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, hidden.to(final.dtype))
+    tap.after_routed(module, hidden_states)
+    return final
+
+
+class NoTap:
+    """The teacher's experts: nothing seen, nothing changed."""
+
+    def routed(self, counts: Tensor) -> None:
+        pass
+
+    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
+        return x
+
+    def down_input(self, expert: int, h: Tensor) -> Tensor:
+        return h
+
+    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
+        pass
+
+
+@dataclass
+class ExpertStats:
+    """Per-expert running statistics of one fused experts module."""
+
+    num_experts: int
+    gate_up_amax: Tensor = field(init=False)
+    down_amax: Tensor = field(init=False)
+    tokens: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.gate_up_amax = torch.zeros(self.num_experts, dtype=torch.float32)
+        self.down_amax = torch.zeros(self.num_experts, dtype=torch.float32)
+        self.tokens = torch.zeros(self.num_experts, dtype=torch.int64)
+
+
+class ExpertObserver:
+    """An :class:`ExpertTap` that records amax per expert (and, for ``all-experts``, runs every
+    token through every expert's gate/up projection after the routed loop)."""
+
+    def __init__(self, stats: ExpertStats, policy: str):
+        self.stats = stats
+        self.policy = policy
+
+    @staticmethod
+    def _amax(x: Tensor) -> Tensor:
+        return x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), dtype=torch.float32)
+
+    def routed(self, counts: Tensor) -> None:
+        self.stats.tokens += counts
+
+    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
+        self.stats.gate_up_amax[expert] = torch.maximum(self.stats.gate_up_amax[expert], self._amax(x))
+        return x
+
+    def down_input(self, expert: int, h: Tensor) -> Tensor:
+        self.stats.down_amax[expert] = torch.maximum(self.stats.down_amax[expert], self._amax(h))
+        return h
+
+    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
+        if self.policy != "all-experts":
+            return
+        every_token = self._amax(hidden_states)
+        for expert in range(self.stats.num_experts):
+            self.stats.gate_up_amax[expert] = torch.maximum(self.stats.gate_up_amax[expert], every_token)
+            hidden = apply_gate(module, F.linear(hidden_states, module.gate_up_proj[expert]))
+            self.down_input(expert, hidden)
+
+
+def install_experts_forward(module: nn.Module, tap: ExpertTap) -> Callable[[], None]:
+    """Route ``module``'s forward through :func:`experts_forward` with ``tap``; returns the undo."""
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return experts_forward(module, hidden_states, top_k_index, top_k_weights, tap)
+
+    module.forward = forward
+    return lambda: module.__dict__.pop("forward", None)
+
+
+# -- the KV cache --------------------------------------------------------------------------------
+KVTransform = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+class KVCacheTap:
+    """Passed to attention as ``past_key_values``: ``update`` gets K and V [B, kv_heads, S, D]
+    as the cache would store them and returns what attention uses (unchanged, or fake-quantized
+    by ``transform``). Stores nothing: calibration and evaluation run whole sequences."""
+
+    def __init__(self, table: AmaxTable | None, layer_prefix: str, transform: KVTransform | None = None):
+        self.table = table
+        self.layer_prefix = layer_prefix
+        self.transform = transform
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int | None = None, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if self.table is not None:
+            for role, states in (("k", key_states), ("v", value_states)):
+                base = f"{self.layer_prefix}.self_attn.{role}_amax"
+                per_head = states.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32)
+                self.table.update_value(f"{base}_per_head", per_head)
+                self.table.update_value(base, per_head.amax().reshape(1))
+        if self.transform is not None:
+            return self.transform(key_states, value_states)
+        return key_states, value_states
+
+
+def install_kv_tap(layer: nn.Module, tap: KVCacheTap) -> Callable[[], None]:
+    """Make every call of the decoder layer pass ``tap`` as its ``past_key_values``."""
+
+    def inject(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "past_key_values": tap}
+
+    return layer.register_forward_pre_hook(inject, with_kwargs=True).remove
+
+
+# -- one decoder layer's observers -------------------------------------------------------------------
+class CalibrationObserver:
+    """Everything calibration records, over all layers (attached one layer at a time)."""
+
+    def __init__(self, plan: WeightPlan, policy: str = "routed"):
+        if policy not in POLICIES:
+            raise ConfigError(f"MoE coverage policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.plan = plan
+        self.policy = policy
+        self.amax = AmaxTable()
+        self.experts: dict[str, ExpertStats] = {}  # in-memory experts module name -> stats
+
+    def attach(self, layer: nn.Module, prefix: str) -> Callable[[], None]:
+        """Hook ``layer`` (in-memory name ``prefix``); returns the function that removes the hooks."""
+        undo: list[Callable[[], None]] = [install_kv_tap(layer, KVCacheTap(self.amax, prefix))]
+        for name, module in layer.named_modules():
+            full = f"{prefix}.{name}" if name else prefix
+            if isinstance(module, nn.Linear):
+                undo.append(self._hook_linear(module, self.plan.disk_module(full)))
+            elif is_fused_experts(module):
+                check_fused_experts(module, full)
+                stats = self.experts.setdefault(full, ExpertStats(module.num_experts))
+                undo.append(install_experts_forward(module, ExpertObserver(stats, self.policy)))
+
+        def detach() -> None:
+            for step in undo:
+                step()
+
+        return detach
+
+    def _hook_linear(self, module: nn.Linear, disk_module: str) -> Callable[[], None]:
+        name = f"{disk_module}.{INPUT_AMAX}"
+
+        def record(_: nn.Module, args: tuple) -> None:
+            self.amax.update(name, args[0])
+
+        return module.register_forward_pre_hook(record).remove
+
+    def observe_head_input(self, disk_module: str, x: Tensor) -> None:
+        self.amax.update(f"{disk_module}.{INPUT_AMAX}", x)
+
+    def statistics(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """(F32 tensors for the statistics file, metadata about experts)."""
+        tensors = {name: value.reshape(-1) for name, value in self.amax.values.items()}
+        tokens: dict[str, list[int]] = {}
+        unseen: list[str] = []
+        for experts_name, stats in self.experts.items():
+            disk_gate_up = [self.plan.expert_modules(f"{experts_name}.gate_up_proj", e) for e in range(stats.num_experts)]
+            disk_down = [self.plan.expert_modules(f"{experts_name}.down_proj", e) for e in range(stats.num_experts)]
+            seen = stats.tokens > 0 if self.policy == "routed" else torch.ones_like(stats.tokens, dtype=torch.bool)
+            gate_up = _fill_unseen(stats.gate_up_amax, seen)
+            down = _fill_unseen(stats.down_amax, seen)
+            for expert in range(stats.num_experts):
+                for module in disk_gate_up[expert]:
+                    tensors[f"{module}.{INPUT_AMAX}"] = gate_up[expert].reshape(1).clone()
+                (down_module,) = disk_down[expert]
+                tensors[f"{down_module}.{INPUT_AMAX}"] = down[expert].reshape(1).clone()
+                if not bool(seen[expert]):
+                    unseen.append(down_module.rsplit(".", 1)[0])
+            tokens[disk_down[0][0].rsplit(".", 2)[0]] = stats.tokens.tolist()
+        meta = {"moe_policy": self.policy, "tokens_per_expert": tokens, "experts_without_tokens": unseen}
+        return dict(sorted(tensors.items())), meta
+
+
+def _fill_unseen(amax: Tensor, seen: Tensor) -> Tensor:
+    """An expert without tokens takes the max of its layer peers that had some."""
+    if bool(seen.all()):
+        return amax
+    peers = amax[seen].max() if bool(seen.any()) else torch.zeros((), dtype=amax.dtype)
+    return torch.where(seen, amax, peers)

@@ -1,0 +1,458 @@
+"""Layer-streamed execution of a transformers causal LM straight from its checkpoint.
+
+The model is built on the meta device from ``config.json``; nothing is materialised until asked.
+Then, one stage at a time:
+
+1. **Prologue.** The embedding table and the rotary embedding are materialised, the decoder
+   layers are swapped for recorders, and the base model's *own* forward runs: it embeds the
+   tokens and builds the attention masks (sliding window included), position ids and rotary
+   cos/sin exactly as the full model does; the recorders capture what each layer receives.
+2. **Decoder layers.** Layer i is materialised from the checkpoint (``Checkpoint.read_tensor``,
+   one disk tensor at a time written into its slot of the freshly allocated parameters), every
+   batch of activations goes through it, and it goes back to the meta device.
+3. **Head.** The final norm and lm_head, last.
+
+transformers 5 fuses routed experts in memory (``mlp.experts.gate_up_proj`` [E, 2I, H]) while the
+disk holds per-expert 2-D tensors. :class:`WeightPlan` reads transformers' own conversion table
+(``get_model_conversion_mapping``: renamings plus ``MergeModulelist`` / ``Concatenate``
+converters) and turns it into "disk tensor -> (parameter, expert, offset)" placements, so each
+expert is copied in place instead of stacked (no 2x transient at 256 experts). Anything in that
+table this module does not understand is refused, never guessed.
+
+Peak memory: one decoder layer, the embedding table while embedding, and the activations, which
+live in RAM up to a budget and spill to disk beyond it (:class:`ActivationStore`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    PrefixChange,
+    WeightConverter,
+    WeightRenaming,
+    rename_source_key,
+)
+
+from fp4forge.checkpoint.reader import Checkpoint
+from fp4forge.checkpoint.skeleton import _config_dtype, _to_transformers_config, model_config_dict
+from fp4forge.errors import ConfigError
+
+DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30
+
+
+# -- where tensors come from ---------------------------------------------------------------------
+class TensorReader(Protocol):
+    """Named tensors as ``save_pretrained`` names them (BF16 logical weights for a student)."""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+class CheckpointTensors:
+    """A plain (unquantized) checkpoint, tensor by tensor."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {info.name: tuple(info.shape) for _, info in self.ckpt.tensors()}
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.ckpt.read_tensor(name)
+
+
+# -- the model skeleton --------------------------------------------------------------------------
+def build_meta_model(config: dict[str, Any]) -> PreTrainedModel:
+    """The transformers model of ``config`` on the meta device, in the config's dtype, eval mode.
+    A ``quantization_config`` is dropped: fp4forge supplies (dequantized) weights itself."""
+    plain = {k: v for k, v in model_config_dict(config).items() if k != "quantization_config"}
+    hf_config = _to_transformers_config(plain)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=_config_dtype(hf_config))
+    return model.eval()
+
+
+def base_model(model: PreTrainedModel) -> nn.Module:
+    return getattr(model, model.base_model_prefix)
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    layers = getattr(base_model(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(f"{type(model).__name__}: no decoder layer list at {model.base_model_prefix}.layers")
+    return layers
+
+
+def module_name(model: PreTrainedModel, module: nn.Module) -> str:
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            return name
+    raise ConfigError(f"module {type(module).__name__} is not part of {type(model).__name__}")
+
+
+# -- disk tensor -> parameter placements -----------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    """Where one disk tensor goes: the whole parameter, or ``param[expert]`` (MergeModulelist),
+    narrowed to ``[offset, offset + size)`` along ``dim`` of that expert slice (Concatenate)."""
+
+    disk_name: str
+    param: str
+    expert: int | None = None
+    dim: int | None = None
+    offset: int = 0
+    size: int = 0
+
+    @property
+    def disk_module(self) -> str:
+        return self.disk_name.rsplit(".", 1)[0]
+
+    def target(self, param: torch.Tensor) -> torch.Tensor:
+        view = param if self.expert is None else param[self.expert]
+        return view if self.dim is None else view.narrow(self.dim, self.offset, self.size)
+
+
+@dataclass
+class WeightPlan:
+    """Every parameter of the model -> the disk tensors that fill it."""
+
+    placements: dict[str, list[Placement]]
+    unexpected: list[str] = field(default_factory=list)
+
+    def for_param(self, param: str) -> list[Placement]:
+        found = self.placements.get(param)
+        if not found:
+            raise ConfigError(f"no checkpoint tensor fills parameter {param!r}", tensor=param)
+        return found
+
+    def disk_module(self, memory_module: str, param: str = "weight") -> str:
+        """On-disk module name of an in-memory module holding one whole parameter (a Linear)."""
+        (placement,) = self.for_param(f"{memory_module}.{param}")
+        return placement.disk_module
+
+    def expert_modules(self, param: str, expert: int) -> list[str]:
+        """Disk modules (in concatenation order) whose weights make ``param[expert]``."""
+        found = [p for p in self.for_param(param) if p.expert == expert]
+        return [p.disk_module for p in sorted(found, key=lambda p: p.offset)]
+
+
+def _conversions(model: PreTrainedModel) -> tuple[list[WeightRenaming], list[WeightConverter]]:
+    transforms = [t for t in get_model_conversion_mapping(model) if not isinstance(t, PrefixChange)]
+    return [t for t in transforms if isinstance(t, WeightRenaming)], [t for t in transforms if isinstance(t, WeightConverter)]
+
+
+def _expert_index(pattern: str, disk_name: str) -> int:
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    match = re.search(regex, disk_name)
+    if match is None:
+        raise ConfigError(f"cannot find the expert index of {disk_name!r} in pattern {pattern!r}", tensor=disk_name)
+    return int(match.group(1))
+
+
+def _check_operations(converter: WeightConverter) -> int | None:
+    """The Concatenate dim of a [MergeModulelist(0)] or [MergeModulelist(0), Concatenate(d)]
+    chain (None for the first); anything else is refused."""
+    ops = list(converter.operations)
+    if ops and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0:
+        if len(ops) == 1:
+            return None
+        if len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1:
+            return ops[1].dim
+    raise ConfigError(f"transformers weight conversion {ops} for {converter.source_patterns} is not supported by fp4forge's layer streamer")
+
+
+def build_weight_plan(model: PreTrainedModel, disk_shapes: dict[str, tuple[int, ...]]) -> WeightPlan:
+    """Map every disk tensor to its place in ``model`` the way ``from_pretrained`` would."""
+    renamings, converters = _conversions(model)
+    meta_state = model.state_dict()
+    prefix = model.base_model_prefix
+    pattern_owner = {pattern: conv for conv in converters for pattern in conv.source_patterns}
+    placements: dict[str, list[Placement]] = {}
+    unexpected: list[str] = []
+    # (param, pattern) -> pieces, to lay out concatenated sources after all are known
+    pieces: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for disk_name in disk_shapes:
+        target, pattern = rename_source_key(disk_name, renamings, converters, prefix, meta_state)
+        if target not in meta_state and disk_name in meta_state:
+            target, pattern = rename_source_key(disk_name, [], [], prefix, meta_state)
+        if target not in meta_state:
+            unexpected.append(disk_name)
+            continue
+        if pattern is None:
+            placements.setdefault(target, []).append(Placement(disk_name, target))
+            continue
+        pieces.setdefault((target, pattern), []).append((_expert_index(pattern, disk_name), disk_name))
+    for (target, pattern), members in pieces.items():
+        converter = pattern_owner[pattern]
+        concat_dim = _check_operations(converter)
+        if concat_dim is None:
+            placements.setdefault(target, []).extend(Placement(name, target, expert) for expert, name in members)
+            continue
+        dim = concat_dim - 1  # the dim inside one expert's slice
+        offset = 0
+        for earlier in converter.source_patterns[: converter.source_patterns.index(pattern)]:
+            sample = pieces.get((target, earlier))
+            if sample:
+                offset += disk_shapes[sample[0][1]][dim]
+        size = disk_shapes[members[0][1]][dim]
+        placements.setdefault(target, []).extend(Placement(name, target, expert, dim, offset, size) for expert, name in members)
+    _add_tied(model, placements)
+    return WeightPlan(placements, unexpected)
+
+
+def _add_tied(model: PreTrainedModel, placements: dict[str, list[Placement]]) -> None:
+    """A tied parameter absent from disk (lm_head with tied embeddings) reads its source's tensor."""
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target not in placements and source in placements:
+            placements[target] = [Placement(p.disk_name, target, p.expert, p.dim, p.offset, p.size) for p in placements[source]]
+
+
+# -- materialising one module ----------------------------------------------------------------------
+def _check_no_volatile_buffers(module: nn.Module, prefix: str) -> None:
+    for name, sub in module.named_modules():
+        if getattr(sub, "_non_persistent_buffers_set", None):
+            raise ConfigError(f"{prefix}.{name} has non-persistent buffers the checkpoint cannot fill; the streamer does not support it")
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, prefix: str, plan: WeightPlan, reader: TensorReader) -> nn.Module:
+    """Allocate ``module``'s parameters on the CPU and fill every element from the checkpoint."""
+    _check_no_volatile_buffers(module, prefix)
+    module.to_empty(device="cpu")
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        full = f"{prefix}.{name}" if prefix else name
+        written = 0
+        for placement in plan.for_param(full):
+            target = placement.target(tensor)
+            value = reader.read(placement.disk_name)
+            if tuple(value.shape) != tuple(target.shape):
+                raise ConfigError(f"{placement.disk_name}: shape {list(value.shape)} does not fit {full} slot {list(target.shape)}", tensor=placement.disk_name)
+            target.copy_(value)
+            written += target.numel()
+        if written != tensor.numel():  # a partial fill would leave to_empty's garbage in place
+            raise ConfigError(f"{full}: checkpoint tensors cover {written} of {tensor.numel()} elements", tensor=full)
+    return module
+
+
+def release(module: nn.Module) -> None:
+    """Back to the meta device: the parameters' memory is freed."""
+    module.to("meta")
+
+
+# -- activations between layers ------------------------------------------------------------------
+class ActivationStore:
+    """Per-batch activations: in RAM up to ``ram_budget_bytes`` (shared by every store of one
+    ``SpillSpace``), spilled to files beyond it."""
+
+    def __init__(self, space: SpillSpace, name: str):
+        self.space = space
+        self.name = name
+        self._ram: dict[int, torch.Tensor] = {}
+        self._files: dict[int, Path] = {}
+
+    def put(self, index: int, tensor: torch.Tensor) -> None:
+        self.drop(index)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.space.reserve(nbytes):
+            self._ram[index] = tensor
+            return
+        path = self.space.path_for(self.name, index)
+        torch.save(tensor.contiguous(), path)
+        self._files[index] = path
+
+    def get(self, index: int) -> torch.Tensor:
+        if index in self._ram:
+            return self._ram[index]
+        return torch.load(self._files[index], weights_only=True)
+
+    def drop(self, index: int) -> None:
+        if index in self._ram:
+            tensor = self._ram.pop(index)
+            self.space.release(tensor.numel() * tensor.element_size())
+        path = self._files.pop(index, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        for index in [*self._ram, *self._files]:
+            self.drop(index)
+
+    @property
+    def spilled(self) -> int:
+        return len(self._files)
+
+
+class SpillSpace:
+    """The RAM budget and the spill directory that a run's activation stores share."""
+
+    def __init__(self, ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES, spill_dir: Path | None = None):
+        self.ram_budget_bytes = ram_budget_bytes
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.spilled_batches = 0
+        self._parent = spill_dir
+        self._dir: Path | None = None
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.used_bytes + nbytes > self.ram_budget_bytes:
+            self.spilled_batches += 1
+            return False
+        self.used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.used_bytes -= nbytes
+
+    def path_for(self, store: str, index: int) -> Path:
+        if self._dir is None:
+            if self._parent is not None:
+                self._parent.mkdir(parents=True, exist_ok=True)
+            self._dir = Path(tempfile.mkdtemp(prefix="fp4forge-activations-", dir=self._parent))
+        return self._dir / f"{store}-{index}.pt"
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+# -- the prologue: what each decoder layer receives ------------------------------------------------
+class _PrologueDone(Exception):
+    pass
+
+
+class _LayerInputRecorder(nn.Module):
+    """Stands in for decoder layer ``index`` during the prologue; records its call."""
+
+    def __init__(self, index: int, calls: dict[int, tuple[tuple, dict]], last: bool):
+        super().__init__()
+        self.index = index
+        self.calls = calls
+        self.last = last
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.calls[self.index] = ((hidden_states, *args), kwargs)
+        if self.last:
+            raise _PrologueDone
+        return hidden_states
+
+
+@dataclass
+class LayerCall:
+    """How the full model calls decoder layer i: positional extras and keyword arguments
+    (attention mask, position ids, rotary cos/sin, ...), without the hidden states."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+@torch.no_grad()
+def run_prologue(model: PreTrainedModel, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
+    """(layer 0's input hidden states, every layer's call) for one batch of unpadded ids."""
+    base = base_model(model)
+    layers = decoder_layers(model)
+    calls: dict[int, tuple[tuple, dict]] = {}
+    recorders = nn.ModuleList(_LayerInputRecorder(i, calls, i == len(layers) - 1) for i in range(len(layers)))
+    base.layers = recorders
+    try:
+        base(input_ids=input_ids, use_cache=False)
+    except _PrologueDone:
+        pass
+    finally:
+        base.layers = layers
+    if len(calls) != len(layers):
+        raise ConfigError(f"the model's forward called {len(calls)} of {len(layers)} decoder layers")
+    hidden = calls[0][0][0]
+    return hidden, [LayerCall(args[1:], kwargs) for args, kwargs in (calls[i] for i in range(len(layers)))]
+
+
+def _real_rotary(model: PreTrainedModel) -> None:
+    """Replace the meta rotary embedding by a real one built from the config (its buffers are
+    computed, not stored, so ``from_pretrained`` computes them the same way)."""
+    base = base_model(model)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is not None and any(b.is_meta for b in rotary.buffers()):
+        base.rotary_emb = type(rotary)(config=model.config)
+
+
+# -- the streamed model ----------------------------------------------------------------------------
+class StreamedModel:
+    """A causal LM whose parts are materialised one at a time from a checkpoint."""
+
+    def __init__(self, config: dict[str, Any], reader: TensorReader):
+        self.model = build_meta_model(config)
+        self.reader = reader
+        self.plan = build_weight_plan(self.model, reader.shapes())
+        _real_rotary(self.model)
+        self.layers = decoder_layers(self.model)
+        self.layers_prefix = module_name(self.model, self.layers)
+        self._embedding = self.model.get_input_embeddings()
+        self._embedding_name = module_name(self.model, self._embedding)
+        self._norm = getattr(base_model(self.model), "norm")
+        self._norm_name = module_name(self.model, self._norm)
+        self._head = self.model.get_output_embeddings()
+        self._head_name = module_name(self.model, self._head)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> StreamedModel:
+        if ckpt.config is None:
+            raise ConfigError("checkpoint has no config.json", file=ckpt.display)
+        return cls(ckpt.config, CheckpointTensors(ckpt))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def head_name(self) -> str:
+        return self._head_name
+
+    def layer_prefix(self, index: int) -> str:
+        return f"{self.layers_prefix}.{index}"
+
+    @contextlib.contextmanager
+    def _materialized(self, module: nn.Module, prefix: str) -> Iterator[nn.Module]:
+        materialize(module, prefix, self.plan, self.reader)
+        try:
+            yield module
+        finally:
+            release(module)
+
+    @contextlib.contextmanager
+    def embedding(self) -> Iterator[None]:
+        """Materialise the embedding table for the prologue(s) inside the block."""
+        with self._materialized(self._embedding, self._embedding_name):
+            yield
+
+    def prologue(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
+        return run_prologue(self.model, input_ids)
+
+    def layer(self, index: int) -> contextlib.AbstractContextManager[nn.Module]:
+        return self._materialized(self.layers[index], self.layer_prefix(index))
+
+    def final_norm(self) -> contextlib.AbstractContextManager[nn.Module]:
+        return self._materialized(self._norm, self._norm_name)
+
+    def lm_head(self) -> contextlib.AbstractContextManager[nn.Module]:
+        return self._materialized(self._head, self._head_name)
+
+
+def call_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
+    out = layer(hidden, *call.args, **call.kwargs)
+    return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,216 @@
+"""`fp4forge calibrate`, `fp4forge kv calibrate|transplant|show` and `fp4forge fidelity`.
+
+``register(app)`` adds them to the main Typer app. Like the other commands: a rich table for
+people, one JSON document with --json, fp4forge errors as one line and an exit code; torch and
+transformers are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from fp4forge.errors import ConfigError
+
+CALIBRATION_DEFAULTS = {"samples": 64, "seq_len": 512, "batch_size": 4}
+FORMATS = ("compressed-tensors", "modelopt")
+
+
+def _calibration_options(samples: int, seq_len: int, batch_size: int, policy: str, text: list[Path], no_builtin: bool, tokenizer: Optional[Path], ram_budget_gb: float, spill_dir: Optional[Path]):
+    from fp4forge.calibrate import POLICIES, CalibrationOptions
+
+    if policy not in POLICIES:
+        raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return CalibrationOptions(
+        samples=samples,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        policy=policy,
+        text_files=tuple(text),
+        builtin_corpus=not no_builtin,
+        tokenizer=tokenizer,
+        ram_budget_bytes=int(ram_budget_gb * 2**30),
+        spill_dir=spill_dir,
+    )
+
+
+def _ui():
+    """(emit_json, console, progress_bar) of the main CLI, imported when a command runs, so
+    ``register`` may be called anywhere in cli.py."""
+    from fp4forge import cli
+
+    return cli.emit_json, cli.out, cli.progress_bar
+
+
+def _is_stats_file(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".safetensors"
+
+
+def register(app: typer.Typer) -> None:
+    """Add calibrate, kv (calibrate / transplant / show) and fidelity to ``app``."""
+    kv_app = typer.Typer(no_args_is_help=True, help="FP8 KV-cache scales: calibrate, transplant, show.")
+    app.add_typer(kv_app, name="kv")
+
+    samples_opt = typer.Option(CALIBRATION_DEFAULTS["samples"], "--samples", min=1, help="Calibration samples (rows of --seq-len tokens).")
+    seq_len_opt = typer.Option(CALIBRATION_DEFAULTS["seq_len"], "--seq-len", min=2, help="Tokens per sample (texts are packed, never padded).")
+    batch_opt = typer.Option(CALIBRATION_DEFAULTS["batch_size"], "--batch-size", min=1, help="Samples per forward.")
+    policy_opt = typer.Option("routed", "--policy", help="MoE coverage: routed (the router's tokens) | all-experts (every token through every expert).")
+    text_opt = typer.Option([], "--text", help="Extra text: .jsonl ({'messages': [...]} or {'text': ...}) or plain text; repeatable.")
+    no_builtin_opt = typer.Option(False, "--no-builtin", help="Use only --text files, not the built-in stdlib corpus.")
+    tokenizer_opt = typer.Option(None, "--tokenizer", help="Tokenizer directory (default: the checkpoint's).")
+    ram_opt = typer.Option(4.0, "--ram-budget-gb", help="Activations kept in RAM up to this; the rest spills to disk.")
+    spill_opt = typer.Option(None, "--spill-dir", help="Where spilled activations go (default: the temp dir).")
+
+    @app.command("calibrate")
+    def calibrate_command(
+        src: str = typer.Argument(..., metavar="SRC", help="BF16 checkpoint directory."),
+        stats_out: Path = typer.Option(..., "--out", help="Statistics file to write (.safetensors)."),
+        samples: int = samples_opt,
+        seq_len: int = seq_len_opt,
+        batch_size: int = batch_opt,
+        policy: str = policy_opt,
+        text: list[Path] = text_opt,
+        no_builtin: bool = no_builtin_opt,
+        tokenizer: Optional[Path] = tokenizer_opt,
+        ram_budget_gb: float = ram_opt,
+        spill_dir: Optional[Path] = spill_opt,
+        as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    ) -> None:
+        """Activation and KV amax from data, one decoder layer in memory at a time (for quantize --stats)."""
+        emit_json, out, progress_bar = _ui()
+        from fp4forge.calibrate import calibrate_checkpoint
+        from fp4forge.quantize.act_scales import write_stats
+        from fp4forge.report.calibrate_tables import calibration_rich
+
+        options = _calibration_options(samples, seq_len, batch_size, policy, text, no_builtin, tokenizer, ram_budget_gb, spill_dir)
+        with progress_bar("calibrating", not as_json) as progress:
+            result = calibrate_checkpoint(src, options, progress=progress)
+        write_stats(stats_out, result.tensors, result.metadata)
+        summary = {"statistics": str(stats_out), **result.summary()}
+        if as_json:
+            emit_json(summary)
+        else:
+            out.print(calibration_rich(summary, str(stats_out)))
+
+    @kv_app.command("calibrate")
+    def kv_calibrate_command(
+        source: Path = typer.Argument(..., metavar="SRC_OR_STATS", help="A statistics file, or the BF16 checkpoint to calibrate now."),
+        into: Path = typer.Option(..., "--into", help="Checkpoint directory that receives model-kvscales.safetensors (updated atomically)."),
+        layout_format: Optional[str] = typer.Option(None, "--format", help="compressed-tensors | modelopt, for a checkpoint that declares no quantization yet."),
+        per_head: bool = typer.Option(False, "--per-head", help="One scale per KV head (compressed-tensors attn_head)."),
+        samples: int = samples_opt,
+        seq_len: int = seq_len_opt,
+        batch_size: int = batch_opt,
+        text: list[Path] = text_opt,
+        no_builtin: bool = no_builtin_opt,
+        tokenizer: Optional[Path] = tokenizer_opt,
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> None:
+        """k_scale = k_amax / 448, v_scale = v_amax / 448, written into a checkpoint with its declaration."""
+        emit_json, out, progress_bar = _ui()
+        from fp4forge.calibrate import calibrate_checkpoint
+        from fp4forge.calibrate import kv
+        from fp4forge.checkpoint.reader import open_checkpoint
+        from fp4forge.quantize.act_scales import write_stats
+
+        if layout_format is not None and layout_format not in FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {layout_format!r}")
+        layers = kv.attention_layers(open_checkpoint(into))
+        stats_path = source
+        if not _is_stats_file(source):
+            options = _calibration_options(samples, seq_len, batch_size, "routed", text, no_builtin, tokenizer, 4.0, None)
+            with progress_bar("calibrating", not as_json) as progress:
+                result = calibrate_checkpoint(source, options, progress=progress)
+            stats_path = into.parent / f".{into.name}.kv-stats.safetensors"
+            write_stats(stats_path, result.tensors, result.metadata)
+        try:
+            scales = kv.scales_from_stats(stats_path, layers, per_head=per_head)
+        finally:
+            if stats_path != source:
+                stats_path.unlink(missing_ok=True)
+        provenance = kv.install_kv_scales(into, scales, layout_format)
+        if as_json:
+            emit_json({"checkpoint": str(into), **provenance})
+        else:
+            out.print(f"[green]wrote[/green] {provenance['tensors']} KV scales for {provenance['layers']} layers into {into}/{kv.KV_SHARD} ({provenance['layout']})")
+
+    @kv_app.command("transplant")
+    def kv_transplant_command(
+        donor: Path = typer.Option(..., "--donor", help="Checkpoint of the same base model that carries KV scales."),
+        into: Path = typer.Option(..., "--into", help="Checkpoint that lacks them."),
+        out_dir: Path = typer.Option(..., "--out", help="New checkpoint directory to create."),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> None:
+        """Copy KV scales from a donor of the same model (names and dtypes converted; recorded as an approximation)."""
+        emit_json, out, progress_bar = _ui()
+        from fp4forge.calibrate import kv
+
+        provenance = kv.transplant(donor, into, out_dir)
+        if as_json:
+            emit_json({"checkpoint": str(out_dir), **provenance})
+        else:
+            out.print(f"[green]wrote[/green] {out_dir}: {provenance['tensors']} KV scales from {donor} ({provenance['donor_layout']} → {provenance['layout']}), recorded as an approximation")
+
+    @kv_app.command("show")
+    def kv_show_command(
+        location: str = typer.Argument(..., metavar="CKPT"),
+        as_json: bool = typer.Option(False, "--json", help='{"layout", "layers": [{"layer", "k_scale", "v_scale", ...}], "findings": [...]}'),
+    ) -> None:
+        """Per-layer k/v scales and the amax they imply; flags constant 1.0, amax > 448, missing layers. Exit 1 on errors."""
+        emit_json, out, progress_bar = _ui()
+        from fp4forge.calibrate import kv
+        from fp4forge.report.calibrate_tables import kv_rich
+
+        report = kv.show(location).to_json()
+        if as_json:
+            emit_json(report)
+        else:
+            for table in kv_rich(report):
+                out.print(table)
+        if any(f["severity"] == "error" for f in report["findings"]):
+            raise typer.Exit(1)
+
+    @app.command("fidelity")
+    def fidelity_command(
+        teacher: str = typer.Argument(..., metavar="TEACHER", help="The BF16 checkpoint."),
+        student: str = typer.Argument(..., metavar="STUDENT", help="Its quantized checkpoint (compressed-tensors or ModelOpt)."),
+        text: list[Path] = typer.Option([], "--text", help="Held-out text (.jsonl or plain); default: the built-in corpus's held-out split."),
+        numerics: str = typer.Option("w4a4", "--numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
+        samples: int = typer.Option(16, "--samples", min=1),
+        seq_len: int = typer.Option(256, "--seq-len", min=2),
+        batch_size: int = typer.Option(4, "--batch-size", min=1),
+        no_builtin: bool = typer.Option(False, "--no-builtin", help="Use only --text files."),
+        tokenizer: Optional[Path] = typer.Option(None, "--tokenizer"),
+        teacher_cache: Optional[Path] = typer.Option(None, "--teacher-cache", help="Teacher logits cache: written if absent, reused (teacher not run) if present."),
+        top_k: int = typer.Option(32, "--top-k", min=1, help="Teacher log-probs kept exactly per position in the cache."),
+        tail_samples: int = typer.Option(32, "--tail-samples", min=1, help="Tail tokens sampled per position in the cache."),
+        moe_input_scale: str = typer.Option("global-max", "--moe-input-scale", help="global-max (FlashInfer / emulation MoE) | per-expert (VLLM_CUTLASS)."),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> None:
+        """KL, top-1 agreement, perplexity and per-layer error of a quantized student against its teacher, layer-streamed."""
+        emit_json, out, progress_bar = _ui()
+        from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+        from fp4forge.report.calibrate_tables import fidelity_rich
+
+        options = FidelityOptions(
+            numerics=numerics,
+            samples=samples,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            text_files=tuple(text),
+            builtin_corpus=not no_builtin,
+            tokenizer=tokenizer,
+            teacher_cache=teacher_cache,
+            top_k=top_k,
+            tail_samples=tail_samples,
+            moe_input_scale=moe_input_scale,
+        )
+        with progress_bar("evaluating", not as_json) as progress:
+            report = evaluate(teacher, student, options, progress=progress).to_json()
+        if as_json:
+            emit_json(report)
+        else:
+            for table in fidelity_rich(report):
+                out.print(table)
