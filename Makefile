@@ -18,10 +18,15 @@ $(BIN)/.fp4forge-ready: pyproject.toml
 
 install: $(BIN)/.fp4forge-ready
 
-# The main job on the built-in tiny Laguna testbed.
+# The main job on the built-in tiny Laguna testbed: build it, calibrate it layer by layer,
+# export NVFP4 W4A4 experts + FP8 attention/shared expert + calibrated FP8 KV scales, prove the
+# export with the audit, and show where its bytes are. Re-running skips finished artifacts.
 demo: install
 	@if [ ! -d $(DEMO)/tiny-laguna ]; then $(BIN)/fp4forge testbed tiny-laguna $(DEMO)/tiny-laguna --seed 0; fi
-	$(BIN)/fp4forge bytes $(DEMO)/tiny-laguna
+	@if [ ! -f $(DEMO)/stats.safetensors ]; then $(BIN)/fp4forge calibrate $(DEMO)/tiny-laguna --out $(DEMO)/stats.safetensors --samples 16 --seq-len 256; fi
+	@if [ ! -d $(DEMO)/tiny-laguna-nvfp4 ]; then $(BIN)/fp4forge quantize $(DEMO)/tiny-laguna $(DEMO)/tiny-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn --stats $(DEMO)/stats.safetensors; fi
+	$(BIN)/fp4forge audit $(DEMO)/tiny-laguna-nvfp4
+	$(BIN)/fp4forge bytes $(DEMO)/tiny-laguna-nvfp4
 
 # The whole suite, integration tests included: the vLLM CPU and llm-compressor venvs are
 # created side by side (each a few minutes, once) and the tests use them.
