@@ -233,3 +233,15 @@ def test_killed_export_resumes_to_identical_bytes(source, mse_reference, tmp_pat
         assert (out / ref_file.name).read_bytes() == ref_file.read_bytes(), ref_file.name
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
     assert not (tmp_path / ".out.partial").exists()
+
+
+def test_audit_finds_no_errors_in_any_recipe_output(exports):
+    """The issue's bar: every built-in recipe, both layouts, audits clean (the constant
+    activation scales and vLLM 0.32's Laguna router-bias blind spot are warnings)."""
+    from fp4forge.audit.engine import audit_checkpoint
+
+    for key, path in exports.items():
+        report = audit_checkpoint(str(path))
+        errors = [f.rule for f in report.findings if f.severity == "error"]
+        assert errors == [], (key, errors)
+        assert {f.rule for f in report.findings} <= {"activation-scales-constant", "serving-blind-spot"}, key
