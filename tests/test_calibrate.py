@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
-from transformers.utils import logging as hf_logging
 
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint, calibrate_in_memory, calibration_samples
 from fp4forge.calibrate.data import builtin_documents, file_documents, load_samples, load_tokenizer
@@ -19,33 +18,8 @@ from fp4forge.calibrate.observers import NoTap, experts_forward
 from fp4forge.calibrate.streaming import StreamedModel, call_layer
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.errors import ConfigError
-from fp4forge.testbed.tiny import build_tiny_laguna, build_tiny_qwen3_moe
-
-BUILDERS = {"laguna": build_tiny_laguna, "qwen3_moe": build_tiny_qwen3_moe}
+from tests.calibration_fixtures import BUILDERS, laguna, one_thread, tiny  # noqa: F401 (shared fixtures)
 SMALL = CalibrationOptions(samples=6, seq_len=96, batch_size=4)  # 96 > Laguna's sliding window 64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():  # module scope: active before the module-scoped fixtures too
-    """Two OpenMP threads on a shared two-core machine make bf16 index_add_ 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    hf_logging.disable_progress_bar()
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny(tmp_path_factory: pytest.TempPathFactory, kind: str) -> Path:
-    """One tiny model per session, shared by the calibration, KV and fidelity tests."""
-    path = tmp_path_factory.getbasetemp() / f"calib-tiny-{kind}"
-    if not path.exists():
-        BUILDERS[kind](path, seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
-def laguna(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny(tmp_path_factory, "laguna")
 
 
 @pytest.fixture(scope="module")

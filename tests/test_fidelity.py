@@ -16,25 +16,9 @@ from fp4forge.errors import ConfigError
 from fp4forge.quantize.act_scales import StatsAmax, write_stats
 from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
 from fp4forge.quantize.recipe import load_recipe
-from fp4forge.testbed.tiny import build_tiny_laguna
+from tests.calibration_fixtures import laguna, one_thread  # noqa: F401 (shared fixtures)
 
 FAST = FidelityOptions(samples=2, seq_len=96, batch_size=2)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():  # module scope: active before the module-scoped fixtures too
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def laguna(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.getbasetemp() / "calib-tiny-laguna"
-    if not path.exists():
-        build_tiny_laguna(path, seed=0)
-    return path
 
 
 @pytest.fixture(scope="module")

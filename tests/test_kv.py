@@ -18,29 +18,7 @@ from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.cli_calibrate import register
 from fp4forge.errors import ConfigError
 from fp4forge.quantize.act_scales import write_stats
-from fp4forge.testbed.tiny import build_tiny_laguna, build_tiny_qwen3_moe
-
-BUILDERS = {"laguna": build_tiny_laguna, "qwen3_moe": build_tiny_qwen3_moe}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():  # module scope: active before the module-scoped fixtures too
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny(tmp_path_factory: pytest.TempPathFactory, kind: str) -> Path:
-    path = tmp_path_factory.getbasetemp() / f"calib-tiny-{kind}"
-    if not path.exists():
-        BUILDERS[kind](path, seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
-def laguna(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny(tmp_path_factory, "laguna")
+from tests.calibration_fixtures import laguna, one_thread, tiny  # noqa: F401 (shared fixtures)
 
 
 @pytest.fixture(scope="module")
