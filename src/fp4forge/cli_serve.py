@@ -1,0 +1,160 @@
+"""`fp4forge serve ...`, added to the main Typer app by ``register(app)``.
+
+    fp4forge serve cmd MODEL [--hardware gb10|b200|h100|h200|cpu] [--vllm-version 0.32.0] [--json]
+    fp4forge serve doctor LOGFILE|- [--vllm-version V] [--json]
+    fp4forge serve up MODEL [--name N] [--port P] [--venv DIR] [--hardware cpu] [--timeout S] [--json] [-- EXTRA...]
+    fp4forge serve down [NAME...] [--all] [--json]
+
+Exit codes. doctor: 0 no error findings, 1 at least one error finding, 2 unreadable input.
+cmd/up/down: 0 success, 2 an error fp4forge understands (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from fp4forge.errors import Fp4forgeError
+
+EXIT_FINDINGS = 1
+EXIT_ERROR = 2
+DEFAULT_VENV = Path(".venv-vllm")
+SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
+
+serve_app = typer.Typer(no_args_is_help=True, help="Serve checkpoints with vLLM: the right command, log diagnosis, start/stop.")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(serve_app, name="serve")
+
+
+def _emit(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+def _console(stderr: bool = False):  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=True, highlight=False)
+
+
+def _fail(error: Exception, as_json: bool) -> SystemExit:
+    if as_json:
+        _emit({"error": str(error)})
+    _console(stderr=True).print(f"[red]error:[/red] {error}")
+    return SystemExit(EXIT_ERROR)
+
+
+@serve_app.command("cmd")
+def cmd_command(
+    model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint directory, HF repo id or https://…/resolve/<rev> URL."),
+    hardware: str = typer.Option("gb10", "--hardware", help="gb10 | b200 | h100 | h200 | cpu"),
+    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM (default: the one in --venv, else the newest known)."),
+    venv: Path = typer.Option(DEFAULT_VENV, "--venv", help="vLLM venv whose version is the default target."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document: env, argv, command, notes, warnings."),
+) -> None:
+    """Print the `vllm serve` command that serves MODEL correctly on HARDWARE, with why-comments."""
+    from fp4forge.serve.recommend import installed_vllm_version, knowledge, read_checkpoint_facts, recommend
+
+    try:
+        version = vllm_version or installed_vllm_version(str(venv)) or knowledge()["default_vllm"]
+        rec = recommend(model, read_checkpoint_facts(model), hardware, version)
+    except Fp4forgeError as error:
+        raise _fail(error, as_json) from None
+    if as_json:
+        _emit(rec.to_json())
+    else:
+        sys.stdout.write(rec.render())
+
+
+@serve_app.command("doctor")
+def doctor_command(
+    logfile: str = typer.Argument(..., metavar="LOGFILE|-", help="A vLLM startup log, or - for stdin."),
+    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Override the version read from the log."),
+    as_json: bool = typer.Option(False, "--json", help='{"vllm_version", "findings": [{"id","severity","message","line",...}]}'),
+) -> None:
+    """Explain a vLLM startup log: backends and their numerics, KV scales, parser, load failures."""
+    from fp4forge.serve.doctor import diagnose, iter_lines
+
+    try:
+        text = sys.stdin.read() if logfile == "-" else Path(logfile).read_text(encoding="utf-8", errors="replace")
+    except OSError as error:
+        raise _fail(error, as_json) from None
+    diagnosis = diagnose(iter_lines(text), vllm_version=vllm_version)
+    if as_json:
+        _emit(diagnosis.to_json())
+    else:
+        _print_diagnosis(diagnosis)
+    if diagnosis.worst == "error":
+        raise SystemExit(EXIT_FINDINGS)
+
+
+def _print_diagnosis(diagnosis) -> None:  # type: ignore[no-untyped-def]
+    out = _console()
+    out.print(f"vLLM version: {diagnosis.vllm_version or 'unknown'}; {len(diagnosis.findings)} findings")
+    for f in diagnosis.findings:
+        _print_finding(out, f)
+
+
+def _print_finding(out, f) -> None:  # type: ignore[no-untyped-def]
+    style = SEVERITY_STYLE[f.severity]
+    out.print(f"[{style}]{f.severity:7s}[/{style}] line {f.line:<5d} [bold]{f.id}[/bold]: {f.message}")
+    if f.fix:
+        out.print(f"                    fix: {f.fix}")
+
+
+@serve_app.command("up", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def up_command(
+    ctx: typer.Context,
+    model: Path = typer.Argument(..., metavar="MODEL", help="Local checkpoint directory."),
+    name: Optional[str] = typer.Option(None, "--name", help="Served model name and state-file name (default: directory name)."),
+    port: Optional[int] = typer.Option(None, "--port", help="Loopback port (default: a free one)."),
+    venv: Path = typer.Option(DEFAULT_VENV, "--venv", help="The vLLM venv (scripts/setup-vllm-venv.sh)."),
+    hardware: str = typer.Option("cpu", "--hardware", help="Target whose recommended flags to use."),
+    timeout: float = typer.Option(900.0, "--timeout", help="Seconds to wait for readiness."),
+    state: Optional[Path] = typer.Option(None, "--state-dir", help="Where PID/state files go (default $FP4FORGE_STATE_DIR or ~/.cache/fp4forge/serve)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the server record (pid, port, base_url, log) as JSON."),
+) -> None:
+    """Start vLLM with the recommended flags, wait until ready (log through the doctor), record its PID.
+    Arguments after MODEL that fp4forge does not know are passed to `vllm serve`."""
+    from fp4forge.serve.process import serve_up
+
+    err = _console(stderr=True)
+    try:
+        record, doctor = serve_up(
+            model, venv=venv, name=name, port=port, hardware=hardware, extra_args=list(ctx.args),
+            ready_timeout_s=timeout, directory=state, on_finding=lambda f: _print_finding(err, f),
+        )
+    except Fp4forgeError as error:
+        raise _fail(error, as_json) from None
+    if as_json:
+        _emit({**record.to_json(), "findings": doctor.diagnosis().to_json()["findings"]})
+    else:
+        _console().print(f"[green]ready[/green] {record.name} at {record.base_url}/v1 (pid {record.pid}, log {record.log})")
+
+
+@serve_app.command("down")
+def down_command(
+    names: Optional[list[str]] = typer.Argument(None, metavar="[NAME...]", help="Recorded server names."),
+    every: bool = typer.Option(False, "--all", help="Stop every recorded server."),
+    state: Optional[Path] = typer.Option(None, "--state-dir"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Stop servers started by `serve up`, by their recorded process group."""
+    from fp4forge.serve.process import serve_down
+
+    if not names and not every:
+        raise _fail(ValueError("give server NAMEs or --all"), as_json)
+    try:
+        stopped = serve_down(names or [], directory=state, every=every)
+    except Fp4forgeError as error:
+        raise _fail(error, as_json) from None
+    if as_json:
+        _emit({"stopped": [r.to_json() for r in stopped]})
+    else:
+        for record in stopped:
+            _console().print(f"stopped {record.name} (pid {record.pid})")

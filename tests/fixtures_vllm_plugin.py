@@ -1,0 +1,172 @@
+"""Shared, lazily started vLLM servers for the fp4forge-vllm plugin and reasoning-parser tests.
+
+Both test modules import this one module, so they share one registry and therefore one start of
+each server (starts cost 1-3 min on a loaded 2-core machine). On first use the registry launches
+every server that the collected tests ask for, so their start-ups overlap; it stops them all at
+interpreter exit. Servers (all fp32, --enforce-eager, on tiny testbed models built here):
+
+* ``plugin_bf16_moe``: BF16 tiny Laguna MoE (non-zero router bias) + plugin, with the fixed
+  ``poolside_v1_fixed`` reasoning parser loaded through ``--reasoning-parser-plugin``;
+* ``plugin_ct_w4a4``: fp4forge's NVFP4-experts + FP8-attention + FP8-KV checkpoint of it,
+  compressed-tensors layout, plugin numerics ``w4a4``;
+* ``plugin_modelopt_w4a16``: the same recipe in the ModelOpt layout, numerics ``w4a16``, with
+  vLLM's stock ``poolside_v1`` reasoning parser (the parser tests' "before" picture);
+* ``noplugin_ct``: the compressed-tensors checkpoint with the plugin switched off, which must fail.
+
+The parser servers use a chat template that thinks unless told not to (as Laguna-S-2.1's does) and
+``enable_in_reasoning`` structured outputs, so a regex can force the random model's whole answer.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from fp4forge.serve import VllmServer, launch_vllm
+
+VLLM_COMMON_ARGS = ("--enforce-eager", "--max-model-len", "2048", "--dtype", "float32", "--max-logprobs", "20")
+ENV = {"HF_HUB_OFFLINE": "1"}
+READY_TIMEOUT_S = 900.0
+# Uncalibrated activation amax for the quantized testbed (fp4forge calibrate is not landed yet).
+ACT_SCALES = "constant:8"
+RECIPE = "nvfp4-experts-fp8-attn"
+
+TESTBED_THINKING_LINE = (
+    "{%- set thinking_on = (enable_thinking is defined and enable_thinking) "
+    "or (thinking is defined and thinking) -%}"
+)
+THINKING_BY_DEFAULT_LINE = (
+    "{%- set thinking_on = not ((enable_thinking is defined and not enable_thinking) "
+    "or (thinking is defined and not thinking)) -%}"
+)
+PARSER_COMMON = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "poolside_v1",
+    "--structured-outputs-config",
+    '{"enable_in_reasoning": true}',
+)
+FIXED_PARSER = ("--reasoning-parser-plugin", "fp4forge_vllm.reasoning", "--reasoning-parser", "poolside_v1_fixed")
+STOCK_PARSER = ("--reasoning-parser", "poolside_v1")
+
+
+# -- models -------------------------------------------------------------------------------------
+def build_bf16_moe(root: Path) -> Path:
+    from fp4forge.testbed import build_tiny_laguna
+
+    return build_tiny_laguna(root / "tiny-laguna-moe", seed=0)
+
+
+def quantize(src: Path, out: Path, layout: str) -> Path:
+    from fp4forge.quantize.act_scales import parse_act_scales
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    options = QuantizeOptions(recipe=load_recipe(RECIPE), layout_format=layout, act_amax=parse_act_scales(ACT_SCALES, None))
+    quantize_checkpoint(src, out, options)
+    return out
+
+
+def thinking_template(model_dir: Path, out: Path) -> Path:
+    """The testbed's chat template with thinking on unless a request turns it off."""
+    text = (model_dir / "chat_template.jinja").read_text()
+    assert TESTBED_THINKING_LINE in text, "testbed chat template changed: update THINKING lines"
+    out.write_text(text.replace(TESTBED_THINKING_LINE, THINKING_BY_DEFAULT_LINE))
+    return out
+
+
+class Models:
+    """Testbed checkpoints, each built once per session on first use."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._built: dict[str, Path] = {}
+        self._builders: dict[str, Callable[[], Path]] = {
+            "bf16_moe": lambda: build_bf16_moe(root),
+            "ct": lambda: quantize(self.get("bf16_moe"), root / "tiny-laguna-ct", "compressed-tensors"),
+            "modelopt": lambda: quantize(self.get("bf16_moe"), root / "tiny-laguna-modelopt", "modelopt"),
+            "thinking_template": lambda: thinking_template(self.get("bf16_moe"), root / "thinking-on.jinja"),
+        }
+
+    def get(self, name: str) -> Path:
+        if name not in self._built:
+            self._built[name] = self._builders[name]()
+        return self._built[name]
+
+
+# -- servers ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerSpec:
+    model: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    chat_template: bool = False
+
+
+SERVER_SPECS: dict[str, ServerSpec] = {
+    "plugin_bf16_moe": ServerSpec("bf16_moe", (*PARSER_COMMON, *FIXED_PARSER), chat_template=True),
+    "plugin_ct_w4a4": ServerSpec("ct", env={"FP4FORGE_VLLM_NUMERICS": "w4a4"}),
+    "plugin_modelopt_w4a16": ServerSpec(
+        "modelopt", (*PARSER_COMMON, *STOCK_PARSER), env={"FP4FORGE_VLLM_NUMERICS": "w4a16"}, chat_template=True
+    ),
+    "noplugin_ct": ServerSpec("ct", env={"FP4FORGE_VLLM_PLUGIN": "0"}),
+}
+
+
+class Registry:
+    def __init__(self, venv: Path, root: Path) -> None:
+        self.venv = venv
+        self.models = Models(root / "models")
+        self.log_dir = root / "logs"
+        self.servers: dict[str, VllmServer] = {}
+
+    def launch(self, name: str) -> VllmServer:
+        if name not in self.servers:
+            spec = SERVER_SPECS[name]
+            args = list(VLLM_COMMON_ARGS) + list(spec.args)
+            if spec.chat_template:
+                args += ["--chat-template", str(self.models.get("thinking_template"))]
+            self.servers[name] = launch_vllm(
+                self.models.get(spec.model),
+                venv=self.venv,
+                served_model_name=name,
+                log_path=self.log_dir / f"{name}.log",
+                extra_args=args,
+                env={**ENV, **spec.env},
+            )
+        return self.servers[name]
+
+    def ready(self, name: str) -> VllmServer:
+        server = self.launch(name)
+        server.wait_ready(READY_TIMEOUT_S)
+        return server
+
+    def stop_all(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+_registry: Registry | None = None
+
+
+def registry(request: pytest.FixtureRequest) -> Registry:
+    """The session's registry; the first call launches every server the collected tests use."""
+    global _registry
+    if _registry is None:
+        venv = request.getfixturevalue("vllm_venv")
+        root = request.getfixturevalue("tmp_path_factory").mktemp("vllm-plugin")
+        _registry = Registry(venv, root)
+        atexit.register(_registry.stop_all)
+        used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+        for name in SERVER_SPECS:
+            if name in used:
+                _registry.launch(name)
+    return _registry
+
+
+def server_log(server: VllmServer) -> str:
+    return server.log_path.read_text(encoding="utf-8", errors="replace").replace("\x00", "")

@@ -1,0 +1,104 @@
+"""`fp4forge serve up` / `serve down`: a recorded server that outlives the call, stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from fp4forge import cli_serve
+from fp4forge.errors import ServeError
+from fp4forge.serve.process import ServeRecord, read_records, serve_down, serve_up, write_record
+
+SMALL = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+NVFP4_ATTENTION_RECIPE = """name = "nvfp4-attention"
+description = "attention q/k/v/o NVFP4 W4A4 (the dense testbed has no experts)"
+[[rules]]
+components = ["attention"]
+scheme = "nvfp4"
+ignore = ['re:.*\\.self_attn\\.g_proj$']
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_down_never_signals_a_pid_that_is_not_our_server(tmp_path: Path) -> None:
+    """PIDs get reused: a stale record pointing at another process only loses its file."""
+    record = ServeRecord("stale", os.getpid(), 1, "m", "log", ["vllm", "serve"], time.time())
+    write_record(tmp_path, record)
+    assert [r.name for r in serve_down(["stale"], directory=tmp_path)] == ["stale"]
+    assert read_records(tmp_path) == []
+    assert _alive(os.getpid())
+    with pytest.raises(ServeError, match="no recorded server named nope"):
+        serve_down(["nope"], directory=tmp_path)
+
+
+def test_cli_down_needs_a_name(tmp_path: Path) -> None:
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:
+        """fp4forge (test harness)"""
+
+    cli_serve.register(app)
+    result = CliRunner().invoke(app, ["serve", "down", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    result = CliRunner().invoke(app, ["serve", "down", "--all", "--state-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout) == {"stopped": []}
+
+
+@pytest.mark.slow
+def test_up_failure_explains_and_leaves_no_record(vllm_venv: Path, tiny_laguna_dense_dir: Path, tmp_path: Path) -> None:
+    """NVFP4 attention with the plugin switched off: vLLM-CPU has no NVFP4 linear kernel."""
+    from fp4forge.quantize.act_scales import parse_act_scales
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    recipe = tmp_path / "nvfp4-attention.toml"
+    recipe.write_text(NVFP4_ATTENTION_RECIPE)
+    model = tmp_path / "nvfp4-attention"
+    options = QuantizeOptions(recipe=load_recipe(str(recipe)), act_amax=parse_act_scales("constant:8", None))
+    quantize_checkpoint(tiny_laguna_dense_dir, model, options)
+    with pytest.raises(ServeError) as raised:
+        serve_up(model, venv=vllm_venv, directory=tmp_path / "state", env={**SMALL, "FP4FORGE_VLLM_PLUGIN": "0"},
+                 ready_timeout_s=600)
+    message = str(raised.value)
+    assert "exited with code" in message
+    assert "[no-nvfp4-linear-kernel]" in message and "fp4forge-vllm" in message  # the doctor's error and fix
+    assert read_records(tmp_path / "state") == []
+
+
+@pytest.mark.slow
+def test_up_streams_the_doctor_records_and_down_stops(vllm_venv: Path, tiny_laguna_dense_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    seen = []
+    record, doctor = serve_up(
+        tiny_laguna_dense_dir, venv=vllm_venv, name="updown", directory=state, env=SMALL,
+        extra_args=["--max-model-len", "2048"], on_finding=seen.append,
+    )
+    try:
+        assert [r.name for r in read_records(state)] == ["updown"]
+        models = httpx.get(f"{record.base_url}/v1/models", timeout=30, trust_env=False).json()
+        assert models["data"][0]["id"] == "updown"
+        ids = {f.id for f in seen}
+        assert {"quantization-method", "kv-cache-dtype", "fp4forge-plugin-active"} <= ids
+        assert "reasoning-autoinit-failed" not in ids  # serve up passes the fixed parser for Laguna
+        assert doctor.vllm_version == "0.32.0"
+        assert "--reasoning-parser" in record.command and "poolside_v1_fixed" in record.command
+    finally:
+        stopped = serve_down(["updown"], directory=state)
+    assert [r.pid for r in stopped] == [record.pid]
+    assert not _alive(record.pid)
+    assert read_records(state) == []
