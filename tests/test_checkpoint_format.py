@@ -154,7 +154,7 @@ HOSTILE = {
     "lfs_pointer": (
         lambda p: p.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"a" * 64 + b"\nsize 12345\n"),
         LfsPointerError,
-        "git-LFS pointer",
+        "real size 12345 bytes",
     ),
 }
 

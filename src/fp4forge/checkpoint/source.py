@@ -95,7 +95,7 @@ class LocalSource:
         try:
             file_size = path.stat().st_size
             with open(path, "rb") as fh:
-                prefix = fh.read(max(LENGTH_PREFIX_BYTES, 64))
+                prefix = fh.read(1024)  # enough to name a git-LFS pointer (< 200 bytes by spec) in full
                 length = header_length(prefix, source=shown, file_size=file_size)
                 fh.seek(LENGTH_PREFIX_BYTES)
                 raw = fh.read(length)
