@@ -170,3 +170,21 @@ def registry(request: pytest.FixtureRequest) -> Registry:
 
 def server_log(server: VllmServer) -> str:
     return server.log_path.read_text(encoding="utf-8", errors="replace").replace("\x00", "")
+
+
+# -- fixtures both test modules import -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def servers(request: pytest.FixtureRequest) -> Registry:
+    return registry(request)
+
+
+@pytest.fixture(scope="module")
+def plugin_bf16_moe(servers: Registry) -> VllmServer:
+    """BF16 MoE + plugin, fixed parser (loaded with --reasoning-parser-plugin fp4forge_vllm.reasoning)."""
+    return servers.ready("plugin_bf16_moe")
+
+
+@pytest.fixture(scope="module")
+def plugin_modelopt_w4a16(servers: Registry) -> VllmServer:
+    """ModelOpt checkpoint, numerics w4a16, stock poolside_v1 with the same template and settings."""
+    return servers.ready("plugin_modelopt_w4a16")

@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 
 from fp4forge.serve import VllmServer
 from fp4forge.serve.doctor import diagnose, iter_lines
-from tests.fixtures_vllm_plugin import Registry, registry, server_log
+from tests.fixtures_vllm_plugin import Registry, plugin_bf16_moe, plugin_modelopt_w4a16, server_log, servers  # noqa: F401 (shared fixtures)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT_S = 600.0
@@ -74,23 +74,6 @@ def test_thinking_is_on_unless_turned_off(kwargs: dict[str, Any] | None, expecte
 
 
 # -- real servers -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def servers(request: pytest.FixtureRequest) -> Registry:
-    return registry(request)
-
-
-@pytest.fixture(scope="module")
-def plugin_bf16_moe(servers: Registry) -> VllmServer:
-    """Fixed parser (loaded with --reasoning-parser-plugin fp4forge_vllm.reasoning)."""
-    return servers.ready("plugin_bf16_moe")
-
-
-@pytest.fixture(scope="module")
-def plugin_modelopt_w4a16(servers: Registry) -> VllmServer:
-    """Stock poolside_v1, same chat template and structured-output settings."""
-    return servers.ready("plugin_modelopt_w4a16")
-
-
 @pytest.fixture(scope="module")
 def think_end_id(servers: Registry) -> int:
     tokenizer = AutoTokenizer.from_pretrained(servers.models.get("bf16_moe"))

@@ -28,7 +28,7 @@ from fp4forge.errors import ServeError
 from fp4forge.serve import VllmServer
 from fp4forge.serve.doctor import diagnose, iter_lines
 from fp4forge.serve.reference import greedy_tokens, load_reference
-from tests.fixtures_vllm_plugin import Registry, registry, server_log
+from tests.fixtures_vllm_plugin import Registry, plugin_bf16_moe, plugin_modelopt_w4a16, server_log, servers  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -52,23 +52,8 @@ MAX_FLIP_GAP = 0.005
 
 # -- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers(request: pytest.FixtureRequest) -> Registry:
-    return registry(request)
-
-
-@pytest.fixture(scope="module")
-def plugin_bf16_moe(servers: Registry) -> VllmServer:
-    return servers.ready("plugin_bf16_moe")
-
-
-@pytest.fixture(scope="module")
 def plugin_ct_w4a4(servers: Registry) -> VllmServer:
     return servers.ready("plugin_ct_w4a4")
-
-
-@pytest.fixture(scope="module")
-def plugin_modelopt_w4a16(servers: Registry) -> VllmServer:
-    return servers.ready("plugin_modelopt_w4a16")
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ def post_json(server: VllmServer, path: str, payload: dict[str, Any]) -> httpx.R
 def assert_usage(body: dict[str, Any], max_tokens: int) -> None:
     usage = body["usage"]
     assert usage["prompt_tokens"] > 0
+    # Bounded both ways: a server that generated nothing, or ignored max_tokens, fails here.
     assert 1 <= usage["completion_tokens"] <= max_tokens
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
