@@ -172,13 +172,14 @@ def quantize_command(
 
 def _register_subcommands() -> None:
     """Commands that live beside their library layer (each module adds itself to the app)."""
-    from fp4forge import cli_audit, cli_bench, cli_calibrate, cli_quality, cli_serve
+    from fp4forge import cli_audit, cli_bench, cli_calibrate, cli_pipeline, cli_quality, cli_serve
 
     cli_audit.register(app)
     cli_calibrate.register(app)
     cli_serve.register(app)
     cli_bench.register(app)
     cli_quality.register(app)
+    cli_pipeline.register(app)
 
 
 _register_subcommands()

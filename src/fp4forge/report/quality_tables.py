@@ -10,6 +10,8 @@ from typing import Any
 
 from rich.table import Table
 
+from fp4forge.report.markdown import table
+
 
 def _p(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
@@ -23,8 +25,7 @@ def _runs(values: list[int]) -> str:
     return " / ".join(str(v) for v in values)
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers), *("| " + " | ".join(row) + " |" for row in rows)]
+_table = table
 
 
 # -- listing ------------------------------------------------------------------------------------

@@ -1,0 +1,184 @@
+"""`fp4forge pipeline` and `fp4forge card`, added to the main Typer app by ``register(app)``.
+
+    fp4forge pipeline SRC OUT --recipe R [--format F] [--calib-samples N] [--calib-text FILE]...
+                      [--hardware gb10] [--sibling CKPT] [--serve [--vllm-venv DIR]] [--bench perf,quality] [--json]
+    fp4forge card CKPT [--reports DIR] [--out README.md] [--json]
+
+Exit codes. pipeline: 0 every step finished (or was unchanged), 1 a step failed (the manifest
+``OUT/reports/pipeline.json`` says which; a re-run resumes there), 2 bad options or input,
+130 interrupted (a re-run resumes). card: 0 written, 2 the checkpoint directory does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from fp4forge.errors import Fp4forgeError
+
+EXIT_FAILED = 1
+EXIT_UNUSABLE = 2
+DEFAULT_VLLM_VENV = Path(".venv-vllm")
+STATUS_STYLE = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "red", "off": "dim", "running": "yellow", "pending": "dim"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("pipeline")(pipeline_command)
+    app.command("card")(card_command)
+
+
+def _emit(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+
+
+def _console(stderr: bool = False):  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=True, highlight=False)
+
+
+def _fail(message: str, code: int, as_json: bool) -> SystemExit:
+    if as_json:
+        _emit({"error": message})
+    _console(stderr=True).print(f"[red]error:[/red] {message}")
+    return SystemExit(code)
+
+
+class StepsView:
+    """One live table for the whole run: every step's status, time and headline, and a bar for
+    the running step's own progress."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.rows: dict[str, list[str]] = {}
+        self._live: Any = None
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> StepsView:
+        if self.enabled:
+            from rich.live import Live
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            from fp4forge.pipeline.steps import CARD_STEP, STEPS
+
+            self.rows = {s.name: [s.name, "pending", s.title] for s in (*STEPS, CARD_STEP)}
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+            self._task = self._bar.add_task("", total=None, visible=False)
+            self._live = Live(self._render(), console=_console(stderr=True), refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._bar.update(self._task, visible=False)
+            self._live.update(self._render())
+            self._live.__exit__(*exc)
+
+    def _render(self):  # type: ignore[no-untyped-def]
+        from rich.console import Group
+        from rich.table import Table
+
+        view = Table(title="fp4forge pipeline", title_justify="left")
+        for column in ("step", "status", "detail"):
+            view.add_column(column)
+        for name, status, detail in self.rows.values():
+            style = STATUS_STYLE.get(status, "")
+            view.add_row(name, f"[{style}]{status}[/{style}]", detail)
+        return Group(view, self._bar)
+
+    def update(self, event: Any) -> None:
+        if not self.enabled:
+            return
+        row = self.rows.setdefault(event.step, [event.step, "", ""])
+        row[1] = event.status
+        if event.status == "running":
+            self._bar.update(self._task, visible=True, description=f"{event.step}: {event.detail}",
+                             completed=event.done, total=event.total or None)
+        elif event.detail:
+            row[2] = event.detail
+        if event.status != "running":
+            self._bar.update(self._task, visible=False, completed=0, total=None)
+        self._live.update(self._render())
+
+
+def _csv(text: Optional[str]) -> tuple[str, ...]:
+    return tuple(part.strip() for part in (text or "").split(",") if part.strip())
+
+
+def pipeline_command(
+    src: Path = typer.Argument(..., metavar="SRC", help="BF16 checkpoint directory."),
+    out: Path = typer.Argument(..., metavar="OUT", help="Output: the servable checkpoint, its reports/ and README.md (the card)."),
+    recipe: str = typer.Option(..., "--recipe", help="Built-in recipe name or a recipe .toml file."),
+    layout_format: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors | modelopt"),
+    calib_samples: int = typer.Option(16, "--calib-samples", min=1, help="Calibration samples."),
+    calib_seq_len: int = typer.Option(256, "--calib-seq-len", min=2, help="Tokens per calibration sample."),
+    calib_text: list[Path] = typer.Option([], "--calib-text", help="Extra calibration text (.jsonl or plain); repeatable."),
+    fidelity_samples: int = typer.Option(16, "--fidelity-samples", min=1),
+    fidelity_seq_len: int = typer.Option(256, "--fidelity-seq-len", min=2),
+    fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),
+    hardware: str = typer.Option("gb10", "--hardware", help="Target of the card's serve line: gb10 | b200 | h100 | h200 | cpu."),
+    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM version of the serve line and audit."),
+    sibling: Optional[Path] = typer.Option(None, "--sibling", help="Another checkpoint of the same model to diff against."),
+    serve: bool = typer.Option(False, "--serve", help="Serve OUT here with vLLM (CPU: with the fp4forge-vllm plugin) and read its log."),
+    vllm_venv: Optional[Path] = typer.Option(None, "--vllm-venv", help="vLLM venv (default $FP4FORGE_VLLM_VENV, else .venv-vllm)."),
+    bench: Optional[str] = typer.Option(None, "--bench", help="With --serve: perf, quality or perf,quality."),
+    perf_workload: str = typer.Option("cpu-tiny", "--perf-workload", help="Workload of bench perf (workloads.toml)."),
+    quality_runs: int = typer.Option(2, "--quality-runs", min=1, help="Suite runs; 2+ measures the noise floor."),
+    quality_max_tokens: int = typer.Option(64, "--quality-max-tokens", min=1),
+    quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
+) -> None:
+    """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
+    from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
+
+    venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))
+    options = PipelineOptions(
+        recipe=recipe, layout_format=layout_format, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+        calib_text=tuple(calib_text), fidelity_samples=fidelity_samples, fidelity_seq_len=fidelity_seq_len,
+        fidelity_text=tuple(fidelity_text), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
+        serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
+        quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories),
+    )
+    manifest_path = out / "reports" / "pipeline.json"
+    try:
+        with StepsView(enabled=not as_json) as view:
+            manifest = run_pipeline(src, out, options, on_event=view.update)
+    except PipelineFailed as error:
+        if as_json and manifest_path.is_file():
+            _emit(json.loads(manifest_path.read_text()))
+        raise _fail(f"{error}\nfix it and re-run the same command: finished steps are skipped", EXIT_FAILED, False) from None
+    except KeyboardInterrupt:
+        _console(stderr=True).print("[red]interrupted[/red]: finished steps are recorded; re-run the same command to resume")
+        raise SystemExit(130) from None
+    except Fp4forgeError as error:
+        raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
+    if as_json:
+        _emit(manifest.to_json())
+    else:
+        _console().print(f"[green]done[/green]: {out} (card {out / 'README.md'}, artifacts {out / 'reports'})")
+
+
+def card_command(
+    checkpoint: Path = typer.Argument(..., metavar="CKPT", help="Checkpoint directory."),
+    reports: Optional[Path] = typer.Option(None, "--reports", help="Artifacts directory (default CKPT/reports)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Card to write (default CKPT/README.md)."),
+    as_json: bool = typer.Option(False, "--json", help='{"card", "sections", "missing", "plots"}'),
+) -> None:
+    """Write the model card from measured artifacts only; a missing artifact is named, never invented."""
+    from fp4forge.report.card import write_card
+
+    if not checkpoint.is_dir():
+        raise _fail(f"{checkpoint} is not a directory", EXIT_UNUSABLE, as_json)
+    target = out_path or checkpoint / "README.md"
+    card = write_card(checkpoint, reports, target)
+    if as_json:
+        _emit({"card": str(target), "sections": card.sections, "missing": card.missing, "plots": card.plots})
+    else:
+        _console().print(f"[green]wrote[/green] {target} ({len(card.sections)} sections"
+                         + (f"; missing artifacts: {', '.join(card.missing)}" if card.missing else "") + ")")

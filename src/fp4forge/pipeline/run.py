@@ -1,0 +1,211 @@
+"""Run the pipeline: each step in order, skipped when its key and artifacts are unchanged,
+recorded in ``OUT/reports/pipeline.json`` after every step so a failure or Ctrl-C resumes there.
+
+The orchestrator knows nothing about what a step does; presentation goes through ``on_event``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.pipeline.state import (
+    DONE, FAILED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
+    require_empty_or_ours, still_valid,
+)
+from fp4forge.pipeline.steps import CARD_STEP, NOT_CHECKPOINT, REPORTS, STAGING, STEPS, Context, PipelineOptions, Step
+
+MANIFEST = "pipeline.json"
+HASH_CACHE = ".hashes.json"
+# A new pipeline.json status: the run as a whole.
+COMPLETE = "complete"
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What the progress view is told: a step started / progressed / ended."""
+
+    step: str
+    status: str  # running | done | skipped | failed | interrupted | off
+    done: int = 0
+    total: int = 0
+    detail: str = ""
+
+
+EventCallback = Callable[[StepEvent], None]
+
+
+class PipelineFailed(Fp4forgeError):
+    """A step failed; the manifest says which, and a re-run resumes there."""
+
+    exit_code = 1
+
+
+def _recipe_text(recipe: str) -> str:
+    from fp4forge.quantize.recipe import load_recipe
+
+    return load_recipe(recipe).text  # the recipe's content, so an edited recipe file re-runs quantize
+
+
+def _vllm_identity(venv: Path | None) -> str | None:
+    if venv is None:
+        return None
+    from fp4forge.serve.recommend import installed_vllm_version
+
+    return f"{installed_vllm_version(str(venv))}@{venv.resolve()}"
+
+
+def step_key(step: Step, ctx: Context, hasher: Hasher) -> str:
+    """Hash of everything the step's result depends on."""
+    o = ctx.options
+    inputs: dict[str, Any] = {}
+    for name in step.inputs:
+        if name == "src":
+            inputs[name] = hasher.tree(ctx.src)
+        elif name == "checkpoint":
+            inputs[name] = hasher.tree(ctx.out, NOT_CHECKPOINT)
+        elif name == "recipe":
+            inputs[name] = _recipe_text(o.recipe)
+        elif name == "sibling":
+            inputs[name] = hasher.path(o.sibling) if o.sibling else None
+        elif name == "vllm":
+            inputs[name] = _vllm_identity(o.vllm_venv)
+        elif name == "reports":
+            inputs[name] = hasher.tree(ctx.reports, (MANIFEST, HASH_CACHE, "plots"))
+        else:
+            inputs[name] = hasher.path(ctx.reports / name)
+    params = {name: getattr(o, name) for name in step.params}
+    for name in ("calib_text", "fidelity_text"):  # the text files' contents, not their names
+        if name in params:
+            params[name] = [hasher.file(Path(p)) for p in params[name]]
+    return digest_of({"step": step.name, "version": step.version, "inputs": inputs, "params": _plain(params)})
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _artifact_hashes(step: Step, ctx: Context, hasher: Hasher) -> dict[str, str]:
+    hashes = {}
+    for rel in step.artifacts:
+        sha = hasher.path(ctx.out / rel, NOT_CHECKPOINT if rel == "." else ())
+        if sha is None:
+            raise ConfigError(f"step {step.name} finished without writing {rel}")
+        hashes[rel] = sha
+    return hashes
+
+
+def validate(src: Path, out: Path, options: PipelineOptions) -> None:
+    from fp4forge.quantize.recipe import load_recipe
+
+    if not (src / "config.json").is_file():
+        raise ConfigError(f"{src} is not a checkpoint directory (no config.json)")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise ConfigError("OUT must not be SRC or inside it")
+    load_recipe(options.recipe)  # a bad recipe fails before any work
+    if options.layout_format not in ("compressed-tensors", "modelopt"):
+        raise ConfigError(f"--format must be compressed-tensors or modelopt, got {options.layout_format!r}")
+    unknown = set(options.bench) - {"perf", "quality"}
+    if unknown:
+        raise ConfigError(f"--bench takes perf and/or quality, got {', '.join(sorted(unknown))}")
+    if options.serve and (options.vllm_venv is None or not (options.vllm_venv / "bin" / "vllm").exists()):
+        raise ConfigError(f"--serve needs a vLLM venv with bin/vllm; {options.vllm_venv} has none (scripts/setup-vllm-venv.sh)")
+    for path in (*options.calib_text, *options.fidelity_text):
+        if not Path(path).is_file():
+            raise ConfigError(f"text file {path} does not exist")
+
+
+def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: EventCallback = lambda e: None) -> Manifest:
+    """Run (or resume) the pipeline; returns the manifest. Raises PipelineFailed on a failed step
+    and re-raises KeyboardInterrupt after recording it."""
+    src, out = Path(src), Path(out)
+    validate(src, out, options)
+    reports = out / REPORTS
+    manifest_path = reports / MANIFEST
+    require_empty_or_ours(out, manifest_path)
+    reports.mkdir(parents=True, exist_ok=True)
+    hasher = Hasher(reports / HASH_CACHE)
+    previous = previous_records(manifest_path)
+    steps = (*STEPS, CARD_STEP)
+    manifest = Manifest(manifest_path, str(src), str(out), options.to_json(),
+                        {s.name: StepRecord(s.name, s.title) for s in steps})
+    manifest.status = "running"
+    manifest.save()
+    ctx = Context(src, out, options)
+    current: list[str] = [""]
+
+    def progress(done: int, total: int, detail: str = "") -> None:
+        on_event(StepEvent(current[0], "running", done, total, detail))
+
+    ctx.progress = progress
+    try:
+        for step in steps:
+            record = manifest.steps[step.name]
+            reason = step.off(options)
+            if reason is not None:
+                record.status, record.message = OFF, reason
+                on_event(StepEvent(step.name, OFF, detail=reason))
+                continue
+            key = step_key(step, ctx, hasher)
+            old = previous.get(step.name)
+            if still_valid(old, key, out, hasher, NOT_CHECKPOINT):
+                record.status, record.key, record.artifacts, record.summary = SKIPPED, key, old.artifacts, old.summary
+                record.seconds = old.seconds
+                on_event(StepEvent(step.name, SKIPPED, detail="unchanged"))
+                manifest.save()
+                continue
+            current[0] = step.name
+            record.status, record.key = "running", key
+            manifest.save()
+            on_event(StepEvent(step.name, "running"))
+            started = time.monotonic()
+            try:
+                record.summary = step.run(ctx) or {}
+            except KeyboardInterrupt:
+                record.status, record.seconds = INTERRUPTED, time.monotonic() - started
+                record.message = "interrupted (Ctrl-C); a re-run resumes here"
+                manifest.status = INTERRUPTED
+                on_event(StepEvent(step.name, INTERRUPTED))
+                raise
+            except Fp4forgeError as error:
+                record.status, record.seconds, record.message = FAILED, time.monotonic() - started, str(error)
+                manifest.status = FAILED
+                on_event(StepEvent(step.name, FAILED, detail=str(error)))
+                # Whatever the failed step managed to write stays in reports/ for inspection; its
+                # record is not finished, so the next run redoes it.
+                raise PipelineFailed(f"step {step.name} failed: {error}") from error
+            record.seconds = time.monotonic() - started
+            record.artifacts = _artifact_hashes(step, ctx, hasher)
+            record.status = DONE
+            hasher.save()
+            manifest.save()
+            on_event(StepEvent(step.name, DONE, detail=_summary_text(record.summary)))
+        manifest.status = COMPLETE
+        manifest.finished = time.time()
+        return manifest
+    finally:
+        if ctx.server is not None:
+            ctx.server.stop()
+        if manifest.status == COMPLETE:
+            shutil.rmtree(out / STAGING, ignore_errors=True)
+        for record in manifest.steps.values():
+            if record.status in (PENDING, "running") and manifest.status != COMPLETE:
+                record.status = PENDING
+        hasher.save()
+        manifest.save()
+
+
+def _summary_text(summary: dict[str, Any]) -> str:
+    parts = []
+    for key, value in summary.items():
+        parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    return ", ".join(parts)

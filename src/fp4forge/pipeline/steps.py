@@ -1,0 +1,424 @@
+"""The pipeline's steps: each calls the library function its command calls, and writes its
+artifact under ``OUT/reports/`` (or, for quantize, the checkpoint files into ``OUT``).
+
+A step declares what its key hashes (``inputs``: paths; ``params``: options) and which artifacts
+it leaves (paths relative to OUT; ``"."`` is the checkpoint itself). The table ``STEPS`` is the
+order they run in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp4forge.errors import Fp4forgeError, ServeError
+from fp4forge.pipeline.state import write_json
+
+Progress = Callable[[int, int, str], None]
+
+REPORTS = "reports"
+STAGING = ".fp4forge-staging"
+CARD = "README.md"
+# Entries of OUT that are not part of the checkpoint (its tree hash leaves them out).
+NOT_CHECKPOINT = (REPORTS, STAGING, CARD)
+
+
+class PipelineStepError(Fp4forgeError):
+    """A step ran and its result says stop (audit errors, KV findings, failed requests)."""
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    recipe: str
+    layout_format: str = "compressed-tensors"
+    block_scales: str = "minmax"
+    max_shard_gb: float = 5.0
+    calib_samples: int = 16
+    calib_seq_len: int = 256
+    calib_batch_size: int = 4
+    calib_policy: str = "routed"
+    calib_text: tuple[Path, ...] = ()
+    fidelity_samples: int = 16
+    fidelity_seq_len: int = 256
+    fidelity_numerics: str = "w4a4"
+    fidelity_text: tuple[Path, ...] = ()
+    audit_deep: bool = True
+    vllm_version: str | None = None
+    hardware: str = "gb10"  # the serve line and its traps are written for this target
+    sibling: Path | None = None  # a checkpoint of the same model to diff against
+    serve: bool = False  # serve OUT on this machine (vLLM in vllm_venv, with the plugin on CPU)
+    vllm_venv: Path | None = None
+    serve_hardware: str = "cpu"
+    serve_timeout_s: float = 900.0
+    bench: tuple[str, ...] = ()  # "perf", "quality"
+    perf_workload: str = "cpu-tiny"
+    perf_mode: str = "sequential"
+    quality_runs: int = 2
+    quality_max_tokens: int = 64
+    quality_concurrency: int = 4
+    quality_categories: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        doc = asdict(self)
+        for key, value in doc.items():
+            if isinstance(value, Path):
+                doc[key] = str(value)
+            elif isinstance(value, tuple):
+                doc[key] = [str(v) for v in value]
+        return doc
+
+
+class ServerSlot:
+    """The vLLM server the serving steps share: started by the first step that needs it."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.record = None
+        self.doctor = None
+        self.ready_seconds: float | None = None
+        self._directory = ctx.out / STAGING / "serve-state"
+
+    def get(self):  # type: ignore[no-untyped-def]
+        if self.record is None:
+            from fp4forge.serve.process import serve_up
+
+            venv = self.ctx.options.vllm_venv
+            if venv is None:
+                raise ServeError("serving needs a vLLM venv (--vllm-venv)")
+            self._directory.mkdir(parents=True, exist_ok=True)
+            started = time.monotonic()
+            self.record, self.doctor = serve_up(
+                self.ctx.out, venv=venv, name=f"fp4forge-pipeline-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
+                ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory,
+            )
+            self.ready_seconds = time.monotonic() - started
+        return self.record
+
+    def stop(self) -> None:
+        if self.record is not None:
+            from fp4forge.serve.process import serve_down
+
+            serve_down([self.record.name], directory=self._directory)
+            self.record = None
+
+
+@dataclass
+class Context:
+    src: Path
+    out: Path
+    options: PipelineOptions
+    progress: Progress = lambda done, total, desc: None
+    server: ServerSlot | None = None
+
+    @property
+    def reports(self) -> Path:
+        return self.out / REPORTS
+
+    def report(self, name: str) -> Path:
+        return self.reports / name
+
+    def staging(self, step: str) -> Path:
+        """A fresh scratch directory for ``step`` inside OUT (same filesystem: renames are atomic)."""
+        path = self.out / STAGING / step
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def slot(self) -> ServerSlot:
+        if self.server is None:
+            self.server = ServerSlot(self)
+        return self.server
+
+
+def _replace_dir(staged: Path, final: Path) -> None:
+    """Move a finished directory artifact into place (the old one goes only after it is done)."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staged, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -- steps --------------------------------------------------------------------------------------
+def run_calibrate(ctx: Context) -> dict[str, Any]:
+    from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
+    from fp4forge.quantize.act_scales import write_stats
+
+    o = ctx.options
+    options = CalibrationOptions(samples=o.calib_samples, seq_len=o.calib_seq_len, batch_size=o.calib_batch_size,
+                                 policy=o.calib_policy, text_files=o.calib_text, spill_dir=ctx.staging("calibrate"))
+    result = calibrate_checkpoint(ctx.src, options, progress=ctx.progress)
+    write_stats(ctx.report("calibration-stats.safetensors"), result.tensors, result.metadata)
+    summary = result.summary()
+    write_json(ctx.report("calibration.json"), {"statistics": "calibration-stats.safetensors", **summary})
+    return {"tokens": summary["tokens"], "experts_without_tokens": len(summary.get("experts_without_tokens", []))}
+
+
+def run_quantize(ctx: Context) -> dict[str, Any]:
+    from fp4forge.quantize.act_scales import parse_act_scales
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    o = ctx.options
+    options = QuantizeOptions(recipe=load_recipe(o.recipe), layout_format=o.layout_format, block_scales=o.block_scales,
+                              act_amax=parse_act_scales(None, ctx.report("calibration-stats.safetensors")),
+                              max_shard_bytes=int(o.max_shard_gb * 2**30))
+    # The writer builds (and on a re-run resumes) beside its destination, then renames it into
+    # place; the staged files then replace the previous checkpoint's, one rename each.
+    staged = ctx.out / STAGING / "quantize" / "checkpoint"
+    if staged.exists():
+        shutil.rmtree(staged)  # a finished export whose move was interrupted: the writer wants a new path
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    summary = quantize_checkpoint(ctx.src, staged, options, progress=ctx.progress)
+    fresh = {p.name for p in staged.iterdir()}
+    for name in sorted(fresh):  # replace first, then drop what the new export no longer has
+        os.replace(staged / name, ctx.out / name)
+    for old in list(ctx.out.iterdir()):
+        if old.name not in NOT_CHECKPOINT and old.name not in fresh:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    shutil.rmtree(staged.parent, ignore_errors=True)
+    doc = summary.to_json()
+    doc["output"] = "."
+    write_json(ctx.report("quantize.json"), doc)
+    return {"tensors": doc["tensors_written"], "bytes": doc["bytes_written"]}
+
+
+def run_kv(ctx: Context) -> dict[str, Any]:
+    from fp4forge.calibrate import kv
+
+    report = kv.show(ctx.out).to_json()
+    report["checkpoint"] = "."
+    write_json(ctx.report("kv.json"), report)
+    errors = [f for f in report["findings"] if f["severity"] == "error"]
+    if errors:
+        raise PipelineStepError("KV scales: " + "; ".join(f["message"] for f in errors))
+    return {"layers": len(report["layers"]), "declared": report["declared"]}
+
+
+def run_audit(ctx: Context) -> dict[str, Any]:
+    from fp4forge.audit.engine import audit_checkpoint
+    from fp4forge.audit.shard_facts import shard_facts
+    from fp4forge.checkpoint.reader import open_checkpoint
+
+    o = ctx.options
+    report = audit_checkpoint(str(ctx.out), deep=o.audit_deep, vllm_version=_vllm_minor(o))
+    doc = report.to_json()
+    doc["checkpoint"] = "."
+    write_json(ctx.report("audit.json"), doc)
+    facts = shard_facts(open_checkpoint(str(ctx.out)))
+    write_json(ctx.report("shards.json"), facts)
+    if report.summary["errors"]:
+        rules = sorted({f["rule"] for f in doc["findings"] if f["severity"] == "error"})
+        raise PipelineStepError(f"the audit found {report.summary['errors']} error(s) ({', '.join(rules)}): see {ctx.report('audit.json')}")
+    return dict(report.summary)
+
+
+def run_bytes(ctx: Context) -> dict[str, Any]:
+    from fp4forge.audit.byte_table import compute_byte_table
+    from fp4forge.checkpoint.layout import layout_for_config
+    from fp4forge.checkpoint.reader import open_checkpoint
+
+    ckpt = open_checkpoint(str(ctx.out))
+    doc = compute_byte_table(ckpt, layout_for_config(ckpt.config)).to_json()
+    doc["checkpoint"] = "."
+    write_json(ctx.report("bytes.json"), doc)
+    return {"bpp": round(doc["total"]["bpp"] or 0, 3), "experts_bpp": round(doc.get("experts_bpp") or 0, 3)}
+
+
+def run_diff(ctx: Context) -> dict[str, Any]:
+    from fp4forge.audit.diff import diff_checkpoints
+
+    assert ctx.options.sibling is not None
+    doc = diff_checkpoints(str(ctx.out), str(ctx.options.sibling)).to_json()
+    write_json(ctx.report("diff.json"), {"sibling": str(ctx.options.sibling), **doc})
+    return dict(doc.get("summary", {}))
+
+
+def run_fidelity(ctx: Context) -> dict[str, Any]:
+    from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+
+    o = ctx.options
+    options = FidelityOptions(numerics=o.fidelity_numerics, samples=o.fidelity_samples, seq_len=o.fidelity_seq_len,
+                              text_files=o.fidelity_text)
+    doc = evaluate(ctx.src, ctx.out, options, progress=ctx.progress).to_json()
+    doc["student"] = "."
+    write_json(ctx.report("fidelity.json"), doc)
+    return {"kl_mean": doc["metrics"]["kl"]["mean"], "top1": doc["metrics"]["top1_agreement"]}
+
+
+def run_serve_cmd(ctx: Context) -> dict[str, Any]:
+    from fp4forge.serve.recommend import knowledge, read_checkpoint_facts, recommend
+
+    o = ctx.options
+    version = o.vllm_version or knowledge()["default_vllm"]
+    rec = recommend(str(ctx.out), read_checkpoint_facts(str(ctx.out)), o.hardware, version)
+    write_json(ctx.report("serve-cmd.json"), rec.to_json())
+    return {"hardware": o.hardware, "warnings": len(rec.to_json()["warnings"])}
+
+
+def run_serve(ctx: Context) -> dict[str, Any]:
+    from fp4forge.serve.doctor import diagnose, iter_lines
+
+    slot = ctx.slot()
+    record = slot.get()
+    log_text = Path(record.log).read_text(encoding="utf-8", errors="replace").replace("\x00", "")
+    diagnosis = diagnose(iter_lines(log_text))
+    shutil.copyfile(record.log, ctx.report("serve.log"))
+    write_json(ctx.report("serve.json"), {
+        "hardware": ctx.options.serve_hardware,
+        "vllm_version": diagnosis.vllm_version,
+        "command": record.command,
+        "ready_seconds": slot.ready_seconds,
+        "log": "serve.log",
+        **{k: v for k, v in diagnosis.to_json().items() if k != "vllm_version"},
+    })
+    errors = [f for f in diagnosis.findings if f.severity == "error"]
+    if errors:
+        raise PipelineStepError("the vLLM log has errors: " + "; ".join(f"[{f.id}] {f.message}" for f in errors))
+    return {"findings": len(diagnosis.findings), "ready_s": round(slot.ready_seconds or 0, 1)}
+
+
+def run_perf(ctx: Context) -> dict[str, Any]:
+    from fp4forge.bench.analyze import analyze_dir
+    from fp4forge.bench.runner import BenchConfig, CellEvent, load_points, load_workloads, run_bench
+
+    o = ctx.options
+    record = ctx.slot().get()
+    workload = load_workloads()[o.perf_workload]
+    staged = ctx.staging("perf") / "bench"
+    config = BenchConfig(
+        base_url=record.base_url, model=record.name, out_dir=staged, shapes=list(workload.shapes),
+        points=load_points(o.perf_mode, list(workload.concurrency), list(workload.rates_rps)),
+        warmups=workload.warmups, samples=workload.samples, workload=workload.name,
+    )
+    requests = len(config.shapes) * len(config.points) * (config.warmups + config.samples)
+    finished: dict[tuple[str, str], int] = {}
+
+    def on_event(event: CellEvent) -> None:
+        finished[(event.load, event.shape)] = event.done + (config.warmups if event.phase != "warmup" else 0)
+        ctx.progress(sum(finished.values()), requests, f"bench perf {event.load} {event.shape}")
+
+    outcome = asyncio.run(run_bench(config, on_event))
+    summary = analyze_dir(staged, plots=True)
+    _replace_dir(staged, ctx.report("bench"))
+    if outcome.failed:
+        raise PipelineStepError(f"{outcome.failed} benchmark request(s) failed; see {ctx.report('bench') / 'summary.md'}")
+    return {"requests": outcome.requests, "kept": outcome.kept}
+
+
+def run_quality(ctx: Context) -> dict[str, Any]:
+    from fp4forge.quality import load_suite
+    from fp4forge.quality.report import score_document, write_score
+    from fp4forge.quality.runner import RunConfig, rescore_transcript, run_suite
+
+    o = ctx.options
+    record = ctx.slot().get()
+    suite = load_suite()
+    scenarios = suite.select(ids=None, categories=list(o.quality_categories) or None)
+    config = RunConfig(base_url=record.base_url, model=record.name, runs=o.quality_runs, max_tokens=o.quality_max_tokens,
+                       concurrency=o.quality_concurrency)
+    staged = ctx.staging("quality") / "quality"
+    total = len(scenarios) * o.quality_runs
+    finished = [0]
+
+    def on_scenario(run: int, scenario_record: dict[str, Any]) -> None:
+        finished[0] += 1
+        ctx.progress(finished[0], total, f"quality run {run}")
+
+    paths = run_suite(config, suite, staged, scenarios=scenarios, on_scenario=on_scenario)
+    final = ctx.report("quality")
+    _replace_dir(staged, final)
+    # Scored where the transcripts now live, so the score document names their real paths.
+    results = [rescore_transcript(final / path.name, suite) for path in paths]
+    doc = score_document(results, suite)
+    write_score(doc, final)
+    failed = sum(r.failed_requests for r in results)
+    if failed:
+        raise PipelineStepError(f"{failed} quality request(s) failed; transcripts in {ctx.report('quality')}")
+    return {"scenarios": len(scenarios), "runs": o.quality_runs}
+
+
+def run_card(ctx: Context) -> dict[str, Any]:
+    from fp4forge.report.card import write_card
+
+    card = write_card(ctx.out, ctx.reports, ctx.out / CARD)
+    return {"sections": len(card.sections), "missing": len(card.missing)}
+
+
+def _vllm_minor(options: PipelineOptions) -> str:
+    from fp4forge.serve.recommend import knowledge
+
+    version = options.vllm_version or knowledge()["default_vllm"]
+    return ".".join(version.split(".")[:2])
+
+
+# -- the table ----------------------------------------------------------------------------------
+Off = Callable[[PipelineOptions], "str | None"]  # why a step does not run, or None
+
+
+def _always(_: PipelineOptions) -> str | None:
+    return None
+
+
+def _needs_serve(o: PipelineOptions) -> str | None:
+    return None if o.serve else "serving not requested (--serve) or no vLLM venv"
+
+
+def _needs_bench(kind: str) -> Off:
+    def off(o: PipelineOptions) -> str | None:
+        if kind not in o.bench:
+            return f"not requested (--bench {kind})"
+        return _needs_serve(o)
+
+    return off
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    title: str
+    run: Callable[[Context], dict[str, Any]]
+    artifacts: tuple[str, ...]  # relative to OUT; "." is the checkpoint
+    inputs: tuple[str, ...]  # "src", "checkpoint", or report paths relative to reports/
+    params: tuple[str, ...] = ()  # PipelineOptions fields in the key
+    off: Off = _always
+    needs_server: bool = False
+    version: int = 1  # bump when a step's code changes what it writes
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+STEPS: tuple[Step, ...] = (
+    Step("calibrate", "calibrate activations and KV (layer-streamed)", run_calibrate,
+         ("reports/calibration.json", "reports/calibration-stats.safetensors"), ("src",),
+         ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_policy", "calib_text")),
+    Step("quantize", "quantize by the recipe", run_quantize, (".", "reports/quantize.json"),
+         ("src", "calibration-stats.safetensors", "recipe"), ("layout_format", "block_scales", "max_shard_gb")),
+    Step("kv", "check the FP8 KV scales", run_kv, ("reports/kv.json",), ("checkpoint",)),
+    Step("audit", "audit (stops on errors)", run_audit, ("reports/audit.json", "reports/shards.json"), ("checkpoint",),
+         ("audit_deep", "vllm_version")),
+    Step("bytes", "where the bytes are", run_bytes, ("reports/bytes.json",), ("checkpoint",)),
+    Step("diff", "diff against the sibling", run_diff, ("reports/diff.json",), ("checkpoint", "sibling"),
+         off=lambda o: None if o.sibling else "no --sibling given"),
+    Step("fidelity", "fidelity against the BF16 teacher", run_fidelity, ("reports/fidelity.json",), ("src", "checkpoint"),
+         ("fidelity_samples", "fidelity_seq_len", "fidelity_numerics", "fidelity_text")),
+    Step("serve-cmd", "the serve line for the target hardware", run_serve_cmd, ("reports/serve-cmd.json",), ("checkpoint",),
+         ("hardware", "vllm_version")),
+    Step("serve", "serve it here (vLLM) and read the log", run_serve, ("reports/serve.json", "reports/serve.log"),
+         ("checkpoint", "vllm"), ("serve_hardware",), off=_needs_serve, needs_server=True),
+    Step("perf", "bench perf", run_perf, ("reports/bench",), ("checkpoint", "vllm"), ("perf_workload", "perf_mode"),
+         off=_needs_bench("perf"), needs_server=True),
+    Step("quality", "bench quality (agentic tool use)", run_quality, ("reports/quality",), ("checkpoint", "vllm"),
+         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories"),
+         off=_needs_bench("quality"), needs_server=True),
+)
+# The card runs last, always, from whatever artifacts exist.
+CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",))

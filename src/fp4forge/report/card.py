@@ -1,0 +1,448 @@
+"""The model card: Markdown assembled only from artifacts that exist.
+
+Every number on the card comes from a file under ``reports/`` (or the checkpoint's own
+``config.json`` / ``fp4forge.json``); a section whose artifact is missing says so and lands in
+"What this card does not claim". Nothing here measures anything.
+
+``SECTIONS`` is the card's outline: title, the artifacts a section needs, and its renderer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp4forge.report.markdown import table
+
+PLOTS = "plots"
+# A teacher whose perplexity exceeds this share of its vocabulary is guessing: an untrained model.
+UNTRAINED_PERPLEXITY_SHARE = 0.5
+
+
+@dataclass
+class Artifacts:
+    """Reads artifacts on demand and remembers which were asked for and missing."""
+
+    checkpoint: Path
+    reports: Path
+    missing: list[str] = field(default_factory=list)
+
+    def _path(self, name: str) -> Path:
+        return self.checkpoint / name.removeprefix("ckpt:") if name.startswith("ckpt:") else self.reports / name
+
+    def display(self, name: str) -> str:
+        return name.removeprefix("ckpt:") if name.startswith("ckpt:") else f"reports/{name}"
+
+    def json(self, name: str) -> dict[str, Any] | None:
+        path = self._path(name)
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            if self.display(name) not in self.missing:
+                self.missing.append(self.display(name))
+            return None
+
+    def exists(self, name: str) -> bool:
+        return self._path(name).exists()
+
+    def relative(self, path: Path, card_dir: Path) -> str:
+        return Path(os.path.relpath(path, card_dir)).as_posix()
+
+
+@dataclass
+class Card:
+    markdown: str
+    sections: list[str]
+    missing: list[str]
+    plots: list[str]
+
+
+Renderer = Callable[["CardContext"], list[str]]
+
+
+@dataclass
+class CardContext:
+    art: Artifacts
+    card_dir: Path
+    plots: list[str] = field(default_factory=list)
+    non_claims: list[str] = field(default_factory=list)
+
+    def plot_dir(self) -> Path:
+        path = self.art.reports / PLOTS
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def image(self, path: Path, alt: str) -> str:
+        self.plots.append(str(path))
+        return f"![{alt}]({self.art.relative(path, self.card_dir)})"
+
+
+def _missing(ctx: CardContext, *names: str) -> list[str]:
+    shown = ", ".join(f"`{ctx.art.display(n)}`" for n in names)
+    return [f"_Not measured: {shown} {'is' if len(names) == 1 else 'are'} missing, so this section states nothing._"]
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "–" if value is None else f"{value:.{digits}g}"
+
+
+def _int(value: int | None) -> str:
+    return "–" if value is None else f"{value:,}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:.1f} %"
+
+
+# -- sections -----------------------------------------------------------------------------------
+def summary_section(ctx: CardContext) -> list[str]:
+    provenance = ctx.art.json("ckpt:fp4forge.json")
+    config = ctx.art.json("ckpt:config.json")
+    byte_doc = ctx.art.json("bytes.json")
+    if provenance is None or byte_doc is None:
+        return _missing(ctx, *[n for n, d in (("ckpt:fp4forge.json", provenance), ("bytes.json", byte_doc)) if d is None])
+    recipe = provenance.get("recipe", {})
+    kv = provenance.get("kv_cache") or {}
+    rows = [
+        ["base model", f"`{provenance.get('source', {}).get('location', '–')}`"],
+        ["architecture", ", ".join((config or {}).get("architectures", [])) or "–"],
+        ["recipe", f"`{recipe.get('name', '–')}` ({recipe.get('source', '–')})"],
+        ["layout", provenance.get("layout", "–")],
+        ["KV cache", f"{kv.get('scheme', 'not quantized')}" + (f", scales for {kv['layers']} layers" if kv.get("layers") else "")],
+        ["headline bits/param", _num(byte_doc["total"]["bpp"], 4)],
+        ["routed-expert bits/param", _num(byte_doc.get("experts_bpp"), 4)],
+        ["stored bytes", _int(byte_doc["total"]["bytes"])],
+        ["parameters", _int(byte_doc["total"]["params"])],
+        ["activation scales", _activation_source(provenance)],
+    ]
+    return table(["", ""], rows)
+
+
+def _activation_source(provenance: dict[str, Any]) -> str:
+    scales = provenance.get("activation_scales") or {}
+    if scales.get("source") == "calibration":
+        data = json.loads(scales.get("metadata", {}).get("calibration", "{}")).get("data", {})
+        return f"calibrated on {_int(data.get('tokens'))} tokens ({data.get('samples', '–')} × {data.get('seq_len', '–')})"
+    if scales.get("source"):
+        return f"{scales['source']} (not calibrated)"
+    return "none"
+
+
+def bytes_section(ctx: CardContext) -> list[str]:
+    doc = ctx.art.json("bytes.json")
+    if doc is None:
+        return _missing(ctx, "bytes.json")
+    rows = [[c["name"], _int(c["tensors"]), _int(c["bytes"]), _int(c["params"]), _num(c["bpp"], 4), _pct(c["share"])]
+            for c in doc["components"]]
+    rows.append(["**total**", _int(sum(c["tensors"] for c in doc["components"])), _int(doc["total"]["bytes"]),
+                 _int(doc["total"]["params"]), _num(doc["total"]["bpp"], 4), "100.0 %"])
+    lines = table(["component", "tensors", "bytes", "params", "bits/param", "share of bytes"], rows)
+    dtype_rows = [[dtype, _int(v["tensors"]), _int(v["bytes"])] for dtype, v in doc["dtypes"].items()]
+    lines += ["", *table(["dtype", "tensors", "bytes"], dtype_rows)]
+    plot = _plot_bytes(doc, ctx.plot_dir() / "bytes.png")
+    if plot:
+        lines += ["", ctx.image(plot, "share of stored bytes by component")]
+    if doc.get("unknown_tensors"):
+        lines += ["", f"{len(doc['unknown_tensors'])} tensors match no component of layout `{doc['layout']}`."]
+    return lines
+
+
+def verification_section(ctx: CardContext) -> list[str]:
+    lines: list[str] = []
+    audit = ctx.art.json("audit.json")
+    if audit is None:
+        lines += ["### Audit", "", *_missing(ctx, "audit.json")]
+    else:
+        s = audit["summary"]
+        a = audit.get("audit", {})
+        lines += ["### Audit", "", f"`fp4forge audit` ({'deep: every value read' if a.get('deep') else 'headers only'}; "
+                  f"target vLLM {a.get('vllm_version', '–')}; layout `{a.get('layout', '–')}`): "
+                  f"**{_count(s['errors'], 'error')}, {_count(s['warnings'], 'warning')}, {_count(s['infos'], 'info')}**.", ""]
+        by_rule: dict[str, list[dict[str, Any]]] = {}
+        for f in audit["findings"]:
+            by_rule.setdefault(f["rule"], []).append(f)
+        if by_rule:
+            lines += table(["rule", "severity", "findings", "what"], [
+                [f"`{rule}`", fs[0]["severity"], str(len(fs)), fs[0].get("title", "")] for rule, fs in by_rule.items()
+            ])
+    shards = ctx.art.json("shards.json")
+    lines += ["", "### Shards and index", ""]
+    if shards is None:
+        lines += _missing(ctx, "shards.json")
+    else:
+        ok = sum(1 for sh in shards["shards"] if sh["end_equals_size"])
+        lines += [f"{ok}/{len(shards['shards'])} shards' declared end equals the file size exactly; "
+                  f"{_int(shards['tensors'])} tensors.", ""]
+        lines += table(["shard", "tensors", "file bytes", "declared end", "equal"], [
+            [f"`{sh['name']}`", _int(sh["tensors"]), _int(sh["file_bytes"]), _int(sh["declared_end"]), "yes" if sh["end_equals_size"] else "**NO**"]
+            for sh in shards["shards"]
+        ])
+        index = shards["index"]
+        if index.get("present"):
+            lines += ["", f"Index: {_int(index['entries'])} entries, {index['entries_not_in_their_shard']} pointing at the wrong shard, "
+                      f"{index['tensors_not_in_index']} tensors missing from it; `total_size` {_int(index['total_size'])} "
+                      f"(shard data {_int(index['shard_data_bytes'])} bytes)."]
+        else:
+            lines += ["", "No index file (single shard)."]
+    kv = ctx.art.json("kv.json")
+    lines += ["", "### FP8 KV-cache scales", ""]
+    if kv is None:
+        lines += _missing(ctx, "kv.json")
+    elif not kv["layers"]:
+        lines += ["The checkpoint ships no KV-cache scales."]
+    else:
+        count = sum(1 for layer in kv["layers"] for role in ("k_scale", "v_scale") if layer.get(role) is not None)
+        lines += [f"{count} KV scale tensors for {len(kv['layers'])} attention layers ({count / len(kv['layers']):g} per layer), "
+                  f"layout `{kv['layout']}`, declared in the config: {'yes' if kv['declared'] else '**no**'}.", ""]
+        lines += table(["layer", "k_scale", "k amax", "v_scale", "v amax"], [
+            [f"`{layer['layer']}`", _num(_first(layer.get("k_scale")), 6), _num(_first(layer.get("k_amax")), 6),
+             _num(_first(layer.get("v_scale")), 6), _num(_first(layer.get("v_amax")), 6)] for layer in kv["layers"]
+        ])
+        for f in kv["findings"]:
+            lines.append(f"- **{f['severity']}**: {f['message']}")
+    if ctx.art.exists("diff.json"):
+        diff = ctx.art.json("diff.json") or {}
+        lines += ["", "### Against the sibling checkpoint", "", f"`fp4forge diff` against `{diff.get('sibling', '–')}`:", ""]
+        lines += table(["", "tensors"], [[k.replace("_", " "), _int(v)] for k, v in diff.get("summary", {}).items() if isinstance(v, int)])
+    return lines
+
+
+def _first(value: float | list[float] | None) -> float | None:
+    return max(value) if isinstance(value, list) else value
+
+
+def serve_section(ctx: CardContext) -> list[str]:
+    rec = ctx.art.json("serve-cmd.json")
+    lines: list[str] = []
+    if rec is None:
+        lines += _missing(ctx, "serve-cmd.json")
+    else:
+        lines += [f"For **{rec['hardware']}** with vLLM {rec['vllm_version']} (`fp4forge serve cmd --hardware {rec['hardware']}`):", "",
+                  "```bash", rec["command"].rstrip(), "```", ""]
+        lines += [f"- `{n['flag']}`: {n['why']}" for n in rec["notes"]]
+        lines += [f"- **warning**: {w}" for w in rec["warnings"]]
+    served = ctx.art.json("serve.json")
+    if rec is not None and (served is None or served.get("hardware") != rec["hardware"]):
+        ctx.non_claims.append(f"The serve line for {rec['hardware']} comes from fp4forge's knowledge table for vLLM "
+                              f"{rec['vllm_version']}; it was not run on {rec['hardware']} for this card.")
+    lines += ["", "### Served on this machine", ""]
+    if served is None:
+        lines += _missing(ctx, "serve.json")
+        ctx.non_claims.append("The checkpoint was not served here: nothing on this card shows that vLLM loads it.")
+    else:
+        lines += [f"vLLM {served['vllm_version']} on `{served['hardware']}`, ready after {_num(served['ready_seconds'], 3)} s; "
+                  f"the log doctor's findings (`fp4forge serve doctor reports/{served['log']}`):", ""]
+        lines += table(["finding", "severity", "message"], [
+            [f"`{f['id']}`", f["severity"], f["message"].replace("|", "\\|")] for f in served["findings"]
+        ])
+    return lines
+
+
+def performance_section(ctx: CardContext) -> list[str]:
+    summary = ctx.art.json("bench/summary.json")
+    if summary is None:
+        ctx.non_claims.append("No serving performance was measured.")
+        return _missing(ctx, "bench/summary.json")
+    from fp4forge.report.bench_tables import SUMMARY_COLUMNS, notes, summary_rows
+
+    run = summary.get("run") or {}
+    lines = [f"`fp4forge bench perf`, workload `{run.get('workload', '–')}`; every kept request is in "
+             "`reports/bench/samples.jsonl`. Medians with 95 % CIs; p10–p90 spread; bimodal cells are named.", ""]
+    lines += table(list(SUMMARY_COLUMNS), [[c.replace("|", "\\|") for c in row] for row in summary_rows(summary)])
+    lines += ["", *[f"- {line}" for line in notes(summary)]]
+    for png in sorted((ctx.art.reports / "bench").glob("*.png")):
+        lines += ["", ctx.image(png, png.stem.replace("_", " "))]
+    served = ctx.art.json("serve.json") if ctx.art.exists("serve.json") else None
+    if served and served.get("hardware") == "cpu":
+        ctx.non_claims.append("Performance was measured on vLLM's CPU build with fp4forge's emulation plugin: it says nothing "
+                              "about GPU kernels' speed.")
+    return lines
+
+
+def quality_section(ctx: CardContext) -> list[str]:
+    doc = ctx.art.json("quality/score.json")
+    if doc is None:
+        ctx.non_claims.append("Agentic tool-use quality was not measured.")
+        return _missing(ctx, "quality/score.json")
+    runs = doc["runs"]
+    lines = [f"`fp4forge quality run`, suite `{doc['suite']['name']}` {doc['suite']['version']}, {len(runs)} run(s):", ""]
+    categories = list(runs[0]["categories"]) if runs else []
+    rows = [[c, *[f"{r['categories'][c]['earned']} / {r['categories'][c]['max']}" for r in runs]] for c in categories]
+    rows.append(["**total**", *[f"{r['earned']} / {r['max']}" for r in runs]])
+    lines += table(["category", *[f"run {r['run']}" for r in runs]], rows)
+    for arm, floor in doc.get("noise_floor", {}).items():
+        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals {' / '.join(str(t) for t in floor['total_per_run'])}, "
+                  f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
+                  f"{floor['categories_moved']} of {len(floor['categories'])} categories moved."]
+    if not doc.get("noise_floor"):
+        ctx.non_claims.append("Quality ran once: its noise floor is unknown.")
+    plot = _plot_quality(doc, ctx.plot_dir() / "quality.png")
+    if plot:
+        lines += ["", ctx.image(plot, "score per category and run")]
+    if ctx.art.exists("quality/compare.json"):
+        compare = ctx.art.json("quality/compare.json") or {}
+        verdict = compare.get("verdict", {})
+        lines += ["", f"Paired comparison against arm B: {verdict.get('label', '–')}."]
+    else:
+        ctx.non_claims.append("No paired quality comparison against the BF16 teacher was run (`fp4forge quality compare`).")
+    return lines
+
+
+def fidelity_section(ctx: CardContext) -> list[str]:
+    doc = ctx.art.json("fidelity.json")
+    if doc is None:
+        ctx.non_claims.append("Fidelity against the BF16 teacher was not measured.")
+        return _missing(ctx, "fidelity.json")
+    m = doc["metrics"]
+    vocab = (ctx.art.json("ckpt:config.json") or {}).get("vocab_size")
+    if vocab and m["perplexity"]["teacher"] > UNTRAINED_PERPLEXITY_SHARE * vocab:
+        ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
+                              "the base model is untrained (a testbed). Its quality scores and KL say nothing about a real model.")
+    lines = [f"`fp4forge fidelity`, numerics `{doc['numerics']}`, {_int(m['positions'])} positions of "
+             f"{', '.join(doc['data']['sources'])} ({doc['data']['samples']} × {doc['data']['seq_len']} tokens); KV cache: {doc['kv_cache']}.", ""]
+    lines += table(["metric", "value"], [
+        ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4)],
+        ["KL, median", _num(m["kl"]["median"], 4)],
+        ["KL, p99", _num(m["kl"]["p99"], 4)],
+        ["top-1 agreement", _pct(m["top1_agreement"])],
+        ["perplexity, teacher", _num(m["perplexity"]["teacher"], 5)],
+        ["perplexity, student", _num(m["perplexity"]["student"], 5)],
+    ])
+    lines += ["", *table(["layer", "relative error (cumulative)", "relative error (this layer alone)"], [
+        [f"`{layer['layer']}`", _num(layer["relative_error"], 4), _num(layer["local_relative_error"], 4)] for layer in doc["layers"]
+    ])]
+    return lines
+
+
+def provenance_section(ctx: CardContext) -> list[str]:
+    provenance = ctx.art.json("ckpt:fp4forge.json")
+    lines: list[str] = []
+    if provenance is None:
+        lines += _missing(ctx, "ckpt:fp4forge.json")
+    else:
+        source = provenance.get("source", {})
+        lines += table(["", ""], [
+            ["fp4forge", provenance.get("fp4forge_version", "–")],
+            ["source", f"`{source.get('location', '–')}`, header digest `{source.get('header_digest', '–')}`"],
+            ["recipe", f"`{provenance.get('recipe', {}).get('source', '–')}`"],
+            ["options", ", ".join(f"{k}={v}" for k, v in provenance.get("options", {}).items())],
+            ["ignored modules", str(len(provenance.get("ignored_modules", [])))],
+        ])
+    pipeline = ctx.art.json("pipeline.json") if ctx.art.exists("pipeline.json") else None
+    if pipeline is not None:
+        lines += ["", f"Made by `fp4forge pipeline` (fp4forge {pipeline['fp4forge_version']}); steps:", ""]
+        lines += table(["step", "status", "seconds"], [
+            [s["name"], s["status"], "–" if s["seconds"] is None else f"{s['seconds']:.1f}"] for s in pipeline["steps"] if s["name"] != "card"
+        ])
+    return lines
+
+
+def non_claims_section(ctx: CardContext) -> list[str]:
+    lines = [f"- `{name}` is missing: the card states nothing that it would have measured." for name in ctx.art.missing]
+    lines += [f"- {claim}" for claim in dict.fromkeys(ctx.non_claims)]
+    return lines or ["- Every section above comes from a measured artifact."]
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str
+    title: str
+    render: Renderer
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section("summary", "Summary", summary_section),
+    Section("bytes", "Where the bytes are", bytes_section),
+    Section("verification", "Verification", verification_section),
+    Section("serve", "Serving", serve_section),
+    Section("performance", "Performance", performance_section),
+    Section("quality", "Quality", quality_section),
+    Section("fidelity", "Fidelity against the BF16 teacher", fidelity_section),
+    Section("provenance", "Provenance", provenance_section),
+    Section("non_claims", "What this card does not claim", non_claims_section),
+)
+
+
+def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path | None = None) -> Card:
+    checkpoint = Path(checkpoint)
+    reports = Path(reports) if reports is not None else checkpoint / "reports"
+    card_dir = (card_path or checkpoint / "README.md").parent
+    ctx = CardContext(Artifacts(checkpoint, reports), card_dir)
+    provenance = ctx.art.json("ckpt:fp4forge.json") if ctx.art.exists("ckpt:fp4forge.json") else None
+    name = checkpoint.resolve().name
+    description = ((provenance or {}).get("recipe") or {}).get("name")
+    lines = [f"# {name}", "", f"Recipe `{description}`. " if description else "",
+             "Generated by `fp4forge card` from the artifacts in `reports/`; every number links back to one of them.", ""]
+    for section in SECTIONS:
+        lines += [f"## {section.title}", "", *section.render(ctx), ""]
+    return Card("\n".join(lines).rstrip() + "\n", [s.key for s in SECTIONS], list(ctx.art.missing), ctx.plots)
+
+
+def write_card(checkpoint: Path, reports: Path | None = None, out: Path | None = None) -> Card:
+    out = Path(out) if out is not None else Path(checkpoint) / "README.md"
+    card = render_card(checkpoint, reports, out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(card.markdown, encoding="utf-8")
+    os.replace(tmp, out)
+    return card
+
+
+# -- plots --------------------------------------------------------------------------------------
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _plot_bytes(doc: dict[str, Any], path: Path) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
+        return None
+    components = [c for c in doc["components"] if c["bytes"]]
+    figure, axis = plt.subplots(figsize=(7.5, 0.35 * len(components) + 1.4))
+    names = [c["name"] for c in components][::-1]
+    shares = [c["share"] * 100 for c in components][::-1]
+    bars = axis.barh(names, shares, color="tab:blue")
+    for bar, c in zip(bars, components[::-1]):
+        label = f"{_num(c['bpp'], 3)} b/p" if c["bpp"] is not None else ""
+        axis.text(bar.get_width() + 0.5, bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
+    axis.set_xlabel("share of stored bytes (%)")
+    axis.set_title(f"Where the bytes are: {_num(doc['total']['bpp'], 4)} bits/param overall", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _plot_quality(doc: dict[str, Any], path: Path) -> Path | None:
+    plt = _pyplot()
+    runs = doc["runs"]
+    if plt is None or not runs:
+        return None
+    categories = list(runs[0]["categories"])
+    figure, axis = plt.subplots(figsize=(max(8.0, 0.6 * len(categories) + 2), 4.2))
+    width = 0.8 / len(runs)
+    for i, r in enumerate(runs):
+        values = [r["categories"][c]["earned"] / (r["categories"][c]["max"] or 1) for c in categories]
+        axis.bar([x + (i - (len(runs) - 1) / 2) * width for x in range(len(categories))], values, width, label=f"run {r['run']}")
+    axis.set_xticks(range(len(categories)), categories, rotation=40, ha="right", fontsize=8)
+    axis.set_ylim(0, 1.05)
+    axis.set_ylabel("earned / max")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,202 @@
+"""`fp4forge pipeline` on the tiny Laguna: every step's artifact, skip by content hash, resume after
+a failed step and after Ctrl-C, refusal of outputs it does not own.
+
+The oracles are the files themselves: an artifact that a re-run must not redo keeps its inode and
+mtime; one it must redo changes; the checkpoint the pipeline writes equals `fp4forge quantize`'s
+with the same statistics byte for byte (safetensors reads both).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fp4forge.errors import ConfigError
+from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
+from fp4forge.pipeline.steps import STEPS
+
+RECIPE = "nvfp4-experts-fp8-attn"
+SMALL = PipelineOptions(recipe=RECIPE, calib_samples=4, calib_seq_len=64, fidelity_samples=2, fidelity_seq_len=64)
+LOCAL_STEPS = ["calibrate", "quantize", "kv", "audit", "bytes", "fidelity", "serve-cmd", "card"]
+OFF_STEPS = ["diff", "serve", "perf", "quality"]
+FP4FORGE = str(Path(sys.executable).with_name("fp4forge"))  # the installed command, as people run it
+
+
+def statuses(out: Path) -> dict[str, str]:
+    doc = json.loads((out / "reports" / "pipeline.json").read_text())
+    return {s["name"]: s["status"] for s in doc["steps"]}
+
+
+def stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fp4forge.testbed import build_tiny_laguna
+
+    return build_tiny_laguna(tmp_path_factory.mktemp("pipeline") / "tiny-laguna", seed=0)
+
+
+@pytest.fixture(scope="module")
+def first_run(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pipeline-out") / "out"
+    run_pipeline(model, out, SMALL)
+    return out
+
+
+def test_every_step_writes_its_artifact(first_run: Path) -> None:
+    state = statuses(first_run)
+    assert [n for n, s in state.items() if s == "done"] == LOCAL_STEPS
+    assert [n for n, s in state.items() if s == "off"] == OFF_STEPS
+    reports = first_run / "reports"
+    for name in ("calibration.json", "calibration-stats.safetensors", "quantize.json", "kv.json", "audit.json", "shards.json",
+                 "bytes.json", "fidelity.json", "serve-cmd.json", "plots/bytes.png"):
+        assert (reports / name).is_file(), name
+    assert (first_run / "README.md").read_text().startswith("# out")
+    assert json.loads((reports / "audit.json").read_text())["summary"]["errors"] == 0
+    assert not (first_run / ".fp4forge-staging").exists()
+
+
+def test_checkpoint_equals_quantize_with_the_same_statistics(first_run: Path, model: Path, tmp_path: Path) -> None:
+    """The pipeline adds no numerics of its own: `quantize --stats` on its statistics gives the same tensors."""
+    from fp4forge.quantize.act_scales import parse_act_scales
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    direct = tmp_path / "direct"
+    stats = first_run / "reports" / "calibration-stats.safetensors"
+    quantize_checkpoint(model, direct, QuantizeOptions(recipe=load_recipe(RECIPE), act_amax=parse_act_scales(None, stats)))
+    with safe_open(direct / "model.safetensors", "pt") as a, safe_open(first_run / "model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for name in a.keys():
+            assert a.get_tensor(name).reshape(-1).view(torch.uint8).equal(b.get_tensor(name).reshape(-1).view(torch.uint8)), name
+    assert json.loads((direct / "config.json").read_text()) == json.loads((first_run / "config.json").read_text())
+
+
+def test_rerun_skips_every_step_and_touches_nothing(first_run: Path, model: Path) -> None:
+    watched = [first_run / "model.safetensors", first_run / "README.md", first_run / "reports" / "fidelity.json",
+               first_run / "reports" / "calibration-stats.safetensors"]
+    before = [stamp(p) for p in watched]
+    run_pipeline(model, first_run, SMALL)
+    state = statuses(first_run)
+    assert [n for n, s in state.items() if s == "skipped"] == LOCAL_STEPS
+    assert [stamp(p) for p in watched] == before
+
+
+def test_a_changed_option_redoes_only_the_steps_that_depend_on_it(first_run: Path, model: Path) -> None:
+    fidelity = first_run / "reports" / "fidelity.json"
+    ckpt_before = stamp(first_run / "model.safetensors")
+    run_pipeline(model, first_run, replace(SMALL, fidelity_samples=3))
+    state = statuses(first_run)
+    assert state["fidelity"] == "done" and state["card"] == "done"
+    assert all(state[n] == "skipped" for n in ("calibrate", "quantize", "kv", "audit", "bytes", "serve-cmd"))
+    assert json.loads(fidelity.read_text())["data"]["samples"] == 3
+    assert stamp(first_run / "model.safetensors") == ckpt_before
+
+
+def test_an_edited_artifact_is_redone(first_run: Path, model: Path) -> None:
+    byte_doc = first_run / "reports" / "bytes.json"
+    original = byte_doc.read_text()
+    byte_doc.write_text(original.replace('"laguna"', '"tampered"'))
+    run_pipeline(model, first_run, replace(SMALL, fidelity_samples=3))
+    state = statuses(first_run)
+    assert state["bytes"] == "done" and state["quantize"] == "skipped"
+    assert byte_doc.read_text() == original
+    # The redone artifact has the content the card was made from: the card is keyed by content.
+    assert state["card"] == "skipped"
+
+
+def test_a_failed_step_stops_the_run_and_a_fixed_rerun_resumes_after_it(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # More held-out tokens than the built-in corpus has: fidelity (step 7) fails, after the export.
+    with pytest.raises(PipelineFailed, match="fidelity"):
+        run_pipeline(model, out, replace(SMALL, fidelity_samples=100_000))
+    state = statuses(out)
+    assert state["fidelity"] == "failed" and state["card"] == "pending"
+    assert all(state[n] == "done" for n in ("calibrate", "quantize", "kv", "audit", "bytes"))
+    assert json.loads((out / "reports" / "pipeline.json").read_text())["status"] == "failed"
+    assert not (out / "README.md").exists()
+    ckpt = stamp(out / "model.safetensors")
+    run_pipeline(model, out, SMALL)
+    state = statuses(out)
+    assert all(state[n] == "skipped" for n in ("calibrate", "quantize", "kv", "audit", "bytes"))
+    assert state["fidelity"] == "done" and state["card"] == "done"
+    assert stamp(out / "model.safetensors") == ckpt
+
+
+def test_ctrl_c_mid_run_resumes_without_redoing_finished_steps(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    manifest = out / "reports" / "pipeline.json"
+    command = [FP4FORGE, "pipeline", str(model), str(out), "--recipe", RECIPE, "--json",
+               "--calib-samples", "4", "--calib-seq-len", "64", "--fidelity-samples", "16", "--fidelity-seq-len", "256"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if statuses(out).get("fidelity") == "running":
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    assert proc.poll() is None, "the pipeline ended before fidelity started"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "re-run the same command to resume" in stderr
+    state = statuses(out)
+    assert state["fidelity"] == "interrupted"
+    assert all(state[n] == "done" for n in ("calibrate", "quantize", "kv", "audit", "bytes"))
+    assert json.loads(manifest.read_text())["status"] == "interrupted"
+    finished = {p: stamp(p) for p in (out / "model.safetensors", out / "reports" / "calibration-stats.safetensors")}
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    doc = json.loads(rerun.stdout)
+    state = {s["name"]: s["status"] for s in doc["steps"]}
+    assert all(state[n] == "skipped" for n in ("calibrate", "quantize", "kv", "audit", "bytes"))
+    assert all(state[n] == "done" for n in ("fidelity", "serve-cmd", "card")) and doc["status"] == "complete"
+    assert {p: stamp(p) for p in finished} == finished
+
+
+def test_refuses_a_directory_it_does_not_own(model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "someone-elses"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="not empty"):
+        run_pipeline(model, out, SMALL)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, model: Path) -> None:
+    cases = [
+        ([str(tmp_path / "nowhere"), str(tmp_path / "o1"), "--recipe", RECIPE], "no config.json"),
+        ([str(model), str(tmp_path / "o2"), "--recipe", "no-such-recipe"], "no recipe"),
+        ([str(model), str(tmp_path / "o3"), "--recipe", RECIPE, "--bench", "speed"], "--bench"),
+        ([str(model), str(tmp_path / "o4"), "--recipe", RECIPE, "--serve", "--vllm-venv", str(tmp_path)], "vLLM venv"),
+    ]
+    for args, message in cases:
+        proc = subprocess.run([FP4FORGE, "pipeline", *args], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not any(p.name.startswith("o") for p in tmp_path.iterdir())
+
+
+def test_steps_table_is_consistent() -> None:
+    """Every key input names something the key function knows; artifacts are under reports/ or the checkpoint."""
+    known = {"src", "checkpoint", "recipe", "sibling", "vllm", "calibration-stats.safetensors"}
+    fields = set(PipelineOptions.__dataclass_fields__)
+    for step in STEPS:
+        assert set(step.inputs) <= known, step.name
+        assert set(step.params) <= fields, step.name
+        assert all(a == "." or a.startswith("reports/") for a in step.artifacts), step.name
+    assert len({s.name for s in STEPS}) == len(STEPS)
