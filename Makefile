@@ -8,7 +8,7 @@ LC_VENV ?= .venv-lc
 DEMO ?= demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo vllm test test-fast clean
 
 $(BIN)/.fp4forge-ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,15 +18,21 @@ $(BIN)/.fp4forge-ready: pyproject.toml
 
 install: $(BIN)/.fp4forge-ready
 
-# The main job on the built-in tiny Laguna testbed: build it, calibrate it layer by layer,
-# export NVFP4 W4A4 experts + FP8 attention/shared expert + calibrated FP8 KV scales, prove the
-# export with the audit, and show where its bytes are. Re-running skips finished artifacts.
+# The main job on the built-in tiny Laguna testbed, as one resumable `fp4forge pipeline`: calibrate
+# it layer by layer, export NVFP4 W4A4 experts + FP8 attention/shared expert + calibrated FP8 KV
+# scales, check the KV scales, audit, byte table, fidelity against the BF16 teacher, the serve line,
+# and (when the vLLM venv exists: `make vllm`, or after `make test`) serve it with vLLM CPU + the
+# fp4forge-vllm plugin, bench perf and quality; then write the model card
+# $(DEMO)/tiny-laguna-nvfp4/README.md. Re-running skips every step whose inputs did not change.
+COMMA := ,
+DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_VENV) --bench perf$(COMMA)quality,)
 demo: install
 	@if [ ! -d $(DEMO)/tiny-laguna ]; then $(BIN)/fp4forge testbed tiny-laguna $(DEMO)/tiny-laguna --seed 0; fi
-	@if [ ! -f $(DEMO)/stats.safetensors ]; then $(BIN)/fp4forge calibrate $(DEMO)/tiny-laguna --out $(DEMO)/stats.safetensors --samples 16 --seq-len 256; fi
-	@if [ ! -d $(DEMO)/tiny-laguna-nvfp4 ]; then $(BIN)/fp4forge quantize $(DEMO)/tiny-laguna $(DEMO)/tiny-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn --stats $(DEMO)/stats.safetensors; fi
-	$(BIN)/fp4forge audit $(DEMO)/tiny-laguna-nvfp4
-	$(BIN)/fp4forge bytes $(DEMO)/tiny-laguna-nvfp4
+	$(BIN)/fp4forge pipeline $(DEMO)/tiny-laguna $(DEMO)/tiny-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn $(DEMO_SERVE)
+
+# The vLLM CPU venv with the fp4forge-vllm plugin (about 3 min and 3.4 GB, once).
+vllm:
+	bash scripts/setup-vllm-venv.sh $(VLLM_VENV)
 
 # The whole suite, integration tests included: the vLLM CPU and llm-compressor venvs are
 # created side by side (each a few minutes, once) and the tests use them.

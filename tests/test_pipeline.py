@@ -200,3 +200,31 @@ def test_steps_table_is_consistent() -> None:
         assert set(step.params) <= fields, step.name
         assert all(a == "." or a.startswith("reports/") for a in step.artifacts), step.name
     assert len({s.name for s in STEPS}) == len(STEPS)
+
+
+@pytest.mark.slow
+def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path: Path, vllm_venv: Path) -> None:
+    """The README's main job with serving: vLLM CPU + the plugin serves the export, the doctor reads
+    its log, bench perf and two quality runs measure it, and the card has every section."""
+    out = tmp_path / "served"
+    options = replace(SMALL, serve=True, vllm_venv=vllm_venv, bench=("perf", "quality"),
+                      quality_categories=("restraint", "missing_tool"), quality_max_tokens=32)
+    manifest = run_pipeline(model, out, options)
+    assert manifest.status == "complete"
+    assert [n for n, s in statuses(out).items() if s == "done"] == [*LOCAL_STEPS[:-1], "serve", "perf", "quality", "card"]
+    served = json.loads((out / "reports" / "serve.json").read_text())
+    ids = {f["id"] for f in served["findings"]}
+    assert "fp4forge-plugin-active" in ids and not [f for f in served["findings"] if f["severity"] == "error"]
+    bench = json.loads((out / "reports" / "bench" / "summary.json").read_text())
+    assert bench["totals"]["failed"] == 0 and bench["totals"]["kept_ok"] > 0
+    score = json.loads((out / "reports" / "quality" / "score.json").read_text())
+    assert [r["run"] for r in score["runs"]] == [1, 2]
+    assert all(Path(r["path"]).is_file() for r in score["runs"])  # transcripts where the score says
+    card = (out / "README.md").read_text()
+    assert "_Not measured" not in card and "is missing" not in card
+    assert not (out / ".fp4forge-staging").exists()
+    # The server is gone: nothing listens any more on the recorded port.
+    import httpx
+
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{served['command'][served['command'].index('--port') + 1]}/v1/models", timeout=2)

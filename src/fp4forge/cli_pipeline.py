@@ -61,7 +61,11 @@ class StepsView:
         self._task: Any = None
 
     def __enter__(self) -> StepsView:
-        if self.enabled:
+        return self
+
+    def _start(self) -> None:
+        """On the first event: options that fail validation print one error line, no table."""
+        if self._live is None:
             from rich.live import Live
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -72,13 +76,13 @@ class StepsView:
             self._task = self._bar.add_task("", total=None, visible=False)
             self._live = Live(self._render(), console=_console(stderr=True), refresh_per_second=4, transient=False)
             self._live.__enter__()
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:
             self._bar.update(self._task, visible=False)
             self._live.update(self._render())
             self._live.__exit__(*exc)
+            _console(stderr=True).print()
 
     def _render(self):  # type: ignore[no-untyped-def]
         from rich.console import Group
@@ -95,6 +99,7 @@ class StepsView:
     def update(self, event: Any) -> None:
         if not self.enabled:
             return
+        self._start()
         row = self.rows.setdefault(event.step, [event.step, "", ""])
         row[1] = event.status
         if event.status == "running":

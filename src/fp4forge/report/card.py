@@ -243,6 +243,11 @@ def serve_section(ctx: CardContext) -> list[str]:
         lines += table(["finding", "severity", "message"], [
             [f"`{f['id']}`", f["severity"], f["message"].replace("|", "\\|")] for f in served["findings"]
         ])
+        command = served.get("command")
+        if isinstance(command, list):
+            import shlex
+
+            lines += ["", "The command that was run:", "", "```bash", " ".join(shlex.quote(part) for part in command), "```"]
     return lines
 
 
@@ -322,6 +327,36 @@ def fidelity_section(ctx: CardContext) -> list[str]:
     return lines
 
 
+def making_section(ctx: CardContext) -> list[str]:
+    lines: list[str] = ["### Calibration", ""]
+    calibration = ctx.art.json("calibration.json")
+    if calibration is None:
+        lines += _missing(ctx, "calibration.json")
+    else:
+        silent = calibration.get("experts_without_tokens", [])
+        lines += table(["", ""], [
+            ["tokens", _int(calibration["tokens"])],
+            ["MoE policy", calibration.get("moe_policy", "–")],
+            ["statistics tensors", _int(calibration["tensors"])],
+            ["experts that saw no calibration token", str(len(silent))],
+        ])
+        if silent:
+            ctx.non_claims.append(f"{len(silent)} routed experts saw no calibration token; their activation scales are not "
+                                  "calibrated from their own inputs (reports/calibration.json lists them).")
+    lines += ["", "### Weight error of the export", ""]
+    export = ctx.art.json("quantize.json")
+    if export is None:
+        lines += _missing(ctx, "quantize.json")
+    else:
+        lines += [f"`fp4forge quantize`: {_int(export['tensors_written'])} tensors, {_int(export['bytes_written'])} bytes written. "
+                  "Relative Frobenius error of each dequantized weight:", ""]
+        lines += table(["component:scheme", "linears", "mean", "median", "max"], [
+            [name, _int(e["linears"]), _num(e["mean"], 4), _num(e["median"], 4), _num(e["max"], 4)]
+            for name, e in export["weight_error"]["by_component"].items()
+        ])
+    return lines
+
+
 def provenance_section(ctx: CardContext) -> list[str]:
     provenance = ctx.art.json("ckpt:fp4forge.json")
     lines: list[str] = []
@@ -366,6 +401,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("performance", "Performance", performance_section),
     Section("quality", "Quality", quality_section),
     Section("fidelity", "Fidelity against the BF16 teacher", fidelity_section),
+    Section("making", "How it was made", making_section),
     Section("provenance", "Provenance", provenance_section),
     Section("non_claims", "What this card does not claim", non_claims_section),
 )
