@@ -36,6 +36,7 @@ SECTION_OF = {
     "calibration.json": ("How it was made",),
     "quantize.json": ("How it was made",),
     "pipeline.json": (),  # the provenance table's step list; without it that table is simply absent
+    "diff.json": (),  # only with a sibling; without it the verification has no diff table
 }
 
 
@@ -124,7 +125,7 @@ def test_byte_tables(ckpt: Path) -> None:
 def test_verification_tables(ckpt: Path) -> None:
     audit, shards, kv = load(ckpt, "audit.json"), load(ckpt, "shards.json"), load(ckpt, "kv.json")
     text = sections(render_card(ckpt).markdown)["Verification"]
-    rule_table, shard_table, kv_table = tables(text)
+    rule_table, shard_table, kv_table, diff_table = tables(text)
     counts: dict[str, int] = {}
     for finding in audit["findings"]:
         counts[finding["rule"]] = counts.get(finding["rule"], 0) + 1
@@ -140,6 +141,11 @@ def test_verification_tables(ckpt: Path) -> None:
         assert row[0].strip("`") == layer["layer"]
         for cell, key in zip(row[1:], ("k_scale", "k_amax", "v_scale", "v_amax")):
             assert close(cell, layer[key], rel=1e-5), (layer["layer"], key)
+    diff = load(ckpt, "diff.json")
+    keys = ("identical", "different", "only_in_a", "only_in_b")
+    assert {r[0]: [number(c) for c in r[1:]] for r in diff_table[1:-1]} == {
+        name: [c[k] for k in keys] for name, c in diff["components"].items()}
+    assert [number(c) for c in diff_table[-1][1:]] == [diff["summary"][k] for k in keys]
     assert f"{2 * len(kv['layers'])} KV scale tensors for {len(kv['layers'])} attention layers (2 per layer)" in text
 
 
@@ -244,8 +250,10 @@ def test_a_deleted_artifact_is_named_as_missing(ckpt: Path, artifact: str) -> No
     if owners:
         assert f"`{shown}` is missing" in parts["What this card does not claim"]
         assert card.missing == [shown]
-    else:
+    elif artifact == "pipeline.json":
         assert "Made by `fp4forge pipeline`" not in parts["Provenance"]
+    else:
+        assert "Against the sibling" not in parts["Verification"]
     others = {k: v for k, v in parts.items() if k not in (*owners, "What this card does not claim")}
     assert all("_Not measured" not in v for v in others.values())
 

@@ -210,9 +210,15 @@ def verification_section(ctx: CardContext) -> list[str]:
             lines.append(f"- **{f['severity']}**: {f['message']}")
     if ctx.art.exists("diff.json"):
         diff = ctx.art.json("diff.json") or {}
-        lines += ["", "### Against the sibling checkpoint", "", f"`fp4forge diff` against `{diff.get('sibling', '–')}`:", ""]
-        lines += table(["", "tensors"], [[k.replace("_", " "), _int(v)] for k, v in diff.get("summary", {}).items() if isinstance(v, int)])
+        lines += ["", "### Against the sibling checkpoint", "",
+                  f"`fp4forge diff` against `{diff.get('sibling', '–')}` (blake2b of every tensor's raw bytes):", ""]
+        rows = [[name, *(_int(c.get(k)) for k in DIFF_COLUMNS)] for name, c in diff.get("components", {}).items()]
+        rows.append(["**total**", *(_int(diff.get("summary", {}).get(k)) for k in DIFF_COLUMNS)])
+        lines += table(["component", "identical", "different", "only here", "only in the sibling"], rows)
     return lines
+
+
+DIFF_COLUMNS = ("identical", "different", "only_in_a", "only_in_b")
 
 
 def _first(value: float | list[float] | None) -> float | None:
