@@ -358,12 +358,10 @@ def compare_dirs(dir_a: Path, dir_b: Path) -> dict[str, Any]:
 # -- plots --------------------------------------------------------------------------------------
 def write_plots(samples: Sequence[dict[str, Any]], summary: dict[str, Any], out_dir: Path) -> list[str]:
     """The three PNGs; returns the file names written (none when matplotlib is missing)."""
-    try:
-        import matplotlib
+    from fp4forge.plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     cells = group_cells(samples)
     written = []

@@ -155,14 +155,9 @@ def write_determinism(doc: dict[str, Any], out_dir: Path, *, plots: bool = True)
 
 # -- plots --------------------------------------------------------------------------------------
 def _pyplot() -> Any:
-    try:
-        import matplotlib
+    from fp4forge.plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+    return pyplot()
 
 
 def plot_category_scores(doc: dict[str, Any], path: Path) -> bool:

@@ -439,14 +439,9 @@ def write_card(checkpoint: Path, reports: Path | None = None, out: Path | None =
 
 # -- plots --------------------------------------------------------------------------------------
 def _pyplot() -> Any:
-    try:
-        import matplotlib
+    from fp4forge.plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
+    return pyplot()
 
 
 def _plot_bytes(doc: dict[str, Any], path: Path) -> Path | None:
