@@ -25,7 +25,7 @@ install: $(BIN)/.fp4forge-ready
 # fp4forge-vllm plugin, bench perf and quality; then write the model card
 # $(DEMO)/tiny-laguna-nvfp4/README.md. Re-running skips every step whose inputs did not change.
 COMMA := ,
-DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_VENV) --bench perf$(COMMA)quality,)
+DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_VENV) --bench perf$(COMMA)quality --quality-teacher,)
 demo: install
 	@if [ ! -d $(DEMO)/tiny-laguna ]; then $(BIN)/fp4forge testbed tiny-laguna $(DEMO)/tiny-laguna --seed 0; fi
 	$(BIN)/fp4forge pipeline $(DEMO)/tiny-laguna $(DEMO)/tiny-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn $(DEMO_SERVE)

@@ -32,6 +32,8 @@ SECTION_OF = {
     "serve.json": ("Serving",),
     "bench/summary.json": ("Performance",),
     "quality/score.json": ("Quality",),
+    "quality-teacher/score.json": (),  # the teacher arm's own score: the card shows the comparison
+    "quality-teacher/compare.json": (),  # optional (--quality-teacher); without it no paired section
     "fidelity.json": ("Fidelity against the BF16 teacher",),
     "calibration.json": ("How it was made",),
     "quantize.json": ("How it was made",),
@@ -176,7 +178,7 @@ def test_performance_table(ckpt: Path) -> None:
 
 def test_quality_table(ckpt: Path) -> None:
     doc = load(ckpt, "quality/score.json")
-    text = sections(render_card(ckpt).markdown)["Quality"]
+    text = sections(render_card(ckpt).markdown)["Quality"].split("### Against the BF16 teacher")[0]
     (table,) = tables(text)
     runs = doc["runs"]
     assert table[0] == ["category", *[f"run {r['run']}" for r in runs]]
@@ -185,8 +187,30 @@ def test_quality_table(ckpt: Path) -> None:
             earned, maximum = (int(v) for v in cell.split("/"))
             assert (earned, maximum) == (r["categories"][row[0]]["earned"], r["categories"][row[0]]["max"])
     assert [tuple(int(v) for v in c.split("/")) for c in table[-1][1:]] == [(r["earned"], r["max"]) for r in runs]
-    floor = doc["noise_floor"]["A"]
+    (floor,) = doc["noise_floor"].values()
     assert f"spread {floor['spread_points']} points" in text
+
+
+def test_paired_comparison_with_the_teacher(ckpt: Path) -> None:
+    doc = load(ckpt, "quality-teacher/compare.json")
+    text = sections(render_card(ckpt).markdown)["Quality"].split("### Against the BF16 teacher (paired)")[1]
+    tests_table, categories = tables(text)
+    rows = dict(tests_table[1:])
+    a, b = re.findall(r"[AB] (-?[\d.]+)", rows["points, mean of runs"])
+    assert (float(a), float(b)) == pytest.approx((doc["points"]["A"], doc["points"]["B"]), abs=0.05)
+    low, high = (float(v) for v in re.findall(r"[-+][\d.]+", rows["95 % paired bootstrap CI, mean per-scenario difference"]))
+    assert (low, high) == pytest.approx(tuple(doc["bootstrap_ci"]), abs=5e-5)
+    assert float(re.search(r"p = ([\d.]+)", rows["exact sign test"])[1]) == pytest.approx(doc["sign_test"]["p"], abs=5e-4)
+    assert f"{doc['sign_test']['ties']} ties" in rows["exact sign test"]
+    assert float(rows["exact McNemar, fully correct"].split("=")[1]) == pytest.approx(doc["mcnemar_fully_correct"]["exact_p"], abs=5e-4)
+    assert rows["discordant scenarios"].startswith(f"{doc['discordant']} of {doc['scenarios']}")
+    assert doc["verdict"]["text"] in text
+    assert [row[0] for row in categories[1:]] == list(doc["categories"])
+    for row in categories[1:]:
+        c = doc["categories"][row[0]]
+        assert int(row[1]) == c["max"]
+        assert [int(v) for v in row[2].split("/")] == c["a"] and [int(v) for v in row[3].split("/")] == c["b"]
+        assert (float(row[4]), float(row[5])) == pytest.approx((c["mean_a"], c["mean_b"]), abs=0.05)
 
 
 def test_fidelity_tables(ckpt: Path) -> None:
@@ -252,6 +276,8 @@ def test_a_deleted_artifact_is_named_as_missing(ckpt: Path, artifact: str) -> No
         assert card.missing == [shown]
     elif artifact == "pipeline.json":
         assert "Made by `fp4forge pipeline`" not in parts["Provenance"]
+    elif artifact.startswith("quality-teacher/"):
+        assert ("Against the BF16 teacher" in parts["Quality"]) == (artifact != "quality-teacher/compare.json")
     else:
         assert "Against the sibling" not in parts["Verification"]
     others = {k: v for k, v in parts.items() if k not in (*owners, "What this card does not claim")}

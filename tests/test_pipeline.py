@@ -27,7 +27,7 @@ from fp4forge.pipeline.steps import STEPS
 RECIPE = "nvfp4-experts-fp8-attn"
 SMALL = PipelineOptions(recipe=RECIPE, calib_samples=4, calib_seq_len=64, fidelity_samples=2, fidelity_seq_len=64)
 LOCAL_STEPS = ["calibrate", "quantize", "kv", "audit", "bytes", "fidelity", "serve-cmd", "card"]
-OFF_STEPS = ["diff", "serve", "perf", "quality"]
+OFF_STEPS = ["diff", "serve", "perf", "quality", "quality-teacher"]
 FP4FORGE = str(Path(sys.executable).with_name("fp4forge"))  # the installed command, as people run it
 
 
@@ -193,7 +193,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, mode
 
 def test_steps_table_is_consistent() -> None:
     """Every key input names something the key function knows; artifacts are under reports/ or the checkpoint."""
-    known = {"src", "checkpoint", "recipe", "sibling", "vllm", "calibration-stats.safetensors"}
+    known = {"src", "checkpoint", "recipe", "sibling", "vllm", "calibration-stats.safetensors", "quality"}
     fields = set(PipelineOptions.__dataclass_fields__)
     for step in STEPS:
         assert set(step.inputs) <= known, step.name
@@ -207,11 +207,15 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     """The README's main job with serving: vLLM CPU + the plugin serves the export, the doctor reads
     its log, bench perf and two quality runs measure it, and the card has every section."""
     out = tmp_path / "served"
-    options = replace(SMALL, serve=True, vllm_venv=vllm_venv, bench=("perf", "quality"),
+    options = replace(SMALL, serve=True, vllm_venv=vllm_venv, bench=("perf", "quality"), quality_teacher=True,
                       quality_categories=("restraint", "missing_tool"), quality_max_tokens=32)
     manifest = run_pipeline(model, out, options)
     assert manifest.status == "complete"
-    assert [n for n, s in statuses(out).items() if s == "done"] == [*LOCAL_STEPS[:-1], "serve", "perf", "quality", "card"]
+    assert [n for n, s in statuses(out).items() if s == "done"] == [
+        *LOCAL_STEPS[:-1], "serve", "perf", "quality", "quality-teacher", "card"]
+    compare = json.loads((out / "reports" / "quality-teacher" / "compare.json").read_text())
+    assert (compare["arms"]["A"]["label"], compare["arms"]["B"]["label"]) == ("quantized", "bf16-teacher")
+    assert compare["runs"] == {"A": 2, "B": 2}
     served = json.loads((out / "reports" / "serve.json").read_text())
     ids = {f["id"] for f in served["findings"]}
     assert "fp4forge-plugin-active" in ids and not [f for f in served["findings"] if f["severity"] == "error"]
@@ -222,6 +226,7 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     assert all(Path(r["path"]).is_file() for r in score["runs"])  # transcripts where the score says
     card = (out / "README.md").read_text()
     assert "_Not measured" not in card and "is missing" not in card
+    assert "### Against the BF16 teacher (paired)" in card
     assert not (out / ".fp4forge-staging").exists()
     # The server is gone: nothing listens any more on the recorded port.
     import httpx

@@ -137,6 +137,7 @@ def pipeline_command(
     quality_runs: int = typer.Option(2, "--quality-runs", min=1, help="Suite runs; 2+ measures the noise floor."),
     quality_max_tokens: int = typer.Option(64, "--quality-max-tokens", min=1),
     quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
+    quality_teacher: bool = typer.Option(False, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
 ) -> None:
     """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
@@ -148,7 +149,7 @@ def pipeline_command(
         calib_text=tuple(calib_text), fidelity_samples=fidelity_samples, fidelity_seq_len=fidelity_seq_len,
         fidelity_text=tuple(fidelity_text), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
         serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
-        quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories),
+        quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
     )
     manifest_path = out / "reports" / "pipeline.json"
     try:

@@ -193,8 +193,7 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
         manifest.finished = time.time()
         return manifest
     finally:
-        if ctx.server is not None:
-            ctx.server.stop()
+        ctx.stop_servers()
         if manifest.status == COMPLETE:
             shutil.rmtree(out / STAGING, ignore_errors=True)
         for record in manifest.steps.values():

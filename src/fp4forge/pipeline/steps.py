@@ -63,6 +63,7 @@ class PipelineOptions:
     quality_max_tokens: int = 64
     quality_concurrency: int = 4
     quality_categories: tuple[str, ...] = ()
+    quality_teacher: bool = False  # also serve SRC and compare the two arms with paired tests
 
     def to_json(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -77,10 +78,13 @@ class PipelineOptions:
 
 
 class ServerSlot:
-    """The vLLM server the serving steps share: started by the first step that needs it."""
+    """A vLLM server the serving steps share (the export, or the BF16 teacher): started by the
+    first step that needs it, stopped when the run ends or another model needs the machine."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, model: Path, role: str) -> None:
         self.ctx = ctx
+        self.model = model
+        self.role = role
         self.record = None
         self.doctor = None
         self.ready_seconds: float | None = None
@@ -96,7 +100,7 @@ class ServerSlot:
             self._directory.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
             self.record, self.doctor = serve_up(
-                self.ctx.out, venv=venv, name=f"fp4forge-pipeline-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
+                self.model, venv=venv, name=f"fp4forge-{self.role}-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
                 ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory,
             )
             self.ready_seconds = time.monotonic() - started
@@ -116,7 +120,7 @@ class Context:
     out: Path
     options: PipelineOptions
     progress: Progress = lambda done, total, desc: None
-    server: ServerSlot | None = None
+    servers: dict[str, ServerSlot] = field(default_factory=dict)
 
     @property
     def reports(self) -> Path:
@@ -132,10 +136,19 @@ class Context:
         path.mkdir(parents=True)
         return path
 
-    def slot(self) -> ServerSlot:
-        if self.server is None:
-            self.server = ServerSlot(self)
-        return self.server
+    def slot(self, role: str = "student") -> ServerSlot:
+        """The server of ``role`` (student: OUT; teacher: SRC). One runs at a time: on a small
+        machine two would slow both and skew what is measured."""
+        for other, slot in self.servers.items():
+            if other != role:
+                slot.stop()
+        if role not in self.servers:
+            self.servers[role] = ServerSlot(self, self.out if role == "student" else self.src, role)
+        return self.servers[role]
+
+    def stop_servers(self) -> None:
+        for slot in self.servers.values():
+            slot.stop()
 
 
 def _replace_dir(staged: Path, final: Path) -> None:
@@ -268,7 +281,7 @@ def run_serve_cmd(ctx: Context) -> dict[str, Any]:
 def run_serve(ctx: Context) -> dict[str, Any]:
     from fp4forge.serve.doctor import diagnose, iter_lines
 
-    slot = ctx.slot()
+    slot = ctx.slot("student")
     record = slot.get()
     log_text = Path(record.log).read_text(encoding="utf-8", errors="replace").replace("\x00", "")
     diagnosis = diagnose(iter_lines(log_text))
@@ -292,7 +305,7 @@ def run_perf(ctx: Context) -> dict[str, Any]:
     from fp4forge.bench.runner import BenchConfig, CellEvent, load_points, load_workloads, run_bench
 
     o = ctx.options
-    record = ctx.slot().get()
+    record = ctx.slot("student").get()
     workload = load_workloads()[o.perf_workload]
     staged = ctx.staging("perf") / "bench"
     config = BenchConfig(
@@ -315,36 +328,59 @@ def run_perf(ctx: Context) -> dict[str, Any]:
     return {"requests": outcome.requests, "kept": outcome.kept}
 
 
-def run_quality(ctx: Context) -> dict[str, Any]:
+QUALITY_ARMS = {"student": "quantized", "teacher": "bf16-teacher"}
+QUALITY_DIRS = {"student": "quality", "teacher": "quality-teacher"}
+
+
+def _quality_runs(ctx: Context, role: str) -> list[Any]:
+    """N runs of the (selected) suite against the ``role`` server into reports/<dir>/, scored there."""
     from fp4forge.quality import load_suite
     from fp4forge.quality.report import score_document, write_score
     from fp4forge.quality.runner import RunConfig, rescore_transcript, run_suite
 
     o = ctx.options
-    record = ctx.slot().get()
+    record = ctx.slot(role).get()
     suite = load_suite()
     scenarios = suite.select(ids=None, categories=list(o.quality_categories) or None)
-    config = RunConfig(base_url=record.base_url, model=record.name, runs=o.quality_runs, max_tokens=o.quality_max_tokens,
-                       concurrency=o.quality_concurrency)
-    staged = ctx.staging("quality") / "quality"
+    config = RunConfig(base_url=record.base_url, model=record.name, arm=QUALITY_ARMS[role], runs=o.quality_runs,
+                       max_tokens=o.quality_max_tokens, concurrency=o.quality_concurrency)
+    staged = ctx.staging(QUALITY_DIRS[role]) / QUALITY_DIRS[role]
     total = len(scenarios) * o.quality_runs
     finished = [0]
 
     def on_scenario(run: int, scenario_record: dict[str, Any]) -> None:
         finished[0] += 1
-        ctx.progress(finished[0], total, f"quality run {run}")
+        ctx.progress(finished[0], total, f"quality {QUALITY_ARMS[role]} run {run}")
 
     paths = run_suite(config, suite, staged, scenarios=scenarios, on_scenario=on_scenario)
-    final = ctx.report("quality")
+    final = ctx.report(QUALITY_DIRS[role])
     _replace_dir(staged, final)
     # Scored where the transcripts now live, so the score document names their real paths.
     results = [rescore_transcript(final / path.name, suite) for path in paths]
-    doc = score_document(results, suite)
-    write_score(doc, final)
+    write_score(score_document(results, suite), final)
     failed = sum(r.failed_requests for r in results)
     if failed:
-        raise PipelineStepError(f"{failed} quality request(s) failed; transcripts in {ctx.report('quality')}")
-    return {"scenarios": len(scenarios), "runs": o.quality_runs}
+        raise PipelineStepError(f"{failed} quality request(s) failed; transcripts in {final}")
+    return results
+
+
+def run_quality(ctx: Context) -> dict[str, Any]:
+    results = _quality_runs(ctx, "student")
+    return {"runs": len(results), "points": " / ".join(str(r.earned) for r in results)}
+
+
+def run_quality_teacher(ctx: Context) -> dict[str, Any]:
+    """Arm B: the BF16 teacher through the same suite, then paired tests of the two arms."""
+    from fp4forge.quality import load_suite
+    from fp4forge.quality.report import compare_document, write_compare
+    from fp4forge.quality.runner import expand_transcripts, rescore_transcript
+
+    teacher = _quality_runs(ctx, "teacher")
+    suite = load_suite()
+    student = [rescore_transcript(p, suite) for p in expand_transcripts([ctx.report(QUALITY_DIRS["student"])])]
+    doc = compare_document(student, teacher, suite)
+    write_compare(doc, ctx.report(QUALITY_DIRS["teacher"]))
+    return {"verdict": doc["verdict"]["label"], "diff_points": round(doc["points"]["diff"], 1)}
 
 
 def run_card(ctx: Context) -> dict[str, Any]:
@@ -391,9 +427,7 @@ class Step:
     inputs: tuple[str, ...]  # "src", "checkpoint", or report paths relative to reports/
     params: tuple[str, ...] = ()  # PipelineOptions fields in the key
     off: Off = _always
-    needs_server: bool = False
     version: int = 1  # bump when a step's code changes what it writes
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 STEPS: tuple[Step, ...] = (
@@ -413,12 +447,16 @@ STEPS: tuple[Step, ...] = (
     Step("serve-cmd", "the serve line for the target hardware", run_serve_cmd, ("reports/serve-cmd.json",), ("checkpoint",),
          ("hardware", "vllm_version")),
     Step("serve", "serve it here (vLLM) and read the log", run_serve, ("reports/serve.json", "reports/serve.log"),
-         ("checkpoint", "vllm"), ("serve_hardware",), off=_needs_serve, needs_server=True),
+         ("checkpoint", "vllm"), ("serve_hardware",), off=_needs_serve),
     Step("perf", "bench perf", run_perf, ("reports/bench",), ("checkpoint", "vllm"), ("perf_workload", "perf_mode"),
-         off=_needs_bench("perf"), needs_server=True),
+         off=_needs_bench("perf")),
     Step("quality", "bench quality (agentic tool use)", run_quality, ("reports/quality",), ("checkpoint", "vllm"),
          ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories"),
-         off=_needs_bench("quality"), needs_server=True),
+         off=_needs_bench("quality"), version=2),  # 2: the arm is labelled "quantized"
+    Step("quality-teacher", "quality of the BF16 teacher, paired tests", run_quality_teacher, ("reports/quality-teacher",),
+         ("src", "quality", "vllm"), ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories"),
+         off=lambda o: _needs_bench("quality")(o) or (None if o.quality_teacher else "not requested (--quality-teacher)"),
+         ),
 )
 # The card runs last, always, from whatever artifacts exist.
 CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",))

@@ -298,12 +298,31 @@ def quality_section(ctx: CardContext) -> list[str]:
     plot = _plot_quality(doc, ctx.plot_dir() / "quality.png")
     if plot:
         lines += ["", ctx.image(plot, "score per category and run")]
-    if ctx.art.exists("quality/compare.json"):
-        compare = ctx.art.json("quality/compare.json") or {}
-        verdict = compare.get("verdict", {})
-        lines += ["", f"Paired comparison against arm B: {verdict.get('label', '–')}."]
+    if ctx.art.exists("quality-teacher/compare.json"):
+        lines += ["", "### Against the BF16 teacher (paired)", "", *_compare_lines(ctx, ctx.art.json("quality-teacher/compare.json") or {})]
     else:
-        ctx.non_claims.append("No paired quality comparison against the BF16 teacher was run (`fp4forge quality compare`).")
+        ctx.non_claims.append("No paired quality comparison against the BF16 teacher was run (pipeline `--quality-teacher`).")
+    return lines
+
+
+def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
+    from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows
+
+    arms, points, sign = doc["arms"], doc["points"], doc["sign_test"]
+    low, high = doc["bootstrap_ci"]
+    lines = [f"A = `{arms['A']['label']}`, B = `{arms['B']['label']}`, {doc['runs']['A']} and {doc['runs']['B']} runs of "
+             f"{doc['scenarios']} scenarios. **Verdict: {doc['verdict']['text']}.**", ""]
+    lines += table(["test", "result"], [
+        ["points, mean of runs", f"A {points['A']:.1f}, B {points['B']:.1f} of {doc['max_points']}; B − A {points['diff']:+.1f}"],
+        ["95 % paired bootstrap CI, mean per-scenario difference", f"[{low:+.4f}, {high:+.4f}]"],
+        ["exact sign test", f"p = {sign['p']:.3f} ({sign['favours_a']} favour A, {sign['favours_b']} favour B, {sign['ties']} ties)"],
+        ["exact McNemar, fully correct", f"p = {doc['mcnemar_fully_correct']['exact_p']:.3f}"],
+        ["discordant scenarios", f"{doc['discordant']} of {doc['scenarios']}; {doc['flips_also_within_arm']} also flip within an arm"],
+    ])
+    lines += ["", *table(list(CATEGORY_HEADERS), category_rows(doc))]
+    plot = ctx.art.reports / "quality-teacher" / "category_scores.png"
+    if plot.is_file():
+        lines += ["", ctx.image(plot, "score per category, quantized vs teacher")]
     return lines
 
 
