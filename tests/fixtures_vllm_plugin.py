@@ -7,10 +7,13 @@ interpreter exit. Servers (all fp32, --enforce-eager, on tiny testbed models bui
 
 * ``plugin_bf16_moe``: BF16 tiny Laguna MoE (non-zero router bias) + plugin, with the fixed
   ``poolside_v1_fixed`` reasoning parser loaded through ``--reasoning-parser-plugin``;
-* ``plugin_ct_w4a4``: fp4forge's NVFP4-experts + FP8-attention + FP8-KV checkpoint of it,
-  compressed-tensors layout, plugin numerics ``w4a4``;
-* ``plugin_modelopt_w4a16``: the same recipe in the ModelOpt layout, numerics ``w4a16``, with
-  vLLM's stock ``poolside_v1`` reasoning parser (the parser tests' "before" picture);
+* ``plugin_ct_w4a4``: fp4forge's NVFP4-experts + FP8-attention + FP8-KV checkpoint of it, with
+  activation and KV scales from fp4forge's own calibration of it (8 samples x 128 tokens, once
+  per session), compressed-tensors layout, plugin numerics ``w4a4``;
+* ``plugin_modelopt_w4a16``: the same recipe and statistics in the ModelOpt layout, numerics
+  ``w4a16``, with vLLM's stock ``poolside_v1`` reasoning parser (the parser tests' "before"
+  picture). Both layouts were measured to match their reference in both numerics
+  (tests/test_vllm_plugin.py); this pairing keeps one ``w4a16`` server and four servers in all;
 * ``noplugin_ct``: the compressed-tensors checkpoint with the plugin switched off, which must fail.
 
 The parser servers use a chat template that thinks unless told not to (as Laguna-S-2.1's does) and
@@ -31,8 +34,12 @@ from fp4forge.serve import VllmServer, launch_vllm
 VLLM_COMMON_ARGS = ("--enforce-eager", "--max-model-len", "2048", "--dtype", "float32", "--max-logprobs", "20")
 ENV = {"HF_HUB_OFFLINE": "1"}
 READY_TIMEOUT_S = 900.0
-# Uncalibrated activation amax for the quantized testbed (fp4forge calibrate is not landed yet).
-ACT_SCALES = "constant:8"
+# The quantized checkpoints' activation amax and FP8 KV scales come from fp4forge's own
+# calibration of the BF16 testbed (as `fp4forge calibrate` then `quantize --stats` would do),
+# small enough to cost seconds: 8 samples x 128 tokens of the built-in corpus (128 > Laguna's
+# 64-token sliding window), run once per session.
+CALIBRATION_SAMPLES = 8
+CALIBRATION_SEQ_LEN = 128
 RECIPE = "nvfp4-experts-fp8-attn"
 
 TESTBED_THINKING_LINE = (
@@ -61,12 +68,23 @@ def build_bf16_moe(root: Path) -> Path:
     return build_tiny_laguna(root / "tiny-laguna-moe", seed=0)
 
 
-def quantize(src: Path, out: Path, layout: str) -> Path:
+def calibrate(src: Path, out: Path) -> Path:
+    """Activation and KV statistics of ``src`` (fp4forge calibrate --samples 8 --seq-len 128)."""
+    from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
+    from fp4forge.quantize.act_scales import write_stats
+
+    options = CalibrationOptions(samples=CALIBRATION_SAMPLES, seq_len=CALIBRATION_SEQ_LEN, batch_size=4)
+    result = calibrate_checkpoint(src, options)
+    return write_stats(out, result.tensors, result.metadata)
+
+
+def quantize(src: Path, stats: Path, out: Path, layout: str) -> Path:
+    """fp4forge quantize --stats: calibrated input scales and calibrated FP8 KV scales."""
     from fp4forge.quantize.act_scales import parse_act_scales
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
     from fp4forge.quantize.recipe import load_recipe
 
-    options = QuantizeOptions(recipe=load_recipe(RECIPE), layout_format=layout, act_amax=parse_act_scales(ACT_SCALES, None))
+    options = QuantizeOptions(recipe=load_recipe(RECIPE), layout_format=layout, act_amax=parse_act_scales(None, stats))
     quantize_checkpoint(src, out, options)
     return out
 
@@ -87,8 +105,9 @@ class Models:
         self._built: dict[str, Path] = {}
         self._builders: dict[str, Callable[[], Path]] = {
             "bf16_moe": lambda: build_bf16_moe(root),
-            "ct": lambda: quantize(self.get("bf16_moe"), root / "tiny-laguna-ct", "compressed-tensors"),
-            "modelopt": lambda: quantize(self.get("bf16_moe"), root / "tiny-laguna-modelopt", "modelopt"),
+            "stats": lambda: calibrate(self.get("bf16_moe"), root / "tiny-laguna-stats.safetensors"),
+            "ct": lambda: quantize(self.get("bf16_moe"), self.get("stats"), root / "tiny-laguna-ct", "compressed-tensors"),
+            "modelopt": lambda: quantize(self.get("bf16_moe"), self.get("stats"), root / "tiny-laguna-modelopt", "modelopt"),
             "thinking_template": lambda: thinking_template(self.get("bf16_moe"), root / "thinking-on.jinja"),
         }
 

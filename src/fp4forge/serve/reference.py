@@ -10,6 +10,11 @@ model is transformers' ``LagunaForCausalLM``, and only three things are patched 
 * with an FP8 KV cache declared, keys and values are rounded through E4M3 with their scales
   (``kv_rounding``: to nearest, or toward zero as vLLM's CPU cache kernel does).
 
+Two ways to hold a served continuation against it: ``greedy_tokens`` (the reference's own greedy
+continuation, to compare token for token) and ``teacher_forced_check`` (the reference run once
+over prompt + served tokens, judging every served token by the reference's logits there, so a
+near-tie flip early on does not hide the rest of the continuation).
+
 Where vLLM collapses per-shard scales of a fused GEMM (q/k/v; an expert's gate/up), we collapse
 them the same way, so the oracle computes what a deployment computes (formats.md §5b).
 """
@@ -22,7 +27,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -417,3 +422,238 @@ def reference_greedy(
     """fp4forge's greedy tokens for ``prompts`` on the quantized checkpoint under ``numerics``."""
     model = load_reference(ckpt_dir, numerics, moe_input_scale=moe_input_scale, kv_rounding=kv_rounding, dtype=dtype)
     return greedy_tokens(model, prompts, max_tokens)
+
+
+# -- holding a served continuation against the reference -----------------------------------------
+Verdict = Literal["exact", "near_tie", "mismatch"]
+
+
+@dataclass(frozen=True)
+class TokenCheck:
+    """One generated position: the served token judged by the reference's logits there."""
+
+    position: int  # 0 = the first generated token
+    served: int
+    reference: int  # the reference's argmax (the first one, if several share the max)
+    gap: float  # reference max logit - reference logit of the served token; 0 when served is an argmax
+    top2_gap: float  # reference top-1 - top-2 logit: how close the reference itself is to a tie
+    logprob_delta: float | None  # |served logprob - reference logprob of the served token|, if given
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "served": self.served,
+            "reference": self.reference,
+            "gap": self.gap,
+            "top2_gap": self.top2_gap,
+            "logprob_delta": self.logprob_delta,
+        }
+
+
+@dataclass(frozen=True)
+class TeacherForcedCheck:
+    """A served continuation held against the reference teacher-forced on it.
+
+    "Scored positions" are the prompt tokens after the first (when their served logprobs were
+    given), then the generated tokens, in order. ``verdict``:
+
+    * ``exact``: every served token is a reference argmax, and (with ``exact_tolerance``) every
+      served logprob equals the reference's within it;
+    * ``near_tie``: otherwise, but only as a flipped rounding can make it: every served token is
+      within ``tie_margin`` of the reference's max logit, every logprob within
+      ``logprob_tolerance``, and (with ``exact_tolerance``) the first ``min_exact_prefix`` scored
+      positions agree within ``exact_tolerance`` (before a flip, both sides compute the same);
+    * ``mismatch``: anything else.
+    """
+
+    tie_margin: float
+    logprob_tolerance: float | None
+    exact_tolerance: float | None
+    min_exact_prefix: int
+    prompt_logprob_deltas: tuple[float, ...]  # for prompt tokens 1.. (empty unless given)
+    tokens: tuple[TokenCheck, ...]
+
+    @property
+    def logprob_deltas(self) -> tuple[float, ...]:
+        """|served - reference| logprob at every scored position (prompt first), where known."""
+        generated = tuple(t.logprob_delta for t in self.tokens if t.logprob_delta is not None)
+        return self.prompt_logprob_deltas + generated
+
+    @property
+    def near_ties(self) -> tuple[TokenCheck, ...]:
+        """Positions where the served token is not a reference argmax, by less than tie_margin."""
+        return tuple(t for t in self.tokens if 0.0 < t.gap < self.tie_margin)
+
+    @property
+    def beyond_margin(self) -> tuple[TokenCheck, ...]:
+        """Positions where the reference prefers another token by tie_margin or more."""
+        return tuple(t for t in self.tokens if not t.gap < self.tie_margin)
+
+    @property
+    def logprob_outliers(self) -> tuple[int, ...]:
+        """Scored positions whose |logprob delta| exceeds logprob_tolerance."""
+        if self.logprob_tolerance is None:
+            return ()
+        return tuple(i for i, d in enumerate(self.logprob_deltas) if not d <= self.logprob_tolerance)
+
+    @property
+    def exact_prefix(self) -> int | None:
+        """How many leading scored positions agree within exact_tolerance (None without it)."""
+        if self.exact_tolerance is None:
+            return None
+        deltas = self.logprob_deltas
+        return next((i for i, d in enumerate(deltas) if not d <= self.exact_tolerance), len(deltas))
+
+    @property
+    def max_logprob_delta(self) -> float | None:
+        return max(self.logprob_deltas) if self.logprob_deltas else None
+
+    @property
+    def verdict(self) -> Verdict:
+        prefix = self.exact_prefix
+        if self.beyond_margin or self.logprob_outliers or (prefix is not None and prefix < self.min_exact_prefix):
+            return "mismatch"
+        if self.near_ties or (prefix is not None and prefix < len(self.logprob_deltas)):
+            return "near_tie"
+        return "exact"
+
+    def describe(self) -> str:
+        """One line for an assertion message: the verdict, every near-tie, what broke the rules."""
+
+        def tokens(checks: tuple[TokenCheck, ...]) -> str:
+            return ", ".join(f"#{t.position} served {t.served} ref {t.reference} gap {t.gap:.3g}" for t in checks)
+
+        deltas = self.logprob_deltas
+        parts = [
+            f"{self.verdict} (tie_margin {self.tie_margin:g}, logprob_tolerance {self.logprob_tolerance}, "
+            f"exact_tolerance {self.exact_tolerance}, min_exact_prefix {self.min_exact_prefix})",
+            f"near-ties [{tokens(self.near_ties)}]",
+        ]
+        if self.beyond_margin:
+            parts.append(f"beyond margin [{tokens(self.beyond_margin)}]")
+        if self.exact_prefix is not None:
+            first = "" if self.exact_prefix == len(deltas) else f", then {deltas[self.exact_prefix]:.3g}"
+            parts.append(f"exact on {self.exact_prefix} of {len(deltas)} scored positions{first}")
+        if self.logprob_outliers:
+            parts.append(f"logprob outliers [{', '.join(f'#{i} {deltas[i]:.3g}' for i in self.logprob_outliers)}]")
+        if self.max_logprob_delta is not None:
+            parts.append(f"max |dlogprob| {self.max_logprob_delta:.3g}")
+        parts.append(f"{len(self.prompt_logprob_deltas)} prompt positions scored before the generated ones")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "tie_margin": self.tie_margin,
+            "logprob_tolerance": self.logprob_tolerance,
+            "exact_tolerance": self.exact_tolerance,
+            "min_exact_prefix": self.min_exact_prefix,
+            "exact_prefix": self.exact_prefix,
+            "near_ties": [t.position for t in self.near_ties],
+            "beyond_margin": [t.position for t in self.beyond_margin],
+            "logprob_outliers": list(self.logprob_outliers),
+            "max_logprob_delta": self.max_logprob_delta,
+            "prompt_logprob_deltas": list(self.prompt_logprob_deltas),
+            "tokens": [t.to_json() for t in self.tokens],
+        }
+
+
+def check_continuation(
+    logits: Tensor,
+    served: Sequence[int],
+    served_logprobs: Sequence[float] | None = None,
+    *,
+    prompt: Sequence[int] = (),
+    prompt_logprobs: Sequence[float] | None = None,
+    tie_margin: float,
+    logprob_tolerance: float | None = None,
+    exact_tolerance: float | None = None,
+    min_exact_prefix: int = 1,
+) -> TeacherForcedCheck:
+    """Judge ``served`` by the reference's ``logits`` over ``prompt + served``.
+
+    ``logits``: ``[len(prompt) + len(served) - 1, vocab]`` (row i predicts token i + 1), or
+    ``[len(served), vocab]`` without a prompt (row i predicts served token i). ``served_logprobs``
+    / ``prompt_logprobs``: what the server reported for the served tokens / for prompt tokens
+    ``1..`` (the first has none), compared with log-softmax in float32, as vLLM computes them.
+    """
+    if not served:
+        raise ConfigError("no served tokens to check")
+    if prompt_logprobs is not None and len(prompt_logprobs) != len(prompt) - 1:
+        raise ConfigError(f"{len(prompt_logprobs)} prompt logprobs for {len(prompt)} prompt tokens (expected one fewer)")
+    if served_logprobs is not None and len(served_logprobs) != len(served):
+        raise ConfigError(f"{len(served_logprobs)} served logprobs for {len(served)} served tokens")
+    rows = max(len(prompt), 1) + len(served) - 1
+    if logits.ndim != 2 or logits.shape[0] != rows:
+        raise ConfigError(f"logits must be [{rows}, vocab] for {len(prompt)} prompt + {len(served)} served tokens, got {list(logits.shape)}")
+    if not tie_margin > 0:
+        raise ConfigError(f"tie_margin must be > 0, got {tie_margin!r}")
+    for name, value in (("logprob_tolerance", logprob_tolerance), ("exact_tolerance", exact_tolerance)):
+        if value is not None and not value >= 0:
+            raise ConfigError(f"{name} must be >= 0, got {value!r}")
+    if exact_tolerance is not None and served_logprobs is None:
+        raise ConfigError("exact_tolerance needs the served logprobs")
+    if min_exact_prefix < 0:
+        raise ConfigError(f"min_exact_prefix must be >= 0, got {min_exact_prefix!r}")
+    logits = logits.detach().to(torch.float32)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    prompt_deltas: tuple[float, ...] = ()
+    if prompt_logprobs is not None:
+        reference = logprobs[: len(prompt) - 1].gather(1, torch.tensor(list(prompt[1:]), dtype=torch.long)[:, None])
+        prompt_deltas = tuple(abs(float(s) - float(r)) for s, r in zip(prompt_logprobs, reference.flatten().tolist()))
+    first = max(len(prompt), 1) - 1
+    generated, generated_lp = logits[first:], logprobs[first:]
+    top2 = generated.topk(min(2, generated.shape[1]), dim=-1).values
+    checks = []
+    for i, token in enumerate(served):
+        row = generated[i]
+        delta = None if served_logprobs is None else abs(float(served_logprobs[i]) - float(generated_lp[i, token]))
+        checks.append(
+            TokenCheck(
+                position=i,
+                served=int(token),
+                reference=int(row.argmax()),
+                gap=float(top2[i, 0] - row[token]),
+                top2_gap=float(top2[i, 0] - top2[i, -1]),
+                logprob_delta=delta,
+            )
+        )
+    return TeacherForcedCheck(
+        tie_margin, logprob_tolerance, exact_tolerance, min_exact_prefix, prompt_deltas, tuple(checks)
+    )
+
+
+def teacher_forced_check(
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    served: Sequence[int],
+    served_logprobs: Sequence[float] | None = None,
+    *,
+    prompt_logprobs: Sequence[float] | None = None,
+    tie_margin: float,
+    logprob_tolerance: float | None = None,
+    exact_tolerance: float | None = None,
+    min_exact_prefix: int = 1,
+) -> TeacherForcedCheck:
+    """Run the reference once over ``prompt + served`` (no KV cache, as ``greedy_tokens``) and
+    judge every served token, and every served logprob, by the reference's logits at its position
+    (:func:`check_continuation`; :class:`TeacherForcedCheck` says how the verdict is reached).
+
+    Unlike comparing greedy continuations, this checks every position, not only those before the
+    first divergence: after a near-tie flip the reference continues from the served token.
+    """
+    if not prompt:
+        raise ConfigError("teacher_forced_check needs a non-empty prompt")
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt, *served]]), use_cache=False).logits[0, :-1]
+    return check_continuation(
+        logits,
+        served,
+        served_logprobs,
+        prompt=prompt,
+        prompt_logprobs=prompt_logprobs,
+        tie_margin=tie_margin,
+        logprob_tolerance=logprob_tolerance,
+        exact_tolerance=exact_tolerance,
+        min_exact_prefix=min_exact_prefix,
+    )
