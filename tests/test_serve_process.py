@@ -102,3 +102,28 @@ def test_up_streams_the_doctor_records_and_down_stops(vllm_venv: Path, tiny_lagu
     assert [r.pid for r in stopped] == [record.pid]
     assert not _alive(record.pid)
     assert read_records(state) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_stops_the_server_and_its_record(vllm_venv: Path, tiny_laguna_dense_dir: Path, tmp_path: Path) -> None:
+    """`serve up` interrupted before readiness must not orphan a vLLM process group."""
+    import signal
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    fp4forge = str(Path(sys.executable).with_name("fp4forge"))
+    proc = subprocess.Popen([fp4forge, "serve", "up", str(tiny_laguna_dense_dir), "--name", "cancelled", "--venv", str(vllm_venv),
+                             "--state-dir", str(state)], env={**os.environ, **SMALL}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not read_records(state) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    (record,) = read_records(state)
+    assert _alive(record.pid)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert read_records(state) == []
+    assert not _alive(record.pid)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(record.pid, 0)  # the whole group is gone, not only its leader

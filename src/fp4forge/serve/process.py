@@ -21,7 +21,7 @@ import httpx
 
 from fp4forge.errors import ServeError
 from fp4forge.serve.doctor import Finding, LogDoctor
-from fp4forge.serve.launcher import LOOPBACK_HOST, launch_vllm
+from fp4forge.serve.launcher import LOOPBACK_HOST, VllmServer, launch_vllm
 from fp4forge.serve.recommend import installed_vllm_version, read_checkpoint_facts, recommend
 
 STATE_DIR_ENV = "FP4FORGE_STATE_DIR"
@@ -176,13 +176,26 @@ def serve_up(
     write_record(directory, record)
     doctor = LogDoctor()
     follower = _LogFollower(log_path, doctor, on_finding)
+    try:
+        _wait_ready(server, record, follower, doctor, ready_timeout_s)
+    except BaseException:  # not ready, or Ctrl-C while waiting: the server must not be orphaned
+        stop_group(server.pid)
+        _record_path(directory, name).unlink(missing_ok=True)
+        raise
+    return record, doctor
+
+
+def _wait_ready(server: VllmServer, record: ServeRecord, follower: _LogFollower, doctor: LogDoctor, ready_timeout_s: float) -> None:
+    """Return when the server lists the model; raise ServeError (with the doctor's errors) when it
+    exits first or the timeout passes."""
+    name = record.name
     deadline = time.monotonic() + ready_timeout_s
     with httpx.Client(timeout=5.0, trust_env=False) as client:
         while True:
             follower.poll()
             if _lists_model(client, f"{record.base_url}/v1/models", name):
                 follower.poll()
-                return record, doctor
+                return
             failure = None
             if server.process.poll() is not None:
                 failure = f"vllm serve exited with code {server.process.returncode} before it became ready"
@@ -190,11 +203,9 @@ def serve_up(
                 failure = f"vllm serve was not ready after {ready_timeout_s:.0f} s"
             if failure:
                 follower.poll()
-                stop_group(server.pid)
-                _record_path(directory, name).unlink(missing_ok=True)
                 errors = [f"  [{f.id}] {f.message}" + (f" Fix: {f.fix}" if f.fix else "")
                           for f in doctor.diagnosis().findings if f.severity == "error"]
-                raise ServeError("\n".join([failure, *errors, f"log: {log_path}"]), file=str(log_path))
+                raise ServeError("\n".join([failure, *errors, f"log: {record.log}"]), file=record.log)
             time.sleep(POLL_S)
 
 
