@@ -7,6 +7,7 @@ interpreter exit. Servers (all fp32, --enforce-eager, on tiny testbed models bui
 
 * ``plugin_bf16_moe``: BF16 tiny Laguna MoE (non-zero router bias) + plugin, with the fixed
   ``poolside_v1_fixed`` reasoning parser loaded through ``--reasoning-parser-plugin``;
+* ``plugin_bf16_moe_bf16``: the same model served in bfloat16 instead of float32;
 * ``plugin_ct_w4a4``: fp4forge's NVFP4-experts + FP8-attention + FP8-KV checkpoint of it, with
   activation and KV scales from fp4forge's own calibration of it (8 samples x 128 tokens, once
   per session), compressed-tensors layout, plugin numerics ``w4a4``;
@@ -128,6 +129,8 @@ class ServerSpec:
 
 SERVER_SPECS: dict[str, ServerSpec] = {
     "plugin_bf16_moe": ServerSpec("bf16_moe", (*PARSER_COMMON, *FIXED_PARSER), chat_template=True),
+    # The same model computed in bfloat16 (the later --dtype wins over VLLM_COMMON_ARGS').
+    "plugin_bf16_moe_bf16": ServerSpec("bf16_moe", ("--dtype", "bfloat16")),
     "plugin_ct_w4a4": ServerSpec("ct", env={"FP4FORGE_VLLM_NUMERICS": "w4a4"}),
     "plugin_modelopt_w4a16": ServerSpec(
         "modelopt", (*PARSER_COMMON, *STOCK_PARSER), env={"FP4FORGE_VLLM_NUMERICS": "w4a16"}, chat_template=True
