@@ -25,7 +25,7 @@ import json
 import re
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -440,14 +440,7 @@ class TokenCheck:
     logprob_delta: float | None  # |served logprob - reference logprob of the served token|, if given
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "position": self.position,
-            "served": self.served,
-            "reference": self.reference,
-            "gap": self.gap,
-            "top2_gap": self.top2_gap,
-            "logprob_delta": self.logprob_delta,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
