@@ -8,6 +8,7 @@ launched together on first use, so their ~1 min start-ups overlap instead of add
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,10 @@ pytest_plugins = ["tests.fixtures_lc"]
 from fp4forge.serve import VllmServer, launch_vllm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# fp4forge's on-disk caches (the audit's skeleton cache) go to a directory of this test session,
+# for the tests and every fp4forge subprocess they start: no state from, or into, the home cache.
+os.environ["FP4FORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp4forge-test-cache-")
 
 
 # -- vLLM venv ----------------------------------------------------------------------------------

@@ -41,20 +41,14 @@ def _expected_for(config_json: str, trust_remote_code: bool) -> tuple[tuple[Any,
     config = json.loads(config_json)
     config.pop("quantization_config", None)  # names are the unquantized model's
     try:
-        from fp4forge.checkpoint import skeleton
+        from fp4forge.checkpoint import skeleton_cache
 
-        kwargs = {"trust_remote_code": True} if trust_remote_code and _accepts(skeleton.expected_tensor_specs, "trust_remote_code") else {}
-        return tuple(skeleton.expected_tensor_specs(config, **kwargs)), None
+        # Remote code can change without the config changing: never served from the cache.
+        return tuple(skeleton_cache.expected_tensor_specs(config, use_cache=not trust_remote_code)), None
     except Fp4forgeError as exc:
         return None, exc.message
     except (ImportError, ValueError, KeyError, TypeError, AttributeError) as exc:  # transformers' own complaints
         return None, f"{type(exc).__name__}: {exc}"
-
-
-def _accepts(function: Any, parameter: str) -> bool:
-    import inspect
-
-    return parameter in inspect.signature(function).parameters
 
 
 def build_expected_specs(ctx: AuditContext) -> list[Any] | None:

@@ -1,0 +1,79 @@
+"""The expected-tensor skeleton of a config, cached on disk so the audit skips building it.
+
+Building the skeleton imports torch and transformers and instantiates the model on the meta
+device: most of an audit's time on a large MoE. The result depends only on the config, the
+transformers and torch versions and fp4forge's skeleton code, so it is stored under a hash of
+those in ``$FP4FORGE_CACHE_DIR/skeletons`` (default ``~/.cache/fp4forge/skeletons``). Checking
+the cache imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from fp4forge.checkpoint.writer import TensorSpec
+
+CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FP4FORGE_CACHE_DIR") or Path.home() / ".cache" / "fp4forge"
+    return Path(root) / "skeletons"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def cache_key(config: dict[str, Any]) -> str:
+    """Everything the skeleton depends on, hashed."""
+    skeleton_source = (Path(__file__).parent / "skeleton.py").read_bytes()
+    doc = {
+        "cache": CACHE_VERSION,
+        "config": config,
+        "transformers": _version("transformers"),
+        "torch": _version("torch"),
+        "skeleton": hashlib.sha256(skeleton_source).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _read(path: Path) -> list[TensorSpec] | None:
+    try:
+        rows = json.loads(path.read_text())
+        return [TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in rows]
+    except (OSError, ValueError, TypeError):
+        return None  # absent or damaged: rebuild
+
+
+def _write(path: Path, specs: list[TensorSpec]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs], separators=(",", ":")))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the next audit the rebuild
+
+
+def expected_tensor_specs(config: dict[str, Any], *, use_cache: bool = True) -> list[TensorSpec]:
+    """:func:`fp4forge.checkpoint.skeleton.expected_tensor_specs`, through the on-disk cache."""
+    path = cache_dir() / f"{cache_key(config)}.json"
+    if use_cache:
+        cached = _read(path)
+        if cached is not None:
+            return cached
+    from fp4forge.checkpoint import skeleton
+
+    specs = skeleton.expected_tensor_specs(config)
+    if use_cache:
+        _write(path, specs)
+    return specs
