@@ -49,8 +49,11 @@ def post_json(server: VllmServer, path: str, payload: dict[str, Any]) -> httpx.R
 def assert_usage(body: dict[str, Any], max_tokens: int) -> None:
     usage = body["usage"]
     assert usage["prompt_tokens"] > 0
-    # Bounded both ways: a server that generated nothing, or ignored max_tokens, fails here.
-    assert 1 <= usage["completion_tokens"] <= max_tokens
+    if body["choices"][0]["finish_reason"] == "length":
+        assert usage["completion_tokens"] == max_tokens  # stopped by max_tokens: exactly that many
+    else:
+        # Stopped by EOS / a stop token before the limit: at least that one token, fewer than the limit.
+        assert 1 <= usage["completion_tokens"] < max_tokens
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
