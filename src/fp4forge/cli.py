@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fp4forge.cli_common import emit_json
 from fp4forge.errors import Fp4forgeError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Make, prove and measure NVFP4 / FP8 MoE checkpoints.")
@@ -27,8 +28,6 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 
-def emit_json(doc: object) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
 
 
 @contextmanager

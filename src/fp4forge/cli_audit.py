@@ -12,12 +12,13 @@ with a one-line message on stderr (and, with --json, a {"error": ...} document o
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Optional
 
 import typer
 
+from fp4forge.cli_common import emit_json as _emit
+from fp4forge.cli_common import fail
 from fp4forge.errors import Fp4forgeError
 
 EXIT_UNREADABLE = 2
@@ -28,18 +29,9 @@ def register(app: typer.Typer) -> None:
     app.command("diff")(diff_command)
 
 
-def _emit(doc: object) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-
-
 def _fail(message: str, as_json: bool, **context: object) -> SystemExit:
     """Exit 2 with a one-line message (and a JSON error document when --json)."""
-    from rich.console import Console
-
-    if as_json:
-        _emit({**context, "error": message})
-    Console(stderr=True, soft_wrap=True).print(f"[red]error:[/red] {message}", highlight=False)
-    return SystemExit(EXIT_UNREADABLE)
+    return fail(message, EXIT_UNREADABLE, as_json, **context)
 
 
 def audit_command(

@@ -25,6 +25,8 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
+from fp4forge.cli_common import console, fail
+from fp4forge.cli_common import emit_json as _emit
 from fp4forge.errors import ConfigError, Fp4forgeError
 
 EXIT_SOME_FAILED = 1
@@ -40,22 +42,14 @@ def register(app: typer.Typer) -> None:
 
 
 def _out() -> Console:
-    return Console()
+    return console()
 
 
 def _err() -> Console:
-    return Console(stderr=True, soft_wrap=True)
+    return console(stderr=True)
 
 
-def _emit(doc: object) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-
-
-def _fail(message: str, code: int, as_json: bool = False) -> typer.Exit:
-    if as_json:
-        _emit({"error": message})
-    _err().print(f"[red]error:[/red] {message}", highlight=False)
-    return typer.Exit(code)
+_fail = fail
 
 
 def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:

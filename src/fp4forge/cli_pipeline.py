@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
+from fp4forge.cli_common import console as _console
+from fp4forge.cli_common import emit_json as _emit
+from fp4forge.cli_common import fail
 from fp4forge.errors import Fp4forgeError
 
 EXIT_FAILED = 1
@@ -32,21 +34,7 @@ def register(app: typer.Typer) -> None:
     app.command("card")(card_command)
 
 
-def _emit(doc: object) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-
-
-def _console(stderr: bool = False):  # type: ignore[no-untyped-def]
-    from rich.console import Console
-
-    return Console(stderr=stderr, soft_wrap=True, highlight=False)
-
-
-def _fail(message: str, code: int, as_json: bool) -> SystemExit:
-    if as_json:
-        _emit({"error": message})
-    _console(stderr=True).print(f"[red]error:[/red] {message}")
-    return SystemExit(code)
+_fail = fail
 
 
 class StepsView:

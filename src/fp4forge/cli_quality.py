@@ -33,6 +33,8 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
+from fp4forge.cli_common import console, fail
+from fp4forge.cli_common import emit_json as _emit
 from fp4forge.errors import Fp4forgeError
 from fp4forge.quality import load_suite
 from fp4forge.quality.probes import MODES, Endpoint, determinism_probe, kl_probe, suite_sequences
@@ -61,18 +63,11 @@ def register(app: typer.Typer) -> None:
 
 
 def _err() -> Console:
-    return Console(stderr=True, soft_wrap=True)
+    return console(stderr=True)
 
 
-def _emit(doc: object) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-
-
-def _fail(message: str, code: int = EXIT_UNUSABLE, as_json: bool = False) -> typer.Exit:
-    if as_json:
-        _emit({"error": message})
-    _err().print(f"[red]error:[/red] {message}", highlight=False)
-    return typer.Exit(code)
+def _fail(message: str, code: int = EXIT_UNUSABLE, as_json: bool = False) -> SystemExit:
+    return fail(message, code, as_json)
 
 
 def _csv(text: Optional[str]) -> Optional[list[str]]:

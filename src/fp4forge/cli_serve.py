@@ -11,13 +11,15 @@ cmd/up/down: 0 success, 2 an error fp4forge understands (one line on stderr).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from fp4forge.cli_common import console as _console
+from fp4forge.cli_common import emit_json as _emit
+from fp4forge.cli_common import fail
 from fp4forge.errors import Fp4forgeError
 
 EXIT_FINDINGS = 1
@@ -32,21 +34,8 @@ def register(app: typer.Typer) -> None:
     app.add_typer(serve_app, name="serve")
 
 
-def _emit(doc: object) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-
-
-def _console(stderr: bool = False):  # type: ignore[no-untyped-def]
-    from rich.console import Console
-
-    return Console(stderr=stderr, soft_wrap=True, highlight=False)
-
-
 def _fail(error: Exception, as_json: bool) -> SystemExit:
-    if as_json:
-        _emit({"error": str(error)})
-    _console(stderr=True).print(f"[red]error:[/red] {error}")
-    return SystemExit(EXIT_ERROR)
+    return fail(error, EXIT_ERROR, as_json)
 
 
 @serve_app.command("cmd")
