@@ -279,12 +279,9 @@ def run_serve_cmd(ctx: Context) -> dict[str, Any]:
 
 
 def run_serve(ctx: Context) -> dict[str, Any]:
-    from fp4forge.serve.doctor import diagnose, iter_lines
-
     slot = ctx.slot("student")
     record = slot.get()
-    log_text = Path(record.log).read_text(encoding="utf-8", errors="replace").replace("\x00", "")
-    diagnosis = diagnose(iter_lines(log_text))
+    diagnosis = slot.doctor.diagnosis()  # fed the startup log line by line until readiness
     shutil.copyfile(record.log, ctx.report("serve.log"))
     write_json(ctx.report("serve.json"), {
         "hardware": ctx.options.serve_hardware,

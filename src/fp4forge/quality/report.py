@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4forge.errors import Fp4forgeError
+from fp4forge.plotting import pyplot
 from fp4forge.quality import Suite
 from fp4forge.quality.runner import RunResult
 from fp4forge.quality.scorer import category_totals
@@ -154,15 +155,9 @@ def write_determinism(doc: dict[str, Any], out_dir: Path, *, plots: bool = True)
 
 
 # -- plots --------------------------------------------------------------------------------------
-def _pyplot() -> Any:
-    from fp4forge.plotting import pyplot
-
-    return pyplot()
-
-
 def plot_category_scores(doc: dict[str, Any], path: Path) -> bool:
     """Per category, each arm's mean fraction of points, whiskers spanning its runs (the noise band)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     rows = list(doc["categories"].items())
@@ -193,7 +188,7 @@ def plot_category_scores(doc: dict[str, Any], path: Path) -> bool:
 
 def plot_divergence_histogram(doc: dict[str, Any], path: Path) -> bool:
     """First position where a greedy replicate leaves the first replicate's tokens; 'never' last."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return False
     greedy = doc["greedy"]
