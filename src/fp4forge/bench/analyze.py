@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from fp4forge.atomic import write_text_atomic
 from fp4forge.bench import stats
 from fp4forge.bench.runner import RUN_FILE, SAMPLES_FILE, SERVER_METRICS_FILE
 from fp4forge.errors import ConfigError
@@ -290,15 +291,9 @@ def analyze_dir(run_dir: Path, *, plots: bool = True) -> dict[str, Any]:
         unreadable_lines=unreadable,
     )
     summary["plots"] = write_plots(samples, summary, run_dir) if plots else []
-    _write_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
-    _write_atomic(run_dir / SUMMARY_MARKDOWN_FILE, summary_markdown(summary))
+    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(run_dir / SUMMARY_MARKDOWN_FILE, summary_markdown(summary))
     return summary
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 # -- comparing two runs -------------------------------------------------------------------------

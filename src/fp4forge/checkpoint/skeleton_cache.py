@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from fp4forge.atomic import write_text_atomic
 from fp4forge.checkpoint.writer import TensorSpec
 
 CACHE_VERSION = 1
@@ -56,10 +57,7 @@ def _read(path: Path) -> list[TensorSpec] | None:
 
 def _write(path: Path, specs: list[TensorSpec]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs], separators=(",", ":")))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs], separators=(",", ":")))
     except OSError:
         pass  # a read-only home only costs the next audit the rebuild
 

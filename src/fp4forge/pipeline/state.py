@@ -10,29 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.atomic import write_text_atomic
 from fp4forge.errors import ConfigError
 
 CHUNK_BYTES = 8 << 20
 MANIFEST_VERSION = 1
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same directory and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write_json(path: Path, doc: Any) -> None:
-    atomic_write_text(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 
 def digest_of(doc: Any) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.atomic import write_text_atomic
 from fp4forge.plotting import pyplot
 from fp4forge.report.markdown import table
 
@@ -453,9 +454,7 @@ def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path |
 def write_card(checkpoint: Path, reports: Path | None = None, out: Path | None = None) -> Card:
     out = Path(out) if out is not None else Path(checkpoint) / "README.md"
     card = render_card(checkpoint, reports, out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(card.markdown, encoding="utf-8")
-    os.replace(tmp, out)
+    write_text_atomic(out, card.markdown)
     return card
 
 
