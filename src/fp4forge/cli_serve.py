@@ -47,10 +47,10 @@ def cmd_command(
     as_json: bool = typer.Option(False, "--json", help="One JSON document: env, argv, command, notes, warnings."),
 ) -> None:
     """Print the `vllm serve` command that serves MODEL correctly on HARDWARE, with why-comments."""
-    from fp4forge.serve.recommend import installed_vllm_version, knowledge, read_checkpoint_facts, recommend
+    from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
 
     try:
-        version = vllm_version or installed_vllm_version(str(venv)) or knowledge()["default_vllm"]
+        version = target_vllm_version(vllm_version, str(venv))
         rec = recommend(model, read_checkpoint_facts(model), hardware, version)
     except Fp4forgeError as error:
         raise _fail(error, as_json) from None

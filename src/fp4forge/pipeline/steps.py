@@ -269,10 +269,10 @@ def run_fidelity(ctx: Context) -> dict[str, Any]:
 
 
 def run_serve_cmd(ctx: Context) -> dict[str, Any]:
-    from fp4forge.serve.recommend import knowledge, read_checkpoint_facts, recommend
+    from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
 
     o = ctx.options
-    version = o.vllm_version or knowledge()["default_vllm"]
+    version = target_vllm_version(o.vllm_version)
     rec = recommend(str(ctx.out), read_checkpoint_facts(str(ctx.out)), o.hardware, version)
     write_json(ctx.report("serve-cmd.json"), rec.to_json())
     return {"hardware": o.hardware, "warnings": len(rec.to_json()["warnings"])}
@@ -388,9 +388,9 @@ def run_card(ctx: Context) -> dict[str, Any]:
 
 
 def _vllm_minor(options: PipelineOptions) -> str:
-    from fp4forge.serve.recommend import knowledge
+    from fp4forge.serve.recommend import target_vllm_version
 
-    version = options.vllm_version or knowledge()["default_vllm"]
+    version = target_vllm_version(options.vllm_version)
     return ".".join(version.split(".")[:2])
 
 

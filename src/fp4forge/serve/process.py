@@ -22,7 +22,7 @@ import httpx
 from fp4forge.errors import ServeError
 from fp4forge.serve.doctor import Finding, LogDoctor
 from fp4forge.serve.launcher import LOOPBACK_HOST, VllmServer, launch_vllm
-from fp4forge.serve.recommend import installed_vllm_version, read_checkpoint_facts, recommend
+from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
 
 STATE_DIR_ENV = "FP4FORGE_STATE_DIR"
 POLL_S = 0.5
@@ -165,7 +165,7 @@ def serve_up(
     name = name or model.name
     if _record_path(directory, name).exists():
         raise ServeError(f"a server named {name!r} is recorded in {directory}; `fp4forge serve down {name}` first")
-    version = vllm_version or installed_vllm_version(str(venv)) or "0.32.0"
+    version = target_vllm_version(vllm_version, str(venv))
     rec = recommend(str(model), read_checkpoint_facts(str(model)), hardware, version)
     args = [part for flag in rec.args for part in flag] + list(extra_args)
     log_path = directory / f"{name}.log"

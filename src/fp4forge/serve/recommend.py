@@ -302,3 +302,9 @@ def installed_vllm_version(venv: str | None) -> str | None:
     )
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
     return out.stdout.strip().split("+", 1)[0] or None
+
+
+def target_vllm_version(explicit: str | None = None, venv: str | None = None) -> str:
+    """The vLLM version to write for: the one asked for, else the one in ``venv``, else the newest
+    version the knowledge table knows."""
+    return explicit or installed_vllm_version(None if venv is None else str(venv)) or knowledge()["default_vllm"]
