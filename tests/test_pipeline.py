@@ -233,3 +233,34 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
 
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{served['command'][served['command'].index('--port') + 1]}/v1/models", timeout=2)
+
+
+def test_one_server_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The teacher's server starts only after the export's has stopped (and back), never beside it."""
+    from fp4forge.pipeline.steps import Context
+    from fp4forge.serve import process
+    from fp4forge.serve.process import ServeRecord
+
+    events: list[str] = []
+    running: set[str] = set()
+
+    def fake_up(model: Path, *, name: str, **kwargs: object) -> tuple[ServeRecord, object]:
+        assert not running, f"{name} started while {running} still runs"
+        running.add(name)
+        events.append(f"up {Path(model).name}")
+        return ServeRecord(name, 1, 1, str(model), "log", ["vllm"], 0.0), object()
+
+    def fake_down(names: list[str], **kwargs: object) -> list[ServeRecord]:
+        running.difference_update(names)
+        events.append("down")
+        return []
+
+    monkeypatch.setattr(process, "serve_up", fake_up)
+    monkeypatch.setattr(process, "serve_down", fake_down)
+    ctx = Context(tmp_path / "src", tmp_path / "out", replace(SMALL, serve=True, vllm_venv=tmp_path))
+    assert ctx.slot("student").get() is ctx.slot("student").get()  # shared by the steps, started once
+    ctx.slot("teacher").get()
+    ctx.slot("student").get()
+    ctx.stop_servers()
+    assert events == ["up out", "down", "up src", "down", "up out", "down"]
+    assert not running
