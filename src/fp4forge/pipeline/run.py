@@ -79,19 +79,12 @@ def step_key(step: Step, ctx: Context, hasher: Hasher) -> str:
             inputs[name] = hasher.tree(ctx.reports, (MANIFEST, HASH_CACHE, "plots"))
         else:
             inputs[name] = hasher.path(ctx.reports / name)
-    params = {name: getattr(o, name) for name in step.params}
+    options = o.to_json()
+    params = {name: options[name] for name in step.params}
     for name in ("calib_text", "fidelity_text"):  # the text files' contents, not their names
         if name in params:
             params[name] = [hasher.file(Path(p)) for p in params[name]]
-    return digest_of({"step": step.name, "version": step.version, "inputs": inputs, "params": _plain(params)})
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+    return digest_of({"step": step.name, "version": step.version, "inputs": inputs, "params": params})
 
 
 def _artifact_hashes(step: Step, ctx: Context, hasher: Hasher) -> dict[str, str]:
