@@ -1,0 +1,279 @@
+"""GEMM precision microbench: every projection shape of a model, M from 1 to 8192, per kernel.
+
+For each Linear shape ``[N, K]`` a config implies and each token count ``M`` it times ``y = x Wᵀ``
+under the kernels a quantized checkpoint would run, and measures how far each output lies from
+an FP32 reference:
+
+* ``bf16``            the unquantized baseline (``torch.matmul`` in bfloat16);
+* ``fp8``             ``torch._scaled_mm`` on inputs that are already FP8 E4M3 (GEMM alone);
+* ``fp8-static-act``  the same plus what a W8A8 layer with a calibrated input scale does first:
+                      divide, clamp, cast the bf16 activation;
+* ``fp8-dynamic-act`` the same with the scale taken from the activation's amax on every call;
+* ``nvfp4-emulated``  NVFP4 weights dequantized to bf16, then a bf16 GEMM: what a GPU without FP4
+                      tensor cores (Hopper, CPU) runs. Labelled emulated; no native FP4 path is
+                      timed, because a native kernel must be measured where one exists.
+
+Timing is honest about caches: the weight operand rotates through enough copies that the set is
+larger than ``cache_bytes`` (default 256 MiB, over the H200's 50 MB L2 by 5×), so M = 1 reads its
+weight from memory as decode does. Each sample times ``inner`` back-to-back calls (CUDA events on a
+GPU, ``perf_counter`` on a CPU); the result keeps every sample, and the median with the 10th/90th
+percentiles is what tables show.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import torch
+from torch import Tensor
+
+from fp4forge.errors import ConfigError
+from fp4forge.numerics.fp8 import fp8_scale_from_amax, to_e4m3fn
+from fp4forge.numerics.nvfp4 import nvfp4_dequantize, nvfp4_quantize
+
+Kernel = Literal["bf16", "fp8", "fp8-static-act", "fp8-dynamic-act", "nvfp4-emulated"]
+KERNELS: tuple[Kernel, ...] = ("bf16", "fp8", "fp8-static-act", "fp8-dynamic-act", "nvfp4-emulated")
+DEFAULT_M: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One projection: ``y[M, n] = x[M, k] @ W[n, k]ᵀ``; ``per_layer`` how many a decoder layer has
+    (routed experts count once: a token meets top-k of them, each the same shape)."""
+
+    name: str
+    n: int
+    k: int
+
+    def flops(self, m: int) -> int:
+        return 2 * m * self.n * self.k
+
+
+def _distinct(values: Iterable[int]) -> list[int]:
+    seen: list[int] = []
+    for v in values:
+        if v not in seen:
+            seen.append(v)
+    return seen
+
+
+def projection_shapes(config: dict[str, Any]) -> list[GemmShape]:
+    """Every distinct Linear shape of a transformers MoE config: attention q/k/v/o (per distinct
+    head count, for per-layer head patterns such as Laguna's), the fused gate/up and down of routed
+    experts, of the shared expert and of a dense MLP, and the LM head."""
+    try:
+        hidden = int(config["hidden_size"])
+        heads_default = int(config["num_attention_heads"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"config lacks a usable hidden_size / num_attention_heads: {exc}") from None
+    head_dim = int(config.get("head_dim") or hidden // heads_default)
+    kv_heads = int(config.get("num_key_value_heads") or heads_default)
+    heads = _distinct(int(h) for h in (config.get("num_attention_heads_per_layer") or [heads_default]))
+    shapes: list[GemmShape] = []
+    for h in heads:
+        tag = f"[{h} heads]" if len(heads) > 1 else ""
+        shapes.append(GemmShape(f"q_proj{tag}", h * head_dim, hidden))
+        shapes.append(GemmShape(f"o_proj{tag}", hidden, h * head_dim))
+    shapes.append(GemmShape("k_proj / v_proj", kv_heads * head_dim, hidden))
+    moe = config.get("moe_intermediate_size")
+    if moe:
+        shapes.append(GemmShape("experts.gate_up", 2 * int(moe), hidden))
+        shapes.append(GemmShape("experts.down", hidden, int(moe)))
+    shared = config.get("shared_expert_intermediate_size")
+    if shared:
+        shapes.append(GemmShape("shared_expert.gate_up", 2 * int(shared), hidden))
+        shapes.append(GemmShape("shared_expert.down", hidden, int(shared)))
+    dense = config.get("intermediate_size")
+    has_dense = not moe or "dense" in (config.get("mlp_layer_types") or []) or config.get("first_k_dense_replace")
+    if dense and has_dense:
+        shapes.append(GemmShape("mlp.gate_up", 2 * int(dense), hidden))
+        shapes.append(GemmShape("mlp.down", hidden, int(dense)))
+    if config.get("vocab_size"):
+        shapes.append(GemmShape("lm_head", int(config["vocab_size"]), hidden))
+    return shapes
+
+
+@dataclass
+class GemmResult:
+    shape: str
+    n: int
+    k: int
+    m: int
+    kernel: str
+    samples_us: list[float]  # time per call, one entry per sample
+    rel_error: float | None  # ‖y - y_fp32‖ / ‖y_fp32‖ over the output
+    note: str | None = None
+
+    @property
+    def median_us(self) -> float:
+        return statistics.median(self.samples_us)
+
+    def quantile_us(self, q: float) -> float:
+        ordered = sorted(self.samples_us)
+        pos = q * (len(ordered) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    def tflops(self) -> float:
+        return 2 * self.m * self.n * self.k / (self.median_us * 1e-6) / 1e12
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            median_us=self.median_us,
+            p10_us=self.quantile_us(0.10),
+            p90_us=self.quantile_us(0.90),
+            tflops=self.tflops(),
+        )
+        return out
+
+
+@dataclass
+class GemmReport:
+    device: str
+    device_name: str
+    torch_version: str
+    fp4_tensor_cores: bool
+    results: list[GemmResult] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "device_name": self.device_name,
+            "torch": self.torch_version,
+            "fp4_tensor_cores": self.fp4_tensor_cores,
+            "kernels": list(dict.fromkeys(r.kernel for r in self.results)),
+            "results": [r.to_json() for r in self.results],
+            "not_run": self.not_run,
+        }
+
+
+class _Timer:
+    """Wall time of ``inner`` calls of ``fn``: CUDA events on a GPU, perf_counter on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[int], Any], inner: int) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(inner):
+                fn(i)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1e3 / inner
+        t0 = time.perf_counter()
+        for i in range(inner):
+            fn(i)
+        return (time.perf_counter() - t0) * 1e6 / inner
+
+
+def _copies(bytes_each: int, cache_bytes: int) -> int:
+    return max(1, math.ceil(cache_bytes / max(bytes_each, 1)))
+
+
+def _rel_error(y: Tensor, ref: Tensor) -> float:
+    return float(torch.linalg.vector_norm(y.float() - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+
+
+def fp4_tensor_cores(device: torch.device) -> bool:
+    """Whether the GPU has FP4 tensor cores (Blackwell, compute capability 10.x and up)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def _kernel_fns(kernel: Kernel, x: Tensor, weights: list[Tensor]) -> tuple[Callable[[int], Tensor], str | None]:
+    """A call ``fn(i)`` computing ``x Wᵢᵀ`` with the kernel, weights prepared (quantized) up front."""
+    dev = x.device
+    if kernel == "bf16":
+        ws = [w.to(torch.bfloat16) for w in weights]
+        xb = x.to(torch.bfloat16)
+        return (lambda i: xb @ ws[i % len(ws)].t()), None
+    if kernel.startswith("fp8"):
+        w_scales = [fp8_scale_from_amax(w.abs().amax().float()).reshape(()) for w in weights]
+        wq = [to_e4m3fn(w.float() / s).t() for w, s in zip(weights, w_scales)]  # [K, N] column-major
+        xb = x.to(torch.bfloat16)
+        x_scale = fp8_scale_from_amax(x.abs().amax().float()).reshape(()).to(dev)
+        xq = to_e4m3fn(xb.float() / x_scale)
+
+        def gemm(a: Tensor, a_scale: Tensor, i: int) -> Tensor:
+            j = i % len(wq)
+            return torch._scaled_mm(a, wq[j], a_scale, w_scales[j], out_dtype=torch.bfloat16)
+
+        if kernel == "fp8":
+            return (lambda i: gemm(xq, x_scale, i)), None
+        note = "activation quantized by unfused eager torch ops (vLLM fuses this step into one kernel)"
+        if kernel == "fp8-static-act":
+            inv = 1.0 / x_scale
+            return (lambda i: gemm(to_e4m3fn(xb.float() * inv), x_scale, i)), note
+
+        def dynamic(i: int) -> Tensor:
+            s = fp8_scale_from_amax(xb.abs().amax().float())
+            return gemm(to_e4m3fn(xb.float() / s), s, i)
+
+        return dynamic, note
+    if kernel == "nvfp4-emulated":
+        qs = [nvfp4_quantize(w.to(torch.bfloat16), convention="modelopt") for w in weights]
+        xb = x.to(torch.bfloat16)
+        return (lambda i: xb @ nvfp4_dequantize(qs[i % len(qs)], torch.bfloat16).t()), "emulated: dequantize to bf16 + bf16 GEMM"
+    raise ConfigError(f"unknown GEMM kernel {kernel!r}; known: {', '.join(KERNELS)}")
+
+
+def run_gemm_bench(
+    shapes: Sequence[GemmShape],
+    *,
+    m_values: Sequence[int] = DEFAULT_M,
+    kernels: Sequence[Kernel] = KERNELS,
+    device: str | torch.device = "cuda",
+    samples: int = 20,
+    inner: int = 10,
+    warmup: int = 3,
+    cache_bytes: int = 256 << 20,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> GemmReport:
+    """Time and check every (shape, M, kernel); see the module docstring for what is measured."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("GEMM bench asked for CUDA but torch sees no GPU")
+    for k in kernels:
+        if k not in KERNELS:
+            raise ConfigError(f"unknown GEMM kernel {k!r}; known: {', '.join(KERNELS)}")
+    if not m_values or min(m_values) < 1:
+        raise ConfigError("M values must be positive integers")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    report = GemmReport(str(dev), name, torch.__version__, fp4_tensor_cores(dev))
+    if report.fp4_tensor_cores:
+        report.not_run.append("native NVFP4 GEMM: this GPU has FP4 tensor cores, but fp4forge does not time a native kernel yet")
+    else:
+        report.not_run.append(f"native NVFP4 GEMM: {name} has no FP4 tensor cores (emulated path timed instead)")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    timer = _Timer(dev)
+    for shape in shapes:
+        w_cpu = torch.randn(shape.n, shape.k, generator=gen) * 0.02
+        copies = _copies(shape.n * shape.k * 2, cache_bytes)
+        weights = [w_cpu.to(dev, torch.bfloat16)] + [
+            (w_cpu + 1e-3 * torch.randn(shape.n, shape.k, generator=gen)).to(dev, torch.bfloat16) for _ in range(copies - 1)
+        ]
+        for m in m_values:
+            x = torch.randn(m, shape.k, generator=gen).to(dev, torch.bfloat16)
+            ref = x.float() @ weights[0].float().t()
+            for kernel in kernels:
+                if progress:
+                    progress(f"{shape.name} [{shape.n}x{shape.k}] M={m} {kernel}")
+                fn, note = _kernel_fns(kernel, x, weights)
+                err = _rel_error(fn(0), ref)
+                for _ in range(warmup):
+                    timer(fn, inner)
+                times = [timer(fn, inner) for _ in range(samples)]
+                report.results.append(GemmResult(shape.name, shape.n, shape.k, m, kernel, times, err, note))
+                del fn
+        del weights
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
