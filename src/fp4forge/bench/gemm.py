@@ -16,7 +16,8 @@ an FP32 reference:
 Timing is honest about caches: the weight operand rotates through enough copies that the set is
 larger than ``cache_bytes`` (default 256 MiB, over the H200's 50 MB L2 by 5×), so M = 1 reads its
 weight from memory as decode does. Each sample times ``inner`` back-to-back calls (CUDA events on a
-GPU, ``perf_counter`` on a CPU); the result keeps every sample, and the median with the 10th/90th
+GPU, replaying a CUDA graph of those calls so that kernel-launch overhead is not what is timed;
+``perf_counter`` on a CPU); the result keeps every sample, and the median with the 10th/90th
 percentiles is what tables show.
 """
 
@@ -107,6 +108,7 @@ class GemmResult:
     samples_us: list[float]  # time per call, one entry per sample
     rel_error: float | None  # ‖y - y_fp32‖ / ‖y_fp32‖ over the output
     note: str | None = None
+    mode: str = "eager"  # how the calls were issued: "cuda-graph" replay or an "eager" loop
 
     @property
     def median_us(self) -> float:
@@ -154,23 +156,45 @@ class GemmReport:
 
 
 class _Timer:
-    """Wall time of ``inner`` calls of ``fn``: CUDA events on a GPU, perf_counter on a CPU."""
+    """Time per call of ``fn`` over ``inner`` back-to-back calls.
+
+    On a GPU the calls are captured once into a CUDA graph and the graph's replay is timed with
+    CUDA events: an eager loop would time the CPU's kernel launches (10–20 µs each in eager torch),
+    not the GPU, for every small GEMM — and decode runs under CUDA graphs in vLLM too. Where a
+    capture fails the eager loop is timed and the result says so (``mode``)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn: Callable[[int], Any], inner: int) -> float:
+    def prepare(self, fn: Callable[[int], Any], inner: int) -> tuple[Callable[[], None], str]:
+        if not self.cuda:
+            return (lambda: [fn(i) for i in range(inner)] and None), "eager"
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm the kernels and allocator outside the capture
+                for i in range(inner):
+                    fn(i)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(inner):
+                    fn(i)
+            return graph.replay, "cuda-graph"
+        except RuntimeError:
+            torch.cuda.synchronize()
+            return (lambda: [fn(i) for i in range(inner)] and None), "eager"
+
+    def __call__(self, run: Callable[[], None], inner: int) -> float:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for i in range(inner):
-                fn(i)
+            run()
             end.record()
             end.synchronize()
             return start.elapsed_time(end) * 1e3 / inner
         t0 = time.perf_counter()
-        for i in range(inner):
-            fn(i)
+        run()
         return (time.perf_counter() - t0) * 1e6 / inner
 
 
@@ -268,11 +292,13 @@ def run_gemm_bench(
                     progress(f"{shape.name} [{shape.n}x{shape.k}] M={m} {kernel}")
                 fn, note = _kernel_fns(kernel, x, weights)
                 err = _rel_error(fn(0), ref)
+                calls = max(inner, len(weights))  # one sample touches every weight copy
+                run, mode = timer.prepare(fn, calls)
                 for _ in range(warmup):
-                    timer(fn, inner)
-                times = [timer(fn, inner) for _ in range(samples)]
-                report.results.append(GemmResult(shape.name, shape.n, shape.k, m, kernel, times, err, note))
-                del fn
+                    timer(run, calls)
+                times = [timer(run, calls) for _ in range(samples)]
+                report.results.append(GemmResult(shape.name, shape.n, shape.k, m, kernel, times, err, note, mode))
+                del fn, run
         del weights
         if dev.type == "cuda":
             torch.cuda.empty_cache()
