@@ -33,8 +33,8 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
-from fp4forge.cli_common import console, fail
-from fp4forge.cli_common import emit_json as _emit
+from fp4forge.cli.common import console, fail
+from fp4forge.cli.common import emit_json as _emit
 from fp4forge.errors import Fp4forgeError
 from fp4forge.quality import load_suite
 from fp4forge.quality.probes import MODES, Endpoint, determinism_probe, kl_probe, suite_sequences

@@ -25,8 +25,8 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from fp4forge.cli_common import console, fail
-from fp4forge.cli_common import emit_json as _emit
+from fp4forge.cli.common import console, fail
+from fp4forge.cli.common import emit_json as _emit
 from fp4forge.errors import ConfigError, Fp4forgeError
 
 EXIT_SOME_FAILED = 1

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fp4forge.cli_common import emit_json
+from fp4forge.cli.common import emit_json
 from fp4forge.errors import Fp4forgeError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Make, prove and measure NVFP4 / FP8 MoE checkpoints.")
@@ -171,14 +171,14 @@ def quantize_command(
 
 def _register_subcommands() -> None:
     """Commands that live beside their library layer (each module adds itself to the app)."""
-    from fp4forge import cli_audit, cli_bench, cli_calibrate, cli_pipeline, cli_quality, cli_serve
+    from fp4forge.cli import audit, bench, calibrate, pipeline, quality, serve
 
-    cli_audit.register(app)
-    cli_calibrate.register(app)
-    cli_serve.register(app)
-    cli_bench.register(app)
-    cli_quality.register(app)
-    cli_pipeline.register(app)
+    audit.register(app)
+    calibrate.register(app)
+    serve.register(app)
+    bench.register(app)
+    quality.register(app)
+    pipeline.register(app)
 
 
 _register_subcommands()

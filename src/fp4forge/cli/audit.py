@@ -17,8 +17,8 @@ from typing import Optional
 
 import typer
 
-from fp4forge.cli_common import emit_json as _emit
-from fp4forge.cli_common import fail
+from fp4forge.cli.common import emit_json as _emit
+from fp4forge.cli.common import fail
 from fp4forge.errors import Fp4forgeError
 
 EXIT_UNREADABLE = 2

@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import typer
 
-from fp4forge.cli_common import console as _console
-from fp4forge.cli_common import emit_json as _emit
-from fp4forge.cli_common import fail
+from fp4forge.cli.common import console as _console
+from fp4forge.cli.common import emit_json as _emit
+from fp4forge.cli.common import fail
 from fp4forge.errors import Fp4forgeError
 
 EXIT_FAILED = 1
