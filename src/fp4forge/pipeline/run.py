@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed
 from fp4forge.pipeline.state import (
     DONE, FAILED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
     require_empty_or_ours, still_valid,
@@ -38,12 +38,6 @@ class StepEvent:
 
 
 EventCallback = Callable[[StepEvent], None]
-
-
-class PipelineFailed(Fp4forgeError):
-    """A step failed; the manifest says which, and a re-run resumes there."""
-
-    exit_code = 1
 
 
 def _recipe_text(recipe: str) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge.errors import Fp4forgeError, ServeError
+from fp4forge.errors import PipelineStepError, ServeError
 from fp4forge.pipeline.state import write_json
 
 Progress = Callable[[int, int, str], None]
@@ -27,10 +27,6 @@ STAGING = ".fp4forge-staging"
 CARD = "README.md"
 # Entries of OUT that are not part of the checkpoint (its tree hash leaves them out).
 NOT_CHECKPOINT = (REPORTS, STAGING, CARD)
-
-
-class PipelineStepError(Fp4forgeError):
-    """A step ran and its result says stop (audit errors, KV findings, failed requests)."""
 
 
 @dataclass(frozen=True)
