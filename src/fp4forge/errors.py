@@ -156,3 +156,10 @@ class PipelineFailed(Fp4forgeError):
     """A step failed; the manifest says which, and a re-run resumes there."""
 
     exit_code = ExitCode.FINDINGS
+
+
+def require_choice(value: object, choices: tuple, option: str) -> None:
+    """Options are validated once, in the library: ``value`` must be one of ``choices`` (the
+    ``typing.get_args`` of the option's ``Literal``)."""
+    if value not in choices:
+        raise ConfigError(f"unknown value {value!r}: choose one of {', '.join(map(str, choices))}", option=option)

@@ -37,7 +37,7 @@ from fp4forge.audit.quant_config import CT, MODELOPT, detect_format, read_declar
 from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
 from fp4forge.checkpoint.writer import INDEX_FILE
-from fp4forge.errors import ConfigError, WriteError
+from fp4forge.errors import ConfigError, WriteError, require_choice
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 from fp4forge.quantize.qconfig import COMPRESSED_TENSORS_VERSION, kv_cache_scheme_ct
 from fp4forge.testbed.tiny import atomic_output_dir
@@ -147,6 +147,44 @@ def scales_from_checkpoint(ckpt: Checkpoint) -> tuple[str, KvScales]:
     return layout, KvScales(out, {"source": "checkpoint", "checkpoint": ckpt.display, "layout": layout}, dtypes, lossless=True)
 
 
+def is_stats_file(path: str | Path) -> bool:
+    """Whether ``path`` is a statistics file (else: a checkpoint to calibrate)."""
+    return Path(path).is_file() and Path(path).suffix == ".safetensors"
+
+
+def calibrate_kv(
+    source: str | Path,
+    into: str | Path,
+    *,
+    layout_format: str | None = None,
+    per_head: bool = False,
+    calibration: Any = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Compute k/v scales (amax / 448) and install them into the checkpoint ``into``.
+
+    ``source``: a statistics file, or the BF16 checkpoint to calibrate now (with ``calibration``,
+    a ``CalibrationOptions``; its statistics go to a temporary file beside ``into`` and are
+    removed). ``layout_format``: needed only when ``into`` declares no quantization yet.
+    Returns the provenance entry written to ``fp4forge.json``."""
+    if layout_format is not None:
+        require_choice(layout_format, LAYOUTS, "layout_format")
+    source, into = Path(source), Path(into)
+    layers = attention_layers(open_checkpoint(into))
+    stats_path = source
+    if not is_stats_file(source):
+        from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+
+        stats_path = into.parent / f".{into.name}.kv-stats.safetensors"
+        calibrate_to_file(source, stats_path, calibration or CalibrationOptions(), progress=progress)
+    try:
+        scales = scales_from_stats(stats_path, layers, per_head=per_head)
+    finally:
+        if stats_path != source:
+            stats_path.unlink(missing_ok=True)
+    return install_kv_scales(into, scales, layout_format)
+
+
 # -- scales -> tensors in a layout ---------------------------------------------------------------
 def _storage_dtype(layout: str, role: str, values: torch.Tensor, scales: KvScales) -> torch.dtype:
     """The layout's dtype for ``role``. A transplant (``lossless``) keeps values bit-exact: when the
@@ -211,7 +249,7 @@ def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[s
         config["quantization_config"] = qc
         return config, None
     if per_head:
-        raise ConfigError("the ModelOpt layout has per-tensor KV scales only; drop --per-head")
+        raise ConfigError("the ModelOpt layout has per-tensor KV scales only", option="per_head")
     hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG) or {}))
     if not hf_quant and qc is None:  # KV-only: vLLM needs a quant_algo, so FP8 with every Linear excluded
         exclude = _linear_modules(ckpt)
@@ -260,7 +298,7 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
         raise ConfigError(f"the checkpoint declares {declared}; cannot add {layout} KV scales to it", file=ckpt.display)
     layout = declared or layout
     if layout is None:
-        raise ConfigError("the checkpoint declares no quantization: choose the layout (--format compressed-tensors|modelopt)", file=ckpt.display)
+        raise ConfigError(f"the checkpoint declares no quantization: choose the layout ({' or '.join(LAYOUTS)})", file=ckpt.display, option="layout_format")
     layers = attention_layers(ckpt)
     missing = sorted(set(layers) - set(scales.layers), key=_natural)
     if missing:

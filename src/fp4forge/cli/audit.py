@@ -19,9 +19,7 @@ import typer
 
 from fp4forge.cli.common import emit_json as _emit
 from fp4forge.cli.common import fail
-from fp4forge.errors import Fp4forgeError
-
-EXIT_UNREADABLE = 2
+from fp4forge.errors import ExitCode, Fp4forgeError
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 def _fail(message: str, as_json: bool, **context: object) -> SystemExit:
     """Exit 2 with a one-line message (and a JSON error document when --json)."""
-    return fail(message, EXIT_UNREADABLE, as_json, **context)
+    return fail(message, ExitCode.UNUSABLE, as_json, **context)
 
 
 def audit_command(
