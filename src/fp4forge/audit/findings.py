@@ -175,9 +175,6 @@ class AuditReport:
     def exit_code(self) -> int:
         return 1 if self.summary["errors"] else 0
 
-    def rules_found(self) -> set[str]:
-        return {f.rule for f in self.findings}
-
     def to_json(self) -> dict[str, Any]:
         return {
             "checkpoint": self.checkpoint,
