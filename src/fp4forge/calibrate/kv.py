@@ -49,7 +49,6 @@ LAYOUTS = (CT, MODELOPT)
 ROLES = ("k_scale", "v_scale")
 ATTENTION_LAYER = re.compile(r"^(?P<layer>.+)\.self_attn\.k_proj\.(weight|weight_packed)$")
 MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
-_DTYPE_ORDER = ("F32", "BF16", "F16")  # the layout default first, then what it accepts
 
 
 @dataclass
@@ -430,8 +429,26 @@ def _value(tensor: torch.Tensor) -> float | list[float]:
     return float(flat[0]) if flat.numel() == 1 else [float(v) for v in flat]
 
 
-def _finding(severity: str, code: str, message: str, layers: list[str] | None = None) -> dict[str, Any]:
-    return {"severity": severity, "code": code, "message": message, "layers": layers or []}
+# kv show's finding codes (what kv.json readers key on) -> the audit rule (audit/rules.toml) each
+# is an instance of: one rule system, so `kv show` and `fp4forge audit` give one defect one
+# severity, title, rationale and fix.
+KV_SHOW_RULES = {
+    "declared-without-scales": "kv-scale-absent",
+    "missing-layers": "kv-scale-absent",
+    "scales-without-declaration": "kv-scale-undeclared",
+    "misnamed": "kv-scale-misnamed",
+    "constant-1.0": "kv-scale-uncalibrated",
+    "invalid": "kv-scale-invalid",
+    "amax-over-448": "kv-amax-over-448",
+}
+
+
+def _finding(code: str, message: str, layers: list[str] | None = None) -> dict[str, Any]:
+    from fp4forge.audit.findings import rule
+
+    spec = rule(KV_SHOW_RULES[code])
+    return {"rule": spec.id, "code": code, "severity": spec.severity, "title": spec.title, "message": message,
+            "why": spec.rationale, "fix": spec.fix, "layers": layers or []}
 
 
 def show(location: str | Path) -> KvReport:
@@ -464,20 +481,20 @@ def _kv_findings(rows: list[dict[str, Any]], layers: list[str], declared: bool, 
     with_scales = [r for r in rows if r["k_scale"] is not None or r["v_scale"] is not None]
     incomplete = [r["layer"] for r in rows if r["k_scale"] is None or r["v_scale"] is None]
     if declared and not with_scales:
-        findings.append(_finding("error", "declared-without-scales", "FP8 KV cache declared but no k/v scale ships: vLLM runs the cache at scale 1.0"))
+        findings.append(_finding("declared-without-scales", "FP8 KV cache declared but no k/v scale ships: vLLM runs the cache at scale 1.0"))
     elif declared and incomplete:
-        findings.append(_finding("error", "missing-layers", f"{len(incomplete)} attention layers lack a k or v scale: vLLM runs them at scale 1.0", incomplete))
+        findings.append(_finding("missing-layers", f"{len(incomplete)} attention layers lack a k or v scale: vLLM runs them at scale 1.0", incomplete))
     if with_scales and not declared:
-        findings.append(_finding("warning", "scales-without-declaration", "k/v scales ship but no FP8 KV cache is declared: vLLM keeps a BF16 cache and ignores them"))
+        findings.append(_finding("scales-without-declaration", "k/v scales ship but no FP8 KV cache is declared: vLLM keeps a BF16 cache and ignores them"))
     if declared_layout and name_layout and declared_layout != name_layout:
-        findings.append(_finding("error", "misnamed", f"the scales use {name_layout} names but the checkpoint declares {declared_layout}: vLLM ignores them"))
+        findings.append(_finding("misnamed", f"the scales use {name_layout} names but the checkpoint declares {declared_layout}: vLLM ignores them"))
     values = [v for r in with_scales for role in ROLES for v in _flat(r[role])]
     if values and all(v == 1.0 for v in values):
-        findings.append(_finding("warning", "constant-1.0", "every k/v scale is exactly 1.0: an uncalibrated cache (vLLM's own fallback)"))
+        findings.append(_finding("constant-1.0", "every k/v scale is exactly 1.0: an uncalibrated cache (vLLM's own fallback)"))
     bad = [r["layer"] for r in with_scales if any(not (math.isfinite(v) and v > 0) for role in ROLES for v in _flat(r[role]))]
     if bad:
-        findings.append(_finding("error", "invalid", "k/v scales that are zero, negative, NaN or Inf", bad))
+        findings.append(_finding("invalid", "k/v scales that are zero, negative, NaN or Inf", bad))
     over = [r["layer"] for r in with_scales if any(v > 1.0 for role in ROLES for v in _flat(r[role]))]
     if over:
-        findings.append(_finding("info", "amax-over-448", "scales above 1.0 imply K/V amax > 448: at scale 1.0 these layers' caches would saturate", over))
+        findings.append(_finding("amax-over-448", "scales above 1.0 imply K/V amax > 448: at scale 1.0 these layers' caches would saturate", over))
     return findings
