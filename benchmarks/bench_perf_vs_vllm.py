@@ -98,7 +98,7 @@ def run_with_rusage(cmd: list[str], env: dict[str, str] | None = None) -> tuple[
 
 def run_fp4forge(url: str, model: str, out: Path, args: argparse.Namespace, repeat: int) -> ToolRun:
     cmd = [
-        sys.executable, "-m", "fp4forge.cli_bench", "bench", "perf", "--url", url, "--model", model, "--out", str(out),
+        sys.executable, "-m", "fp4forge.cli.bench", "bench", "perf", "--url", url, "--model", model, "--out", str(out),
         "--endpoint", "completions", "--prompt-tokens", str(args.prompt_tokens), "--output-tokens", str(args.output_tokens),
         "--warmups", str(args.warmups), "--samples", str(args.samples), "--seed", str(repeat), "--json", "--no-plots",
     ]

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from fp4forge.audit.findings import RULES_BEGIN, RULES_END, rule_table, rules_markdown, sync_rules_doc
 from fp4forge.checkpoint.writer import INDEX_FILE
-from fp4forge.cli_audit import register
+from fp4forge.cli.audit import register
 from tests.http_repo_server import RepoServer
 from tests.test_audit_integrity import audit, copy_checkpoint, rules, shard_names
 
@@ -27,7 +27,7 @@ AUDIT_DOC = REPO_ROOT / "docs" / "audit.md"
 CLI_LAUNCHER = (
     "import sys, typer\n"
     "from fp4forge import cli\n"
-    "from fp4forge.cli_audit import register\n"
+    "from fp4forge.cli.audit import register\n"
     "if 'audit' not in {c.name or c.callback.__name__ for c in cli.app.registered_commands}: register(cli.app)\n"
     "sys.argv[0] = 'fp4forge'\n"
     "cli.main()\n"

@@ -349,3 +349,31 @@ def test_fp4forge_export_with_constant_activation_scales_is_flagged(lc_source_di
     report = audit(out)
     assert finding(report, "activation-scales-constant")
     assert report.exit_code == 0
+
+
+def test_kv_show_reports_the_audit_kv_rules(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`fp4forge kv show` and `fp4forge audit` share one KV rule table: the same defect gets the
+    same rule id and severity from both; kv show's own "kv-amax-over-448" comes from rules.toml too."""
+    import shutil
+
+    from fp4forge.audit.findings import rule
+    from fp4forge.calibrate import kv
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from tests.calibration_fixtures import tiny
+
+    laguna = tiny(tmp_path_factory, "laguna")
+    layers = kv.attention_layers(open_checkpoint(laguna))
+    cases = {"ones": 1.0, "large": 2.0}
+    expected = {"ones": {"kv-scale-uncalibrated"}, "large": {"kv-amax-over-448"}}
+    for case, value in cases.items():
+        target = tmp_path_factory.mktemp("kv-rules") / case
+        shutil.copytree(laguna, target)
+        kv.install_kv_scales(target, kv.KvScales({layer: {"k_scale": torch.tensor(value), "v_scale": torch.tensor(value)} for layer in layers}), "compressed-tensors")
+        shown = kv.show(target).findings
+        assert {f["rule"] for f in shown} == expected[case]
+        assert all(f["severity"] == rule(f["rule"]).severity and f["fix"] == rule(f["rule"]).fix for f in shown)
+        audited = {f["rule"]: f["severity"] for f in audit(target).to_json()["findings"] if f["rule"].startswith("kv-")}
+        if case == "ones":
+            assert audited == {"kv-scale-uncalibrated": "warning"}  # the audit names the same defect the same way
+        else:
+            assert audited == {} and rule("kv-amax-over-448").severity == "info"

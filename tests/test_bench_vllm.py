@@ -24,7 +24,7 @@ import typer
 from typer.testing import CliRunner
 
 from fp4forge.bench.analyze import SUMMARY_FILE, analyze_dir
-from fp4forge.cli_bench import EXIT_ABORTED, register
+from fp4forge.cli.bench import EXIT_ABORTED, register
 from fp4forge.serve import VllmServer, pick_free_port
 
 pytestmark = pytest.mark.slow
@@ -142,7 +142,7 @@ def test_killed_server_keeps_finished_samples_and_exits_nonzero(tmp_path: Path) 
     try:
         assert server.stdout.readline().startswith("READY")
         bench = subprocess.Popen(
-            [sys.executable, "-m", "fp4forge.cli_bench", "bench", "perf", "--url", f"http://127.0.0.1:{port}",
+            [sys.executable, "-m", "fp4forge.cli.bench", "bench", "perf", "--url", f"http://127.0.0.1:{port}",
              "--model", "normal", "--out", str(out), "--prompt-tokens", "16,32", "--output-tokens", "8",
              "--warmups", "0", "--samples", "500", "--no-plots"],
             stdout=subprocess.PIPE,

@@ -168,7 +168,7 @@ def test_calibrate_command_writes_statistics(qwen: Path, tmp_path: Path) -> None
     import typer
     from typer.testing import CliRunner
 
-    from fp4forge.cli_calibrate import register
+    from fp4forge.cli.calibrate import register
     from fp4forge.quantize.act_scales import StatsAmax
 
     app = typer.Typer()

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from fp4forge.audit import engine
 from fp4forge.audit.diff import diff_checkpoints
-from fp4forge.cli_audit import register
+from fp4forge.cli.audit import register
 from fp4forge.errors import Fp4forgeError
 from tests.http_repo_server import RepoServer
 from tests.test_audit_integrity import copy_checkpoint, load_tensors, rebuild

@@ -64,7 +64,7 @@ def test_modelopt_student_and_kv_declared_without_scales(laguna: Path, stats: St
     import typer
     from typer.testing import CliRunner
 
-    from fp4forge.cli_calibrate import register
+    from fp4forge.cli.calibrate import register
 
     student = export(laguna, stats, tmp_path / "mo", recipe="nvfp4-all-linear", layout="modelopt")
     app = typer.Typer()

@@ -19,7 +19,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fp4forge.cli_quality import register
+from fp4forge.cli.quality import register
 from fp4forge.quality import Scenario, Suite, load_suite
 from fp4forge.quality.report import ReportError, compare_document
 from fp4forge.quality.runner import RunConfig, read_transcript, rescore_transcript, run_suite

@@ -26,7 +26,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fp4forge import cli_serve
+from fp4forge.cli import serve as cli_serve
 from fp4forge.errors import ConfigError
 from fp4forge.serve.recommend import HARDWARE, CheckpointFacts, read_checkpoint_facts, recommend
 

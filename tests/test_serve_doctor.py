@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fp4forge import cli_serve
+from fp4forge.cli import serve as cli_serve
 from fp4forge.serve.doctor import SEVERITIES, LogDoctor, diagnose, iter_lines, load_patterns
 
 LOGS = Path(__file__).parent / "fixtures" / "vllm_logs"

@@ -12,7 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fp4forge import cli_serve
+from fp4forge.cli import serve as cli_serve
 from fp4forge.errors import ServeError
 from fp4forge.serve.process import ServeRecord, read_records, serve_down, serve_up, write_record
 

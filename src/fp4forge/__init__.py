@@ -1,3 +1,40 @@
-"""fp4forge: make, prove and measure NVFP4 / FP8 checkpoints of MoE LLMs."""
+"""fp4forge: make, prove and measure NVFP4 / FP8 checkpoints of MoE LLMs.
+
+The Python API (each function in :mod:`fp4forge.api`, imported on first use)::
+
+    import fp4forge
+
+    ckpt = fp4forge.open_checkpoint("path/or/org/repo")
+    fp4forge.calibrate_checkpoint("bf16/", "stats.safetensors")
+    fp4forge.quantize_checkpoint("bf16/", "out/", "nvfp4-experts-fp8-attn", stats="stats.safetensors")
+    report = fp4forge.audit_checkpoint("out/")       # .findings, .exit_code, .to_json()
+    table = fp4forge.byte_table("out/")              # .bpp, .to_json()
+    changes = fp4forge.diff_checkpoints("out/", "other/")
+    scores = fp4forge.measure_fidelity("bf16/", "out/")
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+API = ("audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint")
+__all__ = ["__version__", *API]
+
+if TYPE_CHECKING:
+    from fp4forge.api import (audit_checkpoint, byte_table, calibrate_checkpoint, diff_checkpoints, measure_fidelity,
+                              open_checkpoint, quantize_checkpoint)
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: the API module (and, in each function, what it needs) loads on first use.
+    if name in API:
+        from fp4forge import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'fp4forge' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *API})

@@ -1,32 +1,70 @@
-"""One exception hierarchy for everything fp4forge reports to a user.
+"""One exception hierarchy, and one exit-code table, for everything fp4forge reports to a user.
 
-Every error carries enough context (file, tensor) to act on; the CLI turns any
-``Fp4forgeError`` into a one-line message and a non-zero exit code, never a traceback.
+Every error carries enough context (file, tensor, the option it is about) to act on; the CLI
+turns any ``Fp4forgeError`` into a one-line message and its class's exit code, never a traceback.
+Library messages name options by their library (keyword) name in ``option``, never by a command
+line flag: the same error reaches users of ``fp4forge quantize``, of ``fp4forge pipeline`` (whose
+flags differ) and of the Python API, and each front end spells ``option`` its own way.
+
+Exit codes (docs/exit-codes.md is this table in prose; a test keeps the two in step):
+
+====  =======================  ==========================================================
+code  name                     meaning
+====  =======================  ==========================================================
+0     ExitCode.OK              success: no error findings, every request answered
+1     ExitCode.FINDINGS        the command ran and its answer is "no": audit / doctor /
+                               kv show error findings, diff differences, a pipeline step
+                               failed, some benchmark or quality requests failed
+2     ExitCode.UNUSABLE        input or options fp4forge cannot use (every Fp4forgeError
+                               unless its class says otherwise; also click's usage errors)
+3     ExitCode.ABORTED         a long run stopped before its end (server gone, suite run
+                               incomplete); everything finished is kept on disk
+130   ExitCode.INTERRUPTED     Ctrl-C; nothing half-written is left in place
+====  =======================  ==========================================================
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FINDINGS = 1
+    UNUSABLE = 2
+    ABORTED = 3
+    INTERRUPTED = 130
 
 
 class Fp4forgeError(Exception):
     """Base class: an error fp4forge understands and can explain."""
 
-    exit_code = 2
+    exit_code: int = ExitCode.UNUSABLE
 
-    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None, option: str | None = None):
         self.message = message
         self.file = file
         self.tensor = tensor
+        self.option = option  # the library (keyword) name of the option the error is about
         super().__init__(self.__str__())
 
-    def __str__(self) -> str:
+    def describe(self, spell_option=None) -> str:  # type: ignore[no-untyped-def]
+        """The one-line message; ``spell_option(name)`` renders ``option`` (a CLI passes its
+        flag spelling, e.g. ``stats`` -> ``--stats``; default: ``option 'stats'``)."""
         where = []
+        if self.option:
+            where.append(spell_option(self.option) if spell_option else f"option {self.option!r}")
         if self.file:
             where.append(f"file {self.file}")
         if self.tensor:
             where.append(f"tensor {self.tensor!r}")
         return f"{self.message}" + (f" ({', '.join(where)})" if where else "")
 
+    def __str__(self) -> str:
+        return self.describe()
 
+
+# -- reading checkpoints ---------------------------------------------------------------------------
 class CheckpointError(Fp4forgeError):
     """A checkpoint could not be read as what it claims to be."""
 
@@ -59,13 +97,69 @@ class LayoutError(Fp4forgeError):
     """A tensor name that no architecture layout recognises, or an unknown architecture."""
 
 
-class WriteError(Fp4forgeError):
-    """An output could not be written; nothing half-written is left in place."""
-
-
+# -- options, data, outputs ------------------------------------------------------------------------
 class ConfigError(Fp4forgeError):
     """A config, preset or option that cannot be honoured."""
 
 
+class DataFileError(Fp4forgeError):
+    """A data file fp4forge ships or generates (rule table, a generated doc block) is malformed."""
+
+
+class WriteError(Fp4forgeError):
+    """An output could not be written; nothing half-written is left in place."""
+
+
+class NumericsError(Fp4forgeError):
+    """A tensor that cannot be quantized as asked (shape, non-finite values, bad option)."""
+
+
+# -- serving and measuring -------------------------------------------------------------------------
 class ServeError(Fp4forgeError):
     """A model server could not be started, did not become ready, or died."""
+
+
+class BenchAborted(Fp4forgeError):
+    """The run stopped before its end (the server went away); finished samples are on disk."""
+
+    exit_code = ExitCode.ABORTED
+
+
+class SuiteError(ConfigError):
+    """A scenario file that does not describe a valid scenario."""
+
+
+class QualityRunError(Fp4forgeError):
+    """The run could not start: no server, or the model is not served."""
+
+
+class IncompleteRunError(Fp4forgeError):
+    """A run wrote fewer scenarios than the suite holds (its footer says so)."""
+
+    exit_code = ExitCode.ABORTED
+
+
+class ProbeError(Fp4forgeError):
+    """A probe request failed, or the arms cannot be compared (different tokenizers)."""
+
+
+class ReportError(Fp4forgeError):
+    """Runs that cannot be compared (incomplete, different scenarios, an arm without runs)."""
+
+
+# -- the pipeline ----------------------------------------------------------------------------------
+class PipelineStepError(Fp4forgeError):
+    """A step ran and its result says stop (audit errors, KV findings, failed requests)."""
+
+
+class PipelineFailed(Fp4forgeError):
+    """A step failed; the manifest says which, and a re-run resumes there."""
+
+    exit_code = ExitCode.FINDINGS
+
+
+def require_choice(value: object, choices: tuple, option: str) -> None:
+    """Options are validated once, in the library: ``value`` must be one of ``choices`` (the
+    ``typing.get_args`` of the option's ``Literal``)."""
+    if value not in choices:
+        raise ConfigError(f"unknown value {value!r}: choose one of {', '.join(map(str, choices))}", option=option)

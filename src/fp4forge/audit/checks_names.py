@@ -71,12 +71,6 @@ class NameComparison:
     wrong_shape: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
 
-def parameter_of(name: str) -> str:
-    """The architecture parameter a stored tensor stands for."""
-    module, _, kind = split_suffix(name)
-    return f"{module}.weight" if kind in WEIGHT_METADATA_KINDS else name
-
-
 def compare(ctx: AuditContext, expected: dict[str, tuple[int, ...]]) -> NameComparison:
     result = NameComparison()
     found: set[str] = set()

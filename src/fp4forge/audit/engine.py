@@ -277,7 +277,7 @@ def audit_checkpoint(
     from fp4forge.audit.checks_integrity import open_for_audit
 
     if fmt not in AUDIT_FORMATS:
-        raise ConfigError(f"--format must be one of {', '.join(AUDIT_FORMATS)}, got {fmt!r}")
+        raise ConfigError(f"unknown format {fmt!r}: choose one of {', '.join(AUDIT_FORMATS)}", option="fmt")
     version = parse_version(vllm_version)
     ckpt, issues = open_for_audit(location)
     try:

@@ -28,6 +28,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+from fp4forge.errors import DataFileError
+
 SEVERITIES = ("error", "warning", "info")
 EXAMPLES_SHOWN = 3
 
@@ -50,9 +52,9 @@ def rule_table() -> dict[str, Rule]:
     for entry in tomllib.loads(text)["rule"]:
         rule = Rule(**entry)
         if rule.severity not in SEVERITIES:
-            raise ValueError(f"rules.toml: rule {rule.id!r} has severity {rule.severity!r}")
+            raise DataFileError(f"rule {rule.id!r} has severity {rule.severity!r}", file="rules.toml")
         if rule.id in rules:
-            raise ValueError(f"rules.toml: rule {rule.id!r} defined twice")
+            raise DataFileError(f"rule {rule.id!r} defined twice", file="rules.toml")
         rules[rule.id] = rule
     return rules
 
@@ -173,9 +175,6 @@ class AuditReport:
     def exit_code(self) -> int:
         return 1 if self.summary["errors"] else 0
 
-    def rules_found(self) -> set[str]:
-        return {f.rule for f in self.findings}
-
     def to_json(self) -> dict[str, Any]:
         return {
             "checkpoint": self.checkpoint,
@@ -202,7 +201,7 @@ def sync_rules_doc(text: str) -> str:
     head, begin, rest = text.partition(RULES_BEGIN)
     _, end, tail = rest.partition(RULES_END)
     if not begin or not end:
-        raise ValueError(f"the document has no {RULES_BEGIN!r} … {RULES_END!r} block")
+        raise DataFileError(f"the document has no {RULES_BEGIN!r} … {RULES_END!r} block")
     return f"{head}{RULES_BEGIN}\n{rules_markdown()}{RULES_END}{tail}"
 
 

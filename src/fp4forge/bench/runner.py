@@ -39,7 +39,7 @@ from fp4forge.bench.client import (
     server_root,
 )
 from fp4forge.bench.prompts import HfTokenizer, Prompt, PromptFactory, PromptTokenizer, ServerTokenizer
-from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.errors import BenchAborted, ConfigError, Fp4forgeError
 
 SAMPLES_FILE = "samples.jsonl"
 SERVER_METRICS_FILE = "server_metrics.jsonl"
@@ -51,12 +51,6 @@ PROBE_OUTPUT_TOKENS = 2
 
 Mode = Literal["sequential", "concurrency", "rate"]
 OutputControl = Literal["ignore_eos", "min_tokens", "none"]
-
-
-class BenchAborted(Fp4forgeError):
-    """The run stopped before its end (the server went away); finished samples are on disk."""
-
-    exit_code = 3
 
 
 # -- workloads (shapes as data) -----------------------------------------------------------------

@@ -146,7 +146,7 @@ def render(tokenizer: Any, document: Document) -> str:
     if document.text is not None:
         return document.text
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("the tokenizer has no chat template; pass raw text files (--text) instead")
+        raise ConfigError("the tokenizer has no chat template; give raw text files instead", option="text_files")
     return tokenizer.apply_chat_template(list(document.messages), tokenize=False)
 
 
@@ -183,7 +183,7 @@ def pack(tokenizer: Any, documents: Iterable[Document], samples: int, seq_len: i
         stream += tokenizer(render(tokenizer, document), add_special_tokens=False)["input_ids"]
         used += 1
     if len(stream) < needed:
-        raise ConfigError(f"the text gives {len(stream):,} tokens but {samples} x {seq_len} = {needed:,} are needed; add --text files or ask for fewer samples")
+        raise ConfigError(f"the text gives {len(stream):,} tokens but {samples} x {seq_len} = {needed:,} are needed; add text files or ask for fewer samples", option="text_files")
     return torch.tensor(stream[:needed], dtype=torch.int64).reshape(samples, seq_len), used
 
 
@@ -212,4 +212,4 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"no usable tokenizer at {path} ({exc}); pass --tokenizer DIR", file=str(path)) from None
+        raise ConfigError(f"no usable tokenizer at {path} ({exc}); give a tokenizer directory", file=str(path), option="tokenizer") from None

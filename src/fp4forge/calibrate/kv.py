@@ -37,7 +37,7 @@ from fp4forge.audit.quant_config import CT, MODELOPT, detect_format, read_declar
 from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
 from fp4forge.checkpoint.writer import INDEX_FILE
-from fp4forge.errors import ConfigError, WriteError
+from fp4forge.errors import ConfigError, WriteError, require_choice
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 from fp4forge.quantize.qconfig import COMPRESSED_TENSORS_VERSION, kv_cache_scheme_ct
 from fp4forge.testbed.tiny import atomic_output_dir
@@ -49,7 +49,6 @@ LAYOUTS = (CT, MODELOPT)
 ROLES = ("k_scale", "v_scale")
 ATTENTION_LAYER = re.compile(r"^(?P<layer>.+)\.self_attn\.k_proj\.(weight|weight_packed)$")
 MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
-_DTYPE_ORDER = ("F32", "BF16", "F16")  # the layout default first, then what it accepts
 
 
 @dataclass
@@ -147,6 +146,44 @@ def scales_from_checkpoint(ckpt: Checkpoint) -> tuple[str, KvScales]:
     return layout, KvScales(out, {"source": "checkpoint", "checkpoint": ckpt.display, "layout": layout}, dtypes, lossless=True)
 
 
+def is_stats_file(path: str | Path) -> bool:
+    """Whether ``path`` is a statistics file (else: a checkpoint to calibrate)."""
+    return Path(path).is_file() and Path(path).suffix == ".safetensors"
+
+
+def calibrate_kv(
+    source: str | Path,
+    into: str | Path,
+    *,
+    layout_format: str | None = None,
+    per_head: bool = False,
+    calibration: Any = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Compute k/v scales (amax / 448) and install them into the checkpoint ``into``.
+
+    ``source``: a statistics file, or the BF16 checkpoint to calibrate now (with ``calibration``,
+    a ``CalibrationOptions``; its statistics go to a temporary file beside ``into`` and are
+    removed). ``layout_format``: needed only when ``into`` declares no quantization yet.
+    Returns the provenance entry written to ``fp4forge.json``."""
+    if layout_format is not None:
+        require_choice(layout_format, LAYOUTS, "layout_format")
+    source, into = Path(source), Path(into)
+    layers = attention_layers(open_checkpoint(into))
+    stats_path = source
+    if not is_stats_file(source):
+        from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+
+        stats_path = into.parent / f".{into.name}.kv-stats.safetensors"
+        calibrate_to_file(source, stats_path, calibration or CalibrationOptions(), progress=progress)
+    try:
+        scales = scales_from_stats(stats_path, layers, per_head=per_head)
+    finally:
+        if stats_path != source:
+            stats_path.unlink(missing_ok=True)
+    return install_kv_scales(into, scales, layout_format)
+
+
 # -- scales -> tensors in a layout ---------------------------------------------------------------
 def _storage_dtype(layout: str, role: str, values: torch.Tensor, scales: KvScales) -> torch.dtype:
     """The layout's dtype for ``role``. A transplant (``lossless``) keeps values bit-exact: when the
@@ -211,7 +248,7 @@ def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[s
         config["quantization_config"] = qc
         return config, None
     if per_head:
-        raise ConfigError("the ModelOpt layout has per-tensor KV scales only; drop --per-head")
+        raise ConfigError("the ModelOpt layout has per-tensor KV scales only", option="per_head")
     hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG) or {}))
     if not hf_quant and qc is None:  # KV-only: vLLM needs a quant_algo, so FP8 with every Linear excluded
         exclude = _linear_modules(ckpt)
@@ -260,7 +297,7 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
         raise ConfigError(f"the checkpoint declares {declared}; cannot add {layout} KV scales to it", file=ckpt.display)
     layout = declared or layout
     if layout is None:
-        raise ConfigError("the checkpoint declares no quantization: choose the layout (--format compressed-tensors|modelopt)", file=ckpt.display)
+        raise ConfigError(f"the checkpoint declares no quantization: choose the layout ({' or '.join(LAYOUTS)})", file=ckpt.display, option="layout_format")
     layers = attention_layers(ckpt)
     missing = sorted(set(layers) - set(scales.layers), key=_natural)
     if missing:
@@ -392,8 +429,26 @@ def _value(tensor: torch.Tensor) -> float | list[float]:
     return float(flat[0]) if flat.numel() == 1 else [float(v) for v in flat]
 
 
-def _finding(severity: str, code: str, message: str, layers: list[str] | None = None) -> dict[str, Any]:
-    return {"severity": severity, "code": code, "message": message, "layers": layers or []}
+# kv show's finding codes (what kv.json readers key on) -> the audit rule (audit/rules.toml) each
+# is an instance of: one rule system, so `kv show` and `fp4forge audit` give one defect one
+# severity, title, rationale and fix.
+KV_SHOW_RULES = {
+    "declared-without-scales": "kv-scale-absent",
+    "missing-layers": "kv-scale-absent",
+    "scales-without-declaration": "kv-scale-undeclared",
+    "misnamed": "kv-scale-misnamed",
+    "constant-1.0": "kv-scale-uncalibrated",
+    "invalid": "kv-scale-invalid",
+    "amax-over-448": "kv-amax-over-448",
+}
+
+
+def _finding(code: str, message: str, layers: list[str] | None = None) -> dict[str, Any]:
+    from fp4forge.audit.findings import rule
+
+    spec = rule(KV_SHOW_RULES[code])
+    return {"rule": spec.id, "code": code, "severity": spec.severity, "title": spec.title, "message": message,
+            "why": spec.rationale, "fix": spec.fix, "layers": layers or []}
 
 
 def show(location: str | Path) -> KvReport:
@@ -426,20 +481,20 @@ def _kv_findings(rows: list[dict[str, Any]], layers: list[str], declared: bool, 
     with_scales = [r for r in rows if r["k_scale"] is not None or r["v_scale"] is not None]
     incomplete = [r["layer"] for r in rows if r["k_scale"] is None or r["v_scale"] is None]
     if declared and not with_scales:
-        findings.append(_finding("error", "declared-without-scales", "FP8 KV cache declared but no k/v scale ships: vLLM runs the cache at scale 1.0"))
+        findings.append(_finding("declared-without-scales", "FP8 KV cache declared but no k/v scale ships: vLLM runs the cache at scale 1.0"))
     elif declared and incomplete:
-        findings.append(_finding("error", "missing-layers", f"{len(incomplete)} attention layers lack a k or v scale: vLLM runs them at scale 1.0", incomplete))
+        findings.append(_finding("missing-layers", f"{len(incomplete)} attention layers lack a k or v scale: vLLM runs them at scale 1.0", incomplete))
     if with_scales and not declared:
-        findings.append(_finding("warning", "scales-without-declaration", "k/v scales ship but no FP8 KV cache is declared: vLLM keeps a BF16 cache and ignores them"))
+        findings.append(_finding("scales-without-declaration", "k/v scales ship but no FP8 KV cache is declared: vLLM keeps a BF16 cache and ignores them"))
     if declared_layout and name_layout and declared_layout != name_layout:
-        findings.append(_finding("error", "misnamed", f"the scales use {name_layout} names but the checkpoint declares {declared_layout}: vLLM ignores them"))
+        findings.append(_finding("misnamed", f"the scales use {name_layout} names but the checkpoint declares {declared_layout}: vLLM ignores them"))
     values = [v for r in with_scales for role in ROLES for v in _flat(r[role])]
     if values and all(v == 1.0 for v in values):
-        findings.append(_finding("warning", "constant-1.0", "every k/v scale is exactly 1.0: an uncalibrated cache (vLLM's own fallback)"))
+        findings.append(_finding("constant-1.0", "every k/v scale is exactly 1.0: an uncalibrated cache (vLLM's own fallback)"))
     bad = [r["layer"] for r in with_scales if any(not (math.isfinite(v) and v > 0) for role in ROLES for v in _flat(r[role]))]
     if bad:
-        findings.append(_finding("error", "invalid", "k/v scales that are zero, negative, NaN or Inf", bad))
+        findings.append(_finding("invalid", "k/v scales that are zero, negative, NaN or Inf", bad))
     over = [r["layer"] for r in with_scales if any(v > 1.0 for role in ROLES for v in _flat(r[role]))]
     if over:
-        findings.append(_finding("info", "amax-over-448", "scales above 1.0 imply K/V amax > 448: at scale 1.0 these layers' caches would saturate", over))
+        findings.append(_finding("amax-over-448", "scales above 1.0 imply K/V amax > 448: at scale 1.0 these layers' caches would saturate", over))
     return findings

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fp4forge.errors import Fp4forgeError
+from fp4forge.errors import NumericsError
 
 __all__ = [
     "E2M1_MAX",
@@ -42,10 +42,6 @@ __all__ = [
     "row_chunks",
     "unpack_fp4",
 ]
-
-
-class NumericsError(Fp4forgeError):
-    """A tensor that cannot be quantized as asked (shape, non-finite values, bad option)."""
 
 
 E2M1_MAX = 6.0

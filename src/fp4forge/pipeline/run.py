@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed
 from fp4forge.pipeline.state import (
     DONE, FAILED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
     require_empty_or_ours, still_valid,
@@ -40,18 +40,6 @@ class StepEvent:
 EventCallback = Callable[[StepEvent], None]
 
 
-class PipelineFailed(Fp4forgeError):
-    """A step failed; the manifest says which, and a re-run resumes there."""
-
-    exit_code = 1
-
-
-def _recipe_text(recipe: str) -> str:
-    from fp4forge.quantize.recipe import load_recipe
-
-    return load_recipe(recipe).text  # the recipe's content, so an edited recipe file re-runs quantize
-
-
 def _vllm_identity(venv: Path | None) -> str | None:
     if venv is None:
         return None
@@ -70,7 +58,7 @@ def step_key(step: Step, ctx: Context, hasher: Hasher) -> str:
         elif name == "checkpoint":
             inputs[name] = hasher.tree(ctx.out, NOT_CHECKPOINT)
         elif name == "recipe":
-            inputs[name] = _recipe_text(o.recipe)
+            inputs[name] = o.recipe_spec.text  # the content: an edited recipe file re-runs quantize
         elif name == "sibling":
             inputs[name] = hasher.path(o.sibling) if o.sibling else None
         elif name == "vllm":
@@ -98,23 +86,17 @@ def _artifact_hashes(step: Step, ctx: Context, hasher: Hasher) -> dict[str, str]
 
 
 def validate(src: Path, out: Path, options: PipelineOptions) -> None:
-    from fp4forge.quantize.recipe import load_recipe
-
+    """What depends on the file system (the options checked themselves when constructed)."""
     if not (src / "config.json").is_file():
         raise ConfigError(f"{src} is not a checkpoint directory (no config.json)")
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
         raise ConfigError("OUT must not be SRC or inside it")
-    load_recipe(options.recipe)  # a bad recipe fails before any work
-    if options.layout_format not in ("compressed-tensors", "modelopt"):
-        raise ConfigError(f"--format must be compressed-tensors or modelopt, got {options.layout_format!r}")
-    unknown = set(options.bench) - {"perf", "quality"}
-    if unknown:
-        raise ConfigError(f"--bench takes perf and/or quality, got {', '.join(sorted(unknown))}")
     if options.serve and (options.vllm_venv is None or not (options.vllm_venv / "bin" / "vllm").exists()):
-        raise ConfigError(f"--serve needs a vLLM venv with bin/vllm; {options.vllm_venv} has none (scripts/setup-vllm-venv.sh)")
-    for path in (*options.calib_text, *options.fidelity_text):
-        if not Path(path).is_file():
-            raise ConfigError(f"text file {path} does not exist")
+        raise ConfigError(f"serving needs a vLLM venv with bin/vllm; {options.vllm_venv} has none (scripts/setup-vllm-venv.sh)", option="vllm_venv")
+    for option in ("calib_text", "fidelity_text"):
+        for path in getattr(options, option):
+            if not Path(path).is_file():
+                raise ConfigError(f"text file {path} does not exist", option=option)
 
 
 def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: EventCallback = lambda e: None) -> Manifest:
@@ -175,7 +157,10 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
                 on_event(StepEvent(step.name, FAILED, detail=str(error)))
                 # Whatever the failed step managed to write stays in reports/ for inspection; its
                 # record is not finished, so the next run redoes it.
-                raise PipelineFailed(f"step {step.name} failed: {error}") from error
+                # The option travels only when it is one of the pipeline's own (a front end spells it).
+                own = error.option if error.option in PipelineOptions.__dataclass_fields__ else None
+                raise PipelineFailed(f"step {step.name} failed: {error.message if own else error}", option=own,
+                                     file=error.file if own else None, tensor=error.tensor if own else None) from error
             record.seconds = time.monotonic() - started
             record.artifacts = _artifact_hashes(step, ctx, hasher)
             record.status = DONE

@@ -12,12 +12,13 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge.errors import Fp4forgeError, ServeError
+from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, ServeError, require_choice
 from fp4forge.pipeline.state import write_json
 
 Progress = Callable[[int, int, str], None]
@@ -27,10 +28,22 @@ STAGING = ".fp4forge-staging"
 CARD = "README.md"
 # Entries of OUT that are not part of the checkpoint (its tree hash leaves them out).
 NOT_CHECKPOINT = (REPORTS, STAGING, CARD)
+BENCH_KINDS = ("perf", "quality")
+# CalibrationOptions field -> the PipelineOptions field it comes from (errors name the latter).
+CALIBRATION_FIELDS = {"samples": "calib_samples", "seq_len": "calib_seq_len", "batch_size": "calib_batch_size",
+                      "policy": "calib_policy", "text_files": "calib_text"}
 
 
-class PipelineStepError(Fp4forgeError):
-    """A step ran and its result says stop (audit errors, KV findings, failed requests)."""
+@contextmanager
+def pipeline_option_names(fields: dict[str, str]) -> Iterator[None]:
+    """Errors raised inside name their option as PipelineOptions spells it (``policy`` ->
+    ``calib_policy``), the name a pipeline user passed."""
+    try:
+        yield
+    except Fp4forgeError as error:
+        if error.option in fields:
+            error.option = fields[error.option]
+        raise
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,32 @@ class PipelineOptions:
     quality_categories: tuple[str, ...] = ()
     quality_teacher: bool = False  # also serve SRC and compare the two arms with paired tests
 
+    def __post_init__(self) -> None:
+        """Every option checked once, here, before any step runs; the recipe parsed once."""
+        from fp4forge.quantize.export import BLOCK_SCALES, LAYOUT_FORMATS
+        from fp4forge.quantize.recipe import load_recipe
+
+        require_choice(self.layout_format, LAYOUT_FORMATS, "layout_format")
+        require_choice(self.block_scales, BLOCK_SCALES, "block_scales")
+        unknown = set(self.bench) - set(BENCH_KINDS)
+        if unknown:
+            raise ConfigError(f"takes {' and/or '.join(BENCH_KINDS)}, got {', '.join(sorted(unknown))}", option="bench")
+        self.calibration()
+        object.__setattr__(self, "_recipe_spec", load_recipe(self.recipe))
+
+    @property
+    def recipe_spec(self) -> Any:
+        """The parsed recipe (a ``quantize.recipe.Recipe``)."""
+        return self._recipe_spec  # type: ignore[attr-defined]
+
+    def calibration(self, spill_dir: Path | None = None) -> Any:
+        """The calibrate step's ``CalibrationOptions``."""
+        from fp4forge.calibrate.run import CalibrationOptions
+
+        with pipeline_option_names(CALIBRATION_FIELDS):
+            return CalibrationOptions(samples=self.calib_samples, seq_len=self.calib_seq_len, batch_size=self.calib_batch_size,
+                                      policy=self.calib_policy, text_files=tuple(self.calib_text), spill_dir=spill_dir)
+
     def to_json(self) -> dict[str, Any]:
         from dataclasses import asdict
 
@@ -96,7 +135,7 @@ class ServerSlot:
 
             venv = self.ctx.options.vllm_venv
             if venv is None:
-                raise ServeError("serving needs a vLLM venv (--vllm-venv)")
+                raise ServeError("serving needs a vLLM venv", option="vllm_venv")
             self._directory.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
             self.record, self.doctor = serve_up(
@@ -163,26 +202,21 @@ def _replace_dir(staged: Path, final: Path) -> None:
 
 # -- steps --------------------------------------------------------------------------------------
 def run_calibrate(ctx: Context) -> dict[str, Any]:
-    from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-    from fp4forge.quantize.act_scales import write_stats
+    from fp4forge.calibrate.run import calibrate_to_file
 
-    o = ctx.options
-    options = CalibrationOptions(samples=o.calib_samples, seq_len=o.calib_seq_len, batch_size=o.calib_batch_size,
-                                 policy=o.calib_policy, text_files=o.calib_text, spill_dir=ctx.staging("calibrate"))
-    result = calibrate_checkpoint(ctx.src, options, progress=ctx.progress)
-    write_stats(ctx.report("calibration-stats.safetensors"), result.tensors, result.metadata)
-    summary = result.summary()
-    write_json(ctx.report("calibration.json"), {"statistics": "calibration-stats.safetensors", **summary})
+    options = ctx.options.calibration(spill_dir=ctx.staging("calibrate"))
+    with pipeline_option_names(CALIBRATION_FIELDS):
+        summary = calibrate_to_file(ctx.src, ctx.report("calibration-stats.safetensors"), options, progress=ctx.progress)
+    write_json(ctx.report("calibration.json"), {**summary, "statistics": "calibration-stats.safetensors"})
     return {"tokens": summary["tokens"], "experts_without_tokens": len(summary.get("experts_without_tokens", []))}
 
 
 def run_quantize(ctx: Context) -> dict[str, Any]:
     from fp4forge.quantize.act_scales import parse_act_scales
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
-    from fp4forge.quantize.recipe import load_recipe
 
     o = ctx.options
-    options = QuantizeOptions(recipe=load_recipe(o.recipe), layout_format=o.layout_format, block_scales=o.block_scales,
+    options = QuantizeOptions(recipe=o.recipe_spec, layout_format=o.layout_format, block_scales=o.block_scales,
                               act_amax=parse_act_scales(None, ctx.report("calibration-stats.safetensors")),
                               max_shard_bytes=int(o.max_shard_gb * 2**30))
     # The writer builds (and on a re-run resumes) beside its destination, then renames it into

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge.errors import ConfigError
+from fp4forge.errors import SuiteError
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 MANIFEST_FILE = "suite.json"
@@ -30,10 +30,6 @@ STEP_KINDS = ("call", "answer", "ask", "decline")
 LEAF_KEYS = {"allowed", "contains_all", "contains_none", "contains_any", "any", "example"}
 ARG_SPEC_KEYS = LEAF_KEYS | {"fields", "may_omit", "exact", "unordered", "tolerance", "as", "points"}
 VALUE_FORMATS = (None, "date", "datetime")
-
-
-class SuiteError(ConfigError):
-    """A scenario file that does not describe a valid scenario."""
 
 
 # -- the model ----------------------------------------------------------------------------------

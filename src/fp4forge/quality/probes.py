@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from fp4forge.errors import Fp4forgeError
+from fp4forge.errors import ProbeError
 from fp4forge.quality import Scenario
 
 MODES = ("prompt_logprobs", "echo")
@@ -42,10 +42,6 @@ TOKENIZER_PROBE_TEXTS = (
     "def main():\n    return {'city': 'Lyon', 'unit': 'celsius'}\n",
     "The quick brown fox jumps over 13 lazy dogs; naïve café — 東京.",
 )
-
-
-class ProbeError(Fp4forgeError):
-    """A probe request failed, or the arms cannot be compared (different tokenizers)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fp4forge.errors import Fp4forgeError
+from fp4forge.errors import ReportError
 from fp4forge.plotting import pyplot
 from fp4forge.quality import Suite
 from fp4forge.quality.runner import RunResult
@@ -29,10 +29,6 @@ from fp4forge.report.quality_tables import compare_markdown, determinism_markdow
 CATEGORY_PLOT = "category_scores.png"
 DIVERGENCE_PLOT = "divergence_histogram.png"
 FLAG_KEYS = ("stray_think_tag", "reasoning_in_content", "unparsed_tool_markup", "reasoning_field", "malformed_arguments", "empty_turn")
-
-
-class ReportError(Fp4forgeError):
-    """Runs that cannot be compared (incomplete, different scenarios)."""
 
 
 # -- score --------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from fp4forge.errors import Fp4forgeError
+from fp4forge.errors import IncompleteRunError, QualityRunError
 from fp4forge.quality import Scenario, Suite
 from fp4forge.quality.scorer import ModelTurn, ParsedCall, ScenarioScore, score_scenario, turn_from_message
 from fp4forge.quality.simulated_tools import SimulatedWorld, replay
@@ -38,16 +38,6 @@ from fp4forge.quality.simulated_tools import SimulatedWorld, replay
 TRANSCRIPT_FORMAT = "fp4forge-quality-transcript/1"
 ERROR_BODY_CHARS = 300
 DEFAULT_TIMEOUT_S = 600.0
-
-
-class QualityRunError(Fp4forgeError):
-    """The run could not start: no server, or the model is not served."""
-
-
-class IncompleteRunError(Fp4forgeError):
-    """A run wrote fewer scenarios than the suite holds (its footer says so)."""
-
-    exit_code = 3
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from fp4forge.errors import ReportError
+
 Run = Mapping[str, tuple[int, int]]  # scenario id -> (earned, max)
 
 DEFAULT_ALPHA = 0.05
@@ -226,7 +228,7 @@ def compare_arms(
     seed: int = 0,
 ) -> dict[str, Any]:
     if not runs_a or not runs_b:
-        raise ValueError("each arm needs at least one run")
+        raise ReportError("each arm needs at least one run")
     ids = [i for i in common_ids(runs_a) if i in set(common_ids(runs_b))]
     floor_a, floor_b = noise_floor(runs_a, categories), noise_floor(runs_b, categories)
     mean_a = {i: float(np.mean([fraction(run[i]) for run in runs_a])) for i in ids}

@@ -73,9 +73,9 @@ class StatsAmax:
 
 
 def parse_act_scales(option: str | None, stats: str | Path | None):
-    """`--stats FILE` or `--act-scales constant:AMAX` (exactly one, when needed)."""
+    """A statistics file or ``constant:AMAX`` (at most one of the two)."""
     if stats is not None and option is not None:
-        raise ConfigError("give either --stats or --act-scales, not both")
+        raise ConfigError("give either calibration statistics or a constant activation amax, not both", option="act_scales")
     if stats is not None:
         return StatsAmax(stats)
     if option is None:
@@ -86,7 +86,7 @@ def parse_act_scales(option: str | None, stats: str | Path | None):
     except ValueError:
         amax = float("nan")
     if kind != "constant" or not amax > 0 or amax == float("inf"):
-        raise ConfigError(f"--act-scales must be constant:AMAX with a finite AMAX > 0, got {option!r}")
+        raise ConfigError(f"the activation amax must be constant:AMAX with a finite AMAX > 0, got {option!r}", option="act_scales")
     return ConstantAmax(amax)
 
 

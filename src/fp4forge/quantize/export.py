@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import torch
 
@@ -27,7 +27,7 @@ from fp4forge.checkpoint.layout import Layout, layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, CheckpointWriter, TensorSpec
-from fp4forge.errors import ConfigError
+from fp4forge.errors import ConfigError, require_choice
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
 from fp4forge.numerics.nvfp4 import nvfp4_global_scale, nvfp4_scale_2
 from fp4forge.numerics.scale_search import relative_error, search_nvfp4
@@ -42,16 +42,24 @@ CONVENTION = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt"
 REWRITTEN = {"config.json", INDEX_FILE, PROVENANCE_FILE, "hf_quant_config.json"}
 
 Progress = Callable[[int, int, str], None]
+LayoutFormat = Literal["compressed-tensors", "modelopt"]
+BlockScales = Literal["minmax", "four_over_six", "mse"]
+LAYOUT_FORMATS: tuple[str, ...] = get_args(LayoutFormat)
+BLOCK_SCALES: tuple[str, ...] = get_args(BlockScales)
 
 
 @dataclass(frozen=True)
 class QuantizeOptions:
     recipe: Recipe
-    layout_format: str = "compressed-tensors"  # or "modelopt"
-    block_scales: str = "minmax"  # minmax | four_over_six | mse
+    layout_format: LayoutFormat = "compressed-tensors"
+    block_scales: BlockScales = "minmax"  # minmax is identical to the reference exporters
     act_amax: ConstantAmax | StatsAmax | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     workers: int = max(1, os.cpu_count() or 1)  # units quantized concurrently (bytes do not depend on it)
+
+    def __post_init__(self) -> None:
+        require_choice(self.layout_format, LAYOUT_FORMATS, "layout_format")
+        require_choice(self.block_scales, BLOCK_SCALES, "block_scales")
 
 
 @dataclass
@@ -145,7 +153,7 @@ class UnitQuantizer:
     def _input_amax(self, modules: list[str]) -> float:
         act = self.options.act_amax
         if act is None:
-            raise ConfigError("W4A4 / static FP8 need activation scales: pass --stats FILE or --act-scales constant:AMAX")
+            raise ConfigError("W4A4 / static FP8 need activation scales: calibration statistics or an explicit constant amax", option="act_amax")
         return max(act.input_amax(m) for m in modules)  # fused shards share their input
 
     def _input_scale(self, scheme: str, amax: float) -> torch.Tensor:
@@ -192,7 +200,7 @@ class UnitQuantizer:
     def kv_scales(self, layer_prefix: str) -> dict[str, torch.Tensor]:
         act = self.options.act_amax
         if act is None:
-            raise ConfigError("an FP8 KV cache needs k/v scales: pass --stats FILE or --act-scales constant:AMAX")
+            raise ConfigError("an FP8 KV cache needs k/v scales: calibration statistics or an explicit constant amax", option="act_amax")
         k_amax, v_amax = act.kv_amax(layer_prefix)
         names = kv_role_names(self.options.layout_format, layer_prefix)
         out = {}
@@ -269,8 +277,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
     plan = plan_export(specs, layout, options.recipe, options.layout_format)
     if _needs_act_scales(plan) and options.act_amax is None:
         raise ConfigError(
-            f"recipe {options.recipe.name} quantizes activations (W4A4 / static FP8 / FP8 KV): pass --stats FILE "
-            "(from `fp4forge calibrate`) or an explicit --act-scales constant:AMAX (recorded as uncalibrated)"
+            f"recipe {options.recipe.name} quantizes activations (W4A4 / static FP8 / FP8 KV): it needs calibration "
+            "statistics (from `fp4forge calibrate`) or an explicit constant amax (recorded as uncalibrated)",
+            option="act_amax",
         )
     all_linears = linear_names(specs, layout)
     source_digest = source_header_digest(ckpt)

@@ -15,6 +15,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from fp4forge.errors import ConfigError
 from fp4forge.quantize.plan import ExportPlan
 
 CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized", "fp8": "float-quantized", "fp8_dynamic": "float-quantized"}
@@ -55,7 +56,7 @@ def ct_scheme_args(scheme: str) -> dict[str, Any]:
         weights = _float_args(8, "channel", group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
         inputs = _float_args(8, "token", group_size=None, dynamic=True, scale_dtype=None, observer=None)
     else:
-        raise ValueError(f"unknown scheme {scheme!r}")
+        raise ConfigError(f"unknown scheme {scheme!r}", option="scheme")
     return {"weights": weights, "input_activations": inputs, "output_activations": None}
 
 

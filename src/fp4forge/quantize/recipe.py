@@ -67,10 +67,6 @@ class Recipe:
     source: str = ""
     text: str = field(default="", repr=False)
 
-    @property
-    def needs_activation_scales(self) -> bool:
-        return any(r.scheme in ("nvfp4", "fp8") for r in self.rules)
-
 
 def builtin_recipe_names() -> list[str]:
     directory = resources.files("fp4forge.quantize").joinpath("recipes")

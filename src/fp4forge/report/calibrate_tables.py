@@ -45,11 +45,12 @@ def kv_rich(report: dict[str, Any]) -> list[Table]:
     tables = [layers]
     if report["findings"]:
         findings = Table(title="Findings")
-        for column in ("severity", "finding", "layers"):
+        for column in ("severity", "rule", "finding", "layers"):
             findings.add_column(column)
         for f in report["findings"]:
             shown = ", ".join(f["layers"][:4]) + (f" (+{len(f['layers']) - 4})" if len(f["layers"]) > 4 else "")
-            findings.add_row(f"[{SEVERITY_STYLE[f['severity']]}]{f['severity']}[/]", f["message"], shown or "—")
+            fix = f" Fix: {f['fix']}" if f.get("fix") else ""
+            findings.add_row(f"[{SEVERITY_STYLE[f['severity']]}]{f['severity']}[/]", f.get("rule", ""), f["message"] + "." + fix, shown or "—")
         tables.append(findings)
     return tables
 

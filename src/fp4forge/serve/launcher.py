@@ -66,15 +66,8 @@ class VllmServer:
         """The OpenAI-compatible API root (``/v1``), what OpenAI clients call ``base_url``."""
         return f"{self.base_url}/v1"
 
-    def is_running(self) -> bool:
-        return self.process.poll() is None
-
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return read_log_tail(self.log_path, lines)
-
-    def rss_bytes(self) -> int:
-        """Resident memory of the whole server: API server, EngineCore and Worker processes."""
-        return sum(_rss_bytes(pid) for pid in _live_group_members(self.pid))
 
     def wait_ready(self, timeout_s: float) -> None:
         """Poll ``GET /v1/models`` until it lists our model; raise ``ServeError`` on death or timeout."""
@@ -276,14 +269,6 @@ def _read_stat_fields(stat_path: Path) -> list[str] | None:
         return None  # the process ended while we looked
     # comm may contain spaces and parentheses; it ends at the last ')'.
     return text[text.rfind(")") + 2 :].split()
-
-
-def _rss_bytes(pid: int) -> int:
-    try:
-        resident_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

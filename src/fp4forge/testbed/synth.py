@@ -35,7 +35,6 @@ from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.tiny import Progress, ensure_fresh_output
 
-PRESET_NOTES_KEY = "_fp4forge_preset_notes"
 PRESETS: dict[str, str] = {"laguna-s-2.1-like": "laguna-s-2.1-like.json"}
 
 # Keys holding one entry per decoder layer: cut to the first N with the layer count.

@@ -10,7 +10,7 @@ Exit codes. perf: 0 every request succeeded; 1 the run finished but some request
 in the summary); 2 the run could not start (bad options, no server, model not served); 3 the
 server stopped answering mid-run: every finished sample is kept in DIR/samples.jsonl and
 summarised; 130 interrupted (Ctrl-C), also with everything finished kept and summarised.
-analyze / compare: 0, or 2 when a directory cannot be read. ``python -m fp4forge.cli_bench`` runs
+analyze / compare: 0, or 2 when a directory cannot be read. ``python -m fp4forge.cli.bench`` runs
 the same commands standalone.
 """
 
@@ -25,14 +25,14 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from fp4forge.cli_common import console, fail
-from fp4forge.cli_common import emit_json as _emit
-from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.cli.common import console, fail
+from fp4forge.cli.common import emit_json as _emit
+from fp4forge.errors import ConfigError, ExitCode, Fp4forgeError
 
-EXIT_SOME_FAILED = 1
-EXIT_UNUSABLE = 2
-EXIT_ABORTED = 3
-EXIT_INTERRUPTED = 130
+EXIT_SOME_FAILED = ExitCode.FINDINGS
+EXIT_UNUSABLE = ExitCode.UNUSABLE
+EXIT_ABORTED = ExitCode.ABORTED
+EXIT_INTERRUPTED = ExitCode.INTERRUPTED
 
 bench_app = typer.Typer(no_args_is_help=True, help="Serving benchmarks: TTFT, prefill and decode with their whole spread.")
 
@@ -290,7 +290,7 @@ def compare_command(
 
 
 def main() -> None:
-    """Standalone entry point: ``python -m fp4forge.cli_bench bench perf ...``."""
+    """Standalone entry point: ``python -m fp4forge.cli.bench bench perf ...``."""
     app = typer.Typer(no_args_is_help=True, add_completion=False)
     register(app)
     app()

@@ -33,9 +33,9 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
-from fp4forge.cli_common import console, fail
-from fp4forge.cli_common import emit_json as _emit
-from fp4forge.errors import Fp4forgeError
+from fp4forge.cli.common import console, fail
+from fp4forge.cli.common import emit_json as _emit
+from fp4forge.errors import ExitCode, Fp4forgeError
 from fp4forge.quality import load_suite
 from fp4forge.quality.probes import MODES, Endpoint, determinism_probe, kl_probe, suite_sequences
 from fp4forge.quality.report import compare_document, score_document, write_compare, write_determinism, write_kl, write_score
@@ -51,9 +51,9 @@ from fp4forge.report.quality_tables import (
     score_rich,
 )
 
-EXIT_SOME_FAILED = 1
-EXIT_UNUSABLE = 2
-EXIT_INCOMPLETE = 3
+EXIT_SOME_FAILED = ExitCode.FINDINGS
+EXIT_UNUSABLE = ExitCode.UNUSABLE
+EXIT_INCOMPLETE = ExitCode.ABORTED
 
 quality_app = typer.Typer(no_args_is_help=True, help="Agentic tool-use quality: suite, arm comparison with a noise floor, KL, determinism.")
 

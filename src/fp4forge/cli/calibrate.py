@@ -12,17 +12,16 @@ from typing import Optional
 
 import typer
 
-from fp4forge.errors import ConfigError
+from fp4forge.cli.common import console, emit_json, progress_bar
+from fp4forge.errors import ExitCode
 
 CALIBRATION_DEFAULTS = {"samples": 64, "seq_len": 512, "batch_size": 4}
-FORMATS = ("compressed-tensors", "modelopt")
 
 
 def _calibration_options(samples: int, seq_len: int, batch_size: int, policy: str, text: list[Path], no_builtin: bool, tokenizer: Optional[Path], ram_budget_gb: float, spill_dir: Optional[Path]):
-    from fp4forge.calibrate import POLICIES, CalibrationOptions
+    """The flags as the library's options (which validate themselves)."""
+    from fp4forge.calibrate.run import CalibrationOptions
 
-    if policy not in POLICIES:
-        raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     return CalibrationOptions(
         samples=samples,
         seq_len=seq_len,
@@ -37,15 +36,8 @@ def _calibration_options(samples: int, seq_len: int, batch_size: int, policy: st
 
 
 def _ui():
-    """(emit_json, console, progress_bar) of the main CLI, imported when a command runs, so
-    ``register`` may be called anywhere in cli.py."""
-    from fp4forge import cli
-
-    return cli.emit_json, cli.out, cli.progress_bar
-
-
-def _is_stats_file(path: Path) -> bool:
-    return path.is_file() and path.suffix == ".safetensors"
+    """(emit_json, console for stdout, progress_bar)."""
+    return emit_json, console(), progress_bar
 
 
 def register(app: typer.Typer) -> None:
@@ -80,15 +72,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Activation and KV amax from data, one decoder layer in memory at a time (for quantize --stats)."""
         emit_json, out, progress_bar = _ui()
-        from fp4forge.calibrate import calibrate_checkpoint
-        from fp4forge.quantize.act_scales import write_stats
+        from fp4forge.calibrate.run import calibrate_to_file
         from fp4forge.report.calibrate_tables import calibration_rich
 
         options = _calibration_options(samples, seq_len, batch_size, policy, text, no_builtin, tokenizer, ram_budget_gb, spill_dir)
         with progress_bar("calibrating", not as_json) as progress:
-            result = calibrate_checkpoint(src, options, progress=progress)
-        write_stats(stats_out, result.tensors, result.metadata)
-        summary = {"statistics": str(stats_out), **result.summary()}
+            summary = calibrate_to_file(src, stats_out, options, progress=progress)
         if as_json:
             emit_json(summary)
         else:
@@ -110,27 +99,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """k_scale = k_amax / 448, v_scale = v_amax / 448, written into a checkpoint with its declaration."""
         emit_json, out, progress_bar = _ui()
-        from fp4forge.calibrate import calibrate_checkpoint
         from fp4forge.calibrate import kv
-        from fp4forge.checkpoint.reader import open_checkpoint
-        from fp4forge.quantize.act_scales import write_stats
 
-        if layout_format is not None and layout_format not in FORMATS:
-            raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {layout_format!r}")
-        layers = kv.attention_layers(open_checkpoint(into))
-        stats_path = source
-        if not _is_stats_file(source):
-            options = _calibration_options(samples, seq_len, batch_size, "routed", text, no_builtin, tokenizer, 4.0, None)
-            with progress_bar("calibrating", not as_json) as progress:
-                result = calibrate_checkpoint(source, options, progress=progress)
-            stats_path = into.parent / f".{into.name}.kv-stats.safetensors"
-            write_stats(stats_path, result.tensors, result.metadata)
-        try:
-            scales = kv.scales_from_stats(stats_path, layers, per_head=per_head)
-        finally:
-            if stats_path != source:
-                stats_path.unlink(missing_ok=True)
-        provenance = kv.install_kv_scales(into, scales, layout_format)
+        calibration = _calibration_options(samples, seq_len, batch_size, "routed", text, no_builtin, tokenizer, 4.0, None)
+        with progress_bar("calibrating", not as_json and not kv.is_stats_file(source)) as progress:
+            provenance = kv.calibrate_kv(source, into, layout_format=layout_format, per_head=per_head, calibration=calibration, progress=progress)
         if as_json:
             emit_json({"checkpoint": str(into), **provenance})
         else:
@@ -170,7 +143,7 @@ def register(app: typer.Typer) -> None:
             for table in kv_rich(report):
                 out.print(table)
         if any(f["severity"] == "error" for f in report["findings"]):
-            raise typer.Exit(1)
+            raise typer.Exit(ExitCode.FINDINGS)
 
     @app.command("fidelity")
     def fidelity_command(

@@ -18,13 +18,11 @@ from typing import Any, Optional
 
 import typer
 
-from fp4forge.cli_common import console as _console
-from fp4forge.cli_common import emit_json as _emit
-from fp4forge.cli_common import fail
-from fp4forge.errors import Fp4forgeError
+from fp4forge.cli.common import console as _console
+from fp4forge.cli.common import emit_json as _emit
+from fp4forge.cli.common import error_text, fail
+from fp4forge.errors import ExitCode, Fp4forgeError
 
-EXIT_FAILED = 1
-EXIT_UNUSABLE = 2
 DEFAULT_VLLM_VENV = Path(".venv-vllm")
 STATUS_STYLE = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "red", "off": "dim", "running": "yellow", "pending": "dim"}
 
@@ -132,26 +130,26 @@ def pipeline_command(
     from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
 
     venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))
-    options = PipelineOptions(
-        recipe=recipe, layout_format=layout_format, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-        calib_text=tuple(calib_text), fidelity_samples=fidelity_samples, fidelity_seq_len=fidelity_seq_len,
-        fidelity_text=tuple(fidelity_text), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
-        serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
-        quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
-    )
     manifest_path = out / "reports" / "pipeline.json"
     try:
+        options = PipelineOptions(
+            recipe=recipe, layout_format=layout_format, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+            calib_text=tuple(calib_text), fidelity_samples=fidelity_samples, fidelity_seq_len=fidelity_seq_len,
+            fidelity_text=tuple(fidelity_text), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
+            serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
+            quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
+        )
         with StepsView(enabled=not as_json) as view:
             manifest = run_pipeline(src, out, options, on_event=view.update)
     except PipelineFailed as error:
         if as_json and manifest_path.is_file():
             _emit(json.loads(manifest_path.read_text()))
-        raise _fail(f"{error}\nfix it and re-run the same command: finished steps are skipped", EXIT_FAILED, False) from None
+        raise _fail(f"{error_text(error)}\nfix it and re-run the same command: finished steps are skipped", ExitCode.FINDINGS, False) from None
     except KeyboardInterrupt:
         _console(stderr=True).print("[red]interrupted[/red]: finished steps are recorded; re-run the same command to resume")
-        raise SystemExit(130) from None
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     except Fp4forgeError as error:
-        raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
+        raise _fail(error, ExitCode.UNUSABLE, as_json) from None
     if as_json:
         _emit(manifest.to_json())
     else:
@@ -168,7 +166,7 @@ def card_command(
     from fp4forge.report.card import write_card
 
     if not checkpoint.is_dir():
-        raise _fail(f"{checkpoint} is not a directory", EXIT_UNUSABLE, as_json)
+        raise _fail(f"{checkpoint} is not a directory", ExitCode.UNUSABLE, as_json)
     target = out_path or checkpoint / "README.md"
     card = write_card(checkpoint, reports, target)
     if as_json:

@@ -17,13 +17,11 @@ from typing import Optional
 
 import typer
 
-from fp4forge.cli_common import console as _console
-from fp4forge.cli_common import emit_json as _emit
-from fp4forge.cli_common import fail
-from fp4forge.errors import Fp4forgeError
+from fp4forge.cli.common import console as _console
+from fp4forge.cli.common import emit_json as _emit
+from fp4forge.cli.common import fail
+from fp4forge.errors import ExitCode, Fp4forgeError
 
-EXIT_FINDINGS = 1
-EXIT_ERROR = 2
 DEFAULT_VENV = Path(".venv-vllm")
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 
@@ -35,7 +33,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _fail(error: Exception, as_json: bool) -> SystemExit:
-    return fail(error, EXIT_ERROR, as_json)
+    return fail(error, ExitCode.UNUSABLE, as_json)
 
 
 @serve_app.command("cmd")
@@ -79,7 +77,7 @@ def doctor_command(
     else:
         _print_diagnosis(diagnosis)
     if diagnosis.worst == "error":
-        raise SystemExit(EXIT_FINDINGS)
+        raise SystemExit(ExitCode.FINDINGS)
 
 
 def _print_diagnosis(diagnosis) -> None:  # type: ignore[no-untyped-def]

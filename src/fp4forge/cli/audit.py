@@ -17,11 +17,9 @@ from typing import Optional
 
 import typer
 
-from fp4forge.cli_common import emit_json as _emit
-from fp4forge.cli_common import fail
-from fp4forge.errors import Fp4forgeError
-
-EXIT_UNREADABLE = 2
+from fp4forge.cli.common import emit_json as _emit
+from fp4forge.cli.common import error_text, fail
+from fp4forge.errors import ExitCode, Fp4forgeError
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 def _fail(message: str, as_json: bool, **context: object) -> SystemExit:
     """Exit 2 with a one-line message (and a JSON error document when --json)."""
-    return fail(message, EXIT_UNREADABLE, as_json, **context)
+    return fail(message, ExitCode.UNUSABLE, as_json, **context)
 
 
 def audit_command(
@@ -55,7 +53,7 @@ def audit_command(
     try:
         report = audit_checkpoint(location, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code)
     except Fp4forgeError as exc:
-        raise _fail(f"could not audit: {exc}", as_json, checkpoint=location) from None
+        raise _fail(f"could not audit: {error_text(exc)}", as_json, checkpoint=location) from None
     except (OSError, MemoryError, RecursionError) as exc:  # hostile input the checks did not foresee
         raise _fail(f"could not audit: {type(exc).__name__}: {exc}", as_json, checkpoint=location) from None
     _print_report(report, as_json, markdown)
@@ -114,7 +112,7 @@ def diff_command(
     try:
         report = diff_checkpoints(a, b, values=values)
     except Fp4forgeError as exc:
-        raise _fail(f"could not diff: {exc}", as_json, a=a, b=b) from None
+        raise _fail(f"could not diff: {error_text(exc)}", as_json, a=a, b=b) from None
     if as_json:
         _emit(report.to_json())
     elif markdown:

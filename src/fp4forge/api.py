@@ -1,0 +1,124 @@
+"""fp4forge's Python API: one function per job, the same ones the command line calls.
+
+Use it from ``fp4forge`` itself (``fp4forge.audit_checkpoint(path)``): the package imports this
+module, and what each function needs, only when a name is first used, so ``import fp4forge``
+stays cheap. The names carry their object (``audit_checkpoint``, not ``audit``) because
+``fp4forge.audit``, ``.quantize`` and ``.calibrate`` are subpackages: importing one rebinds that
+attribute of the package, so a function of the same name would silently become a module.
+Errors are ``fp4forge.errors.Fp4forgeError`` subclasses; an error about an argument names it in
+``error.option`` (the keyword below).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from fp4forge.audit.byte_table import ByteTable
+    from fp4forge.audit.diff import DiffReport
+    from fp4forge.audit.findings import AuditReport
+    from fp4forge.calibrate.fidelity import FidelityOptions, FidelityReport
+    from fp4forge.calibrate.run import CalibrationOptions
+    from fp4forge.checkpoint.reader import Checkpoint
+    from fp4forge.quantize.export import ExportSummary
+
+__all__ = ["audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint"]
+
+Progress = Callable[[int, int, str], None]
+
+
+def open_checkpoint(location: str | Path) -> Checkpoint:
+    """A checkpoint (directory, .safetensors file, HF repo id or ``/resolve/`` URL), read from its
+    headers; tensors are read on demand."""
+    from fp4forge.checkpoint.reader import open_checkpoint as _open
+
+    return _open(location)
+
+
+def audit_checkpoint(
+    location: str | Path,
+    *,
+    deep: bool = False,
+    fmt: Literal["auto", "compressed-tensors", "modelopt"] = "auto",
+    vllm_version: str | None = None,
+    trust_remote_code: bool = False,
+) -> AuditReport:
+    """Will it load, and load right? ``report.findings``, ``report.exit_code``, ``report.to_json()``."""
+    from fp4forge.audit.engine import DEFAULT_VLLM_VERSION
+    from fp4forge.audit.engine import audit_checkpoint as _audit
+
+    return _audit(location, deep=deep, fmt=fmt, vllm_version=vllm_version or DEFAULT_VLLM_VERSION, trust_remote_code=trust_remote_code)
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    recipe: str | Path,
+    *,
+    layout_format: Literal["compressed-tensors", "modelopt"] = "compressed-tensors",
+    stats: str | Path | None = None,
+    act_scales: str | None = None,
+    block_scales: Literal["minmax", "four_over_six", "mse"] = "minmax",
+    max_shard_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> ExportSummary:
+    """Quantize the BF16 checkpoint ``src`` into the new directory ``out`` by ``recipe`` (a built-in
+    name or a .toml file). ``stats``: a statistics file from :func:`calibrate`; ``act_scales``:
+    ``"constant:AMAX"`` instead (recorded as uncalibrated)."""
+    from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
+    from fp4forge.quantize.act_scales import parse_act_scales
+    from fp4forge.quantize.export import QuantizeOptions
+    from fp4forge.quantize.export import quantize_checkpoint as _quantize
+    from fp4forge.quantize.recipe import load_recipe
+
+    options = QuantizeOptions(
+        recipe=load_recipe(recipe), layout_format=layout_format, block_scales=block_scales,
+        act_amax=parse_act_scales(act_scales, stats), max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
+    )
+    return _quantize(src, out, options, progress=progress)
+
+
+def calibrate_checkpoint(
+    src: str | Path,
+    stats_out: str | Path,
+    options: CalibrationOptions | None = None,
+    *,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Activation and KV amax of the BF16 checkpoint ``src``, layer-streamed, written to the
+    statistics file ``stats_out`` (what :func:`quantize_checkpoint`'s ``stats`` reads); returns
+    its summary (tensors, tokens, seconds, experts that saw no token...)."""
+    from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+
+    return calibrate_to_file(src, stats_out, options or CalibrationOptions(), progress=progress)
+
+
+def byte_table(location: str | Path, *, layout: str | None = None) -> ByteTable:
+    """Where the bytes are: stored bytes, parameters and bits/param per component (headers only)."""
+    from fp4forge.audit.byte_table import compute_byte_table
+    from fp4forge.checkpoint.layout import layout_by_name, layout_for_config
+
+    ckpt = open_checkpoint(location)
+    return compute_byte_table(ckpt, layout_by_name(layout) if layout else layout_for_config(ckpt.config))
+
+
+def diff_checkpoints(a: str | Path, b: str | Path, *, values: bool = False, progress: Progress | None = None) -> DiffReport:
+    """Which tensors two checkpoints share byte for byte; ``values``: also the max abs / rel difference."""
+    from fp4forge.audit.diff import diff_checkpoints as _diff
+
+    return _diff(a, b, values=values, progress=progress)
+
+
+def measure_fidelity(
+    teacher: str | Path,
+    student: str | Path,
+    options: FidelityOptions | None = None,
+    *,
+    progress: Progress | None = None,
+) -> FidelityReport:
+    """KL, top-1 agreement and perplexity of the quantized ``student`` against its BF16 ``teacher``."""
+    from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+
+    return evaluate(teacher, student, options or FidelityOptions(), progress=progress)

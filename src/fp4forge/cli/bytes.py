@@ -1,0 +1,42 @@
+"""`fp4forge bytes`: where a checkpoint's bytes are, from its headers only."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from fp4forge.cli.common import console, emit_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bytes")(bytes_command)
+
+
+def bytes_command(
+    location: str = typer.Argument(..., metavar="PATH_OR_REPO", help="Checkpoint directory, .safetensors file, HF repo id, or https://…/resolve/<rev> URL."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object: total, components, dtypes."),
+    markdown: bool = typer.Option(False, "--markdown", help="A Markdown table, for model cards."),
+    layout: Optional[str] = typer.Option(None, "--layout", help="Architecture layout when config.json is absent or unknown."),
+) -> None:
+    """Where the bytes are: stored bytes, parameters and bits/param per component, from headers only."""
+    from fp4forge.audit.byte_table import compute_byte_table
+    from fp4forge.checkpoint.layout import layout_by_name, layout_for_config
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.report.tables import byte_table_markdown, byte_table_rich
+
+    ckpt = open_checkpoint(location)
+    chosen = layout_by_name(layout) if layout else layout_for_config(ckpt.config)
+    table = compute_byte_table(ckpt, chosen)
+    out = console()
+    if as_json:
+        emit_json(table.to_json())
+    elif markdown:
+        sys.stdout.write(byte_table_markdown(table))
+    else:
+        for rich_table in byte_table_rich(table):
+            out.print(rich_table)
+        out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
+    if table.unknown_tensors:
+        console(stderr=True).print(f"[yellow]warning:[/yellow] {len(table.unknown_tensors)} tensors match no component of layout {chosen.name!r}, e.g. {table.unknown_tensors[:3]}")
