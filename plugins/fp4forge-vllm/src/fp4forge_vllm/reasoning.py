@@ -3,7 +3,7 @@
 vLLM's ``PoolsideV1ReasoningParser`` inherits ``DeepSeekV3ReasoningParser``, which separates
 reasoning only when the request passes ``thinking``/``enable_thinking`` as true; otherwise it
 becomes an identity parser and the chain of thought, ``</think>`` included, lands in
-``content`` (formats.md §6.1, vLLM #49379). Laguna's chat template thinks unless told not to, so
+``content`` (docs/formats.md#reasoning-parser-identity-fallback, vLLM #49379). Laguna's chat template thinks unless told not to, so
 this parser does the same:
 
 * thinking is on unless the request explicitly turns it off (either key false);
