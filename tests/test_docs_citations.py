@@ -26,7 +26,7 @@ FORBIDDEN = [
     (re.compile(r"shared/(docs|seeds)\b"), "cites the reference notes outside the repository"),
     (re.compile(r"/work/shared\b|\.\./shared/"), "cites a path outside the repository"),
     (re.compile(r"\bthe seeds\b|\bthe seed's\b", re.IGNORECASE), "cites 'the seeds'"),
-    (re.compile(r"\bseed (card|\d{3})\b", re.IGNORECASE), "cites a seed card"),
+    (re.compile(r"\bseed (card|\d{3})\b|\bLaguna[\w.-]* seed\b", re.IGNORECASE), "cites a seed card"),
     (re.compile(r"§"), "cites a section number instead of a docs/ heading anchor"),
 ]
 DOC_CITATION = re.compile(r"(?<![\w/.-])(docs/[\w.-]+\.md)(?:#([\w-]+))?")
