@@ -267,7 +267,7 @@ def test_nvfp4_modelopt_by_hand():
     assert float(nvfp4_scale_2(torch.tensor(5376.0))) == 2.0
 
 
-# -- NVFP4 against the formulas of docs/formats.md#nvfp4-global-scale, written independently (numpy F32 + float64) -----------
+# -- NVFP4 against docs/formats.md#nvfp4-global-scale, written independently (numpy F32 + float64) --
 def _fp8(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32).to(torch.float8_e4m3fn).float())
 
@@ -462,7 +462,7 @@ def test_mxfp4_roundtrip_properties():
     exps = torch.randint(-20, 20, (16, 1), generator=g).float()
     on_grid = e2m1_decode(codes) * torch.pow(2.0, exps)
     assert torch.equal(mxfp4_quantize(on_grid).dequantize(torch.float32), on_grid)
-    # random weights: the error sits in the range docs/quantization.md#expected-reconstruction-error gives (11.5% Gaussian)
+    # random weights: the error is in docs/quantization.md#expected-reconstruction-error's range (11.5% Gaussian)
     w = torch.randn(256, 256, generator=g)
     err = relative_error(w, mxfp4_dequantize(mxfp4_quantize(w), torch.float32))
     assert 0.09 < err < 0.14

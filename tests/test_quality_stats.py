@@ -252,7 +252,8 @@ def test_kl_verdict_uses_both_signals_and_flags_a_vacuous_bound() -> None:
     def block(kl: float, top1: float, shared: float = 20.0) -> dict[str, float]:
         return {"positions": 10, "kl_lower_bound_mean": kl, "top1_agreement": top1, "mean_shared_tokens": shared}
 
-    # The published card's case (docs/laguna-card.md#noise-floor-and-arm-comparison): between-arm KL (0.266) below within-arm (0.308).
+    # The published card's case (docs/laguna-card.md#noise-floor-and-arm-comparison): between-arm KL
+    # (0.266) below within-arm (0.308).
     assert kl_verdict(block(0.308, 0.9), block(0.2, 0.95), block(0.266, 0.92)).startswith("the arms cannot be told apart")
     assert kl_verdict(block(0.1, 0.9), block(0.1, 0.9), block(0.3, 0.8)).startswith("the arms differ")
     vacuous = kl_verdict(block(0.0, 1.0), block(0.0, 1.0), block(1e-5, 0.0, shared=1.0))

@@ -297,8 +297,9 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
 
 
 def write_declaration(directory: str | Path, layout: str, *, per_head: bool = False) -> None:
-    """Declare an FP8 KV cache without shipping scales — the defect of docs/laguna-card.md#kv-cache-declared-without-scales (vLLM then runs the
-    cache at 1.0). For reproducing that state in tests and comparisons; never done implicitly."""
+    """Declare an FP8 KV cache without shipping scales (vLLM then runs the cache at 1.0: the defect
+    of docs/laguna-card.md#kv-cache-declared-without-scales). For reproducing that state in tests
+    and comparisons; never done implicitly."""
     directory = Path(directory)
     config, hf_quant = declare_kv(open_checkpoint(directory), layout, per_head=per_head)
     _replace_all(directory, [], [(HF_QUANT_CONFIG, hf_quant), ("config.json", config)])

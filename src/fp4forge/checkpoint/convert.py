@@ -165,7 +165,8 @@ def modelopt_quantization_config(quant_algo: str, kv_algo: str | None, exclude: 
 
 
 def hf_quant_config(quant_algo: str, kv_algo: str | None, exclude: list[str], producer: dict[str, str]) -> dict[str, Any]:
-    """``hf_quant_config.json`` (docs/formats.md#modelopt-declaration); vLLM requires group_size, kv_cache_quant_algo, exclude_modules."""
+    """``hf_quant_config.json``; vLLM requires group_size, kv_cache_quant_algo, exclude_modules
+    (docs/formats.md#modelopt-declaration)."""
     return {
         "producer": producer,
         "quantization": {
