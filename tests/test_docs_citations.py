@@ -18,6 +18,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("src", "plugins", "docs", "benchmarks", "scripts", "README.md")
+BUILD_DIRS = {"__pycache__", "build", "dist"}  # generated copies, not the product
 TEXT_SUFFIXES = {".py", ".toml", ".md", ".json", ".sh", ".txt", ".jinja", ".yaml", ".yml", ".cfg"}
 
 # Material that is not in the repository, or citations by section number of a document (which
@@ -42,8 +43,9 @@ def _shipped_files() -> list[Path]:
         elif path.is_dir():
             files.extend(
                 p for p in sorted(path.rglob("*"))
-                if p.is_file() and p.suffix in TEXT_SUFFIXES and "__pycache__" not in p.parts
-                and not any(part.endswith(".egg-info") for part in p.parts)
+                if p.is_file() and p.suffix in TEXT_SUFFIXES
+                and not any(part in BUILD_DIRS or part.startswith(".") or part.endswith(".egg-info")
+                            for part in p.relative_to(REPO_ROOT).parts)
             )
     return files
 
