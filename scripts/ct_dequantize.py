@@ -14,7 +14,7 @@ from compressed_tensors.entrypoints.convert import convert_checkpoint
 from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 
 # Without these, FP8 dequantization looks for scales of modules it must not touch
-# (shared/docs/vllm-cpu.md §10: "Dependency weight model.embed_tokens.weight_scale not found").
+# (docs/vllm-cpu.md#transformers-as-a-cross-check: "Dependency weight model.embed_tokens.weight_scale not found").
 IGNORE = ["re:.*embed_tokens$", "re:.*norm$", "re:.*mlp.gate$", "re:.*lm_head$"]
 
 

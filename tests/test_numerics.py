@@ -172,7 +172,7 @@ def test_fp8_shapes_and_row_chunks():
     parts = [fp8_quantize_weight(w[i : i + 128], "block") for i in range(0, 300, 128)]
     assert_bits_equal(torch.cat([p.weight for p in parts]), b.weight)
     assert_bits_equal(torch.cat([p.scale for p in parts]), b.scale)
-    # the error is what quantization.md §3.1 expects for FP8 E4M3 (~2.6%)
+    # the error is what docs/quantization.md#expected-reconstruction-error gives for FP8 E4M3 (~2.6%)
     assert 0.015 < relative_error(w, b.dequantize(torch.float32)) < 0.035
 
 
@@ -267,7 +267,7 @@ def test_nvfp4_modelopt_by_hand():
     assert float(nvfp4_scale_2(torch.tensor(5376.0))) == 2.0
 
 
-# -- NVFP4 against the formulas of formats.md §2.3, written independently (numpy F32 + float64) -----------
+# -- NVFP4 against docs/formats.md#nvfp4-global-scale, written independently (numpy F32 + float64) --
 def _fp8(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32).to(torch.float8_e4m3fn).float())
 
@@ -462,7 +462,7 @@ def test_mxfp4_roundtrip_properties():
     exps = torch.randint(-20, 20, (16, 1), generator=g).float()
     on_grid = e2m1_decode(codes) * torch.pow(2.0, exps)
     assert torch.equal(mxfp4_quantize(on_grid).dequantize(torch.float32), on_grid)
-    # random weights: the error sits in the range quantization.md §3.1 gives (11.5% Gaussian)
+    # random weights: the error is in docs/quantization.md#expected-reconstruction-error's range (11.5% Gaussian)
     w = torch.randn(256, 256, generator=g)
     err = relative_error(w, mxfp4_dequantize(mxfp4_quantize(w), torch.float32))
     assert 0.09 < err < 0.14
@@ -553,7 +553,7 @@ def test_four_over_six_and_mse_never_worse_than_minmax(kind):
     fos = search_nvfp4(w, "four_over_six")
     mse = search_nvfp4(w, "mse")
     mse46 = search_nvfp4(w, "mse", fp8_max=256.0)
-    # quantization.md §3.1 (simulation): RTN ~9.0-9.5%, 4/6 ~8.6-8.7%, MSE 0.8-1.8x ~8.1-8.3%
+    # docs/quantization.md#expected-reconstruction-error: RTN ~9.0-9.5%, 4/6 ~8.6-8.7%, MSE 0.8-1.8x ~8.1-8.3%
     assert 0.085 < mm.relative_error < 0.100
     assert fos.relative_error < mm.relative_error
     assert mse.relative_error < fos.relative_error

@@ -1,4 +1,4 @@
-"""Statistics against values computed by hand (or taken from docs/benchmarking.md §6.3)."""
+"""Statistics against values computed by hand (or from independently computed power tables)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def test_binomial_tails_by_hand() -> None:
 
 
 @pytest.mark.parametrize(("b", "c", "p"), [
-    (1, 4, 0.375),  # 2 * 6/32: the seed's W4A4-vs-W4A16 sign test (4 of 5 discordant one way)
-    (2, 3, 1.0),  # min(1, 2 * 16/32): the seed's other p
+    (1, 4, 0.375),  # 2 * 6/32: the published card's W4A4-vs-W4A16 sign test (4 of 5 discordant one way)
+    (2, 3, 1.0),  # min(1, 2 * 16/32): the card's other p
     (0, 6, 2 / 64),  # the smallest all-one-way split that is significant at 0.05
     (0, 5, 2 / 32),  # 0.0625: five one-way discordances are not enough
     (1, 9, 2 * 11 / 1024),
@@ -62,7 +62,7 @@ def test_smallest_significant_discordance_is_six() -> None:
     assert smallest_significant_discordance(0.01) == 8  # 2/2^8 = 0.0078
 
 
-# -- power (docs/benchmarking.md §6.3, computed there independently) ------------------------------
+# -- power (exact binomial tables computed independently of this code) ------------------------------
 @pytest.mark.parametrize(("psi", "q", "power"), [
     (0.1, 0.7, 0.08), (0.1, 1.0, 0.70), (0.2, 0.8, 0.53), (0.2, 0.9, 0.85), (0.3, 0.8, 0.75), (0.3, 0.9, 0.97),
 ])
@@ -252,7 +252,8 @@ def test_kl_verdict_uses_both_signals_and_flags_a_vacuous_bound() -> None:
     def block(kl: float, top1: float, shared: float = 20.0) -> dict[str, float]:
         return {"positions": 10, "kl_lower_bound_mean": kl, "top1_agreement": top1, "mean_shared_tokens": shared}
 
-    # The seed card's case: between-arm KL (0.266) below within-arm (0.308).
+    # The published card's case (docs/laguna-card.md#noise-floor-and-arm-comparison): between-arm KL
+    # (0.266) below within-arm (0.308).
     assert kl_verdict(block(0.308, 0.9), block(0.2, 0.95), block(0.266, 0.92)).startswith("the arms cannot be told apart")
     assert kl_verdict(block(0.1, 0.9), block(0.1, 0.9), block(0.3, 0.8)).startswith("the arms differ")
     vacuous = kl_verdict(block(0.0, 1.0), block(0.0, 1.0), block(1e-5, 0.0, shared=1.0))

@@ -8,7 +8,7 @@ auto`` there). They differ in request configuration only:
 * arm A: thinking off (the template default: the generation prompt is ``<assistant></think>``);
 * arm B: ``chat_template_kwargs={"enable_thinking": true}``: the prompt opens ``<think>`` and vLLM's
   poolside_v1 reasoning parser moves the generated text into the ``reasoning`` field, which the
-  scorer must not score (the seed's parser defect seen from the other side).
+  scorer must not score (the published card's parser defect seen from the other side).
 
 Arm A runs the whole suite twice (its A/A noise floor), arm B once, with ``max_tokens`` 16 (the
 budget is a few minutes on a shared 2-core CPU; the suite is 72+ requests per run). A random model

@@ -1,8 +1,8 @@
 """`fp4forge serve cmd`: one snapshot per hardware target, plus the review points behind them.
 
 Snapshots live in tests/fixtures/serve_cmd/; regenerate with FP4FORGE_UPDATE_SNAPSHOTS=1 and
-review the diff. Review points, each asserted below (sources: shared/docs/formats.md §5, the
-seeds):
+review the diff. Review points, each asserted below (sources: docs/formats.md#nvfp4-moe-backends,
+docs/laguna-card.md#gb10-serve-line):
 
 * GB10 (sm_121): a fused CUTLASS MoE backend (FLASHINFER_CUTLASS; CUTLASS as alternative), never
   TRTLLM/CUTEDSL (family 100) nor MARLIN/HUMMING (drop activation scales) for W4A4;

@@ -207,7 +207,7 @@ def _missing_tensor(module: str, suffix: str, scheme: str, component: str, file:
 
 
 def _same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
-    """Per-tensor scales may be 0-d or [1]: vLLM loads either [§4.3]."""
+    """Per-tensor scales may be 0-d or [1]: vLLM loads either (docs/formats.md#fp8-e4m3)."""
     scalar = ((), (1,))
     return tuple(stored) == tuple(expected) or (tuple(stored) in scalar and tuple(expected) in scalar)
 

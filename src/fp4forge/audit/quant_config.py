@@ -6,7 +6,7 @@ is written compressed-tensors style (config.json ``quantization_config``, quant_
 match nothing.
 
 vLLM reads config.json's ``quantization_config`` first and falls back to hf_quant_config.json
-only when it is absent (formats.md §4.2); so does this module. Problems vLLM would reject or
+only when it is absent (docs/formats.md#modelopt-declaration); so does this module. Problems vLLM would reject or
 misread are collected as plain messages in ``QuantDeclaration.problems``.
 """
 
@@ -37,7 +37,8 @@ CT_SCHEMES: tuple[tuple[tuple[int, str, str], str | None, str], ...] = (
 # ModelOpt quant_algo -> scheme key.
 MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4a16", "NVFP4_W4A16": "nvfp4a16", "FP8": "fp8"}
 MODELOPT_ALGO_NAMES = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
-# Keys vLLM requires, per form [§3.2, §4.1, §8 rule 4].
+# Keys vLLM requires, per form (docs/formats.md#compressed-tensors-declaration,
+# docs/formats.md#modelopt-declaration).
 CT_KV_REQUIRED = ("strategy", "symmetric")
 HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
 KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
@@ -233,7 +234,7 @@ def _all_groups_weight_only(quant: dict[str, Any]) -> bool:
 
 
 def _modelopt_kv(quant: dict[str, Any], where: str, problems: list[str]) -> KvDeclaration | None:
-    """vLLM checks kv_cache_scheme before kv_cache_quant_algo [§5a]."""
+    """vLLM checks kv_cache_scheme before kv_cache_quant_algo (docs/formats.md#kv-cache-dtype-resolution)."""
     scheme = quant.get("kv_cache_scheme")
     if isinstance(scheme, dict):
         if scheme.get("dynamic") is not False:

@@ -2,7 +2,8 @@
 
 Three modes, one cell per (load point, shape):
 
-* ``sequential``: one request in flight at a time (concurrency 1, the seed card's protocol);
+* ``sequential``: one request in flight at a time (concurrency 1, the protocol of the
+  published Laguna card, docs/laguna-card.md#decode-and-ttft);
 * ``concurrency``: a closed loop holding N requests in flight, for each N of a sweep;
 * ``rate``: an open loop with Poisson arrivals at each mean rate of a sweep (seeded gaps), so a
   slow server builds a queue instead of slowing the client down.

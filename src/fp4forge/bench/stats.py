@@ -361,7 +361,8 @@ def _bootstrap_rate_ci(points: Sequence[ShapePoint], *, resamples: int, seed: in
 
 # -- decode flatness ----------------------------------------------------------------------------
 # Flat when the per-shape median decode rates stay within DECODE_FLAT_TOLERANCE of their own
-# median: (max - min) / median <= 5 % (the seed card's "flat" was 1.8 %: 27.51-28.00 tok/s).
+# median: (max - min) / median <= 5 % (a published card's "flat" was 1.8 %: 27.51-28.00 tok/s,
+# docs/laguna-card.md#decode-and-ttft).
 DECODE_FLAT_TOLERANCE = 0.05
 
 

@@ -9,7 +9,8 @@ The scales travel as one extra shard, ``model-kvscales.safetensors``, beside the
 shards, which are never rewritten. Installing into a checkpoint writes every new file under a
 temporary name and renames them in an order where each intermediate state is a valid checkpoint
 (shard, then the re-resolved index, then the declaration): at no point does a declaration exist
-without its tensors, which is the defect the seeds describe (an FP8 cache at scale 1.0).
+without its tensors, which is the defect docs/laguna-card.md#kv-cache-declared-without-scales describes (an FP8 cache at
+scale 1.0).
 
 Declarations written: compressed-tensors ``quantization_config.kv_cache_scheme`` (a KV-only
 config when the checkpoint had none); ModelOpt ``kv_cache_quant_algo: FP8`` in
@@ -333,8 +334,9 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
 
 
 def write_declaration(directory: str | Path, layout: str, *, per_head: bool = False) -> None:
-    """Declare an FP8 KV cache without shipping scales — the seeds' defect (vLLM then runs the
-    cache at 1.0). For reproducing that state in tests and comparisons; never done implicitly."""
+    """Declare an FP8 KV cache without shipping scales (vLLM then runs the cache at 1.0: the defect
+    of docs/laguna-card.md#kv-cache-declared-without-scales). For reproducing that state in tests
+    and comparisons; never done implicitly."""
     directory = Path(directory)
     config, hf_quant = declare_kv(open_checkpoint(directory), layout, per_head=per_head)
     _replace_all(directory, [], [(HF_QUANT_CONFIG, hf_quant), ("config.json", config)])

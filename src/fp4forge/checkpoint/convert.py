@@ -1,5 +1,6 @@
 """Convert a compressed-tensors NVFP4 checkpoint (what llm-compressor writes) into the ModelOpt
-HF layout, streaming one tensor at a time (shared/docs/formats.md §2.3, §3, §4).
+HF layout, streaming one tensor at a time (docs/formats.md#nvfp4-global-scale,
+docs/formats.md#compressed-tensors-layout, docs/formats.md#modelopt-layout).
 
 Per quantized Linear ``<m>``:
 
@@ -14,8 +15,8 @@ compressed-tensors             ModelOpt                            value
 =============================  ==================================  ==================================
 
 Everything else (BF16 weights, norms, router, ``e_score_correction_bias``) is copied unchanged.
-``config.json`` gets a ModelOpt ``quantization_config`` (§4.2) and ``hf_quant_config.json`` is
-written (§4.1); tokenizer, chat-template and generation files are copied.
+``config.json`` gets a ModelOpt ``quantization_config`` and ``hf_quant_config.json`` is
+written (docs/formats.md#modelopt-declaration); tokenizer, chat-template and generation files are copied.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def modelopt_quantization_config(quant_algo: str, kv_algo: str | None, exclude: 
 
 
 def hf_quant_config(quant_algo: str, kv_algo: str | None, exclude: list[str], producer: dict[str, str]) -> dict[str, Any]:
-    """``hf_quant_config.json`` (§4.1); vLLM requires group_size, kv_cache_quant_algo, exclude_modules."""
+    """``hf_quant_config.json``; vLLM requires group_size, kv_cache_quant_algo, exclude_modules
+    (docs/formats.md#modelopt-declaration)."""
     return {
         "producer": producer,
         "quantization": {

@@ -1,6 +1,6 @@
 """The safetensors container: dtype table and strict header parsing (no I/O here).
 
-Layout (see shared/docs/formats.md §1): 8-byte little-endian u64 header length N, N bytes of
+Layout (see docs/formats.md#safetensors-file-layout): 8-byte little-endian u64 header length N, N bytes of
 UTF-8 JSON, then the byte buffer, which the tensors must cover exactly, back to back.
 The checks mirror the Rust reference loader so that what we accept, safetensors accepts.
 """

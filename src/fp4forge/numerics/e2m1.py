@@ -1,4 +1,4 @@
-"""FP4 E2M1: the element format of NVFP4 and MXFP4 (shared/docs/formats.md §2.1, §2.4).
+"""FP4 E2M1: the element format of NVFP4 and MXFP4 (docs/formats.md#e2m1-values).
 
 A 4-bit code is ``sign << 3 | magnitude_index``; the magnitude index 0..7 stands for
 ``0, 0.5, 1, 1.5, 2, 3, 4, 6``. Code 8 is -0 and is legal (it is what a small negative value

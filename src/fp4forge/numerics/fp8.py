@@ -1,4 +1,4 @@
-"""FP8 casts and FP8 (E4M3FN) W8A8 weight quantization (shared/docs/formats.md §3.1).
+"""FP8 casts and FP8 (E4M3FN) W8A8 weight quantization (docs/formats.md#fp8-e4m3).
 
 Formulas are those of compressed-tensors 0.17 as llm-compressor drives it (``calculate_qparams``
 then the ``float-quantized`` compressor), computed in the *weight's own dtype* exactly as there:

@@ -1,5 +1,5 @@
 """NVFP4: E2M1 elements, one FP8 E4M3 scale per 16 consecutive elements of the last dim, and
-one FP32 per-tensor scale (shared/docs/formats.md §2.2–§2.4).
+one FP32 per-tensor scale (docs/formats.md#nvfp4).
 
 Two conventions for the per-tensor scalar, same block scales and same packed bytes:
 

@@ -1,5 +1,5 @@
 """NVFP4 block-scale choice, and the relative weight error ||W - Q(W)|| / ||W||
-(shared/docs/quantization.md §2.1, §3).
+(docs/quantization.md#nvfp4-block-scale-search, docs/quantization.md#expected-reconstruction-error).
 
 Methods (all keep the packed layout and formulas of :mod:`fp4forge.numerics.nvfp4`; only the
 E4M3 block scales differ, so any NVFP4 loader reads the result):

@@ -2,8 +2,8 @@
 
 Pure functions over plain data: a *run* is a mapping ``scenario id -> (earned, max)``; an *arm* is
 a list of runs. Per-scenario scores are fractions ``s_i = earned / max`` so that every scenario
-weighs the same (docs/benchmarking.md §6 notation); totals are also reported in points. Within an
-arm, the K runs are averaged per scenario before pairing (§6.2); the run-level data gives the A/A
+weighs the same (notation of docs/quality.md#statistics-statspy); totals are also reported in points.
+Within an arm, the K runs are averaged per scenario before pairing; the run-level data gives the A/A
 noise floor.
 
 Tests:

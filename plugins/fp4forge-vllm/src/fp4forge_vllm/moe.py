@@ -139,7 +139,7 @@ class DequantExpertsMixin:
         names = CONVENTIONS[self.convention]
         w13_mult = names.to_amax_over_2688(getattr(layer, names.w13_global).data)
         if w13_mult.ndim == 2 and not torch.equal(w13_mult[:, 0], w13_mult[:, -1]):
-            # vLLM warns and uses w1's scale for the fused w13; so do we (formats.md §5b).
+            # vLLM warns and uses w1's scale for the fused w13; so do we (fp4forge's docs/formats.md#fused-shards).
             from vllm.logger import init_logger
 
             init_logger(__name__).warning_once(

@@ -3,8 +3,8 @@
 vLLM's ``PoolsideV1ReasoningParser`` inherits ``DeepSeekV3ReasoningParser``, which separates
 reasoning only when the request passes ``thinking``/``enable_thinking`` as true; otherwise it
 becomes an identity parser and the chain of thought, ``</think>`` included, lands in
-``content`` (formats.md §6.1, vLLM #49379). Laguna's chat template thinks unless told not to, so
-this parser does the same:
+``content`` (vLLM #49379; fp4forge's docs/formats.md#reasoning-parser-identity-fallback).
+Laguna's chat template thinks unless told not to, so this parser does the same:
 
 * thinking is on unless the request explicitly turns it off (either key false);
 * because the no-argument default is "on", ``reasoning_start_str``/``reasoning_end_str`` exist
