@@ -36,7 +36,7 @@ from typer.core import TyperCommand
 from fp4forge.cli_common import console, fail
 from fp4forge.cli_common import emit_json as _emit
 from fp4forge.errors import Fp4forgeError
-from fp4forge.quality import load_suite
+from fp4forge.quality.suite import load_suite
 from fp4forge.quality.probes import MODES, Endpoint, determinism_probe, kl_probe, suite_sequences
 from fp4forge.quality.report import compare_document, score_document, write_compare, write_determinism, write_kl, write_score
 from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript, run_suite

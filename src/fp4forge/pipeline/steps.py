@@ -331,7 +331,7 @@ QUALITY_DIRS = {"student": "quality", "teacher": "quality-teacher"}
 
 def _quality_runs(ctx: Context, role: str) -> list[Any]:
     """N runs of the (selected) suite against the ``role`` server into reports/<dir>/, scored there."""
-    from fp4forge.quality import load_suite
+    from fp4forge.quality.suite import load_suite
     from fp4forge.quality.report import score_document, write_score
     from fp4forge.quality.runner import RunConfig, rescore_transcript, run_suite
 
@@ -368,7 +368,7 @@ def run_quality(ctx: Context) -> dict[str, Any]:
 
 def run_quality_teacher(ctx: Context) -> dict[str, Any]:
     """Arm B: the BF16 teacher through the same suite, then paired tests of the two arms."""
-    from fp4forge.quality import load_suite
+    from fp4forge.quality.suite import load_suite
     from fp4forge.quality.report import compare_document, write_compare
     from fp4forge.quality.runner import expand_transcripts, rescore_transcript
 

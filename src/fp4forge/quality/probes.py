@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 
 from fp4forge.errors import Fp4forgeError
-from fp4forge.quality import Scenario
+from fp4forge.quality.suite import Scenario
 
 MODES = ("prompt_logprobs", "echo")
 REST_FLOOR = 1e-12

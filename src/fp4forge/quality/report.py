@@ -20,7 +20,7 @@ from typing import Any
 
 from fp4forge.errors import Fp4forgeError
 from fp4forge.plotting import pyplot
-from fp4forge.quality import Suite
+from fp4forge.quality.suite import Suite
 from fp4forge.quality.runner import RunResult
 from fp4forge.quality.scorer import category_totals
 from fp4forge.quality.stats import DEFAULT_ALPHA, DEFAULT_BOOTSTRAP, compare_arms, noise_floor

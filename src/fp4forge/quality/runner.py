@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from fp4forge.errors import Fp4forgeError
-from fp4forge.quality import Scenario, Suite
+from fp4forge.quality.suite import Scenario, Suite
 from fp4forge.quality.scorer import ModelTurn, ParsedCall, ScenarioScore, score_scenario, turn_from_message
 from fp4forge.quality.simulated_tools import SimulatedWorld, replay
 
