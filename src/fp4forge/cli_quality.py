@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
 import typer
 from rich.console import Console
 from typer.core import TyperCommand
@@ -37,7 +36,8 @@ from fp4forge.cli_common import console, fail
 from fp4forge.cli_common import emit_json as _emit
 from fp4forge.errors import Fp4forgeError
 from fp4forge.quality.suite import load_suite
-from fp4forge.quality.probes import MODES, Endpoint, determinism_probe, kl_probe, suite_sequences
+from fp4forge.endpoint import Endpoint
+from fp4forge.quality.probes import MODES, determinism_probe, kl_probe, suite_sequences
 from fp4forge.quality.report import compare_document, score_document, write_compare, write_determinism, write_kl, write_score
 from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript, run_suite
 from fp4forge.report.quality_tables import (
@@ -275,9 +275,9 @@ def kl_command(
         raise _fail("--top-k is a positive count, or -1 for the whole vocabulary", as_json=as_json)
     arm_a, arm_b = Endpoint(url_a, model_a, "A"), Endpoint(url_b, model_b, "B")
     try:
-        with httpx.Client(trust_env=False) as client:
-            seqs = suite_sequences(client, arm_a, load_suite().scenarios, sequences)
-            doc = kl_probe(client, arm_a, arm_b, seqs, top_k, mode)
+        with arm_a, arm_b:
+            seqs = suite_sequences(None, arm_a, load_suite().scenarios, sequences)
+            doc = kl_probe(None, arm_a, arm_b, seqs, top_k, mode)
     except Fp4forgeError as error:
         raise _fail(str(error), as_json=as_json) from error
     write_kl(doc, out)
@@ -304,9 +304,9 @@ def determinism_command(
     _check_mode(mode, as_json)
     endpoint = Endpoint(url, model, "A")
     try:
-        with httpx.Client(trust_env=False) as client:
-            seqs = suite_sequences(client, endpoint, load_suite().scenarios, prompts)
-            doc = determinism_probe(client, endpoint, seqs, replicates=replicates, max_tokens=max_tokens, top_k=top_k, mode=mode)
+        with endpoint:
+            seqs = suite_sequences(None, endpoint, load_suite().scenarios, prompts)
+            doc = determinism_probe(None, endpoint, seqs, replicates=replicates, max_tokens=max_tokens, top_k=top_k, mode=mode)
     except Fp4forgeError as error:
         raise _fail(str(error), as_json=as_json) from error
     write_determinism(doc, out, plots=plots)

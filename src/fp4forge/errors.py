@@ -12,10 +12,11 @@ class Fp4forgeError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None, option: str | None = None):
         self.message = message
         self.file = file
         self.tensor = tensor
+        self.option = option  # the library option the error is about ("tokenizer"); the CLI spells it as its flag
         super().__init__(self.__str__())
 
     def __str__(self) -> str:
@@ -69,3 +70,52 @@ class ConfigError(Fp4forgeError):
 
 class ServeError(Fp4forgeError):
     """A model server could not be started, did not become ready, or died."""
+
+
+class EndpointError(Fp4forgeError):
+    """An OpenAI-compatible server could not be reached or did not answer as one.
+
+    ``kind`` names what went wrong, the same word bench samples and quality transcripts record:
+    ``connect``, ``timeout``, ``disconnect``, ``http`` (a status >= 400) or ``protocol`` (a body
+    that is not the JSON asked for). ``fp4forge.endpoint`` is the only place that raises these.
+    """
+
+    kind = "endpoint"
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, body: str | None = None,
+                 cause: BaseException | None = None, option: str | None = None):
+        self.url = url
+        self.status = status
+        self.body = body
+        self.cause = cause
+        super().__init__(message, option=option)
+
+
+class EndpointUnreachable(EndpointError):
+    """Nothing accepted the connection (refused, unknown host): no server there, or it is gone."""
+
+    kind = "connect"
+
+
+class EndpointTimeout(EndpointError):
+    """The server did not answer (or finish answering) within the time allowed."""
+
+    kind = "timeout"
+
+
+class EndpointDisconnected(EndpointError):
+    """The connection broke after it was made (mid-request or mid-stream)."""
+
+    kind = "disconnect"
+
+
+class EndpointStatusError(EndpointError):
+    """The server answered with an HTTP status >= 400; ``status`` and ``body`` say what it said."""
+
+    kind = "http"
+
+
+class EndpointProtocolError(EndpointError):
+    """A 2xx answer whose body is not the JSON asked for."""
+
+    kind = "protocol"

@@ -27,7 +27,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-import httpx
 import numpy as np
 
 from fp4forge.bench.client import (
@@ -36,10 +35,10 @@ from fp4forge.bench.client import (
     RequestSpec,
     StreamingClient,
     probe_stream_options,
-    server_root,
 )
 from fp4forge.bench.prompts import HfTokenizer, Prompt, PromptFactory, PromptTokenizer, ServerTokenizer
-from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.endpoint import METRICS_PATH, MODELS_PATH, Endpoint, server_root
+from fp4forge.errors import ConfigError, EndpointError, EndpointStatusError, Fp4forgeError
 
 SAMPLES_FILE = "samples.jsonl"
 SERVER_METRICS_FILE = "server_metrics.jsonl"
@@ -303,27 +302,22 @@ class BenchRun:
     def probe_server(self) -> dict[str, Any]:
         """Model list, version and max_model_len; ConfigError when the model is not served."""
         info: dict[str, Any] = {"url": self.root}
-        with httpx.Client(base_url=self.root, timeout=30.0, trust_env=False) as http:
+        with Endpoint(self.root, self.config.model, timeout_s=30.0) as endpoint:
             try:
-                models = http.get("/v1/models")
-            except httpx.HTTPError as error:
-                raise ConfigError(f"no OpenAI-compatible server at {self.root}: {error}") from error
-            if models.status_code != 200:
-                raise ConfigError(f"{self.root}/v1/models answered HTTP {models.status_code}")
-            cards = models.json().get("data", [])
+                cards = endpoint.models()
+            except EndpointStatusError as error:
+                raise ConfigError(f"{self.root}{MODELS_PATH} answered HTTP {error.status}") from error
+            except EndpointError as error:
+                raise ConfigError(f"no OpenAI-compatible server at {self.root}: {error.message}") from error
             names = [card.get("id") for card in cards]
             if self.config.model not in names:
                 raise ConfigError(f"model {self.config.model!r} is not served at {self.root}; it serves {names}")
             card = next(c for c in cards if c.get("id") == self.config.model)
             info["max_model_len"] = card.get("max_model_len")
             info["model_root"] = card.get("root")
-            version = _optional_get(http, "/version")
-            try:
-                info["version"] = version.json().get("version") if version is not None else None
-            except (ValueError, AttributeError):
-                info["version"] = None
-            metrics = _optional_get(http, "/metrics")
-            info["metrics_available"] = metrics is not None and "vllm:" in metrics.text
+            info["version"] = endpoint.version(timeout_s=30.0)
+            metrics = endpoint.metrics_text()
+            info["metrics_available"] = metrics is not None and "vllm:" in metrics
         self.check_shapes_fit(info.get("max_model_len"))
         return info
 
@@ -553,12 +547,7 @@ class BenchRun:
 
     async def _unreachable_reason(self) -> str | None:
         """None when the server root answers HTTP at all (even 404), else why it does not."""
-        try:
-            async with httpx.AsyncClient(base_url=self.root, timeout=HEALTH_TIMEOUT_S, trust_env=False) as http:
-                await http.get("/health")
-            return None
-        except httpx.HTTPError as error:
-            return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return await self._client.session.unreachable_reason(timeout_s=HEALTH_TIMEOUT_S)
 
     def _abort(self, cause: str) -> None:
         self._server_gone = (
@@ -574,11 +563,8 @@ class BenchRun:
     async def _scrape_metrics(self) -> dict[str, float] | None:
         if not self.server_info.get("metrics_available"):
             return None
-        try:
-            response = await self._client._http.get("/metrics")
-        except httpx.HTTPError:
-            return None
-        return parse_prometheus(response.text) if response.status_code == 200 else None
+        text = await self._client.session.get_text(METRICS_PATH)
+        return parse_prometheus(text) if text is not None else None
 
     def sample_record(
         self,
@@ -651,15 +637,6 @@ class CellCounter:
 
     def finish(self) -> None:
         self.on_event(CellEvent(self.shape, self.load, "done", self.done, self.total, self.failed))
-
-
-def _optional_get(http: httpx.Client, path: str) -> httpx.Response | None:
-    """A 200 response, or None when the server does not offer ``path``."""
-    try:
-        response = http.get(path)
-    except httpx.HTTPError:
-        return None
-    return response if response.status_code == 200 else None
 
 
 def _round(value: float | None, digits: int = 6) -> float | None:
