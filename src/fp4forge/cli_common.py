@@ -19,9 +19,19 @@ def console(stderr: bool = False) -> Any:
     return Console(stderr=stderr, soft_wrap=True, highlight=False)
 
 
+def error_text(error: BaseException) -> str:
+    """A library error's message, followed by the flag of the option it is about (``option="out"``
+    is ``--out`` here: library errors name options, never this CLI's spelling)."""
+    option = getattr(error, "option", None)
+    return f"{error} (--{option.replace('_', '-')})" if option else str(error)
+
+
 def fail(message: object, code: int, as_json: bool = False, **context: object) -> SystemExit:
     """An error fp4forge understands: one line on stderr (and ``{..., "error"}`` on stdout with
-    --json); ``raise`` the returned SystemExit to exit with ``code``."""
+    --json); ``raise`` the returned SystemExit to exit with ``code``. An exception as ``message``
+    is shown with ``error_text``."""
+    if isinstance(message, BaseException):
+        message = error_text(message)
     if as_json:
         emit_json({**context, "error": str(message)})
     console(stderr=True).print(f"[red]error:[/red] {message}")

@@ -38,8 +38,10 @@ from fp4forge.errors import Fp4forgeError
 from fp4forge.quality.suite import load_suite
 from fp4forge.endpoint import Endpoint
 from fp4forge.quality.probes import MODES, determinism_probe, kl_probe, suite_sequences
-from fp4forge.quality.report import compare_document, score_document, write_compare, write_determinism, write_kl, write_score
-from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript, run_suite
+from fp4forge.quality.evaluate import run_and_score
+from fp4forge.quality.report import compare_document, score_document
+from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript
+from fp4forge.report.quality_files import write_compare, write_determinism, write_kl, write_score
 from fp4forge.report.quality_tables import (
     compare_markdown,
     compare_rich,
@@ -66,7 +68,7 @@ def _err() -> Console:
     return console(stderr=True)
 
 
-def _fail(message: str, code: int = EXIT_UNUSABLE, as_json: bool = False) -> SystemExit:
+def _fail(message: object, code: int = EXIT_UNUSABLE, as_json: bool = False) -> SystemExit:
     return fail(message, code, as_json)
 
 
@@ -123,8 +125,6 @@ def run_command(
             raise ValueError("must be a JSON object")
     except ValueError as error:
         raise _fail(f"--chat-template-kwargs: {error}", as_json=as_json) from error
-    config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, concurrency=concurrency,
-                       timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs)
     progress = _err()
 
     def on_scenario(run: int, record: dict[str, Any]) -> None:
@@ -133,22 +133,20 @@ def run_command(
         progress.print(f"run {run} {record['id']}: {score.get('earned', '?')}/{score.get('max', '?')}{failed}", highlight=False)
 
     try:
-        suite = load_suite()
-        scenarios = suite.select(ids=_csv(only), categories=_csv(category))
-        paths = run_suite(config, suite, out, scenarios=scenarios, on_scenario=on_scenario)
+        config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, concurrency=concurrency,
+                           timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs)
+        outcome = run_and_score(config, out, only=_csv(only), categories=_csv(category), on_scenario=on_scenario, write=write_score)
     except IncompleteRunError as error:
-        raise _fail(str(error), EXIT_INCOMPLETE, as_json) from error
+        raise _fail(error, EXIT_INCOMPLETE, as_json) from error
     except Fp4forgeError as error:
-        raise _fail(str(error), as_json=as_json) from error
-    results = [rescore_transcript(path, suite) for path in paths]
-    doc = score_document(results, suite)
-    write_score(doc, out)
+        raise _fail(error, as_json=as_json) from error
+    doc = outcome.document
     if as_json:
         _emit(doc)
     else:
         Console().print(score_rich(doc))
-        Console().print(f"transcripts: {', '.join(str(p) for p in paths)}; report: {out / 'score.md'}", highlight=False)
-    if any(r.failed_requests for r in results):
+        Console().print(f"transcripts: {', '.join(str(p) for p in outcome.transcripts)}; report: {out / 'score.md'}", highlight=False)
+    if outcome.failed_requests:
         raise typer.Exit(EXIT_SOME_FAILED)
 
 
@@ -279,7 +277,7 @@ def kl_command(
             seqs = suite_sequences(None, arm_a, load_suite().scenarios, sequences)
             doc = kl_probe(None, arm_a, arm_b, seqs, top_k, mode)
     except Fp4forgeError as error:
-        raise _fail(str(error), as_json=as_json) from error
+        raise _fail(error, as_json=as_json) from error
     write_kl(doc, out)
     if as_json:
         _emit(doc)
@@ -308,7 +306,7 @@ def determinism_command(
             seqs = suite_sequences(None, endpoint, load_suite().scenarios, prompts)
             doc = determinism_probe(None, endpoint, seqs, replicates=replicates, max_tokens=max_tokens, top_k=top_k, mode=mode)
     except Fp4forgeError as error:
-        raise _fail(str(error), as_json=as_json) from error
+        raise _fail(error, as_json=as_json) from error
     write_determinism(doc, out, plots=plots)
     if as_json:
         _emit(doc)

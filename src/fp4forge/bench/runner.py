@@ -123,18 +123,23 @@ class LoadPoint:
         return f"c{self.concurrency}"
 
 
+MODES: tuple[str, ...] = ("sequential", "concurrency", "rate")
+ENDPOINT_KINDS: tuple[str, ...] = ("completions", "chat")
+OUTPUT_CONTROLS: tuple[str, ...] = ("ignore_eos", "min_tokens", "none")
+
+
 def load_points(mode: Mode, concurrency: Sequence[int], rates_rps: Sequence[float]) -> list[LoadPoint]:
     if mode == "sequential":
         return [LoadPoint("sequential", concurrency=1)]
     if mode == "concurrency":
         if not concurrency or min(concurrency) < 1:
-            raise ConfigError("--mode concurrency needs concurrency levels >= 1")
+            raise ConfigError("mode concurrency needs concurrency levels >= 1", option="concurrency")
         return [LoadPoint("concurrency", concurrency=c) for c in concurrency]
     if mode == "rate":
         if not rates_rps or min(rates_rps) <= 0:
-            raise ConfigError("--mode rate needs arrival rates > 0 requests/s")
+            raise ConfigError("mode rate needs arrival rates > 0 requests/s", option="rate")
         return [LoadPoint("rate", rate_rps=r) for r in rates_rps]
-    raise ConfigError(f"unknown mode {mode!r}: sequential, concurrency or rate")
+    raise ConfigError(f"mode must be sequential, concurrency or rate, not {mode!r}", option="mode")
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -156,6 +161,18 @@ class BenchConfig:
     tokenizer_path: str | None = None
     max_in_flight: int = 256  # open-loop cap; waiting for it shows up as schedule_lag_s
     workload: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINT_KINDS:
+            raise ConfigError(f"endpoint must be completions or chat, not {self.endpoint!r}", option="endpoint")
+        if self.output_control not in OUTPUT_CONTROLS:
+            raise ConfigError(f"output control must be ignore_eos, min_tokens or none, not {self.output_control!r}", option="output_control")
+        if self.warmups < 0:
+            raise ConfigError(f"warmups must be >= 0, not {self.warmups}", option="warmups")
+        if self.samples < 1:
+            raise ConfigError(f"samples must be >= 1, not {self.samples}", option="samples")
+        if not 0.0 <= self.prefix_cache_fraction < 1.0:
+            raise ConfigError(f"the shared prefix fraction must be in [0, 1), not {self.prefix_cache_fraction}", option="prefix_fraction")
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -295,7 +312,7 @@ class BenchRun:
         out = Path(self.config.out_dir)
         samples = out / SAMPLES_FILE
         if samples.exists() and samples.stat().st_size > 0:
-            raise ConfigError(f"{samples} already holds samples; choose a new --out (runs are never mixed)")
+            raise ConfigError(f"{samples} already holds samples; choose a new output directory (runs are never mixed)", option="out")
         out.mkdir(parents=True, exist_ok=True)
         return out
 

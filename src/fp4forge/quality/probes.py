@@ -27,14 +27,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import numpy as np
 
 from fp4forge.endpoint import Endpoint
 from fp4forge.errors import Fp4forgeError
 from fp4forge.quality.suite import Scenario
+
+if TYPE_CHECKING:
+    import httpx
 
 MODES = ("prompt_logprobs", "echo")
 REST_FLOOR = 1e-12

@@ -26,15 +26,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from fp4forge.endpoint import Endpoint, server_root
-from fp4forge.errors import EndpointError, EndpointProtocolError, EndpointStatusError, EndpointTimeout, Fp4forgeError
+from fp4forge.errors import ConfigError, EndpointError, EndpointProtocolError, EndpointStatusError, EndpointTimeout, Fp4forgeError
 from fp4forge.quality.suite import Scenario, Suite
 from fp4forge.quality.scorer import ModelTurn, ParsedCall, ScenarioScore, score_scenario, turn_from_message
 from fp4forge.quality.simulated_tools import SimulatedWorld, replay
+
+if TYPE_CHECKING:
+    import httpx
 
 TRANSCRIPT_FORMAT = "fp4forge-quality-transcript/1"
 ERROR_BODY_CHARS = 300
@@ -65,6 +66,13 @@ class RunConfig:
     system_prefix: str | None = None  # a request variant: prepended to (or becomes) the system prompt
     chat_template_kwargs: dict[str, Any] | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for option, value in (("runs", self.runs), ("max_tokens", self.max_tokens), ("concurrency", self.concurrency)):
+            if value < 1:
+                raise ConfigError(f"{option.replace('_', ' ')} must be >= 1, not {value}", option=option)
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise ConfigError("chat template kwargs must be a JSON object", option="chat_template_kwargs")
 
     @property
     def root_url(self) -> str:
