@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fp4forge.endpoint import TOKENIZE_PATH, Endpoint
+from fp4forge.endpoint import Endpoint
 from fp4forge.errors import ConfigError, EndpointError, EndpointStatusError
 
 # Plain English words: whatever the tokenizer, they encode to ordinary (non-special) tokens.
@@ -75,16 +75,15 @@ class ServerTokenizer:
         self._endpoint.close()
 
     def _tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        url = self._endpoint.url_of(TOKENIZE_PATH)
         try:
             doc = self._endpoint.tokenize(body)
         except EndpointStatusError as error:
             raise ConfigError(
-                f"{url} answered HTTP {error.status}: {(error.body or '')[:200]}; count tokens locally with a tokenizer instead",
+                f"{error.url} answered HTTP {error.status}: {(error.body or '')[:200]}; count tokens locally with a tokenizer instead",
                 option="tokenizer",
             ) from error
         except EndpointError as error:
-            raise ConfigError(f"cannot reach {url}: {error.message}; count tokens locally with a tokenizer instead",
+            raise ConfigError(f"cannot reach the server's tokenizer ({error.message}); count tokens locally with a tokenizer instead",
                               option="tokenizer") from error
         self.max_model_len = doc.get("max_model_len", self.max_model_len)
         return doc

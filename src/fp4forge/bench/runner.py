@@ -37,7 +37,7 @@ from fp4forge.bench.client import (
     probe_stream_options,
 )
 from fp4forge.bench.prompts import HfTokenizer, Prompt, PromptFactory, PromptTokenizer, ServerTokenizer
-from fp4forge.endpoint import METRICS_PATH, MODELS_PATH, Endpoint, server_root
+from fp4forge.endpoint import METRICS_PATH, Endpoint, server_root
 from fp4forge.errors import ConfigError, EndpointError, EndpointStatusError, Fp4forgeError
 
 SAMPLES_FILE = "samples.jsonl"
@@ -323,7 +323,7 @@ class BenchRun:
             try:
                 cards = endpoint.models()
             except EndpointStatusError as error:
-                raise ConfigError(f"{self.root}{MODELS_PATH} answered HTTP {error.status}") from error
+                raise ConfigError(f"{error.url} answered HTTP {error.status}") from error
             except EndpointError as error:
                 raise ConfigError(f"no OpenAI-compatible server at {self.root}: {error.message}") from error
             names = [card.get("id") for card in cards]
