@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
@@ -114,6 +115,7 @@ class Endpoint:
         self.api_key = api_key
         self._http = http
         self._owns_http = http is None
+        self._opening = threading.Lock()  # quality runs scenarios on threads that share one pool
 
     def __repr__(self) -> str:
         return f"Endpoint({self.root!r}, model={self.model!r}, label={self.label!r})"
@@ -138,9 +140,10 @@ class Endpoint:
     # -- connection -------------------------------------------------------------------------------
     @property
     def http(self) -> httpx.Client:
-        if self._http is None:
-            self._http = httpx.Client(timeout=self.timeout_s, trust_env=False, headers=self.headers)
-        return self._http
+        with self._opening:
+            if self._http is None:
+                self._http = httpx.Client(timeout=self.timeout_s, trust_env=False, headers=self.headers)
+            return self._http
 
     def close(self) -> None:
         if self._owns_http and self._http is not None:
