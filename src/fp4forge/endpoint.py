@@ -48,7 +48,7 @@ LOOPBACK_HOST = "127.0.0.1"
 
 GenerationKind = Literal["completions", "chat"]
 GENERATION_PATHS: dict[str, str] = {"completions": COMPLETIONS_PATH, "chat": CHAT_PATH}
-ERROR_BODY_CHARS = 300
+ERROR_BODY_CHARS = 300  # of an error body kept in messages, samples and transcripts
 DEFAULT_TIMEOUT_S = 600.0
 
 

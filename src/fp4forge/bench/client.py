@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4forge.endpoint import Endpoint, GenerationKind
+from fp4forge.endpoint import ERROR_BODY_CHARS, Endpoint, GenerationKind
 from fp4forge.errors import EndpointError, EndpointStatusError, EndpointTimeout
 
 # Error kinds, in the order a request can fail; the first five are ``EndpointError.kind``s.
@@ -30,7 +30,6 @@ ERROR_PROTOCOL = "protocol"  # a chunk that is not the JSON we expect
 ERROR_NO_TOKENS = "no_tokens"  # a complete stream without one generated token
 TRANSPORT_ERRORS = frozenset({ERROR_CONNECT, ERROR_DISCONNECT})
 
-ERROR_BODY_CHARS = 300
 # Chat delta fields that carry generated tokens; "role" alone does not.
 CHAT_TOKEN_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp4forge.endpoint import Endpoint, server_root
+from fp4forge.endpoint import ERROR_BODY_CHARS, Endpoint, server_root
 from fp4forge.errors import ConfigError, EndpointError, EndpointProtocolError, EndpointStatusError, EndpointTimeout, Fp4forgeError
 from fp4forge.quality.suite import Scenario, Suite
 from fp4forge.quality.scorer import ModelTurn, ParsedCall, ScenarioScore, score_scenario, turn_from_message
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     import httpx
 
 TRANSCRIPT_FORMAT = "fp4forge-quality-transcript/1"
-ERROR_BODY_CHARS = 300
 DEFAULT_TIMEOUT_S = 600.0
 
 
