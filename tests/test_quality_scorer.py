@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fp4forge.quality import Scenario, load_suite, parse_scenario
+from fp4forge.quality.suite import Scenario, load_suite, parse_scenario
 from fp4forge.quality.runner import Reply, RunConfig, run_scenario
 from fp4forge.quality.scorer import (
     check_type,

@@ -201,7 +201,7 @@ from fp4forge.quality.probes import (  # noqa: E402 - grouped with the tests tha
     teacher_forced_stability,
     topk_kl_lower_bound,
 )
-from fp4forge.quality.report import write_determinism, write_kl  # noqa: E402
+from fp4forge.report.quality_files import write_determinism, write_kl  # noqa: E402
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ import typer
 from typer.testing import CliRunner
 
 from fp4forge.cli.quality import register
-from fp4forge.quality import Scenario, Suite, load_suite
+from fp4forge.quality.suite import Scenario, Suite, load_suite
 from fp4forge.quality.report import ReportError, compare_document
 from fp4forge.quality.runner import RunConfig, read_transcript, rescore_transcript, run_suite
 from fp4forge.quality.scorer import ParsedCall, example_value, lint_scenario
@@ -77,7 +77,7 @@ def test_an_agent_that_does_nothing_earns_no_state_points(suite: Suite) -> None:
 
 
 def test_manifest_count_is_enforced(tmp_path: Path, suite: Suite) -> None:
-    from fp4forge.quality import SCENARIO_DIR, SuiteError
+    from fp4forge.quality.suite import SCENARIO_DIR, SuiteError
 
     for path in SCENARIO_DIR.glob("*.json"):
         (tmp_path / path.name).write_bytes(path.read_bytes())

@@ -29,7 +29,7 @@ import typer
 from typer.testing import CliRunner
 
 from fp4forge.cli.quality import register
-from fp4forge.quality import load_suite
+from fp4forge.quality.suite import load_suite
 from fp4forge.quality.runner import read_transcript
 from fp4forge.serve import VllmServer
 

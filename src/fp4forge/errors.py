@@ -163,3 +163,50 @@ def require_choice(value: object, choices: tuple, option: str) -> None:
     ``typing.get_args`` of the option's ``Literal``)."""
     if value not in choices:
         raise ConfigError(f"unknown value {value!r}: choose one of {', '.join(map(str, choices))}", option=option)
+class EndpointError(Fp4forgeError):
+    """An OpenAI-compatible server could not be reached or did not answer as one.
+
+    ``kind`` names what went wrong, the same word bench samples and quality transcripts record:
+    ``connect``, ``timeout``, ``disconnect``, ``http`` (a status >= 400) or ``protocol`` (a body
+    that is not the JSON asked for). ``fp4forge.endpoint`` is the only place that raises these.
+    """
+
+    kind = "endpoint"
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, body: str | None = None,
+                 cause: BaseException | None = None, option: str | None = None):
+        self.url = url
+        self.status = status
+        self.body = body
+        self.cause = cause
+        super().__init__(message, option=option)
+
+
+class EndpointUnreachable(EndpointError):
+    """Nothing accepted the connection (refused, unknown host): no server there, or it is gone."""
+
+    kind = "connect"
+
+
+class EndpointTimeout(EndpointError):
+    """The server did not answer (or finish answering) within the time allowed."""
+
+    kind = "timeout"
+
+
+class EndpointDisconnected(EndpointError):
+    """The connection broke after it was made (mid-request or mid-stream)."""
+
+    kind = "disconnect"
+
+
+class EndpointStatusError(EndpointError):
+    """The server answered with an HTTP status >= 400; ``status`` and ``body`` say what it said."""
+
+    kind = "http"
+
+
+class EndpointProtocolError(EndpointError):
+    """A 2xx answer whose body is not the JSON asked for."""
+
+    kind = "protocol"

@@ -1,11 +1,12 @@
-"""Measurement: an async OpenAI-compatible streaming client that times one request at a time.
+"""Measurement: a streaming timer on top of ``fp4forge.endpoint``'s streamed calls.
 
 Per request it records when the request was sent, when the first chunk carrying generated text,
 reasoning or a tool call arrived (a chat role-only chunk does not count: vLLM sends one before
 any token exists), every later token-bearing chunk's arrival and token count, and the server's
 usage. ``send`` never raises for anything the server or the network does: timeouts, HTTP errors,
 refused connections and streams cut mid-way come back as a failed ``RequestResult`` with an
-``error_kind``, so a benchmark counts them instead of crashing.
+``error_kind`` (the ``kind`` of the endpoint's named error), so a benchmark counts them instead
+of crashing. The HTTP itself (URLs, pooling, the error mapping) is the endpoint's.
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import httpx
+from fp4forge.endpoint import ERROR_BODY_CHARS, Endpoint, GenerationKind
+from fp4forge.errors import EndpointError, EndpointStatusError, EndpointTimeout
 
-Endpoint = Literal["completions", "chat"]
-ENDPOINT_PATHS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-
-# Error kinds, in the order a request can fail.
+# Error kinds, in the order a request can fail; the first five are ``EndpointError.kind``s.
 ERROR_CONNECT = "connect"  # nothing listening / connection refused: the server is gone
 ERROR_TIMEOUT = "timeout"
 ERROR_HTTP = "http"  # status >= 400
@@ -31,7 +30,6 @@ ERROR_PROTOCOL = "protocol"  # a chunk that is not the JSON we expect
 ERROR_NO_TOKENS = "no_tokens"  # a complete stream without one generated token
 TRANSPORT_ERRORS = frozenset({ERROR_CONNECT, ERROR_DISCONNECT})
 
-ERROR_BODY_CHARS = 300
 # Chat delta fields that carry generated tokens; "role" alone does not.
 CHAT_TOKEN_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
 
@@ -56,7 +54,7 @@ class StreamOptions:
 class RequestSpec:
     """One request: a prompt (token IDs or text for completions, messages for chat) and its limits."""
 
-    endpoint: Endpoint
+    endpoint: GenerationKind
     model: str
     prompt: list[int] | str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -150,7 +148,7 @@ def failed(kind: str, message: str, t_send: float, **fields: Any) -> RequestResu
 
 
 class StreamingClient:
-    """One pooled HTTP connection set to one server; ``send`` many requests through it concurrently."""
+    """One pooled connection set to one server; ``send`` many requests through it concurrently."""
 
     def __init__(
         self,
@@ -162,17 +160,13 @@ class StreamingClient:
         stream_options: StreamOptions | None = None,
         api_key: str | None = None,
     ) -> None:
-        self.base_url = server_root(base_url)
+        self.endpoint = Endpoint(base_url, timeout_s=request_timeout_s, api_key=api_key)
+        self.base_url = self.endpoint.root
         self.request_timeout_s = request_timeout_s
         self.stream_options = stream_options or StreamOptions()
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            # The overall deadline is enforced in send(); these bound each phase.
-            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            trust_env=False,  # a proxy from the environment must never sit between us and the server
+        # The overall deadline is enforced in send(); the session's timeouts bound each phase.
+        self.session = self.endpoint.session(
+            max_connections=max_connections, request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s
         )
 
     async def __aenter__(self) -> StreamingClient:
@@ -182,7 +176,7 @@ class StreamingClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self.session.aclose()
 
     async def send(self, spec: RequestSpec) -> RequestResult:
         """Stream one request and time it; failures come back as ``ok=False``, never as exceptions."""
@@ -191,26 +185,27 @@ class StreamingClient:
         stream = StreamTimer(spec.endpoint, t_send)
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                async with self._http.stream("POST", ENDPOINT_PATHS[spec.endpoint], json=spec.payload(self.stream_options), headers=headers) as response:
-                    if response.status_code >= 400:
-                        body = (await response.aread()).decode("utf-8", "replace")
-                        return failed(ERROR_HTTP, f"HTTP {response.status_code}: {body.strip()}", t_send, http_status=response.status_code)
-                    # Read to the end of the body even after [DONE]: leaving early would make
-                    # httpx drop the connection, and every request would pay a new TCP connect.
-                    async for line in response.aiter_lines():
+                async with self.session.stream(spec.endpoint, spec.payload(self.stream_options), headers=headers) as lines:
+                    # Read to the end of the body even after [DONE]: leaving early would drop the
+                    # connection, and every request would pay a new TCP connect.
+                    async for line in lines:
                         if not stream.done:
                             stream.feed_line(line, time.perf_counter())
-        except (TimeoutError, httpx.TimeoutException):
+        except (TimeoutError, EndpointTimeout):
             return stream.fail(ERROR_TIMEOUT, f"no complete answer within {self.request_timeout_s:g} s")
-        except httpx.ConnectError as error:
-            return stream.fail(ERROR_CONNECT, f"cannot connect to {self.base_url}: {error}")
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as error:
-            return stream.fail(ERROR_DISCONNECT, f"connection broke mid-stream: {error or type(error).__name__}")
-        except httpx.HTTPError as error:
-            return stream.fail(ERROR_DISCONNECT, f"{type(error).__name__}: {error}")
+        except EndpointStatusError as error:
+            return failed(ERROR_HTTP, f"HTTP {error.status}: {(error.body or '').strip()}", t_send, http_status=error.status)
+        except EndpointError as error:
+            return stream.fail(error.kind, self._failure_text(error))
         except ProtocolViolation as error:
             return stream.fail(ERROR_PROTOCOL, str(error))
         return stream.finish()
+
+    def _failure_text(self, error: EndpointError) -> str:
+        cause = error.cause
+        if error.kind == ERROR_CONNECT:
+            return f"cannot connect to {self.base_url}: {cause}"
+        return f"connection broke mid-stream: {str(cause) or type(cause).__name__}"
 
 
 class ProtocolViolation(Exception):
@@ -220,7 +215,7 @@ class ProtocolViolation(Exception):
 class StreamTimer:
     """Turns timed SSE lines into a ``RequestResult``; separated from I/O so it is testable alone."""
 
-    def __init__(self, endpoint: Endpoint, t_send: float) -> None:
+    def __init__(self, endpoint: GenerationKind, t_send: float) -> None:
         self.endpoint = endpoint
         self.result = RequestResult(ok=False, t_send=t_send)
         self.done = False
@@ -323,14 +318,6 @@ class StreamTimer:
         self.result.ok = True
         self.result.t_end = time.perf_counter()
         return self.result
-
-
-def server_root(url: str) -> str:
-    """``http://host:8000`` from ``http://host:8000``, ``…/`` or ``…/v1``."""
-    root = url.rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")]
-    return root
 
 
 async def probe_stream_options(client: StreamingClient, spec: RequestSpec) -> StreamOptions:

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
 import numpy as np
 
-from fp4forge.errors import ConfigError
+from fp4forge.endpoint import Endpoint
+from fp4forge.errors import ConfigError, EndpointError, EndpointStatusError
 
 # Plain English words: whatever the tokenizer, they encode to ordinary (non-special) tokens.
 WORDS: tuple[str, ...] = tuple(
@@ -66,25 +66,25 @@ class ServerTokenizer:
     """vLLM's ``POST /tokenize``: the count the server itself will see."""
 
     def __init__(self, base_url: str, model: str, *, timeout_s: float = 60.0) -> None:
-        self.name = f"server /tokenize ({base_url})"
+        self._endpoint = Endpoint(base_url, model, timeout_s=timeout_s)
+        self.name = f"server /tokenize ({self._endpoint.root})"
         self.model = model
         self.max_model_len: int | None = None
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False)
 
     def close(self) -> None:
-        self._http.close()
+        self._endpoint.close()
 
     def _tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         try:
-            response = self._http.post("/tokenize", json={"model": self.model, **body})
-        except httpx.HTTPError as error:
-            raise ConfigError(f"cannot reach {self._http.base_url}/tokenize: {error}; pass --tokenizer PATH") from error
-        if response.status_code != 200:
+            doc = self._endpoint.tokenize(body)
+        except EndpointStatusError as error:
             raise ConfigError(
-                f"{self._http.base_url}/tokenize answered HTTP {response.status_code}: {response.text[:200]}; "
-                "pass --tokenizer PATH to count tokens locally"
-            )
-        doc = response.json()
+                f"{error.url} answered HTTP {error.status}: {(error.body or '')[:200]}; count tokens locally with a tokenizer instead",
+                option="tokenizer",
+            ) from error
+        except EndpointError as error:
+            raise ConfigError(f"cannot reach the server's tokenizer ({error.message}); count tokens locally with a tokenizer instead",
+                              option="tokenizer") from error
         self.max_model_len = doc.get("max_model_len", self.max_model_len)
         return doc
 

@@ -28,7 +28,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-import httpx
 import numpy as np
 
 from fp4forge.bench.client import (
@@ -37,10 +36,10 @@ from fp4forge.bench.client import (
     RequestSpec,
     StreamingClient,
     probe_stream_options,
-    server_root,
 )
 from fp4forge.bench.prompts import HfTokenizer, Prompt, PromptFactory, PromptTokenizer, ServerTokenizer
-from fp4forge.errors import BenchAborted, ConfigError, Fp4forgeError
+from fp4forge.endpoint import METRICS_PATH, Endpoint, server_root
+from fp4forge.errors import BenchAborted, ConfigError, EndpointError, EndpointStatusError, Fp4forgeError
 
 SAMPLES_FILE = "samples.jsonl"
 SERVER_METRICS_FILE = "server_metrics.jsonl"
@@ -119,18 +118,23 @@ class LoadPoint:
         return f"c{self.concurrency}"
 
 
+MODES: tuple[str, ...] = ("sequential", "concurrency", "rate")
+ENDPOINT_KINDS: tuple[str, ...] = ("completions", "chat")
+OUTPUT_CONTROLS: tuple[str, ...] = ("ignore_eos", "min_tokens", "none")
+
+
 def load_points(mode: Mode, concurrency: Sequence[int], rates_rps: Sequence[float]) -> list[LoadPoint]:
     if mode == "sequential":
         return [LoadPoint("sequential", concurrency=1)]
     if mode == "concurrency":
         if not concurrency or min(concurrency) < 1:
-            raise ConfigError("--mode concurrency needs concurrency levels >= 1")
+            raise ConfigError("mode concurrency needs concurrency levels >= 1", option="concurrency")
         return [LoadPoint("concurrency", concurrency=c) for c in concurrency]
     if mode == "rate":
         if not rates_rps or min(rates_rps) <= 0:
-            raise ConfigError("--mode rate needs arrival rates > 0 requests/s")
+            raise ConfigError("mode rate needs arrival rates > 0 requests/s", option="rate")
         return [LoadPoint("rate", rate_rps=r) for r in rates_rps]
-    raise ConfigError(f"unknown mode {mode!r}: sequential, concurrency or rate")
+    raise ConfigError(f"mode must be sequential, concurrency or rate, not {mode!r}", option="mode")
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -152,6 +156,18 @@ class BenchConfig:
     tokenizer_path: str | None = None
     max_in_flight: int = 256  # open-loop cap; waiting for it shows up as schedule_lag_s
     workload: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINT_KINDS:
+            raise ConfigError(f"endpoint must be completions or chat, not {self.endpoint!r}", option="endpoint")
+        if self.output_control not in OUTPUT_CONTROLS:
+            raise ConfigError(f"output control must be ignore_eos, min_tokens or none, not {self.output_control!r}", option="output_control")
+        if self.warmups < 0:
+            raise ConfigError(f"warmups must be >= 0, not {self.warmups}", option="warmups")
+        if self.samples < 1:
+            raise ConfigError(f"samples must be >= 1, not {self.samples}", option="samples")
+        if not 0.0 <= self.prefix_cache_fraction < 1.0:
+            raise ConfigError(f"the shared prefix fraction must be in [0, 1), not {self.prefix_cache_fraction}", option="prefix_fraction")
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -291,34 +307,29 @@ class BenchRun:
         out = Path(self.config.out_dir)
         samples = out / SAMPLES_FILE
         if samples.exists() and samples.stat().st_size > 0:
-            raise ConfigError(f"{samples} already holds samples; choose a new --out (runs are never mixed)")
+            raise ConfigError(f"{samples} already holds samples; choose a new output directory (runs are never mixed)", option="out")
         out.mkdir(parents=True, exist_ok=True)
         return out
 
     def probe_server(self) -> dict[str, Any]:
         """Model list, version and max_model_len; ConfigError when the model is not served."""
         info: dict[str, Any] = {"url": self.root}
-        with httpx.Client(base_url=self.root, timeout=30.0, trust_env=False) as http:
+        with Endpoint(self.root, self.config.model, timeout_s=30.0) as endpoint:
             try:
-                models = http.get("/v1/models")
-            except httpx.HTTPError as error:
-                raise ConfigError(f"no OpenAI-compatible server at {self.root}: {error}") from error
-            if models.status_code != 200:
-                raise ConfigError(f"{self.root}/v1/models answered HTTP {models.status_code}")
-            cards = models.json().get("data", [])
+                cards = endpoint.models()
+            except EndpointStatusError as error:
+                raise ConfigError(f"{error.url} answered HTTP {error.status}") from error
+            except EndpointError as error:
+                raise ConfigError(f"no OpenAI-compatible server at {self.root}: {error.message}") from error
             names = [card.get("id") for card in cards]
             if self.config.model not in names:
                 raise ConfigError(f"model {self.config.model!r} is not served at {self.root}; it serves {names}")
             card = next(c for c in cards if c.get("id") == self.config.model)
             info["max_model_len"] = card.get("max_model_len")
             info["model_root"] = card.get("root")
-            version = _optional_get(http, "/version")
-            try:
-                info["version"] = version.json().get("version") if version is not None else None
-            except (ValueError, AttributeError):
-                info["version"] = None
-            metrics = _optional_get(http, "/metrics")
-            info["metrics_available"] = metrics is not None and "vllm:" in metrics.text
+            info["version"] = endpoint.version(timeout_s=30.0)
+            metrics = endpoint.metrics_text()
+            info["metrics_available"] = metrics is not None and "vllm:" in metrics
         self.check_shapes_fit(info.get("max_model_len"))
         return info
 
@@ -548,12 +559,7 @@ class BenchRun:
 
     async def _unreachable_reason(self) -> str | None:
         """None when the server root answers HTTP at all (even 404), else why it does not."""
-        try:
-            async with httpx.AsyncClient(base_url=self.root, timeout=HEALTH_TIMEOUT_S, trust_env=False) as http:
-                await http.get("/health")
-            return None
-        except httpx.HTTPError as error:
-            return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return await self._client.session.unreachable_reason(timeout_s=HEALTH_TIMEOUT_S)
 
     def _abort(self, cause: str) -> None:
         self._server_gone = (
@@ -569,11 +575,8 @@ class BenchRun:
     async def _scrape_metrics(self) -> dict[str, float] | None:
         if not self.server_info.get("metrics_available"):
             return None
-        try:
-            response = await self._client._http.get("/metrics")
-        except httpx.HTTPError:
-            return None
-        return parse_prometheus(response.text) if response.status_code == 200 else None
+        text = await self._client.session.get_text(METRICS_PATH)
+        return parse_prometheus(text) if text is not None else None
 
     def sample_record(
         self,
@@ -646,15 +649,6 @@ class CellCounter:
 
     def finish(self) -> None:
         self.on_event(CellEvent(self.shape, self.load, "done", self.done, self.total, self.failed))
-
-
-def _optional_get(http: httpx.Client, path: str) -> httpx.Response | None:
-    """A 200 response, or None when the server does not offer ``path``."""
-    try:
-        response = http.get(path)
-    except httpx.HTTPError:
-        return None
-    return response if response.status_code == 200 else None
 
 
 def _round(value: float | None, digits: int = 6) -> float | None:

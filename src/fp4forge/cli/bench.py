@@ -16,7 +16,6 @@ the same commands standalone.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from fp4forge.cli.common import console, fail
+from fp4forge.cli.common import console, error_text, fail
 from fp4forge.cli.common import emit_json as _emit
 from fp4forge.errors import ConfigError, ExitCode, Fp4forgeError
 
@@ -97,90 +96,49 @@ def perf_command(
     no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
 ) -> None:
     """Measure TTFT, prefill and decode per prompt length, warmups discarded, every request kept."""
-    from fp4forge.bench.analyze import analyze_dir
-    from fp4forge.bench.runner import BenchAborted, run_bench
+    from fp4forge.bench.perf import PerfOptions, run_perf
+    from fp4forge.bench.runner import BenchAborted
+    from fp4forge.report.bench_plots import BENCH_PRESENTER
 
     try:
-        config = _perf_config(
+        options = PerfOptions(
             url=url, model=model, out_dir=out_dir, workload=workload, workloads_file=workloads_file, mode=mode,
-            endpoint=endpoint, prompt_tokens=prompt_tokens, output_tokens=output_tokens, concurrency=concurrency,
-            rate=rate, warmups=warmups, samples=samples, prefix_cache=prefix_cache, prefix_fraction=prefix_fraction,
-            output_control=output_control, extra_body=extra_body, tokenizer=tokenizer, timeout_s=timeout_s, seed=seed,
+            endpoint=endpoint, prompt_tokens=_int_list(prompt_tokens, "--prompt-tokens"), output_tokens=output_tokens,
+            concurrency=_int_list(concurrency, "--concurrency"), rates_rps=_float_list(rate, "--rate"), warmups=warmups,
+            samples=samples, prefix_cache_fraction=prefix_fraction if prefix_cache else 0.0, output_control=output_control,
+            extra_body=_extra_body(extra_body), tokenizer=tokenizer, timeout_s=timeout_s, seed=seed,
         )
-    except Fp4forgeError as error:
-        raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
-
-    samples_path = out_dir / "samples.jsonl"
-    had_samples = samples_path.exists()  # then the run refuses to start; never summarise an old run
-    ending: tuple[int, str] | None = None
-    try:
         with LiveCells(enabled=not as_json) as live:
-            outcome = asyncio.run(run_bench(config, live.update))
-    except BenchAborted as error:
-        ending = (EXIT_ABORTED, str(error))
-    except KeyboardInterrupt:
-        ending = (EXIT_INTERRUPTED, f"interrupted; every finished sample is in {samples_path}")
+            result = run_perf(options, on_event=live.update, presenter=BENCH_PRESENTER, plots=not no_plots)
     except Fp4forgeError as error:
-        if had_samples or not samples_path.is_file():
-            raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
-        ending = (EXIT_UNUSABLE, str(error))
+        raise _fail(error, EXIT_UNUSABLE, as_json) from None
 
-    summary = analyze_dir(out_dir, plots=not no_plots) if samples_path.is_file() else None
-    _print_summary(summary, as_json)
+    _print_summary(result.summary, as_json)
+    ending: tuple[int, str] | None = None
+    if result.interrupted:
+        ending = (EXIT_INTERRUPTED, f"interrupted; every finished sample is in {out_dir / 'samples.jsonl'}")
+    elif result.stopped is not None:
+        code = EXIT_ABORTED if isinstance(result.stopped, BenchAborted) else EXIT_UNUSABLE
+        ending = (code, error_text(result.stopped))
     if ending is not None:
         if not as_json:
             _err().print(f"[red]error:[/red] {ending[1]}", highlight=False)
         raise typer.Exit(ending[0])
-    if outcome.failed:
-        _err().print(f"[yellow]{outcome.failed} request(s) failed[/yellow]; see failures in {out_dir / 'summary.md'}")
+    if result.failed:
+        _err().print(f"[yellow]{result.failed} request(s) failed[/yellow]; see failures in {out_dir / 'summary.md'}")
         raise typer.Exit(EXIT_SOME_FAILED)
 
 
-def _perf_config(**options: Any) -> Any:
-    from fp4forge.bench.runner import BenchConfig, Shape, load_points, load_workloads
-
-    workloads = load_workloads(options["workloads_file"])
-    if options["workload"] not in workloads:
-        raise ConfigError(f"unknown workload {options['workload']!r}; known: {sorted(workloads)}")
-    chosen = workloads[options["workload"]]
-    if options["mode"] not in ("sequential", "concurrency", "rate"):
-        raise ConfigError(f"--mode must be sequential, concurrency or rate, not {options['mode']!r}")
-    if options["endpoint"] not in ("completions", "chat"):
-        raise ConfigError(f"--endpoint must be completions or chat, not {options['endpoint']!r}")
-    if options["output_control"] not in ("ignore_eos", "min_tokens", "none"):
-        raise ConfigError(f"--output-control must be ignore_eos, min_tokens or none, not {options['output_control']!r}")
-    output = options["output_tokens"] or chosen.shapes[0].output_tokens
-    prompts = _int_list(options["prompt_tokens"], "--prompt-tokens") or [s.prompt_tokens for s in chosen.shapes]
-    extra_body: dict[str, Any] = {}
-    if options["extra_body"]:
-        try:
-            extra_body = json.loads(options["extra_body"])
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--extra-body is not JSON: {error}") from error
-        if not isinstance(extra_body, dict):
-            raise ConfigError("--extra-body must be a JSON object")
-    points = load_points(
-        options["mode"],
-        _int_list(options["concurrency"], "--concurrency") or list(chosen.concurrency),
-        _float_list(options["rate"], "--rate") or list(chosen.rates_rps),
-    )
-    return BenchConfig(
-        base_url=options["url"],
-        model=options["model"],
-        out_dir=Path(options["out_dir"]),
-        shapes=[Shape(p, output) for p in prompts],
-        points=points,
-        warmups=chosen.warmups if options["warmups"] is None else options["warmups"],
-        samples=chosen.samples if options["samples"] is None else options["samples"],
-        endpoint=options["endpoint"],
-        request_timeout_s=options["timeout_s"],
-        seed=options["seed"],
-        prefix_cache_fraction=options["prefix_fraction"] if options["prefix_cache"] else 0.0,
-        output_control=options["output_control"],
-        extra_body=extra_body,
-        tokenizer_path=options["tokenizer"],
-        workload=chosen.name,
-    )
+def _extra_body(text: Optional[str]) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        extra_body = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--extra-body is not JSON: {error}") from error
+    if not isinstance(extra_body, dict):
+        raise ConfigError("--extra-body must be a JSON object")
+    return extra_body
 
 
 def _print_summary(summary: dict[str, Any] | None, as_json: bool) -> None:
@@ -252,10 +210,11 @@ def analyze_command(
 ) -> None:
     """Recompute every statistic from DIR/samples.jsonl; write summary.json, summary.md and plots."""
     from fp4forge.bench.analyze import analyze_dir
+    from fp4forge.report.bench_plots import BENCH_PRESENTER
     from fp4forge.report.bench_tables import summary_markdown
 
     try:
-        summary = analyze_dir(run_dir, plots=not no_plots)
+        summary = analyze_dir(run_dir, plots=not no_plots, presenter=BENCH_PRESENTER)
     except (Fp4forgeError, OSError) as error:
         raise _fail(str(error), EXIT_UNUSABLE, as_json) from None
     if markdown:

@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import httpx
 import typer
 from rich.console import Console
 from typer.core import TyperCommand
@@ -36,10 +35,13 @@ from typer.core import TyperCommand
 from fp4forge.cli.common import console, fail
 from fp4forge.cli.common import emit_json as _emit
 from fp4forge.errors import ExitCode, Fp4forgeError
-from fp4forge.quality import load_suite
-from fp4forge.quality.probes import MODES, Endpoint, determinism_probe, kl_probe, suite_sequences
-from fp4forge.quality.report import compare_document, score_document, write_compare, write_determinism, write_kl, write_score
-from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript, run_suite
+from fp4forge.quality.suite import load_suite
+from fp4forge.endpoint import Endpoint
+from fp4forge.quality.probes import MODES, determinism_probe, kl_probe, suite_sequences
+from fp4forge.quality.evaluate import run_and_score
+from fp4forge.quality.report import compare_document, score_document
+from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript
+from fp4forge.report.quality_files import write_compare, write_determinism, write_kl, write_score
 from fp4forge.report.quality_tables import (
     compare_markdown,
     compare_rich,
@@ -66,7 +68,7 @@ def _err() -> Console:
     return console(stderr=True)
 
 
-def _fail(message: str, code: int = EXIT_UNUSABLE, as_json: bool = False) -> SystemExit:
+def _fail(message: object, code: int = EXIT_UNUSABLE, as_json: bool = False) -> SystemExit:
     return fail(message, code, as_json)
 
 
@@ -123,8 +125,6 @@ def run_command(
             raise ValueError("must be a JSON object")
     except ValueError as error:
         raise _fail(f"--chat-template-kwargs: {error}", as_json=as_json) from error
-    config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, concurrency=concurrency,
-                       timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs)
     progress = _err()
 
     def on_scenario(run: int, record: dict[str, Any]) -> None:
@@ -133,22 +133,20 @@ def run_command(
         progress.print(f"run {run} {record['id']}: {score.get('earned', '?')}/{score.get('max', '?')}{failed}", highlight=False)
 
     try:
-        suite = load_suite()
-        scenarios = suite.select(ids=_csv(only), categories=_csv(category))
-        paths = run_suite(config, suite, out, scenarios=scenarios, on_scenario=on_scenario)
+        config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, concurrency=concurrency,
+                           timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs)
+        outcome = run_and_score(config, out, only=_csv(only), categories=_csv(category), on_scenario=on_scenario, write=write_score)
     except IncompleteRunError as error:
-        raise _fail(str(error), EXIT_INCOMPLETE, as_json) from error
+        raise _fail(error, EXIT_INCOMPLETE, as_json) from error
     except Fp4forgeError as error:
-        raise _fail(str(error), as_json=as_json) from error
-    results = [rescore_transcript(path, suite) for path in paths]
-    doc = score_document(results, suite)
-    write_score(doc, out)
+        raise _fail(error, as_json=as_json) from error
+    doc = outcome.document
     if as_json:
         _emit(doc)
     else:
         Console().print(score_rich(doc))
-        Console().print(f"transcripts: {', '.join(str(p) for p in paths)}; report: {out / 'score.md'}", highlight=False)
-    if any(r.failed_requests for r in results):
+        Console().print(f"transcripts: {', '.join(str(p) for p in outcome.transcripts)}; report: {out / 'score.md'}", highlight=False)
+    if outcome.failed_requests:
         raise typer.Exit(EXIT_SOME_FAILED)
 
 
@@ -275,11 +273,11 @@ def kl_command(
         raise _fail("--top-k is a positive count, or -1 for the whole vocabulary", as_json=as_json)
     arm_a, arm_b = Endpoint(url_a, model_a, "A"), Endpoint(url_b, model_b, "B")
     try:
-        with httpx.Client(trust_env=False) as client:
-            seqs = suite_sequences(client, arm_a, load_suite().scenarios, sequences)
-            doc = kl_probe(client, arm_a, arm_b, seqs, top_k, mode)
+        with arm_a, arm_b:
+            seqs = suite_sequences(None, arm_a, load_suite().scenarios, sequences)
+            doc = kl_probe(None, arm_a, arm_b, seqs, top_k, mode)
     except Fp4forgeError as error:
-        raise _fail(str(error), as_json=as_json) from error
+        raise _fail(error, as_json=as_json) from error
     write_kl(doc, out)
     if as_json:
         _emit(doc)
@@ -304,11 +302,11 @@ def determinism_command(
     _check_mode(mode, as_json)
     endpoint = Endpoint(url, model, "A")
     try:
-        with httpx.Client(trust_env=False) as client:
-            seqs = suite_sequences(client, endpoint, load_suite().scenarios, prompts)
-            doc = determinism_probe(client, endpoint, seqs, replicates=replicates, max_tokens=max_tokens, top_k=top_k, mode=mode)
+        with endpoint:
+            seqs = suite_sequences(None, endpoint, load_suite().scenarios, prompts)
+            doc = determinism_probe(None, endpoint, seqs, replicates=replicates, max_tokens=max_tokens, top_k=top_k, mode=mode)
     except Fp4forgeError as error:
-        raise _fail(str(error), as_json=as_json) from error
+        raise _fail(error, as_json=as_json) from error
     write_determinism(doc, out, plots=plots)
     if as_json:
         _emit(doc)

@@ -20,6 +20,7 @@ import typer
 from fp4forge.cli.common import console as _console
 from fp4forge.cli.common import emit_json as _emit
 from fp4forge.cli.common import fail
+from fp4forge.endpoint import api_url
 from fp4forge.errors import ExitCode, Fp4forgeError
 
 DEFAULT_VENV = Path(".venv-vllm")
@@ -121,7 +122,7 @@ def up_command(
     if as_json:
         _emit({**record.to_json(), "findings": doctor.diagnosis().to_json()["findings"]})
     else:
-        _console().print(f"[green]ready[/green] {record.name} at {record.base_url}/v1 (pid {record.pid}, log {record.log})")
+        _console().print(f"[green]ready[/green] {record.name} at {api_url(record.base_url)} (pid {record.pid}, log {record.log})")
 
 
 @serve_app.command("down")

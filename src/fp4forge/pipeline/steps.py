@@ -8,7 +8,6 @@ order they run in.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import time
@@ -332,18 +331,16 @@ def run_serve(ctx: Context) -> dict[str, Any]:
 
 
 def run_perf(ctx: Context) -> dict[str, Any]:
-    from fp4forge.bench.analyze import analyze_dir
-    from fp4forge.bench.runner import BenchConfig, CellEvent, load_points, load_workloads, run_bench
+    from fp4forge.bench.perf import PerfOptions
+    from fp4forge.bench.perf import run_perf as bench_perf
+    from fp4forge.bench.runner import CellEvent
+    from fp4forge.report.bench_plots import BENCH_PRESENTER
 
     o = ctx.options
     record = ctx.slot("student").get()
-    workload = load_workloads()[o.perf_workload]
     staged = ctx.staging("perf") / "bench"
-    config = BenchConfig(
-        base_url=record.base_url, model=record.name, out_dir=staged, shapes=list(workload.shapes),
-        points=load_points(o.perf_mode, list(workload.concurrency), list(workload.rates_rps)),
-        warmups=workload.warmups, samples=workload.samples, workload=workload.name,
-    )
+    options = PerfOptions(url=record.base_url, model=record.name, out_dir=staged, workload=o.perf_workload, mode=o.perf_mode)
+    config = options.bench_config
     requests = len(config.shapes) * len(config.points) * (config.warmups + config.samples)
     finished: dict[tuple[str, str], int] = {}
 
@@ -351,12 +348,15 @@ def run_perf(ctx: Context) -> dict[str, Any]:
         finished[(event.load, event.shape)] = event.done + (config.warmups if event.phase != "warmup" else 0)
         ctx.progress(sum(finished.values()), requests, f"bench perf {event.load} {event.shape}")
 
-    outcome = asyncio.run(run_bench(config, on_event))
-    summary = analyze_dir(staged, plots=True)
+    result = bench_perf(options, on_event=on_event, presenter=BENCH_PRESENTER, plots=True)
+    if result.interrupted:
+        raise KeyboardInterrupt
+    if result.stopped is not None:
+        raise result.stopped
     _replace_dir(staged, ctx.report("bench"))
-    if outcome.failed:
-        raise PipelineStepError(f"{outcome.failed} benchmark request(s) failed; see {ctx.report('bench') / 'summary.md'}")
-    return {"requests": outcome.requests, "kept": outcome.kept}
+    if result.failed:
+        raise PipelineStepError(f"{result.failed} benchmark request(s) failed; see {ctx.report('bench') / 'summary.md'}")
+    return {"requests": result.outcome.requests, "kept": result.outcome.kept}
 
 
 QUALITY_ARMS = {"student": "quantized", "teacher": "bf16-teacher"}
@@ -365,34 +365,36 @@ QUALITY_DIRS = {"student": "quality", "teacher": "quality-teacher"}
 
 def _quality_runs(ctx: Context, role: str) -> list[Any]:
     """N runs of the (selected) suite against the ``role`` server into reports/<dir>/, scored there."""
-    from fp4forge.quality import load_suite
-    from fp4forge.quality.report import score_document, write_score
-    from fp4forge.quality.runner import RunConfig, rescore_transcript, run_suite
+    from fp4forge.quality.evaluate import run_and_score
+    from fp4forge.quality.runner import RunConfig
+    from fp4forge.quality.suite import load_suite
+    from fp4forge.report.quality_files import write_score
 
     o = ctx.options
     record = ctx.slot(role).get()
     suite = load_suite()
-    scenarios = suite.select(ids=None, categories=list(o.quality_categories) or None)
+    categories = list(o.quality_categories) or None
     config = RunConfig(base_url=record.base_url, model=record.name, arm=QUALITY_ARMS[role], runs=o.quality_runs,
                        max_tokens=o.quality_max_tokens, concurrency=o.quality_concurrency)
     staged = ctx.staging(QUALITY_DIRS[role]) / QUALITY_DIRS[role]
-    total = len(scenarios) * o.quality_runs
+    final = ctx.report(QUALITY_DIRS[role])
+    total = len(suite.select(categories=categories)) * o.quality_runs
     finished = [0]
 
     def on_scenario(run: int, scenario_record: dict[str, Any]) -> None:
         finished[0] += 1
         ctx.progress(finished[0], total, f"quality {QUALITY_ARMS[role]} run {run}")
 
-    paths = run_suite(config, suite, staged, scenarios=scenarios, on_scenario=on_scenario)
-    final = ctx.report(QUALITY_DIRS[role])
-    _replace_dir(staged, final)
-    # Scored where the transcripts now live, so the score document names their real paths.
-    results = [rescore_transcript(final / path.name, suite) for path in paths]
-    write_score(score_document(results, suite), final)
-    failed = sum(r.failed_requests for r in results)
-    if failed:
-        raise PipelineStepError(f"{failed} quality request(s) failed; transcripts in {final}")
-    return results
+    def publish(directory: Path) -> Path:
+        _replace_dir(directory, final)
+        return final
+
+    # Scored where the transcripts end up (publish), so the score document names their real paths.
+    outcome = run_and_score(config, staged, categories=categories, suite=suite, on_scenario=on_scenario, publish=publish,
+                            write=write_score)
+    if outcome.failed_requests:
+        raise PipelineStepError(f"{outcome.failed_requests} quality request(s) failed; transcripts in {final}")
+    return outcome.results
 
 
 def run_quality(ctx: Context) -> dict[str, Any]:
@@ -402,9 +404,10 @@ def run_quality(ctx: Context) -> dict[str, Any]:
 
 def run_quality_teacher(ctx: Context) -> dict[str, Any]:
     """Arm B: the BF16 teacher through the same suite, then paired tests of the two arms."""
-    from fp4forge.quality import load_suite
-    from fp4forge.quality.report import compare_document, write_compare
+    from fp4forge.quality.report import compare_document
     from fp4forge.quality.runner import expand_transcripts, rescore_transcript
+    from fp4forge.quality.suite import load_suite
+    from fp4forge.report.quality_files import write_compare
 
     teacher = _quality_runs(ctx, "teacher")
     suite = load_suite()

@@ -27,14 +27,16 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import numpy as np
 
+from fp4forge.endpoint import Endpoint
 from fp4forge.errors import ProbeError
-from fp4forge.quality import Scenario
+from fp4forge.quality.suite import Scenario
+
+if TYPE_CHECKING:
+    import httpx
 
 MODES = ("prompt_logprobs", "echo")
 REST_FLOOR = 1e-12
@@ -44,45 +46,23 @@ TOKENIZER_PROBE_TEXTS = (
 )
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    base_url: str
-    model: str
-    label: str = "A"
-
-    @property
-    def root_url(self) -> str:
-        url = self.base_url.rstrip("/")
-        return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
 # A position: (actual token id, {token id: logprob}) with the actual token always in the dict.
 Position = tuple[int, dict[int, float]]
 
 
 # -- requests -----------------------------------------------------------------------------------
-def _post(client: httpx.Client, url: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
-    try:
-        response = client.post(url, json=body, timeout=timeout_s)
-    except httpx.HTTPError as error:
-        raise ProbeError(f"{url}: {type(error).__name__}: {error}") from error
-    if response.status_code >= 400:
-        raise ProbeError(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
-    return response.json()
+# ``client``: the connection pool the probe's calls share (None: each endpoint's own).
+def tokenize_text(client: httpx.Client | None, endpoint: Endpoint, text: str) -> list[int]:
+    return list(endpoint.via(client).tokenize({"prompt": text, "add_special_tokens": False})["tokens"])
 
 
-def tokenize_text(client: httpx.Client, endpoint: Endpoint, text: str) -> list[int]:
-    doc = _post(client, f"{endpoint.root_url}/tokenize", {"model": endpoint.model, "prompt": text, "add_special_tokens": False})
-    return list(doc["tokens"])
-
-
-def tokenize_chat(client: httpx.Client, endpoint: Endpoint, scenario: Scenario) -> list[int]:
+def tokenize_chat(client: httpx.Client | None, endpoint: Endpoint, scenario: Scenario) -> list[int]:
     """The scenario's opening conversation, rendered by the server's own chat template."""
-    body = {"model": endpoint.model, "messages": scenario.initial_messages(), "tools": scenario.request_tools(), "add_generation_prompt": True}
-    return list(_post(client, f"{endpoint.root_url}/tokenize", body)["tokens"])
+    body = {"messages": scenario.initial_messages(), "tools": scenario.request_tools(), "add_generation_prompt": True}
+    return list(endpoint.via(client).tokenize(body)["tokens"])
 
 
-def same_tokenizer(client: httpx.Client, arm_a: Endpoint, arm_b: Endpoint) -> bool:
+def same_tokenizer(client: httpx.Client | None, arm_a: Endpoint, arm_b: Endpoint) -> bool:
     return all(tokenize_text(client, arm_a, text) == tokenize_text(client, arm_b, text) for text in TOKENIZER_PROBE_TEXTS)
 
 
@@ -91,15 +71,15 @@ def _token_key(key: str | int) -> int:
     return int(text.split(":", 1)[1]) if text.startswith("token_id:") else int(text)
 
 
-def score_sequence(client: httpx.Client, endpoint: Endpoint, token_ids: Sequence[int], top_k: int, mode: str = "prompt_logprobs") -> list[Position]:
+def score_sequence(client: httpx.Client | None, endpoint: Endpoint, token_ids: Sequence[int], top_k: int, mode: str = "prompt_logprobs") -> list[Position]:
     """Teacher-forced logprobs for positions 1..len-1 of ``token_ids`` (position 0 has no context)."""
-    url = f"{endpoint.root_url}/v1/completions"
+    endpoint_ = endpoint.via(client)
     base = {"model": endpoint.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0}
     if mode == "prompt_logprobs":
-        choice = _post(client, url, {**base, "prompt_logprobs": top_k})["choices"][0]
+        choice = endpoint_.complete({**base, "prompt_logprobs": top_k})["choices"][0]
         entries = choice.get("prompt_logprobs")
         if entries is None:
-            raise ProbeError(f"{endpoint.label}: the server returned no prompt_logprobs (not vLLM? try --mode echo)")
+            raise ProbeError(f"{endpoint.label}: the server returned no prompt_logprobs (not vLLM? try the echo mode)", option="mode")
         positions = []
         for index in range(1, len(token_ids)):
             entry = entries[index] or {}
@@ -108,7 +88,7 @@ def score_sequence(client: httpx.Client, endpoint: Endpoint, token_ids: Sequence
         return positions
     if mode == "echo":
         body = {**base, "echo": True, "logprobs": top_k, "return_tokens_as_token_ids": True}
-        logprobs = _post(client, url, body)["choices"][0]["logprobs"]
+        logprobs = endpoint_.complete(body)["choices"][0]["logprobs"]
         positions = []
         for index in range(1, len(token_ids)):
             top = {_token_key(k): float(v) for k, v in (logprobs["top_logprobs"][index] or {}).items()}
@@ -120,13 +100,13 @@ def score_sequence(client: httpx.Client, endpoint: Endpoint, token_ids: Sequence
     raise ProbeError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def generate_greedy(client: httpx.Client, endpoint: Endpoint, token_ids: Sequence[int], max_tokens: int, top_k: int) -> tuple[list[int], list[dict[int, float]]]:
+def generate_greedy(client: httpx.Client | None, endpoint: Endpoint, token_ids: Sequence[int], max_tokens: int, top_k: int) -> tuple[list[int], list[dict[int, float]]]:
     """Greedy continuation (temperature 0, EOS ignored so every replicate has the same length)."""
     body = {
         "model": endpoint.model, "prompt": list(token_ids), "max_tokens": max_tokens, "temperature": 0.0,
         "logprobs": top_k, "return_tokens_as_token_ids": True, "ignore_eos": True,
     }
-    logprobs = _post(client, f"{endpoint.root_url}/v1/completions", body)["choices"][0]["logprobs"]
+    logprobs = endpoint.via(client).complete(body)["choices"][0]["logprobs"]
     tokens = [_token_key(t) for t in logprobs["tokens"]]
     tops = [{_token_key(k): float(v) for k, v in (entry or {}).items()} for entry in logprobs["top_logprobs"]]
     return tokens, tops
@@ -184,7 +164,7 @@ def summarize_kl(kls: list[float], shared_sizes: list[int], agree: list[bool], d
     }
 
 
-def suite_sequences(client: httpx.Client, endpoint: Endpoint, scenarios: Sequence[Scenario], count: int) -> list[list[int]]:
+def suite_sequences(client: httpx.Client | None, endpoint: Endpoint, scenarios: Sequence[Scenario], count: int) -> list[list[int]]:
     """Token ids of ``count`` scenario openings, one per category first, rendered by the server."""
     by_category: dict[str, list[Scenario]] = {}
     for scenario in scenarios:
@@ -199,7 +179,7 @@ def round_robin(groups: list[list[Scenario]]) -> list[list[Scenario]]:
     return [[g[i] for g in groups if i < len(g)] for i in range(rounds)]
 
 
-def kl_probe(client: httpx.Client, arm_a: Endpoint, arm_b: Endpoint, sequences: list[list[int]], top_k: int = 20, mode: str = "prompt_logprobs") -> dict[str, Any]:
+def kl_probe(client: httpx.Client | None, arm_a: Endpoint, arm_b: Endpoint, sequences: list[list[int]], top_k: int = 20, mode: str = "prompt_logprobs") -> dict[str, Any]:
     """Within-arm (each arm twice) and between-arm (A as reference) teacher-forced comparisons."""
     if not same_tokenizer(client, arm_a, arm_b):
         raise ProbeError(f"{arm_a.label} and {arm_b.label} tokenize the probe texts differently: KL over token ids would compare different things")
@@ -219,7 +199,7 @@ def kl_probe(client: httpx.Client, arm_a: Endpoint, arm_b: Endpoint, sequences: 
         "top_k": top_k,
         "sequences": len(sequences),
         "sequence_tokens": [len(s) for s in sequences],
-        "arms": {"A": arm_a.__dict__, "B": arm_b.__dict__},
+        "arms": {"A": arm_a.describe(), "B": arm_b.describe()},
         "within_a": within_a,
         "within_b": within_b,
         "between": between,
@@ -288,7 +268,7 @@ def greedy_divergence(replicates: list[tuple[list[int], list[dict[int, float]]]]
     }
 
 
-def determinism_probe(client: httpx.Client, endpoint: Endpoint, sequences: list[list[int]], *, replicates: int = 8,
+def determinism_probe(client: httpx.Client | None, endpoint: Endpoint, sequences: list[list[int]], *, replicates: int = 8,
                       max_tokens: int = 32, top_k: int = 5, mode: str = "prompt_logprobs") -> dict[str, Any]:
     """The same requests ``replicates`` times, strictly one after another (concurrency 1)."""
     if replicates < 2:
@@ -304,7 +284,7 @@ def determinism_probe(client: httpx.Client, endpoint: Endpoint, sequences: list[
     histogram = Counter(diverged)
     gaps = [gap for g in greedy for gap in g["top2_gap_at_divergence"] if gap is not None]
     return {
-        "endpoint": endpoint.__dict__,
+        "endpoint": endpoint.describe(),
         "replicates": replicates,
         "sequences": len(sequences),
         "max_tokens": max_tokens,

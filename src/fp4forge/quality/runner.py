@@ -26,17 +26,18 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from fp4forge.errors import IncompleteRunError, QualityRunError
-from fp4forge.quality import Scenario, Suite
+from fp4forge.endpoint import ERROR_BODY_CHARS, Endpoint, server_root
+from fp4forge.errors import ConfigError, EndpointError, EndpointProtocolError, EndpointStatusError, EndpointTimeout, Fp4forgeError, IncompleteRunError, QualityRunError
+from fp4forge.quality.suite import Scenario, Suite
 from fp4forge.quality.scorer import ModelTurn, ParsedCall, ScenarioScore, score_scenario, turn_from_message
 from fp4forge.quality.simulated_tools import SimulatedWorld, replay
 
+if TYPE_CHECKING:
+    import httpx
+
 TRANSCRIPT_FORMAT = "fp4forge-quality-transcript/1"
-ERROR_BODY_CHARS = 300
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -55,10 +56,16 @@ class RunConfig:
     chat_template_kwargs: dict[str, Any] | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for option, value in (("runs", self.runs), ("max_tokens", self.max_tokens), ("concurrency", self.concurrency)):
+            if value < 1:
+                raise ConfigError(f"{option.replace('_', ' ')} must be >= 1, not {value}", option=option)
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise ConfigError("chat template kwargs must be a JSON object", option="chat_template_kwargs")
+
     @property
     def root_url(self) -> str:
-        url = self.base_url.rstrip("/")
-        return url[: -len("/v1")] if url.endswith("/v1") else url
+        return server_root(self.base_url)
 
     def request_parameters(self) -> dict[str, Any]:
         return {
@@ -172,49 +179,46 @@ def run_scenario(scenario: Scenario, config: RunConfig, post: Post) -> dict[str,
 
 
 # -- the endpoint -------------------------------------------------------------------------------
-def make_post(client: httpx.Client, config: RunConfig) -> Post:
-    url = f"{config.root_url}/v1/chat/completions"
-
+def make_post(endpoint: Endpoint, config: RunConfig) -> Post:
     def post(body: dict[str, Any]) -> Reply:
         started = time.monotonic()
         try:
-            response = client.post(url, json=body, timeout=config.timeout_s)
-        except httpx.TimeoutException as error:
-            return Reply(None, None, None, time.monotonic() - started, f"timeout: {error}")
-        except httpx.TransportError as error:
-            return Reply(None, None, None, time.monotonic() - started, f"transport: {type(error).__name__}: {error}")
+            doc = endpoint.chat(body, timeout_s=config.timeout_s)
+        except EndpointError as error:
+            return Reply(None, None, None, time.monotonic() - started, failure_text(error))
         latency = time.monotonic() - started
-        if response.status_code >= 400:
-            return Reply(None, None, None, latency, f"http {response.status_code}: {response.text[:ERROR_BODY_CHARS]}")
         try:
-            doc = response.json()
             choice = doc["choices"][0]
             return Reply(choice["message"], choice.get("finish_reason"), doc.get("usage"), latency, None)
-        except (ValueError, KeyError, IndexError, TypeError) as error:
-            return Reply(None, None, None, latency, f"protocol: {type(error).__name__}: {response.text[:ERROR_BODY_CHARS]}")
+        except (KeyError, IndexError, TypeError) as error:
+            return Reply(None, None, None, latency, f"protocol: {type(error).__name__}: {json.dumps(doc)[:ERROR_BODY_CHARS]}")
 
     return post
 
 
-def describe_endpoint(client: httpx.Client, config: RunConfig) -> dict[str, Any]:
+def failure_text(error: EndpointError) -> str:
+    """How a failed request is recorded in a transcript (``http 500: …``, ``timeout: …``, …)."""
+    cause = error.cause
+    if isinstance(error, EndpointStatusError):
+        return f"http {error.status}: {(error.body or '')[:ERROR_BODY_CHARS]}"
+    if isinstance(error, EndpointProtocolError):
+        return f"protocol: {type(cause).__name__}: {(error.body or '')[:ERROR_BODY_CHARS]}"
+    if isinstance(error, EndpointTimeout):
+        return f"timeout: {cause}"
+    return f"transport: {type(cause).__name__}: {cause}"
+
+
+def describe_endpoint(endpoint: Endpoint, config: RunConfig) -> dict[str, Any]:
     """Check that the model is served; record what the server says about itself."""
     try:
-        response = client.get(f"{config.root_url}/v1/models", timeout=30.0)
-        response.raise_for_status()
-        models = response.json().get("data", [])
-    except (httpx.HTTPError, ValueError) as error:
-        raise QualityRunError(f"no OpenAI-compatible server at {config.root_url}: {error}") from error
-    entry = next((m for m in models if isinstance(m, dict) and m.get("id") == config.model), None)
+        models = endpoint.models()
+    except EndpointError as error:
+        raise QualityRunError(f"no OpenAI-compatible server at {config.root_url}: {error.message}") from error
+    entry = next((m for m in models if m.get("id") == config.model), None)
     if entry is None:
-        served = ", ".join(str(m.get("id")) for m in models if isinstance(m, dict))
+        served = ", ".join(str(m.get("id")) for m in models)
         raise QualityRunError(f"model {config.model!r} is not served at {config.root_url} (serves: {served or 'nothing'})")
-    version = None
-    try:
-        version_response = client.get(f"{config.root_url}/version", timeout=10.0)
-        if version_response.status_code == 200:
-            version = version_response.json().get("version")
-    except (httpx.HTTPError, ValueError):
-        pass  # not every OpenAI-compatible server has /version
+    version = endpoint.version()  # None where the server has no /version
     return {"base_url": config.root_url, "model": config.model, "server_version": version, "max_model_len": entry.get("max_model_len")}
 
 
@@ -236,20 +240,15 @@ def run_suite(
     chosen = list(scenarios) if scenarios is not None else list(suite.scenarios)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    own_client = client is None
-    client = client or httpx.Client(trust_env=False, timeout=config.timeout_s)  # loopback must not go through a proxy
-    try:
-        endpoint = describe_endpoint(client, config)
-        post = make_post(client, config)
+    with Endpoint(config.base_url, config.model, timeout_s=config.timeout_s, http=client) as endpoint:
+        described = describe_endpoint(endpoint, config)
+        post = make_post(endpoint, config)
         paths = []
         for run in range(1, config.runs + 1):
             path = transcript_path(out_dir, config.arm, run)
             paths.append(path)
-            _run_once(config, suite, chosen, endpoint, post, run, path, on_scenario)
+            _run_once(config, suite, chosen, described, post, run, path, on_scenario)
         return paths
-    finally:
-        if own_client:
-            client.close()
 
 
 def _run_once(

@@ -40,7 +40,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fp4forge.quality import ArgSpec, ContentCheck, ExpectedCall, ForbiddenCall, Scenario, StateCheck, Step
+from fp4forge.quality.suite import ArgSpec, ContentCheck, ExpectedCall, ForbiddenCall, Scenario, StateCheck, Step
 
 # Error kinds. Model errors and infrastructure failures are kept apart.
 PARSE_ARGUMENTS = "parse:arguments"

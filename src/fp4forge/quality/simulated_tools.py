@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp4forge.quality import Scenario
+from fp4forge.quality.suite import Scenario
 from fp4forge.quality.scorer import ParsedCall, check_type, normalize_text, parse_iso, values_equal
 
 Result = dict[str, Any]

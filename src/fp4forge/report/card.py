@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4forge.atomic import write_text_atomic
-from fp4forge.plotting import pyplot
+from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
 PLOTS = "plots"

@@ -22,11 +22,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-import httpx
-
+from fp4forge.endpoint import LOOPBACK_HOST, Endpoint, api_url, loopback_url
 from fp4forge.errors import ServeError
 
-LOOPBACK_HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
 READY_POLL_INTERVAL_S = 0.5
 KILL_WAIT_S = 10.0
@@ -59,12 +57,12 @@ class VllmServer:
     @property
     def base_url(self) -> str:
         """Server root, e.g. ``http://127.0.0.1:8000`` (``/health``, ``/tokenize`` live here)."""
-        return f"http://{LOOPBACK_HOST}:{self.port}"
+        return loopback_url(self.port)
 
     @property
     def openai_base_url(self) -> str:
         """The OpenAI-compatible API root (``/v1``), what OpenAI clients call ``base_url``."""
-        return f"{self.base_url}/v1"
+        return api_url(self.base_url)
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return read_log_tail(self.log_path, lines)
@@ -72,14 +70,14 @@ class VllmServer:
     def wait_ready(self, timeout_s: float) -> None:
         """Poll ``GET /v1/models`` until it lists our model; raise ``ServeError`` on death or timeout."""
         deadline = time.monotonic() + timeout_s
-        url = f"{self.openai_base_url}/models"
-        # trust_env=False: a proxy from the environment must never see loopback traffic.
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
+        with Endpoint(self.base_url, self.served_model_name, timeout_s=5.0) as endpoint:
             while True:
                 returncode = self.process.poll()
                 if returncode is not None:
                     raise self._error(f"vllm serve exited with code {returncode} before it became ready")
-                if self._lists_model(client, url):
+                # Not listening yet, or something else answers on this port (vLLM's own bind
+                # error will follow): both read as "not ready".
+                if endpoint.lists_model():
                     return
                 if time.monotonic() >= deadline:
                     raise self._error(f"vllm serve was not ready after {timeout_s:.0f} s")
@@ -108,19 +106,6 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-    def _lists_model(self, client: httpx.Client, url: str) -> bool:
-        try:
-            response = client.get(url)
-        except httpx.TransportError:
-            return False  # not listening yet
-        if response.status_code != 200:
-            return False
-        try:
-            models = response.json().get("data", [])
-        except (ValueError, AttributeError):
-            return False  # something else answered on this port; vLLM's own bind error will follow
-        return any(isinstance(model, dict) and model.get("id") == self.served_model_name for model in models)
 
     def _error(self, reason: str) -> ServeError:
         tail = self.log_tail()

@@ -17,11 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
+from fp4forge.endpoint import Endpoint, loopback_url
 from fp4forge.errors import ServeError
 from fp4forge.serve.doctor import Finding, LogDoctor
-from fp4forge.serve.launcher import LOOPBACK_HOST, VllmServer, launch_vllm
+from fp4forge.serve.launcher import VllmServer, launch_vllm
 from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
 
 STATE_DIR_ENV = "FP4FORGE_STATE_DIR"
@@ -50,7 +49,7 @@ class ServeRecord:
 
     @property
     def base_url(self) -> str:
-        return f"http://{LOOPBACK_HOST}:{self.port}"
+        return loopback_url(self.port)
 
     def to_json(self) -> dict[str, object]:
         return {**asdict(self), "base_url": self.base_url}
@@ -114,15 +113,6 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)  # only succeeds for our own child (serve up in-process)
     except ChildProcessError:
         pass
-
-
-def _lists_model(client: httpx.Client, url: str, name: str) -> bool:
-    try:
-        response = client.get(url)
-        models = response.json().get("data", []) if response.status_code == 200 else []
-    except (httpx.TransportError, ValueError, AttributeError):
-        return False
-    return any(isinstance(m, dict) and m.get("id") == name for m in models)
 
 
 class _LogFollower:
@@ -190,10 +180,10 @@ def _wait_ready(server: VllmServer, record: ServeRecord, follower: _LogFollower,
     exits first or the timeout passes."""
     name = record.name
     deadline = time.monotonic() + ready_timeout_s
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
+    with Endpoint(record.base_url, name, timeout_s=5.0) as endpoint:
         while True:
             follower.poll()
-            if _lists_model(client, f"{record.base_url}/v1/models", name):
+            if endpoint.lists_model():
                 follower.poll()
                 return
             failure = None
