@@ -25,7 +25,8 @@ HEADERS = ["component", "tensors", "bytes", "params", "bits/param", "share of by
 
 
 def byte_table_rich(table: ByteTable) -> list[Table]:
-    main = Table(title=f"Where the bytes are — {table.checkpoint} (layout {table.layout})")
+    layout = f"layout {table.layout}" + (", inferred from tensor names: no table for this architecture" if table.layout_inferred else "")
+    main = Table(title=f"Where the bytes are — {table.checkpoint} ({layout})")
     for i, h in enumerate(HEADERS):
         main.add_column(h, justify="left" if i == 0 else "right")
     rows = byte_table_rows(table)
