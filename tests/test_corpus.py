@@ -145,3 +145,5 @@ def test_bytes_cli_marks_an_inferred_layout(tmp_path):
     by_name = {c["name"]: c for c in doc["components"]}
     assert by_name["routed_experts"]["params"] == 56 * 8 * 3 * 6144 * 16384
     assert doc["total"]["bytes"] == 281241268224
+    markdown = CliRunner().invoke(app, ["bytes", str(out), "--markdown"])
+    assert markdown.exit_code == 0 and "Components inferred from tensor names (inferred (SomeNewMoeForCausalLM))" in markdown.stdout
