@@ -24,7 +24,7 @@ from fp4forge.testbed.corpus import build_header_only, load_entry
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
 FAST = ["qwen3-30b-a3b", "wizardlm-2-8x22b", "qwen3.5-25b-reap-a3b", "gpt-oss-120b"]
-SLOW = ["qwen3.5-35b-a3b", "deepseek-v3-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
+SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 
 
@@ -96,6 +96,17 @@ def test_fp8_block_experts_by_hand(built, name):
     # gate and up are [inter, hidden], down is [hidden, inter]: same params, same block count.
     expected = _fp8_block_bpp(inter, hidden, block)
     table = compute_byte_table(open_checkpoint(str(built(name))), layout_or_inferred(config))
+    assert table.experts_bpp == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_modelopt_nvfp4_experts_by_hand(built):
+    """NVFP4 as ModelOpt exports it: 4-bit codes, one F8 scale per 16 values, and two F32
+    scalars (weight_scale_2, input_scale) per Linear."""
+    config = json.loads((CORPUS / "deepseek-r1-nvfp4-modelopt" / "config.json").read_text())
+    rows, cols = config["moe_intermediate_size"], config["hidden_size"]
+    expected = 8 * (rows * cols / 2 + rows * cols / 16 + 8) / (rows * cols)
+    table = compute_byte_table(open_checkpoint(str(built("deepseek-r1-nvfp4-modelopt"))), layout_or_inferred(config))
     assert table.experts_bpp == pytest.approx(expected, rel=1e-12)
 
 

@@ -198,6 +198,9 @@ def _exclusion_regex(patterns: list[str]) -> re.Pattern[str]:
 def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorSpec]:
     """Apply the quantization the config declares. Only the formats this corpus holds are built;
     another declaration is refused by name rather than silently left in BF16."""
+    sidecar = entry.directory / QUANT_SIDECAR
+    if sidecar.is_file():
+        return _modelopt_specs(entry, json.loads(sidecar.read_text(encoding="utf-8")), specs)
     declaration = entry.config.get("quantization_config")
     if not declaration:
         return specs
@@ -223,6 +226,33 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
 
 
 MXFP4_BLOCK = 32  # values per E8M0 scale
+NVFP4_GROUP = 16  # values per FP8 block scale
+
+
+def _modelopt_specs(entry: CorpusEntry, sidecar: dict[str, Any], specs: list[TensorSpec]) -> list[TensorSpec]:
+    """A ModelOpt NVFP4 export as its hf_quant_config.json declares it: every projection Linear
+    outside exclude_modules stores U8 `weight` [out, in/2], F8 `weight_scale` [out, in/16], and
+    F32 scalars `weight_scale_2` and `input_scale`; excluded modules keep the model dtype."""
+    quantization = sidecar.get("quantization") or {}
+    algo = quantization.get("quant_algo")
+    if algo != "NVFP4":
+        raise ConfigError(f"{entry.name}: building ModelOpt quant_algo {algo!r} is not implemented")
+    group = quantization.get("group_size") or NVFP4_GROUP
+    skip = _exclusion_regex(list(quantization.get("exclude_modules") or []))
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if module and len(spec.shape) == 2 and module.rpartition(".")[2].endswith("_proj") and not skip.match(module):
+            rows, cols = spec.shape
+            out += [
+                TensorSpec(spec.name, "U8", (rows, cols // 2)),
+                TensorSpec(module + ".weight_scale", "F8_E4M3", (rows, cols // group)),
+                TensorSpec(module + ".weight_scale_2", "F32", ()),
+                TensorSpec(module + ".input_scale", "F32", ()),
+            ]
+        else:
+            out.append(spec)
+    return out
 
 
 def _mxfp4_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
