@@ -7,7 +7,13 @@ Accounting rules (stated, because headline bpp numbers are only comparable under
   already counts logical elements;
 - scales, global scales, input scales and zero points are overhead: their bytes count
   toward their weight's component, their elements are not parameters;
-- KV-cache scales form their own component.
+- KV-cache scales form their own component;
+- formats the world ships count the same way: FP8 block-wise ``weight_scale_inv`` (any block
+  size) and MXFP4 ``*_scales`` are overhead, MXFP4 ``*_blocks`` hold two parameters per byte,
+  parameters stored without a ``.weight`` suffix (``A_log``, ``dt_bias``, ``sinks``) count.
+
+A checkpoint whose architecture has no layout table still gets a table from the inferred layout
+(components from name patterns); ``layout_inferred`` says so.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class ByteTable:
     components: list[ComponentBytes]
     dtypes: dict[str, dict[str, int]]
     unknown_tensors: list[str] = field(default_factory=list)
+    layout_inferred: bool = False
 
     @property
     def bpp(self) -> float | None:
@@ -57,6 +64,7 @@ class ByteTable:
         return {
             "checkpoint": self.checkpoint,
             "layout": self.layout,
+            "layout_inferred": self.layout_inferred,
             "total": {"bytes": self.total_bytes, "params": self.total_params, "bpp": self.bpp},
             "experts_bpp": self.experts_bpp,
             "components": [asdict(c) for c in self.components],
@@ -88,7 +96,9 @@ def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
     }
 
 
-_DIGITS = re.compile(r"\d+")
+# Digit runs masked when grouping, except layer indices: next-n (MTP) layers share every other
+# name shape with the trunk but belong to their own component.
+_DIGITS = re.compile(r"(?<!layers\.)(?<!\d)\d+")
 
 
 def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
@@ -135,4 +145,5 @@ def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         components=kept,
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
         unknown_tensors=sorted(unknown),
+        layout_inferred=layout.inferred,
     )

@@ -1,8 +1,14 @@
 """Architecture layouts as data: which component each tensor belongs to, and what kind of
 tensor it is (weight, packed FP4, bias, or quantization metadata).
 
-The tables live in ``layouts/*.toml``. Names no table recognises are reported as unknown,
-never guessed.
+The tables live in ``layouts/*.toml``. Names a table does not recognise are reported as
+unknown, never guessed. An architecture without a table can still be described by the
+inferred layout (``layouts/_inferred.toml``: components from common name patterns), which says
+so in its ``inferred`` flag.
+
+Patterns may use ``{mtp_layer}``: the indices of next-n / multi-token-prediction layers that
+follow the trunk (``num_hidden_layers`` .. ``+ num_nextn_predict_layers - 1``), taken from the
+config the layout is chosen for; without such layers it matches nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Layout:
     model_types: tuple[str, ...]
     components: tuple[tuple[str, tuple[re.Pattern[str], ...]], ...]
     fused: dict[str, tuple[str, ...]]
+    inferred: bool = False  # components guessed from name patterns, not an architecture's table
 
     def component_of(self, module: str) -> str:
         match = self._combined.match(module)
@@ -81,11 +88,24 @@ def _suffix_kinds() -> dict[str, str]:
     return {entry["suffix"]: entry["kind"] for entry in doc["suffixes"]}
 
 
+@lru_cache(maxsize=1)
+def _ending_kinds() -> tuple[tuple[str, str], ...]:
+    doc = _load_toml("_common.toml")
+    return tuple((entry["ending"], entry["kind"]) for entry in doc.get("endings", ()))
+
+
 def split_suffix(name: str) -> tuple[str, str, str]:
-    """`a.b.weight_scale` -> (`a.b`, `weight_scale`, kind). Suffixes are whole dotted parts."""
+    """`a.b.weight_scale` -> (`a.b`, `weight_scale`, kind). Suffixes are whole dotted parts;
+    a few formats glue an ending to the module instead (`experts.gate_up_proj_blocks` ->
+    (`experts.gate_up_proj`, `blocks`, packed_fp4))."""
     module, _, last = name.rpartition(".")
     kind = _suffix_kinds().get(last)
-    return (module, last, kind) if kind is not None else (name, "", UNKNOWN)
+    if kind is not None:
+        return module, last, kind
+    for ending, ending_kind in _ending_kinds():
+        if last.endswith(ending) and len(last) > len(ending):
+            return name[: -len(ending)], ending[1:], ending_kind
+    return name, "", UNKNOWN
 
 
 def _load_toml(file_name: str) -> dict[str, Any]:
@@ -93,32 +113,80 @@ def _load_toml(file_name: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
+NEVER = "(?!)"  # a regex that matches nothing
+
+
+def mtp_layer_pattern(config: dict[str, Any] | None) -> str:
+    """Regex alternation of the next-n (MTP) layer indices a config declares, or NEVER."""
+    text = (config or {}).get("text_config") if isinstance((config or {}).get("text_config"), dict) else None
+    source = text or config or {}
+    first, count = source.get("num_hidden_layers"), source.get("num_nextn_predict_layers")
+    if not isinstance(first, int) or not isinstance(count, int) or count < 1:
+        return NEVER
+    return "(?:" + "|".join(str(first + k) for k in range(count)) + ")"
+
+
+def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False) -> Layout:
+    return Layout(
+        name=doc["name"],
+        architectures=tuple(doc.get("architectures", ())),
+        model_types=tuple(doc.get("model_types", ())),
+        components=tuple(
+            (component, tuple(re.compile(p.replace("{mtp_layer}", mtp)) for p in patterns))
+            for component, patterns in doc["components"].items()
+        ),
+        fused={k: tuple(v) for k, v in doc.get("fused", {}).items()},
+        inferred=inferred,
+    )
+
+
 @lru_cache(maxsize=None)
-def all_layouts() -> tuple[Layout, ...]:
-    layouts = []
+def _layout_docs() -> tuple[dict[str, Any], ...]:
+    docs = []
     directory = resources.files("fp4forge.checkpoint").joinpath("layouts")
     for entry in sorted(directory.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".toml") or entry.name.startswith("_"):
             continue
-        doc = tomllib.loads(entry.read_text(encoding="utf-8"))
-        layouts.append(
-            Layout(
-                name=doc["name"],
-                architectures=tuple(doc.get("architectures", ())),
-                model_types=tuple(doc.get("model_types", ())),
-                components=tuple(
-                    (component, tuple(re.compile(p) for p in patterns)) for component, patterns in doc["components"].items()
-                ),
-                fused={k: tuple(v) for k, v in doc.get("fused", {}).items()},
-            )
-        )
-    return tuple(layouts)
+        docs.append(tomllib.loads(entry.read_text(encoding="utf-8")))
+    return tuple(docs)
 
 
-def layout_by_name(name: str) -> Layout:
+@lru_cache(maxsize=None)
+def all_layouts() -> tuple[Layout, ...]:
+    """Every table, without config-specific parts (no MTP layers)."""
+    return tuple(_build(doc) for doc in _layout_docs())
+
+
+@lru_cache(maxsize=64)
+def _specialised(name: str, mtp: str) -> Layout:
+    doc = next(d for d in _layout_docs() if d["name"] == name)
+    return _build(doc, mtp)
+
+
+def infer_layout(config: dict[str, Any] | None = None) -> Layout:
+    """The fallback layout: components from common name patterns, marked ``inferred``."""
+    doc = dict(_load_toml("_inferred.toml"))
+    architectures = (config or {}).get("architectures") or []
+    label = architectures[0] if architectures else (config or {}).get("model_type")
+    doc["name"] = f"inferred ({label})" if label else "inferred"
+    return _build(doc, mtp_layer_pattern(config), inferred=True)
+
+
+def layout_or_inferred(config: dict[str, Any] | None, name: str | None = None) -> Layout:
+    """The named layout, else the config's table, else the inferred layout: never a refusal, for
+    read-only reports (bytes). Writers (quantize) use :func:`layout_for_config`, which refuses."""
+    if name:
+        return layout_by_name(name, config)
+    try:
+        return layout_for_config(config)
+    except LayoutError:
+        return infer_layout(config)
+
+
+def layout_by_name(name: str, config: dict[str, Any] | None = None) -> Layout:
     for layout in all_layouts():
         if layout.name == name:
-            return layout
+            return _specialised(layout.name, mtp_layer_pattern(config))
     raise LayoutError(f"no layout named {name!r}; known: {', '.join(l.name for l in all_layouts())}")
 
 
@@ -127,9 +195,11 @@ def layout_for_config(config: dict[str, Any] | None) -> Layout:
     if not config:
         raise LayoutError("no config.json: pass the architecture layout explicitly (--layout)")
     architectures = config.get("architectures") or []
-    model_type = config.get("model_type")
+    model_types = {config.get("model_type")}
+    if isinstance(config.get("text_config"), dict):  # wrappers name the text model's type inside
+        model_types.add(config["text_config"].get("model_type"))
     for layout in all_layouts():
-        if any(a in layout.architectures for a in architectures) or model_type in layout.model_types:
-            return layout
+        if any(a in layout.architectures for a in architectures) or model_types & set(layout.model_types):
+            return _specialised(layout.name, mtp_layer_pattern(config))
     known = ", ".join(a for l in all_layouts() for a in l.architectures)
     raise LayoutError(f"no layout for architecture {architectures or model_type!r}; known: {known}")

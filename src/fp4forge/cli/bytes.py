@@ -22,12 +22,12 @@ def bytes_command(
 ) -> None:
     """Where the bytes are: stored bytes, parameters and bits/param per component, from headers only."""
     from fp4forge.audit.byte_table import compute_byte_table
-    from fp4forge.checkpoint.layout import layout_by_name, layout_for_config
+    from fp4forge.checkpoint.layout import layout_or_inferred
     from fp4forge.checkpoint.reader import open_checkpoint
     from fp4forge.report.tables import byte_table_markdown, byte_table_rich
 
     ckpt = open_checkpoint(location)
-    chosen = layout_by_name(layout) if layout else layout_for_config(ckpt.config)
+    chosen = layout_or_inferred(ckpt.config, layout)
     table = compute_byte_table(ckpt, chosen)
     out = console()
     if as_json:
@@ -40,3 +40,5 @@ def bytes_command(
         out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
     if table.unknown_tensors:
         console(stderr=True).print(f"[yellow]warning:[/yellow] {len(table.unknown_tensors)} tensors match no component of layout {chosen.name!r}, e.g. {table.unknown_tensors[:3]}")
+    if chosen.inferred and not as_json:
+        console(stderr=True).print(f"[yellow]note:[/yellow] no layout table for this architecture: components were inferred from tensor names ({chosen.name})")

@@ -270,11 +270,11 @@ def run_audit(ctx: Context) -> dict[str, Any]:
 
 def run_bytes(ctx: Context) -> dict[str, Any]:
     from fp4forge.audit.byte_table import compute_byte_table
-    from fp4forge.checkpoint.layout import layout_for_config
+    from fp4forge.checkpoint.layout import layout_or_inferred
     from fp4forge.checkpoint.reader import open_checkpoint
 
     ckpt = open_checkpoint(str(ctx.out))
-    doc = compute_byte_table(ckpt, layout_for_config(ckpt.config)).to_json()
+    doc = compute_byte_table(ckpt, layout_or_inferred(ckpt.config)).to_json()
     doc["checkpoint"] = "."
     write_json(ctx.report("bytes.json"), doc)
     return {"bpp": round(doc["total"]["bpp"] or 0, 3), "experts_bpp": round(doc.get("experts_bpp") or 0, 3)}

@@ -25,7 +25,8 @@ HEADERS = ["component", "tensors", "bytes", "params", "bits/param", "share of by
 
 
 def byte_table_rich(table: ByteTable) -> list[Table]:
-    main = Table(title=f"Where the bytes are — {table.checkpoint} (layout {table.layout})")
+    layout = f"layout {table.layout}" + (", inferred from tensor names: no table for this architecture" if table.layout_inferred else "")
+    main = Table(title=f"Where the bytes are — {table.checkpoint} ({layout})")
     for i, h in enumerate(HEADERS):
         main.add_column(h, justify="left" if i == 0 else "right")
     rows = byte_table_rows(table)
@@ -49,6 +50,8 @@ def byte_table_markdown(table: ByteTable) -> str:
         lines.append(f"| {dtype} | {entry['tensors']:,} | {entry['bytes']:,} |")
     lines += ["", f"Headline: **{_fmt_bpp(table.bpp)} bits per parameter**"
               + (f"; routed experts alone: **{_fmt_bpp(table.experts_bpp)}**." if table.experts_bpp is not None else ".")]
+    if table.layout_inferred:
+        lines += ["", f"Components inferred from tensor names ({table.layout}): no layout table for this architecture."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""Testbed: tiny random MoE models (Laguna, Qwen3-MoE) and shape-true synthetic checkpoints.
+"""Testbed: tiny random MoE models (Laguna, Qwen3-MoE), shape-true synthetic checkpoints, and
+header-only rebuilds of real releases from their metadata (corpus).
 
 The public functions are imported lazily, so ``import fp4forge.testbed`` stays cheap (no torch or
 transformers import) until one is used.
@@ -18,6 +19,7 @@ _EXPORTS = {
     "load_preset": "fp4forge.testbed.synth",
     "PRESETS": "fp4forge.testbed.synth",
     "build_tokenizer": "fp4forge.testbed.tokenizer",
+    "build_header_only": "fp4forge.testbed.corpus",
 }
 
 __all__ = sorted(_EXPORTS)

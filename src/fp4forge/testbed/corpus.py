@@ -1,0 +1,291 @@
+"""Header-only rebuilds of real published checkpoints from their metadata files.
+
+A corpus entry is a directory holding a release's real ``config.json``, its real
+``model.safetensors.index.json`` (optionally gzipped) when one could be collected, any
+``hf_quant_config.json``, and ``PROVENANCE.json`` (where each file came from, and what the model
+card states). :func:`build_header_only` writes a checkpoint with every tensor the release holds:
+
+- names: the real index when present; otherwise reconstructed from the config with the
+  architecture's transformers naming (layer by layer, each layer copied from a built layer of the
+  same kind), plus the next-n (MTP) layers a DeepSeek-style config declares;
+- shapes and dtypes: from the transformers model class the config names, built on the meta
+  device for the first few layers (one of each layer kind), then the quantization the config
+  declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block);
+- data: file holes (sparse headers only), so a 600 B-parameter release costs a few MB of disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp4forge.checkpoint.skeleton import checkpoint_specs
+from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
+from fp4forge.errors import ConfigError
+from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
+from fp4forge.testbed.tiny import ensure_fresh_output
+
+PROVENANCE = "PROVENANCE.json"
+INDEX = "model.safetensors.index.json"
+QUANT_SIDECAR = "hf_quant_config.json"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class CorpusEntry:
+    name: str
+    directory: Path
+    config: dict[str, Any]
+    index_names: tuple[str, ...] | None  # the real index's tensor names, when collected
+    index_metadata: dict[str, Any]
+    provenance: dict[str, Any]
+
+
+def load_entry(directory: str | Path) -> CorpusEntry:
+    directory = Path(directory)
+    config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    index_names, index_metadata = None, {}
+    for candidate in (directory / INDEX, directory / (INDEX + ".gz")):
+        if candidate.is_file():
+            raw = gzip.decompress(candidate.read_bytes()) if candidate.suffix == ".gz" else candidate.read_bytes()
+            index = json.loads(raw)
+            index_names, index_metadata = tuple(index["weight_map"]), index.get("metadata") or {}
+    provenance_file = directory / PROVENANCE
+    provenance = json.loads(provenance_file.read_text(encoding="utf-8")) if provenance_file.is_file() else {}
+    return CorpusEntry(directory.name, directory, config, index_names, index_metadata, provenance)
+
+
+def corpus_entries(root: str | Path) -> list[CorpusEntry]:
+    return [load_entry(d) for d in sorted(Path(root).iterdir()) if (d / "config.json").is_file()]
+
+
+# -- the text model and its layer kinds ----------------------------------------------------------
+def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(config of the text model, the on-disk prefix of its `model.` tensors)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    architectures = config.get("architectures") or [""]
+    # Vision-language wrappers save the text model under model.language_model. (transformers 5).
+    prefix = "model.language_model." if architectures[0].endswith("ForConditionalGeneration") else "model."
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return _with_derived_layer_lists(config), prefix
+    text = copy.deepcopy(text)
+    if "model_type" not in text:
+        text["model_type"] = f"{config['model_type']}_text"
+    if text["model_type"] not in CONFIG_MAPPING:
+        raise ConfigError(f"text model type {text['model_type']!r} is not known to this transformers version")
+    for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
+        if key in config and key not in text:
+            text[key] = config[key]
+    return _with_derived_layer_lists(text), prefix
+
+
+def _with_derived_layer_lists(config: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer lists the config class derives when the file omits them (Qwen3-Next computes
+    layer_types from full_attention_interval): layer kinds need them explicitly."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "layer_types" in config or config.get("model_type") not in CONFIG_MAPPING:
+        return config
+    derived = getattr(CONFIG_MAPPING[config["model_type"]].from_dict(config), "layer_types", None)
+    return {**config, "layer_types": list(derived)} if isinstance(derived, list) else config
+
+
+def _layer_kind(config: dict[str, Any], i: int) -> tuple:
+    kind: list[Any] = [config[key][i] for key in PER_LAYER_LIST_KEYS if isinstance(config.get(key), list)]
+    if isinstance(config.get("first_k_dense_replace"), int):
+        kind.append(i < config["first_k_dense_replace"])
+    if isinstance(config.get("mlp_only_layers"), list):
+        kind.append(i in config["mlp_only_layers"])
+    for key in ("moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step"):
+        step = config.get(key)
+        if isinstance(step, int) and step > 1:
+            kind.append((i + 1) % step == 0)
+    return tuple(kind)
+
+
+def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[TensorSpec]], list[int]]:
+    """Specs of a model of the first K layers (one of each kind); for each layer of the full model,
+    the index of the built layer it copies."""
+    total = text["num_hidden_layers"]
+    kinds = [_layer_kind(text, i) for i in range(total)]
+    first_of: dict[tuple, int] = {}
+    for i, kind in enumerate(kinds):
+        first_of.setdefault(kind, i)
+    built = max(first_of.values()) + 1
+    specs = checkpoint_specs(truncated_config(text, built))
+    per_layer: dict[int, list[TensorSpec]] = {}
+    globals_: list[TensorSpec] = []
+    for spec in specs:
+        match = _LAYER.match(spec.name)
+        if match:
+            per_layer.setdefault(int(match.group(1)), []).append(TensorSpec(match.group(2), spec.dtype, spec.shape))
+        else:
+            globals_.append(spec)
+    return globals_, per_layer, [first_of[k] for k in kinds]
+
+
+def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], copy_of: list[int]) -> list[TensorSpec]:
+    """DeepSeek-style next-n layers after the trunk: a full decoder layer plus enorm, hnorm,
+    eh_proj, shared_head.{norm,head} and an embed_tokens copy (DeepSeek-V3's published layout)."""
+    count = text.get("num_nextn_predict_layers") or 0
+    hidden, vocab, dtype = text["hidden_size"], text["vocab_size"], per_layer[copy_of[-1]][0].dtype
+    extra = [
+        ("embed_tokens.weight", (vocab, hidden)),
+        ("enorm.weight", (hidden,)),
+        ("hnorm.weight", (hidden,)),
+        ("eh_proj.weight", (hidden, 2 * hidden)),
+        ("shared_head.norm.weight", (hidden,)),
+        ("shared_head.head.weight", (vocab, hidden)),
+    ]
+    specs = []
+    for k in range(count):
+        layer = text["num_hidden_layers"] + k
+        specs += [TensorSpec(f"model.layers.{layer}.{s.name}", s.dtype, s.shape) for s in per_layer[copy_of[-1]]]
+        specs += [TensorSpec(f"model.layers.{layer}.{name}", dtype, shape) for name, shape in extra]
+    return specs
+
+
+def _prefixed(name: str, prefix: str) -> str:
+    return prefix + name[len("model.") :] if name.startswith("model.") else name
+
+
+def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
+    """Every tensor of the release before any declared quantization, with real or reconstructed names."""
+    text, prefix = _text_config(entry.config)
+    globals_, per_layer, copy_of = _template(text)
+    if entry.index_names is None:
+        specs = [TensorSpec(_prefixed(s.name, prefix), s.dtype, s.shape) for s in globals_]
+        for i, j in enumerate(copy_of):
+            specs += [TensorSpec(_prefixed(f"model.layers.{i}.{s.name}", prefix), s.dtype, s.shape) for s in per_layer[j]]
+        return specs + _mtp_specs(text, per_layer, copy_of)
+    # Real names: look each up in the built template (same layer kind, same suffix).
+    by_suffix = {j: {s.name: s for s in layer} for j, layer in per_layer.items()}
+    global_by_name = {_prefixed(s.name, prefix): s for s in globals_}
+    layer_re = re.compile(r"^" + re.escape(prefix) + r"layers\.(\d+)\.(.+)$")
+    specs, unresolved = [], []
+    for name in entry.index_names:
+        match = layer_re.match(name)
+        spec = None
+        if match and int(match.group(1)) < len(copy_of):
+            spec = by_suffix[copy_of[int(match.group(1))]].get(match.group(2))
+        elif name in global_by_name:
+            spec = global_by_name[name]
+        if spec is None:
+            unresolved.append(name)
+        else:
+            specs.append(TensorSpec(name, spec.dtype, spec.shape))
+    if unresolved:
+        raise ConfigError(f"{entry.name}: {len(unresolved)} index names have no counterpart in the model class, e.g. {unresolved[:3]}")
+    return specs
+
+
+# -- declared quantization ---------------------------------------------------------------------
+def _exclusion_regex(patterns: list[str]) -> re.Pattern[str]:
+    """One regex for a declaration's exclusion list: exact module names, dotted-suffix matches
+    and `*` globs (compiled once: real lists hold thousands of entries)."""
+    alternatives = [re.escape(p).replace(r"\*", ".*") for p in patterns]
+    return re.compile(r"^(?:.*\.)?(?:" + "|".join(alternatives) + r")$") if alternatives else re.compile("(?!)")
+
+
+def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorSpec]:
+    """Apply the quantization the config declares. Only the formats this corpus holds are built;
+    another declaration is refused by name rather than silently left in BF16."""
+    sidecar = entry.directory / QUANT_SIDECAR
+    if sidecar.is_file():
+        return _modelopt_specs(entry, json.loads(sidecar.read_text(encoding="utf-8")), specs)
+    declaration = entry.config.get("quantization_config")
+    if not declaration:
+        return specs
+    method = declaration.get("quant_method")
+    if method == "mxfp4":
+        return _mxfp4_specs(specs)
+    if method != "fp8" or not declaration.get("weight_block_size"):
+        raise ConfigError(f"{entry.name}: building quant_method {method!r} is not implemented")
+    block_out, block_in = declaration["weight_block_size"]
+    skip = _exclusion_regex(list(declaration.get("modules_to_not_convert") or []) + list(declaration.get("ignored_layers") or []))
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        # Block-FP8 releases quantize every projection Linear (attention, MLPs, experts) and keep
+        # embeddings, norms, routers and lm_head in BF16.
+        if module and len(spec.shape) == 2 and module.rpartition(".")[2].endswith("_proj") and not skip.match(module):
+            rows, cols = spec.shape
+            out.append(TensorSpec(spec.name, "F8_E4M3", spec.shape))
+            out.append(TensorSpec(module + ".weight_scale_inv", "F32", (math.ceil(rows / block_out), math.ceil(cols / block_in))))
+        else:
+            out.append(spec)
+    return out
+
+
+MXFP4_BLOCK = 32  # values per E8M0 scale
+NVFP4_GROUP = 16  # values per FP8 block scale
+
+
+def _modelopt_specs(entry: CorpusEntry, sidecar: dict[str, Any], specs: list[TensorSpec]) -> list[TensorSpec]:
+    """A ModelOpt NVFP4 export as its hf_quant_config.json declares it: every projection Linear
+    outside exclude_modules stores U8 `weight` [out, in/2], F8 `weight_scale` [out, in/16], and
+    F32 scalars `weight_scale_2` and `input_scale`; excluded modules keep the model dtype."""
+    quantization = sidecar.get("quantization") or {}
+    algo = quantization.get("quant_algo")
+    if algo != "NVFP4":
+        raise ConfigError(f"{entry.name}: building ModelOpt quant_algo {algo!r} is not implemented")
+    group = quantization.get("group_size") or NVFP4_GROUP
+    skip = _exclusion_regex(list(quantization.get("exclude_modules") or []))
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if module and len(spec.shape) == 2 and module.rpartition(".")[2].endswith("_proj") and not skip.match(module):
+            rows, cols = spec.shape
+            out += [
+                TensorSpec(spec.name, "U8", (rows, cols // 2)),
+                TensorSpec(module + ".weight_scale", "F8_E4M3", (rows, cols // group)),
+                TensorSpec(module + ".weight_scale_2", "F32", ()),
+                TensorSpec(module + ".input_scale", "F32", ()),
+            ]
+        else:
+            out.append(spec)
+    return out
+
+
+def _mxfp4_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """GPT-OSS as released: each fused 3-D expert tensor (transformers shape [E, in, out]) becomes
+    `<name>_blocks` U8 [E, out, in/32, 16] (two E2M1 codes per byte) and `<name>_scales` U8
+    [E, out, in/32] (E8M0 exponents); biases and everything else stay BF16."""
+    out = []
+    for spec in specs:
+        if spec.name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and len(spec.shape) == 3:
+            experts, rows_in, cols_out = spec.shape
+            blocks = rows_in // MXFP4_BLOCK
+            out.append(TensorSpec(spec.name + "_blocks", "U8", (experts, cols_out, blocks, MXFP4_BLOCK // 2)))
+            out.append(TensorSpec(spec.name + "_scales", "U8", (experts, cols_out, blocks)))
+        else:
+            out.append(spec)
+    return out
+
+
+def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
+    return quantized_specs(entry, bf16_specs(entry))
+
+
+def build_header_only(entry: CorpusEntry | str | Path, out: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``entry`` as a header-only checkpoint (data regions are file holes) to ``out``."""
+    entry = entry if isinstance(entry, CorpusEntry) else load_entry(entry)
+    out = Path(out)
+    ensure_fresh_output(out)
+    specs = entry_specs(entry)
+    with CheckpointWriter(out, specs, max_shard_bytes=max_shard_bytes, sparse=True) as writer:
+        writer.write_text("config.json", json.dumps(entry.config, indent=2) + "\n")
+        if (entry.directory / QUANT_SIDECAR).is_file():
+            writer.copy_file(entry.directory / QUANT_SIDECAR, QUANT_SIDECAR)
+    return out
+
+
+__all__ = ["CorpusEntry", "build_header_only", "corpus_entries", "entry_specs", "load_entry"]

@@ -1,0 +1,160 @@
+"""Real published checkpoints (tests/corpus, see CORPUS.md), rebuilt header-only, read by `bytes`
+and `audit`.
+
+Oracles, independent of fp4forge's accounting: the real index's own metadata (total_size,
+total_parameters) where the release ships one, parameter counts the model card states (1 %),
+and bits/param computed by hand from the config and the format's definition (FP8 block-wise:
+one F32 scale per 128x128 block; MXFP4: 4-bit codes plus one 8-bit exponent per 32 values).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fp4forge.audit.byte_table import compute_byte_table
+from fp4forge.audit.engine import audit_checkpoint
+from fp4forge.checkpoint.layout import layout_or_inferred
+from fp4forge.checkpoint.reader import open_checkpoint
+from fp4forge.testbed.corpus import build_header_only, load_entry
+
+CORPUS = Path(__file__).parent / "corpus"
+# Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
+FAST = ["qwen3-30b-a3b", "wizardlm-2-8x22b", "qwen3.5-25b-reap-a3b", "gpt-oss-120b"]
+SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
+ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
+
+
+def test_every_corpus_entry_is_tested_and_documented():
+    on_disk = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
+    assert on_disk == sorted(FAST + SLOW)
+    table = (CORPUS / "CORPUS.md").read_text(encoding="utf-8")
+    for name in on_disk:
+        provenance = json.loads((CORPUS / name / "PROVENANCE.json").read_text(encoding="utf-8"))
+        assert provenance["files"]["config.json"]["repository"] or provenance["files"]["config.json"]["url"]
+        assert f"`{name}`" in table, name
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build_header_only(CORPUS / name, tmp_path_factory.mktemp(name) / "ckpt")
+        return cache[name]
+
+    return build
+
+
+def close(value: float, expected: float, rel: float = 0.01) -> bool:
+    return abs(value / expected - 1) <= rel
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_bytes_reads_the_release(built, name):
+    entry = load_entry(CORPUS / name)
+    ckpt = open_checkpoint(str(built(name)))
+    layout = layout_or_inferred(ckpt.config)
+    table = compute_byte_table(ckpt, layout)
+    assert not layout.inferred, f"{name}: no layout table for {ckpt.config.get('architectures')}"
+    assert table.unknown_tensors == []
+    components = {c.name: c for c in table.components}
+    card = entry.provenance.get("card") or {}
+    # The real index's metadata is the release's own byte / parameter count.
+    if "bytes_total" in card:
+        assert table.total_bytes == card["bytes_total"]
+    if "params_total" in card and "mtp" not in components:
+        assert close(table.total_params, card["params_total"]), (table.total_params, card["params_total"])
+    if "params_main" in card:  # DeepSeek states the trunk and the MTP module separately
+        mtp = components["mtp"].params
+        assert close(table.total_params - mtp, card["params_main"])
+        shared = 2 * entry.config["vocab_size"] * entry.config["hidden_size"]  # its embedding + head copies
+        assert close(mtp - shared, card["params_mtp_unique"])
+    if "experts_bpp" in card:
+        assert close(table.experts_bpp, card["experts_bpp"])
+
+
+def _fp8_block_bpp(rows: int, cols: int, block: tuple[int, int]) -> float:
+    """Bits/param of one FP8 block-wise Linear: 1 byte per weight + one F32 per block."""
+    blocks = -(-rows // block[0]) * -(-cols // block[1])
+    return 8 * (rows * cols + 4 * blocks) / (rows * cols)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param("deepseek-v3-fp8", marks=pytest.mark.slow), pytest.param("qwen3.5-122b-a10b-fp8", marks=pytest.mark.slow)],
+)
+def test_fp8_block_experts_by_hand(built, name):
+    config = json.loads((CORPUS / name / "config.json").read_text())
+    text = config.get("text_config", config)
+    hidden, inter = text["hidden_size"], text["moe_intermediate_size"]
+    block = tuple(config["quantization_config"]["weight_block_size"])
+    # gate and up are [inter, hidden], down is [hidden, inter]: same params, same block count.
+    expected = _fp8_block_bpp(inter, hidden, block)
+    table = compute_byte_table(open_checkpoint(str(built(name))), layout_or_inferred(config))
+    assert table.experts_bpp == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_modelopt_nvfp4_experts_by_hand(built):
+    """NVFP4 as ModelOpt exports it: 4-bit codes, one F8 scale per 16 values, and two F32
+    scalars (weight_scale_2, input_scale) per Linear."""
+    config = json.loads((CORPUS / "deepseek-r1-nvfp4-modelopt" / "config.json").read_text())
+    rows, cols = config["moe_intermediate_size"], config["hidden_size"]
+    expected = 8 * (rows * cols / 2 + rows * cols / 16 + 8) / (rows * cols)
+    table = compute_byte_table(open_checkpoint(str(built("deepseek-r1-nvfp4-modelopt"))), layout_or_inferred(config))
+    assert table.experts_bpp == pytest.approx(expected, rel=1e-12)
+
+
+def test_mxfp4_experts_by_hand(built):
+    config = json.loads((CORPUS / "gpt-oss-120b" / "config.json").read_text())
+    experts, hidden, inter = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
+    params = bytes_ = 0
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down: [out, in]
+        params += experts * (rows * cols + rows)  # codes + bias
+        bytes_ += experts * (rows * cols // 2 + rows * cols // 32 + 2 * rows)  # 4-bit codes, E8M0 per 32, BF16 bias
+    layers = config["num_hidden_layers"]
+    table = compute_byte_table(open_checkpoint(str(built("gpt-oss-120b"))), layout_or_inferred(config))
+    experts_row = next(c for c in table.components if c.name == "routed_experts")
+    assert experts_row.params == layers * params
+    assert experts_row.bytes == layers * bytes_
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_audit_runs_on_the_release(built, name):
+    """The audit reads every entry and picks the architecture's table (its findings are listed in
+    CORPUS.md; making them right is the audit side's work)."""
+    report = audit_checkpoint(built(name))
+    assert report.layout is not None
+    assert report.summary["errors"] >= 0
+
+
+def test_bytes_cli_marks_an_inferred_layout(tmp_path):
+    """An architecture without a table gets a byte table from name patterns, flagged as inferred,
+    instead of a refusal."""
+    from fp4forge.cli import app
+
+    entry = CORPUS / "wizardlm-2-8x22b"
+    config = json.loads((entry / "config.json").read_text())
+    config["architectures"], config["model_type"] = ["SomeNewMoeForCausalLM"], "mixtral"
+    source = tmp_path / "entry"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config))
+    (source / "model.safetensors.index.json").write_text((entry / "model.safetensors.index.json").read_text())
+    out = build_header_only(source, tmp_path / "ckpt")
+    config["model_type"] = "some_new_moe"  # unknown to every table
+    (out / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(app, ["bytes", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["layout_inferred"] is True and doc["layout"].startswith("inferred")
+    assert doc["unknown_tensors"] == []
+    by_name = {c["name"]: c for c in doc["components"]}
+    assert by_name["routed_experts"]["params"] == 56 * 8 * 3 * 6144 * 16384
+    assert doc["total"]["bytes"] == 281241268224
+    markdown = CliRunner().invoke(app, ["bytes", str(out), "--markdown"])
+    assert markdown.exit_code == 0 and "Components inferred from tensor names (inferred (SomeNewMoeForCausalLM))" in markdown.stdout
