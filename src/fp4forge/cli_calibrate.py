@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
         """Activation and KV amax from data, one decoder layer in memory at a time (for quantize --stats)."""
         emit_json, out, progress_bar = _ui()
         from fp4forge.calibrate import calibrate_checkpoint
-        from fp4forge.quantize.act_scales import write_stats
+        from fp4forge.checkpoint.stats import write_stats
         from fp4forge.report.calibrate_tables import calibration_rich
 
         options = _calibration_options(samples, seq_len, batch_size, policy, text, no_builtin, tokenizer, ram_budget_gb, spill_dir)
@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
         from fp4forge.calibrate import calibrate_checkpoint
         from fp4forge.calibrate import kv
         from fp4forge.checkpoint.reader import open_checkpoint
-        from fp4forge.quantize.act_scales import write_stats
+        from fp4forge.checkpoint.stats import write_stats
 
         if layout_format is not None and layout_format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {layout_format!r}")

@@ -67,5 +67,10 @@ class ConfigError(Fp4forgeError):
     """A config, preset or option that cannot be honoured."""
 
 
+class StatsFileError(ConfigError):
+    """A calibration-statistics file that cannot be read or does not follow its schema
+    (checkpoint/stats.py), or that lacks an entry the model needs."""
+
+
 class ServeError(Fp4forgeError):
     """A model server could not be started, did not become ready, or died."""

@@ -32,6 +32,7 @@ from fp4forge.calibrate.streaming import (
     build_weight_plan,
     call_layer,
 )
+from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.errors import ConfigError
 
@@ -93,7 +94,7 @@ class CalibrationResult:
 def _check_source(ckpt: Checkpoint) -> None:
     if ckpt.config is None:
         raise ConfigError("checkpoint has no config.json", file=ckpt.display)
-    if ckpt.config.get("quantization_config") or "hf_quant_config.json" in ckpt.extra_json:
+    if ckpt.config.get("quantization_config") or HF_QUANT_CONFIG_JSON in ckpt.extra_json:
         raise ConfigError("calibrate the BF16 source checkpoint, not a quantized one", file=ckpt.display)
 
 

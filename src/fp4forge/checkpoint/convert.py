@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, CheckpointWriter, TensorSpec
+from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON
+from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 
 NVFP4_GROUP_SIZE = 16
-HF_QUANT_CONFIG = "hf_quant_config.json"
 # Files never copied verbatim: rewritten (config), regenerated (index, shards) or CT-only.
-_NOT_COPIED = {"config.json", INDEX_FILE, HF_QUANT_CONFIG}
+_NOT_COPIED = {CONFIG_JSON, INDEX_JSON, HF_QUANT_CONFIG_JSON}
 _KV_CT = re.compile(r"^(?P<attn>.+\.self_attn)\.(?P<kv>[kv])_scale$")
 
 
@@ -211,7 +211,7 @@ def ct_nvfp4_to_modelopt(src_dir: str | Path, out_dir: str | Path, *, max_shard_
     config = dict(ckpt.config or {})
     qc = config.get("quantization_config")
     if not qc:
-        raise ConfigError("config.json has no quantization_config", file=str(src_dir / "config.json"))
+        raise ConfigError("config.json has no quantization_config", file=str(src_dir / CONFIG_JSON))
     quant_algo = ct_quant_algo(qc)
     kv_algo = kv_cache_algo(qc)
     mappings = plan(ckpt)
@@ -230,8 +230,8 @@ def ct_nvfp4_to_modelopt(src_dir: str | Path, out_dir: str | Path, *, max_shard_
                 tensor = kv_scale_to_modelopt(tensor)
             writer.write(m.dst, tensor)
             del tensor
-        writer.write_json("config.json", config)
-        writer.write_json(HF_QUANT_CONFIG, hf_quant_config(quant_algo, kv_algo, exclude, producer))
+        writer.write_json(CONFIG_JSON, config)
+        writer.write_json(HF_QUANT_CONFIG_JSON, hf_quant_config(quant_algo, kv_algo, exclude, producer))
         for path in sorted(src_dir.iterdir()):
             if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(".safetensors"):
                 writer.copy_file(path)

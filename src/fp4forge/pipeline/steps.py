@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.checkpoint.atomic import replace_dir
 from fp4forge.errors import Fp4forgeError, ServeError
 from fp4forge.pipeline.state import write_json
 
@@ -151,20 +152,10 @@ class Context:
             slot.stop()
 
 
-def _replace_dir(staged: Path, final: Path) -> None:
-    """Move a finished directory artifact into place (the old one goes only after it is done)."""
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(staged, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 # -- steps --------------------------------------------------------------------------------------
 def run_calibrate(ctx: Context) -> dict[str, Any]:
     from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-    from fp4forge.quantize.act_scales import write_stats
+    from fp4forge.checkpoint.stats import write_stats
 
     o = ctx.options
     options = CalibrationOptions(samples=o.calib_samples, seq_len=o.calib_seq_len, batch_size=o.calib_batch_size,
@@ -319,7 +310,7 @@ def run_perf(ctx: Context) -> dict[str, Any]:
 
     outcome = asyncio.run(run_bench(config, on_event))
     summary = analyze_dir(staged, plots=True)
-    _replace_dir(staged, ctx.report("bench"))
+    replace_dir(staged, ctx.report("bench"))
     if outcome.failed:
         raise PipelineStepError(f"{outcome.failed} benchmark request(s) failed; see {ctx.report('bench') / 'summary.md'}")
     return {"requests": outcome.requests, "kept": outcome.kept}
@@ -351,7 +342,7 @@ def _quality_runs(ctx: Context, role: str) -> list[Any]:
 
     paths = run_suite(config, suite, staged, scenarios=scenarios, on_scenario=on_scenario)
     final = ctx.report(QUALITY_DIRS[role])
-    _replace_dir(staged, final)
+    replace_dir(staged, final)
     # Scored where the transcripts now live, so the score document names their real paths.
     results = [rescore_transcript(final / path.name, suite) for path in paths]
     write_score(score_document(results, suite), final)

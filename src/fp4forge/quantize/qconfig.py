@@ -15,10 +15,9 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from fp4forge.checkpoint.declarations import CT, CT_FORMATS, MODELOPT, MODELOPT_ALGOS
 from fp4forge.quantize.plan import ExportPlan
 
-CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized", "fp8": "float-quantized", "fp8_dynamic": "float-quantized"}
-MODELOPT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
 COMPRESSED_TENSORS_VERSION = "0.17.0"  # the version vLLM 0.32/0.33 pin; our fields are that model's
 
 
@@ -94,7 +93,7 @@ def compressed_tensors_config(plan: ExportPlan, all_linears: list[str]) -> dict[
         "global_compression_ratio": None,
         "ignore": sorted(ignore),
         "kv_cache_scheme": kv_cache_scheme_ct() if plan.kv_layers else None,
-        "quant_method": "compressed-tensors",
+        "quant_method": CT,
         "quantization_status": "compressed",
         "sparsity_config": {},
         "transform_config": {},
@@ -127,7 +126,7 @@ def modelopt_configs(plan: ExportPlan, all_linears: list[str], producer_version:
         }
     hf_quant_config = {"producer": producer, "quantization": quantization}
     config_form: dict[str, Any] = {
-        "quant_method": "modelopt",
+        "quant_method": MODELOPT,
         "producer": producer,
         **{k: v for k, v in quantization.items() if k != "exclude_modules"},
         "ignore": exclude,
