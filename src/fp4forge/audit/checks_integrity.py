@@ -2,10 +2,11 @@
 directions, stray and duplicate shards, and (``--deep``) the values: NaN/Inf weights, all-zero
 matrices, invalid FP8 block scales, and the distribution of the per-tensor scales.
 
-Opening is lenient where a finding says more than a refusal: a weight_map entry with a `..` or
-absolute path becomes an ``index-unsafe-path`` finding and the rest of the index is audited.
-An index that is not JSON at all, or a path that is neither a checkpoint nor a repo, cannot be
-audited: the reader's error propagates (exit code 2).
+The engine opens the checkpoint with ``checkpoint.reader.open_checkpoint_lenient``, where a
+finding says more than a refusal: each weight_map entry with a `..` or absolute path it drops
+becomes an ``index-unsafe-path`` finding here and the rest of the index is audited. An index that
+is not JSON at all, or a path that is neither a checkpoint nor a repo, cannot be audited: the
+reader's error propagates (exit code 2).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 
 from fp4forge import __version__
 from fp4forge.checkpoint.atomic import StagedFiles, atomic_output_dir, staged_files
-from fp4forge.checkpoint.declarations import CT, MODELOPT, detect_format, read_declaration
+from fp4forge.checkpoint.declarations import CT, MODELOPT, MODELOPT_FP8_KV_SCHEME, detect_format, read_declaration
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, KV_SCALES_SAFETENSORS, PROVENANCE_JSON
 from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
@@ -48,7 +48,6 @@ KV_SHARD = KV_SCALES_SAFETENSORS
 LAYOUTS = (CT, MODELOPT)
 ROLES = ("k_scale", "v_scale")
 ATTENTION_LAYER = re.compile(r"^(?P<layer>.+)\.self_attn\.k_proj\.(weight|weight_packed)$")
-MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 _DTYPE_ORDER = ("F32", "BF16", "F16")  # the layout default first, then what it accepts
 
 
@@ -205,12 +204,12 @@ def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[s
     if not hf_quant and qc is None:  # KV-only: vLLM needs a quant_algo, so FP8 with every Linear excluded
         exclude = _linear_modules(ckpt)
         hf_quant = {"producer": {"name": "fp4forge", "version": __version__}, "quantization": {"quant_algo": "FP8", "exclude_modules": exclude, "kv_cache_quant_algo": "FP8"}}
-        qc = {"quant_method": "modelopt", "producer": hf_quant["producer"], "quant_algo": "FP8", "ignore": exclude}
+        qc = {"quant_method": MODELOPT, "producer": hf_quant["producer"], "quant_algo": "FP8", "ignore": exclude}
     if hf_quant:
         hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
     if qc is not None:
         qc["kv_cache_quant_algo"] = "FP8"
-        qc["kv_cache_scheme"] = dict(MODELOPT_KV_SCHEME)
+        qc["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
         config["quantization_config"] = qc
     return config, (hf_quant or None)
 

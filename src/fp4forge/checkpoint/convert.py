@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
+from fp4forge.checkpoint.declarations import CT, MODELOPT, MODELOPT_ALGOS, MODELOPT_FP8_KV_SCHEME
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
@@ -104,7 +105,7 @@ def _is_nvfp4_args(args: dict[str, Any] | None) -> bool:
 
 def ct_quant_algo(qc: dict[str, Any]) -> str:
     """``NVFP4`` (W4A4) or ``W4A16_NVFP4`` from a CT quantization_config; refuses anything else."""
-    if qc.get("quant_method") != "compressed-tensors":
+    if qc.get("quant_method") != CT:
         raise ConfigError(f"not a compressed-tensors checkpoint (quant_method {qc.get('quant_method')!r})")
     groups = qc.get("config_groups") or {}
     if not groups:
@@ -116,7 +117,7 @@ def ct_quant_algo(qc: dict[str, Any]) -> str:
         inputs = group.get("input_activations")
         if inputs is not None and not _is_nvfp4_args(inputs):
             raise ConfigError(f"config group {name!r}: activations are neither NVFP4 nor unquantized")
-        algos.add("NVFP4" if inputs is not None else "W4A16_NVFP4")
+        algos.add(MODELOPT_ALGOS["nvfp4"] if inputs is not None else MODELOPT_ALGOS["nvfp4a16"])
     if len(algos) != 1:
         raise ConfigError(f"config groups mix W4A4 and W4A16 ({sorted(algos)}); ModelOpt needs one quant_algo")
     return algos.pop()
@@ -149,17 +150,17 @@ def modelopt_quantization_config(quant_algo: str, kv_algo: str | None, exclude: 
     """config.json ``quantization_config`` in ModelOpt's form (``convert_hf_quant_config_format``)."""
     weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP_SIZE}
     group: dict[str, Any] = {"weights": weights, "targets": ["Linear"]}
-    if quant_algo == "NVFP4":
+    if quant_algo == MODELOPT_ALGOS["nvfp4"]:
         group["input_activations"] = dict(weights)
     config: dict[str, Any] = {
         "config_groups": {"group_0": group},
         "ignore": exclude,
         "quant_algo": quant_algo,
         "producer": producer,
-        "quant_method": "modelopt",
+        "quant_method": MODELOPT,
     }
     if kv_algo == "FP8":
-        config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        config["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
     return config
 
 

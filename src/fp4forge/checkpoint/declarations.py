@@ -41,6 +41,8 @@ CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized
 MODELOPT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
 # ModelOpt quant_algo -> scheme key, for reading: the inverse, plus the alias ModelOpt also accepts.
 SCHEME_OF_MODELOPT_ALGO = {algo: scheme for scheme, algo in MODELOPT_ALGOS.items()} | {"NVFP4_W4A16": "nvfp4a16"}
+# ModelOpt's config.json form of a static FP8 KV cache (vLLM needs `dynamic: false` to honour it).
+MODELOPT_FP8_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 # Keys vLLM requires, per form [§3.2, §4.1, §8 rule 4].
 CT_KV_REQUIRED = ("strategy", "symmetric")
 HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")

@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from fp4forge.checkpoint.declarations import CT, CT_FORMATS, MODELOPT, MODELOPT_ALGOS
+from fp4forge.checkpoint.declarations import CT, CT_FORMATS, MODELOPT, MODELOPT_ALGOS, MODELOPT_FP8_KV_SCHEME
 from fp4forge.quantize.plan import ExportPlan
 
 COMPRESSED_TENSORS_VERSION = "0.17.0"  # the version vLLM 0.32/0.33 pin; our fields are that model's
@@ -132,5 +132,5 @@ def modelopt_configs(plan: ExportPlan, all_linears: list[str], producer_version:
         "ignore": exclude,
     }
     if kv_algo:
-        config_form["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        config_form["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
     return config_form, hf_quant_config
