@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,8 +90,17 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    with atomic_file(path) as tmp:
-        tmp.write_bytes(data)
+    """Write ``data`` to ``path`` through a temp file in the same directory and a rename. The
+    rename is the last thing done: a Ctrl-C that lands after it finds the write complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        tmp.write_bytes(data)  # open() applies the umask: the ordinary mode, no chmod needed
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
