@@ -176,7 +176,8 @@ def fidelity_tiny(threads: int) -> list[dict]:
     from fp4forge.calibrate import kv
     from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
     from fp4forge.checkpoint.reader import open_checkpoint
-    from fp4forge.quantize.act_scales import StatsAmax, write_stats
+    from fp4forge.checkpoint.stats import write_stats
+    from fp4forge.quantize.act_scales import StatsAmax
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
     from fp4forge.quantize.recipe import parse_recipe
     from fp4forge.testbed import build_tiny_laguna

@@ -72,7 +72,7 @@ def build_bf16_moe(root: Path) -> Path:
 def calibrate(src: Path, out: Path) -> Path:
     """Activation and KV statistics of ``src`` (fp4forge calibrate --samples 8 --seq-len 128)."""
     from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-    from fp4forge.quantize.act_scales import write_stats
+    from fp4forge.checkpoint.stats import write_stats
 
     options = CalibrationOptions(samples=CALIBRATION_SAMPLES, seq_len=CALIBRATION_SEQ_LEN, batch_size=4)
     result = calibrate_checkpoint(src, options)

@@ -16,7 +16,7 @@ import typer
 from typer.testing import CliRunner
 
 from fp4forge.audit.findings import RULES_BEGIN, RULES_END, rule_table, rules_markdown, sync_rules_doc
-from fp4forge.checkpoint.writer import INDEX_FILE
+from fp4forge.checkpoint.names import INDEX_JSON
 from fp4forge.cli.audit import register
 from tests.http_repo_server import RepoServer
 from tests.test_audit_integrity import audit, copy_checkpoint, rules, shard_names
@@ -116,7 +116,7 @@ def test_bad_options_exit_2(app, lc_source_dir: Path) -> None:
 
 def _unreadable_cases(lc_source_dir: Path, tmp_path: Path) -> dict[str, Path]:
     lfs_index = copy_checkpoint(lc_source_dir, tmp_path / "lfs-index")
-    (lfs_index / INDEX_FILE).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "ef" * 32 + "\nsize 17618\n")
+    (lfs_index / INDEX_JSON).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "ef" * 32 + "\nsize 17618\n")
     linked_config = copy_checkpoint(lc_source_dir, tmp_path / "linked-config")
     (tmp_path / "elsewhere.json").write_text((linked_config / "config.json").read_text())
     (linked_config / "config.json").unlink()

@@ -19,7 +19,8 @@ import torch
 from fp4forge.audit.engine import audit_checkpoint
 from fp4forge.audit.findings import AuditReport
 from fp4forge.checkpoint.reader import open_checkpoint
-from fp4forge.checkpoint.writer import INDEX_FILE, CheckpointWriter, TensorSpec
+from fp4forge.checkpoint.names import INDEX_JSON
+from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import Fp4forgeError
 
 TORCH_TO_SAFETENSORS = {
@@ -50,13 +51,13 @@ def rebuild(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], None
     other file (config, tokenizer, hf_quant_config.json) is copied; the index is regenerated."""
     tensors = load_tensors(src)
     edit(tensors)
-    sharded = (src / INDEX_FILE).exists()
+    sharded = (src / INDEX_JSON).exists()
     specs = [TensorSpec(name, TORCH_TO_SAFETENSORS[t.dtype], tuple(t.shape)) for name, t in tensors.items()]
     with CheckpointWriter(dst, specs, max_shard_bytes=TINY_SHARD_BYTES if sharded else 2**40) as writer:
         for name, tensor in tensors.items():
             writer.write(name, tensor.contiguous())
         for path in sorted(src.iterdir()):
-            if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_FILE:
+            if path.is_file() and not path.name.endswith(".safetensors") and path.name != INDEX_JSON:
                 writer.copy_file(path)
     return dst
 
@@ -89,7 +90,7 @@ def assert_exactly(report: AuditReport, *errors: str, warnings: set[str] = froze
 
 
 def shard_names(path: Path) -> list[str]:
-    return sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+    return sorted(set(json.loads((path / INDEX_JSON).read_text())["weight_map"].values()))
 
 
 # -- fixtures -----------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def _record_opens(monkeypatch) -> list[str]:
 def test_traversal_and_absolute_paths_in_weight_map(tiny: Path, tmp_path: Path, monkeypatch) -> None:
     outside = tmp_path / "evil.safetensors"
     shutil.copy(tiny / shard_names(tiny)[0], outside)
-    patch_json(tiny / INDEX_FILE, lambda d: d["weight_map"].update({"model.norm.weight": "../evil.safetensors", "lm_head.weight": "/etc/passwd"}))
+    patch_json(tiny / INDEX_JSON, lambda d: d["weight_map"].update({"model.norm.weight": "../evil.safetensors", "lm_head.weight": "/etc/passwd"}))
     opened = _record_opens(monkeypatch)
     report = audit(tiny)
     unsafe = finding(report, "index-unsafe-path")
@@ -181,20 +182,20 @@ def test_traversal_and_absolute_paths_in_weight_map(tiny: Path, tmp_path: Path, 
 
 
 def test_weight_map_entry_its_shard_lacks(tiny: Path) -> None:
-    patch_json(tiny / INDEX_FILE, lambda d: d["weight_map"].update({"model.layers.0.mlp.extra.weight": shard_names(tiny)[0]}))
+    patch_json(tiny / INDEX_JSON, lambda d: d["weight_map"].update({"model.layers.0.mlp.extra.weight": shard_names(tiny)[0]}))
     report = audit(tiny)
     assert_exactly(report, "index-tensor-not-in-shard")
     assert finding(report, "index-tensor-not-in-shard").tensors == ["model.layers.0.mlp.extra.weight"]
 
 
 def test_tensor_missing_from_weight_map(tiny: Path) -> None:
-    patch_json(tiny / INDEX_FILE, lambda d: d["weight_map"].pop("model.layers.2.self_attn.q_norm.weight"))
+    patch_json(tiny / INDEX_JSON, lambda d: d["weight_map"].pop("model.layers.2.self_attn.q_norm.weight"))
     report = audit(tiny)
     assert_exactly(report, "index-tensor-unlisted")
 
 
 def test_total_size_mismatch_is_a_warning(tiny: Path) -> None:
-    patch_json(tiny / INDEX_FILE, lambda d: d["metadata"].update(total_size=d["metadata"]["total_size"] + 2))
+    patch_json(tiny / INDEX_JSON, lambda d: d["metadata"].update(total_size=d["metadata"]["total_size"] + 2))
     report = audit(tiny)
     assert_exactly(report, warnings={"index-total-size"})
     assert report.exit_code == 0
@@ -214,14 +215,14 @@ def test_same_tensor_in_two_shards(tiny: Path) -> None:
     with CheckpointWriter(tiny.parent / "extra", [TensorSpec("model.norm.weight", "BF16", tuple(norm.shape))]) as writer:
         writer.write("model.norm.weight", norm)
     shutil.move(tiny.parent / "extra" / "model.safetensors", tiny / "model-extra.safetensors")
-    patch_json(tiny / INDEX_FILE, lambda d: d["weight_map"].update({"model.norm.weight": "model-extra.safetensors"}))
+    patch_json(tiny / INDEX_JSON, lambda d: d["weight_map"].update({"model.norm.weight": "model-extra.safetensors"}))
     report = audit(tiny)
     assert_exactly(report, "tensor-duplicate")
     assert "model-extra.safetensors" in finding(report, "tensor-duplicate").message
 
 
 def test_index_that_is_not_json_cannot_be_audited(tiny: Path) -> None:
-    (tiny / INDEX_FILE).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "cd" * 32 + "\nsize 17618\n")
+    (tiny / INDEX_JSON).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "cd" * 32 + "\nsize 17618\n")
     with pytest.raises(Fp4forgeError, match="git-LFS pointer"):
         audit(tiny)
 

@@ -137,7 +137,8 @@ def test_samples_are_deterministic_packed_and_split(laguna: Path, tmp_path: Path
 def test_quantize_takes_input_and_kv_scales_from_calibration(laguna: Path, tmp_path: Path) -> None:
     from fp4forge.audit.engine import audit_checkpoint
     from fp4forge.numerics.nvfp4 import nvfp4_global_scale
-    from fp4forge.quantize.act_scales import StatsAmax, write_stats
+    from fp4forge.checkpoint.stats import write_stats
+    from fp4forge.quantize.act_scales import StatsAmax
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
     from fp4forge.quantize.recipe import load_recipe
 

@@ -12,7 +12,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from fp4forge.audit import engine
+from fp4forge.checkpoint import raw
 from fp4forge.audit.diff import diff_checkpoints
 from fp4forge.cli.audit import register
 from fp4forge.errors import Fp4forgeError
@@ -70,7 +70,7 @@ def test_values_give_max_abs_and_rel_difference(lc_source_dir: Path, edited: Pat
 
 
 def test_hashing_streams_in_chunks(lc_source_dir: Path, edited: Path, monkeypatch) -> None:
-    monkeypatch.setattr(engine, "RAW_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(raw, "RAW_CHUNK_BYTES", 4096)
     from fp4forge.checkpoint.source import LocalSource
 
     largest: list[int] = []

@@ -13,7 +13,8 @@ from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
 from fp4forge.calibrate.fidelity import FidelityOptions, TeacherEntry, estimated_kl, evaluate, exact_kl, teacher_entry
 from fp4forge.calibrate.kv import write_declaration
 from fp4forge.errors import ConfigError
-from fp4forge.quantize.act_scales import StatsAmax, write_stats
+from fp4forge.checkpoint.stats import write_stats
+from fp4forge.quantize.act_scales import StatsAmax
 from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
 from fp4forge.quantize.recipe import load_recipe
 from tests.calibration_fixtures import laguna, one_thread  # noqa: F401 (shared fixtures)

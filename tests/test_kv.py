@@ -17,7 +17,7 @@ from fp4forge.calibrate import kv
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.cli.calibrate import register
 from fp4forge.errors import ConfigError
-from fp4forge.quantize.act_scales import write_stats
+from fp4forge.checkpoint.stats import write_stats
 from tests.calibration_fixtures import laguna, one_thread, tiny  # noqa: F401 (shared fixtures)
 
 

@@ -14,7 +14,7 @@ import torch
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
 from fp4forge.calibrate import kv
 from fp4forge.checkpoint.reader import open_checkpoint
-from fp4forge.quantize.act_scales import write_stats
+from fp4forge.checkpoint.stats import write_stats
 from fp4forge.serve import launch_vllm
 
 FALLBACK_LINE = "Using KV cache scaling factor 1.0 for fp8_e4m3"

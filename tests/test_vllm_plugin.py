@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from fp4forge.calibrate import kv
 from fp4forge.errors import ServeError
 from fp4forge.quantize.act_scales import StatsAmax
-from fp4forge.quantize.export import PROVENANCE_FILE
+from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.serve import VllmServer
 from fp4forge.serve.doctor import diagnose, iter_lines
 from fp4forge.serve.reference import TeacherForcedCheck, greedy_tokens, load_reference, teacher_forced_check
@@ -232,7 +232,7 @@ def test_e2e_checkpoints_carry_calibrated_scales(servers: Registry, model: str) 
     """Activation and FP8 KV scales come from fp4forge's calibration, not a constant."""
     ckpt = servers.models.get(model)
     stats = StatsAmax(servers.models.get("stats"))
-    provenance = json.loads((ckpt / PROVENANCE_FILE).read_text())
+    provenance = json.loads((ckpt / PROVENANCE_JSON).read_text())
     assert provenance["activation_scales"]["source"] == "calibration"
     layers = kv.show(ckpt).to_json()["layers"]
     assert layers

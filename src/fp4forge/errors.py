@@ -115,6 +115,11 @@ class NumericsError(Fp4forgeError):
 
 
 # -- serving and measuring -------------------------------------------------------------------------
+class StatsFileError(ConfigError):
+    """A calibration-statistics file that cannot be read or does not follow its schema
+    (checkpoint/stats.py), or that lacks an entry the model needs."""
+
+
 class ServeError(Fp4forgeError):
     """A model server could not be started, did not become ready, or died."""
 

@@ -14,10 +14,11 @@ import tomllib
 from functools import lru_cache
 from importlib import resources
 
-from fp4forge.audit.engine import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
+from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.findings import Issue, natural_key
-from fp4forge.audit.quant_config import Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.declarations import Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import split_suffix
+from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
 from fp4forge.errors import ConfigError
 
@@ -52,11 +53,11 @@ def run(ctx: AuditContext) -> list[Issue]:
 
 def provenance_issues(ctx: AuditContext) -> list[Issue]:
     """fp4forge's own exports say where their activation scales came from."""
-    provenance = ctx.ckpt.extra_json.get("fp4forge.json") or {}
+    provenance = ctx.ckpt.extra_json.get(PROVENANCE_JSON) or {}
     source = (provenance.get("activation_scales") or {})
     if source.get("source") != "constant":
         return []
-    return [issue("activation-scales-constant", "activation and KV scales", f"constant amax {source.get('amax')}", file="fp4forge.json")]
+    return [issue("activation-scales-constant", "activation and KV scales", f"constant amax {source.get('amax')}", file=PROVENANCE_JSON)]
 
 
 # -- the declaration itself -----------------------------------------------------------------------

@@ -2,36 +2,25 @@
 directions, stray and duplicate shards, and (``--deep``) the values: NaN/Inf weights, all-zero
 matrices, invalid FP8 block scales, and the distribution of the per-tensor scales.
 
-Opening is lenient where a finding says more than a refusal: a weight_map entry with a `..` or
-absolute path becomes an ``index-unsafe-path`` finding and the rest of the index is audited.
-An index that is not JSON at all, or a path that is neither a checkpoint nor a repo, cannot be
-audited: the reader's error propagates (exit code 2).
+The engine opens the checkpoint with ``checkpoint.reader.open_checkpoint_lenient``, where a
+finding says more than a refusal: each weight_map entry with a `..` or absolute path it drops
+becomes an ``index-unsafe-path`` finding here and the rest of the index is audited. An index that
+is not JSON at all, or a path that is neither a checkpoint nor a repo, cannot be audited: the
+reader's error propagates (exit code 2).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 
-from fp4forge.audit.engine import AuditContext, issue, iter_raw_chunks, modules_noun
+from fp4forge.audit.context import AuditContext, issue, modules_noun
 from fp4forge.audit.findings import Issue
-from fp4forge.checkpoint.index import IndexFile
 from fp4forge.checkpoint.layout import UNKNOWN
-from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint, resolve_source
-from fp4forge.checkpoint.reader import _read_json as read_json  # the reader's own JSON rules (LFS pointers named)
+from fp4forge.checkpoint.names import CONFIG_JSON, INDEX_JSON, SINGLE_SAFETENSORS
+from fp4forge.checkpoint.raw import FLOAT_DTYPES, float_view, iter_raw_chunks
+from fp4forge.checkpoint.reader import Checkpoint, RejectedIndexEntry
 from fp4forge.checkpoint.safetensors_format import LENGTH_PREFIX_BYTES, TensorInfo, header_length, parse_header, parse_lfs_pointer
-from fp4forge.checkpoint.source import check_relpath
-from fp4forge.checkpoint.writer import INDEX_FILE, SINGLE_FILE
-from fp4forge.errors import (
-    CheckpointError,
-    DtypeError,
-    Fp4forgeError,
-    HeaderError,
-    IndexFileError,
-    LfsPointerError,
-    OffsetError,
-)
+from fp4forge.errors import CheckpointError, DtypeError, Fp4forgeError, HeaderError, LfsPointerError, OffsetError
 
 # Reader exception type -> rule (checked in order; the first isinstance wins).
 SHARD_ERROR_RULES: tuple[tuple[type[CheckpointError], str], ...] = (
@@ -48,65 +37,18 @@ SHARD_GROUPS = {
     "shard-size-mismatch": "shards whose size differs from what their header declares",
 }
 LFS_POINTER_MAX_BYTES = 1024
-FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 FP8_NAN_MASK = 0x7F  # E4M3FN: S.1111.111 is NaN, there is no Inf
 FP8_SIGN = 0x80
-EXTRA_JSON = ("hf_quant_config.json", "fp4forge.json")  # what open_checkpoint reads besides config.json
 STATISTICS_KINDS = ("weight_global_scale", "input_scale", "input_global_scale")
 
 
 # -- opening --------------------------------------------------------------------------------------
-def open_for_audit(location: str | Path) -> tuple[Checkpoint, list[Issue]]:
-    """Open with per-shard errors recorded; unsafe weight_map entries become findings."""
-    try:
-        return open_checkpoint(location, strict=False), []
-    except IndexFileError as exc:
-        source, _ = resolve_source(location)
-        doc = _index_document(source, exc)
-        index, issues = _safe_index(doc)
-        return _open_with_index(source, index), issues
-
-
-def _index_document(source, original: IndexFileError) -> dict:
-    """The index as JSON; anything short of an object with a weight_map (not JSON, an LFS
-    pointer) cannot be audited past, and the reader's own error says why."""
-    try:
-        doc = json.loads(source.read(INDEX_FILE).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise original from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
-        raise original
-    return doc
-
-
-def _safe_index(doc: dict) -> tuple[IndexFile, list[Issue]]:
-    """The index without its unsafe entries, and a finding for each of those."""
-    safe: dict[str, str] = {}
-    issues = []
-    for name, shard in doc["weight_map"].items():
-        try:
-            if not isinstance(shard, str):
-                raise IndexFileError(f"weight_map value {shard!r} is not a file name")
-            safe[name] = check_relpath(shard)
-        except IndexFileError:
-            issues.append(issue("index-unsafe-path", "weight_map entries whose shard path leaves the checkpoint", name, tensors=[name], file=INDEX_FILE, detail=repr(shard)))
-    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-    total = metadata.get("total_size")
-    valid_total = type(total) is int and total >= 0
-    return IndexFile(weight_map=safe, total_size=total if valid_total else None, metadata=metadata), issues
-
-
-def _open_with_index(source, index: IndexFile) -> Checkpoint:
-    """What open_checkpoint does, with the sanitised index (the reader refuses the whole file)."""
-    headers, errors = {}, {}
-    for shard in index.shard_names:
-        try:
-            headers[shard] = source.read_header(shard)
-        except CheckpointError as exc:
-            errors[shard] = exc
-    config = read_json(source, "config.json")
-    extra = {name: doc for name in EXTRA_JSON if (doc := read_json(source, name)) is not None}
-    return Checkpoint(source=source, shard_names=index.shard_names, headers=headers, index=index, config=config, extra_json=extra, shard_errors=errors)
+def unsafe_index_issues(rejected: list[RejectedIndexEntry]) -> list[Issue]:
+    """A finding for each weight_map entry the lenient open dropped."""
+    return [
+        issue("index-unsafe-path", "weight_map entries whose shard path leaves the checkpoint", entry.tensor, tensors=[entry.tensor], file=INDEX_JSON, detail=repr(entry.shard))
+        for entry in rejected
+    ]
 
 
 # -- files and index ------------------------------------------------------------------------------
@@ -179,7 +121,7 @@ def index_issues(ckpt: Checkpoint) -> list[Issue]:
         if header is not None and name not in header.tensors:
             elsewhere = holders.get(name)
             detail = f"listed in {shard}" + (f", stored in {', '.join(elsewhere)}" if elsewhere else ", stored nowhere")
-            issues.append(issue("index-tensor-not-in-shard", "weight_map entries their shard does not hold", name, tensors=[name], detail=detail, file=INDEX_FILE))
+            issues.append(issue("index-tensor-not-in-shard", "weight_map entries their shard does not hold", name, tensors=[name], detail=detail, file=INDEX_JSON))
     for name, shards in holders.items():
         if name not in weight_map:
             issues.append(issue("index-tensor-unlisted", "tensors missing from weight_map", name, tensors=[name], file=shards[0]))
@@ -187,17 +129,17 @@ def index_issues(ckpt: Checkpoint) -> list[Issue]:
         sizes = {name: info.nbytes for header in ckpt.headers.values() for name, info in header.tensors.items()}
         stored = sum(sizes.values())  # each name once, as save_pretrained counts it
         if stored != ckpt.index.total_size:
-            issues.append(issue("index-total-size", "metadata.total_size", f"{ckpt.index.total_size:,} bytes declared, {stored:,} stored", file=INDEX_FILE))
+            issues.append(issue("index-total-size", "metadata.total_size", f"{ckpt.index.total_size:,} bytes declared, {stored:,} stored", file=INDEX_JSON))
     return issues
 
 
 def stray_shard_issues(ckpt: Checkpoint) -> list[Issue]:
     """Top-level .safetensors files the loaders will not read (only local directories can be listed)."""
     listed = ckpt.source.list_files()
-    if listed is None or (ckpt.index is None and SINGLE_FILE not in ckpt.shard_names):
+    if listed is None or (ckpt.index is None and SINGLE_SAFETENSORS not in ckpt.shard_names):
         return []
     loaded = set(ckpt.shard_names)
-    why = "vLLM only loads the shards the index references" if ckpt.index else f"with {SINGLE_FILE} and no index, transformers reads only {SINGLE_FILE} (vLLM reads every file)"
+    why = "vLLM only loads the shards the index references" if ckpt.index else f"with {SINGLE_SAFETENSORS} and no index, transformers reads only {SINGLE_SAFETENSORS} (vLLM reads every file)"
     return [
         issue("shard-unreferenced", ".safetensors files no loader is told about", name, file=name, note=why)
         for name in listed
@@ -207,11 +149,11 @@ def stray_shard_issues(ckpt: Checkpoint) -> list[Issue]:
 
 def config_issues(ctx: AuditContext) -> list[Issue]:
     if ctx.ckpt.config is None:
-        return [issue("config-missing", "config.json", "not found next to the shards")]
+        return [issue("config-missing", CONFIG_JSON, "not found next to the shards")]
     if ctx.layout is None:
         config = ctx.ckpt.config
         arch = ", ".join(config.get("architectures") or []) or str(config.get("model_type"))
-        return [issue("architecture-unknown", "architecture without a layout", arch, file="config.json")]
+        return [issue("architecture-unknown", "architecture without a layout", arch, file=CONFIG_JSON)]
     return []
 
 
@@ -235,7 +177,7 @@ def _weight_value_issues(ctx: AuditContext, shard: str, info: TensorInfo, kind: 
     for chunk in iter_raw_chunks(ctx.ckpt, shard, info):
         data = np.frombuffer(chunk, dtype=np.uint8)
         if info.dtype in FLOAT_DTYPES:
-            values = _float_view(chunk, info.dtype)
+            values = float_view(info.dtype, chunk)
             nonfinite += int((~np.isfinite(values)).sum())
             nonzero = nonzero or bool(np.any(values != 0))
         elif info.dtype == "F8_E4M3":
@@ -249,14 +191,6 @@ def _weight_value_issues(ctx: AuditContext, shard: str, info: TensorInfo, kind: 
     if not nonzero and len(info.shape) == 2 and info.numel:
         issues.append(issue("weight-all-zero", "weight matrices that are entirely zero", info.name, tensors=[info.name], file=shard))
     return issues
-
-
-def _float_view(chunk: bytes, dtype: str):
-    import numpy as np
-
-    if dtype == "BF16":  # numpy has no bfloat16: widen to float32 by shifting into the high half
-        return (np.frombuffer(chunk, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    return np.frombuffer(chunk, dtype={"F16": "<f2", "F32": "<f4", "F64": "<f8"}[dtype])
 
 
 def _block_scale_issues(ctx: AuditContext, shard: str, info: TensorInfo) -> list[Issue]:

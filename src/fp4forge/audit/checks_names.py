@@ -13,7 +13,6 @@ Also here: the serving engine's known blind spots (``serving_quirks.toml``), by 
 
 from __future__ import annotations
 
-import json
 import operator
 import re
 import tomllib
@@ -22,10 +21,9 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from fp4forge.audit.engine import AuditContext, issue, modules_noun, parse_version
+from fp4forge.audit.context import AuditContext, issue, modules_noun, parse_version
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.layout import UNKNOWN, split_suffix
-from fp4forge.errors import Fp4forgeError
 
 # Kinds that hang off a Linear's weight rather than being a parameter of their own.
 WEIGHT_METADATA_KINDS = ("packed_fp4", "weight_scale", "weight_global_scale", "input_scale", "input_global_scale", "zero_point")
@@ -33,34 +31,6 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NUMERIC_PART = re.compile(r"\.\d+(?=\.|$)")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 VERSION_COMPARISONS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "<": operator.lt, ">": operator.gt}
-
-
-# -- expected names -------------------------------------------------------------------------------
-@lru_cache(maxsize=8)
-def _expected_for(config_json: str, trust_remote_code: bool) -> tuple[tuple[Any, ...] | None, str | None]:
-    config = json.loads(config_json)
-    config.pop("quantization_config", None)  # names are the unquantized model's
-    try:
-        from fp4forge.checkpoint import skeleton_cache
-
-        # Remote code can change without the config changing: never served from the cache.
-        return tuple(skeleton_cache.expected_tensor_specs(config, use_cache=not trust_remote_code)), None
-    except Fp4forgeError as exc:
-        return None, exc.message
-    except (ImportError, ValueError, KeyError, TypeError, AttributeError) as exc:  # transformers' own complaints
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def build_expected_specs(ctx: AuditContext) -> list[Any] | None:
-    specs, _ = expected_or_reason(ctx)
-    return specs
-
-
-def expected_or_reason(ctx: AuditContext) -> tuple[list[Any] | None, str | None]:
-    if not ctx.ckpt.config:
-        return None, "no config.json"
-    specs, reason = _expected_for(json.dumps(ctx.ckpt.config, sort_keys=True), ctx.trust_remote_code)
-    return (list(specs) if specs is not None else None), reason
 
 
 # -- comparison -----------------------------------------------------------------------------------
@@ -243,7 +213,7 @@ def run(ctx: AuditContext) -> list[Issue]:
     issues = quirk_issues(ctx)
     if not ctx.ckpt.config:
         return issues  # config-missing is reported by the integrity checks
-    specs, reason = expected_or_reason(ctx)
+    specs, reason = ctx.expected
     architecture = ", ".join(ctx.ckpt.config.get("architectures") or []) or str(ctx.ckpt.config.get("model_type"))
     if specs is None:
         hint = "" if ctx.trust_remote_code else " (a remote-code model needs --trust-remote-code)"

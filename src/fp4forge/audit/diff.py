@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge.audit.engine import can_decode, decode, iter_raw_chunks, tensor_index
 from fp4forge.checkpoint.layout import UNKNOWN, Layout, layout_for_config
+from fp4forge.checkpoint.raw import can_decode, iter_raw_chunks, iter_values, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, TensorInfo
+from fp4forge.checkpoint.safetensors_format import TensorInfo
 from fp4forge.errors import LayoutError
 
 STATUSES = ("identical", "different", "only_in_a", "only_in_b")
@@ -150,11 +150,7 @@ def compare_tensor(ckpt_a: Checkpoint, entry_a: tuple[str, TensorInfo], ckpt_b: 
 
 
 def _iter_values(ckpt: Checkpoint, shard: str, info: TensorInfo) -> Iterator[Any]:
-    width = DTYPE_BITS[info.dtype] // 8
-    base = ckpt.headers[shard].data_start + info.begin
-    for start in range(0, info.numel, VALUE_CHUNK_ELEMENTS):
-        count = min(VALUE_CHUNK_ELEMENTS, info.numel - start)
-        yield decode(info.dtype, ckpt.source.read(shard, base + start * width, count * width))
+    return iter_values(ckpt, shard, info, VALUE_CHUNK_ELEMENTS)
 
 
 def value_difference(ckpt_a: Checkpoint, entry_a: tuple[str, TensorInfo], ckpt_b: Checkpoint, entry_b: tuple[str, TensorInfo]) -> tuple[float, float]:

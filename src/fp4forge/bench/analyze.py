@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from fp4forge.atomic import write_text_atomic
+from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.bench import stats
 from fp4forge.bench.runner import RUN_FILE, SAMPLES_FILE, SERVER_METRICS_FILE
 from fp4forge.errors import ConfigError

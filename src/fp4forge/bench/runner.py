@@ -38,6 +38,7 @@ from fp4forge.bench.client import (
     probe_stream_options,
 )
 from fp4forge.bench.prompts import HfTokenizer, Prompt, PromptFactory, PromptTokenizer, ServerTokenizer
+from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.endpoint import METRICS_PATH, Endpoint, server_root
 from fp4forge.errors import BenchAborted, ConfigError, EndpointError, EndpointStatusError, Fp4forgeError
 
@@ -407,9 +408,7 @@ class BenchRun:
             "aborted": self.outcome.aborted,
         }
         path = Path(self.config.out_dir) / RUN_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
     # -- one cell ---------------------------------------------------------------------------------
     async def _run_cell(self, shape: Shape, point: LoadPoint) -> None:

@@ -67,7 +67,7 @@ from fp4forge.calibrate.streaming import (
     StreamedModel,
     call_layer,
 )
-from fp4forge.audit.quant_config import read_declaration
+from fp4forge.checkpoint.declarations import read_declaration
 from fp4forge.checkpoint.layout import layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import scheme_table

@@ -21,12 +21,13 @@ names ``FP8`` and lists every Linear in ``exclude_modules`` (no weight is quanti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,22 +35,20 @@ from typing import Any
 import torch
 
 from fp4forge import __version__
-from fp4forge.audit.quant_config import CT, MODELOPT, detect_format, read_declaration
+from fp4forge.checkpoint.atomic import StagedFiles, atomic_output_dir, staged_files
+from fp4forge.checkpoint.declarations import CT, MODELOPT, MODELOPT_FP8_KV_SCHEME, detect_format, read_declaration
+from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, KV_SCALES_SAFETENSORS, PROVENANCE_JSON
 from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
-from fp4forge.checkpoint.writer import INDEX_FILE
+from fp4forge.checkpoint.stats import KV_ROLES, kv_amax_name, read_stats
 from fp4forge.errors import ConfigError, WriteError, require_choice
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 from fp4forge.quantize.qconfig import COMPRESSED_TENSORS_VERSION, kv_cache_scheme_ct
-from fp4forge.testbed.tiny import atomic_output_dir
 
-KV_SHARD = "model-kvscales.safetensors"
-PROVENANCE_FILE = "fp4forge.json"
-HF_QUANT_CONFIG = "hf_quant_config.json"
+KV_SHARD = KV_SCALES_SAFETENSORS
 LAYOUTS = (CT, MODELOPT)
 ROLES = ("k_scale", "v_scale")
 ATTENTION_LAYER = re.compile(r"^(?P<layer>.+)\.self_attn\.k_proj\.(weight|weight_packed)$")
-MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 
 
 @dataclass
@@ -80,25 +79,14 @@ def _natural(name: str) -> tuple:
 # -- where scales come from --------------------------------------------------------------------
 def scales_from_stats(path: str | Path, layers: list[str], *, per_head: bool = False) -> KvScales:
     """k/v scale = amax / 448 from an fp4forge statistics file."""
-    from safetensors import safe_open
-
-    from fp4forge.quantize.act_scales import STATS_MARKER
-
-    suffix = "_per_head" if per_head else ""
+    stats = read_stats(path)
     out: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(path), framework="pt") as fh:
-        if STATS_MARKER not in (fh.metadata() or {}):
-            raise ConfigError("not an fp4forge statistics file", file=str(path))
-        names = set(fh.keys())
-        for layer in layers:
-            entry = {}
-            for role, stat in (("k_scale", "k_amax"), ("v_scale", "v_amax")):
-                name = f"{layer}.self_attn.{stat}{suffix}"
-                if name not in names:
-                    raise ConfigError(f"statistics have no {name!r}; were they calibrated on this model?", file=str(path))
-                amax = fh.get_tensor(name).to(torch.float32)
-                entry[role] = (amax if per_head else amax.reshape(())) / FP8_E4M3_MAX
-            out[layer] = entry
+    for layer in layers:
+        entry = {}
+        for role, kv in zip(ROLES, KV_ROLES):
+            amax = stats.tensor(kv_amax_name(layer, kv, per_head=per_head))
+            entry[role] = (amax if per_head else amax.reshape(())) / FP8_E4M3_MAX
+        out[layer] = entry
     return KvScales(out, {"source": "calibration", "statistics": Path(path).name, "formula": "amax / 448", "per_head": per_head})
 
 
@@ -250,16 +238,16 @@ def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[s
         return config, None
     if per_head:
         raise ConfigError("the ModelOpt layout has per-tensor KV scales only", option="per_head")
-    hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG) or {}))
+    hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG_JSON) or {}))
     if not hf_quant and qc is None:  # KV-only: vLLM needs a quant_algo, so FP8 with every Linear excluded
         exclude = _linear_modules(ckpt)
         hf_quant = {"producer": {"name": "fp4forge", "version": __version__}, "quantization": {"quant_algo": "FP8", "exclude_modules": exclude, "kv_cache_quant_algo": "FP8"}}
-        qc = {"quant_method": "modelopt", "producer": hf_quant["producer"], "quant_algo": "FP8", "ignore": exclude}
+        qc = {"quant_method": MODELOPT, "producer": hf_quant["producer"], "quant_algo": "FP8", "ignore": exclude}
     if hf_quant:
         hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
     if qc is not None:
         qc["kv_cache_quant_algo"] = "FP8"
-        qc["kv_cache_scheme"] = dict(MODELOPT_KV_SCHEME)
+        qc["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
         config["quantization_config"] = qc
     return config, (hf_quant or None)
 
@@ -275,14 +263,8 @@ def _total_size(ckpt: Checkpoint, extra: int) -> int:
     return sum(info.nbytes for _, info in ckpt.tensors()) + extra
 
 
-def _staged(directory: Path, name: str) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)
-    os.close(fd)
-    return Path(tmp)
-
-
-def _write_json(path: Path, doc: Any) -> None:
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+def _json_text(doc: Any) -> str:
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
 def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | None = None) -> dict[str, Any]:
@@ -313,7 +295,7 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
     tensors = layout_tensors(scales, layout)
     config, hf_quant = declare_kv(ckpt, layout, per_head=scales.per_head)
     provenance = {**scales.provenance, "layout": layout, "layers": len(layers), "shard": KV_SHARD, "tensors": len(tensors)}
-    doc = json.loads(json.dumps(ckpt.extra_json.get(PROVENANCE_FILE) or {}))
+    doc = json.loads(json.dumps(ckpt.extra_json.get(PROVENANCE_JSON) or {}))
     doc["kv_cache"] = {**doc.get("kv_cache", {}), "scales": provenance} if isinstance(doc.get("kv_cache"), dict) else {"scales": provenance}
 
     weight_map = {n: s for n, s in _weight_map(ckpt).items() if s != KV_SHARD}
@@ -322,14 +304,10 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
     old_kv_bytes = sum(info.nbytes for shard, info in ckpt.tensors() if shard == KV_SHARD)
     index = {"metadata": {"total_size": _total_size(ckpt, kv_bytes - old_kv_bytes)}, "weight_map": dict(sorted(weight_map.items()))}
 
-    shard_tmp = _staged(directory, KV_SHARD)
-    try:
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(shard_tmp), metadata={"format": "pt"})  # one key: safetensors orders a metadata map by hash
-    except BaseException:
-        shard_tmp.unlink(missing_ok=True)
-        raise
     # Renamed in the order that keeps each step loadable: tensors, index, then the declaration.
-    _replace_all(directory, [(shard_tmp, KV_SHARD)], [(INDEX_FILE, index), (HF_QUANT_CONFIG, hf_quant), ("config.json", config), (PROVENANCE_FILE, doc)])
+    with _updating(directory) as stage:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(stage.path(KV_SHARD)), metadata={"format": "pt"})  # one key: safetensors orders a metadata map by hash
+        _stage_json(stage, [(INDEX_JSON, index), (HF_QUANT_CONFIG_JSON, hf_quant), (CONFIG_JSON, config), (PROVENANCE_JSON, doc)])
     return provenance
 
 
@@ -339,28 +317,25 @@ def write_declaration(directory: str | Path, layout: str, *, per_head: bool = Fa
     and comparisons; never done implicitly."""
     directory = Path(directory)
     config, hf_quant = declare_kv(open_checkpoint(directory), layout, per_head=per_head)
-    _replace_all(directory, [], [(HF_QUANT_CONFIG, hf_quant), ("config.json", config)])
+    with _updating(directory) as stage:
+        _stage_json(stage, [(HF_QUANT_CONFIG_JSON, hf_quant), (CONFIG_JSON, config)])
 
 
-def _replace_all(directory: Path, files: list[tuple[Path, str]], docs: list[tuple[str, Any]]) -> None:
-    """Stage every JSON doc (None: skip) beside ``files``, then rename all into place in order."""
-    staged = list(files)
+@contextlib.contextmanager
+def _updating(directory: Path) -> Iterator[StagedFiles]:
+    """Files staged beside the checkpoint's, renamed into place together (in staging order)."""
     try:
-        for name, payload in docs:
-            if payload is not None:
-                tmp = _staged(directory, name)
-                _write_json(tmp, payload)
-                staged.append((tmp, name))
-        umask = os.umask(0)
-        os.umask(umask)
-        for tmp, name in staged:
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, directory / name)
+        with staged_files(directory) as stage:
+            yield stage
     except OSError as exc:
         raise WriteError(f"could not update {directory}: {exc}") from exc
-    finally:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
+
+
+def _stage_json(stage: StagedFiles, docs: list[tuple[str, Any]]) -> None:
+    """Stage every JSON doc (None: skip)."""
+    for name, payload in docs:
+        if payload is not None:
+            stage.path(name).write_text(_json_text(payload), encoding="utf-8")
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp4forge.calibrate.streaming import WeightPlan
+from fp4forge.checkpoint.stats import input_amax_name, kv_amax_name
 from fp4forge.errors import ConfigError
 
 POLICIES = ("routed", "all-experts")
-INPUT_AMAX = "input_amax"
 
 
 class AmaxTable:
@@ -205,10 +205,9 @@ class KVCacheTap:
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int | None = None, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         if self.table is not None:
             for role, states in (("k", key_states), ("v", value_states)):
-                base = f"{self.layer_prefix}.self_attn.{role}_amax"
                 per_head = states.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32)
-                self.table.update_value(f"{base}_per_head", per_head)
-                self.table.update_value(base, per_head.amax().reshape(1))
+                self.table.update_value(kv_amax_name(self.layer_prefix, role, per_head=True), per_head)
+                self.table.update_value(kv_amax_name(self.layer_prefix, role), per_head.amax().reshape(1))
         if self.transform is not None:
             return self.transform(key_states, value_states)
         return key_states, value_states
@@ -254,7 +253,7 @@ class CalibrationObserver:
         return detach
 
     def _hook_linear(self, module: nn.Linear, disk_module: str) -> Callable[[], None]:
-        name = f"{disk_module}.{INPUT_AMAX}"
+        name = input_amax_name(disk_module)
 
         def record(_: nn.Module, args: tuple) -> None:
             self.amax.update(name, args[0])
@@ -262,7 +261,7 @@ class CalibrationObserver:
         return module.register_forward_pre_hook(record).remove
 
     def observe_head_input(self, disk_module: str, x: Tensor) -> None:
-        self.amax.update(f"{disk_module}.{INPUT_AMAX}", x)
+        self.amax.update(input_amax_name(disk_module), x)
 
     def statistics(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """(F32 tensors for the statistics file, metadata about experts)."""
@@ -277,9 +276,9 @@ class CalibrationObserver:
             down = _fill_unseen(stats.down_amax, seen)
             for expert in range(stats.num_experts):
                 for module in disk_gate_up[expert]:
-                    tensors[f"{module}.{INPUT_AMAX}"] = gate_up[expert].reshape(1).clone()
+                    tensors[input_amax_name(module)] = gate_up[expert].reshape(1).clone()
                 (down_module,) = disk_down[expert]
-                tensors[f"{down_module}.{INPUT_AMAX}"] = down[expert].reshape(1).clone()
+                tensors[input_amax_name(down_module)] = down[expert].reshape(1).clone()
                 if not bool(seen[expert]):
                     unseen.append(down_module.rsplit(".", 1)[0])
             tokens[disk_down[0][0].rsplit(".", 2)[0]] = stats.tokens.tolist()

@@ -30,6 +30,7 @@ from fp4forge.calibrate.streaming import (
     build_weight_plan,
     call_layer,
 )
+from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.errors import ConfigError, require_choice
 
@@ -100,7 +101,7 @@ class CalibrationResult:
 def _check_source(ckpt: Checkpoint) -> None:
     if ckpt.config is None:
         raise ConfigError("checkpoint has no config.json", file=ckpt.display)
-    if ckpt.config.get("quantization_config") or "hf_quant_config.json" in ckpt.extra_json:
+    if ckpt.config.get("quantization_config") or HF_QUANT_CONFIG_JSON in ckpt.extra_json:
         raise ConfigError("calibrate the BF16 source checkpoint, not a quantized one", file=ckpt.display)
 
 
@@ -191,7 +192,7 @@ def calibrate_to_file(
 ) -> dict[str, Any]:
     """Calibrate ``src`` and write its statistics file at ``stats_out`` (atomically); returns the
     summary (``{"statistics": path, "tensors", "tokens", ...}``)."""
-    from fp4forge.quantize.act_scales import write_stats
+    from fp4forge.checkpoint.stats import write_stats
 
     result = calibrate_checkpoint(src, options, progress=progress)
     write_stats(stats_out, result.tensors, result.metadata)

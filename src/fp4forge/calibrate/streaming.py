@@ -48,7 +48,7 @@ from transformers.core_model_loading import (
 )
 
 from fp4forge.checkpoint.reader import Checkpoint
-from fp4forge.checkpoint.skeleton import _config_dtype, _to_transformers_config, model_config_dict
+from fp4forge.checkpoint.skeleton import config_dtype, model_config_dict, to_transformers_config
 from fp4forge.errors import ConfigError
 
 DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30
@@ -81,9 +81,9 @@ def build_meta_model(config: dict[str, Any]) -> PreTrainedModel:
     """The transformers model of ``config`` on the meta device, in the config's dtype, eval mode.
     A ``quantization_config`` is dropped: fp4forge supplies (dequantized) weights itself."""
     plain = {k: v for k, v in model_config_dict(config).items() if k != "quantization_config"}
-    hf_config = _to_transformers_config(plain)
+    hf_config = to_transformers_config(plain)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=_config_dtype(hf_config))
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=config_dtype(hf_config))
     return model.eval()
 
 

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, CheckpointWriter, TensorSpec
+from fp4forge.checkpoint.declarations import CT, MODELOPT, MODELOPT_ALGOS, MODELOPT_FP8_KV_SCHEME
+from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON
+from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 
 NVFP4_GROUP_SIZE = 16
-HF_QUANT_CONFIG = "hf_quant_config.json"
 # Files never copied verbatim: rewritten (config), regenerated (index, shards) or CT-only.
-_NOT_COPIED = {"config.json", INDEX_FILE, HF_QUANT_CONFIG}
+_NOT_COPIED = {CONFIG_JSON, INDEX_JSON, HF_QUANT_CONFIG_JSON}
 _KV_CT = re.compile(r"^(?P<attn>.+\.self_attn)\.(?P<kv>[kv])_scale$")
 
 
@@ -105,7 +106,7 @@ def _is_nvfp4_args(args: dict[str, Any] | None) -> bool:
 
 def ct_quant_algo(qc: dict[str, Any]) -> str:
     """``NVFP4`` (W4A4) or ``W4A16_NVFP4`` from a CT quantization_config; refuses anything else."""
-    if qc.get("quant_method") != "compressed-tensors":
+    if qc.get("quant_method") != CT:
         raise ConfigError(f"not a compressed-tensors checkpoint (quant_method {qc.get('quant_method')!r})")
     groups = qc.get("config_groups") or {}
     if not groups:
@@ -117,7 +118,7 @@ def ct_quant_algo(qc: dict[str, Any]) -> str:
         inputs = group.get("input_activations")
         if inputs is not None and not _is_nvfp4_args(inputs):
             raise ConfigError(f"config group {name!r}: activations are neither NVFP4 nor unquantized")
-        algos.add("NVFP4" if inputs is not None else "W4A16_NVFP4")
+        algos.add(MODELOPT_ALGOS["nvfp4"] if inputs is not None else MODELOPT_ALGOS["nvfp4a16"])
     if len(algos) != 1:
         raise ConfigError(f"config groups mix W4A4 and W4A16 ({sorted(algos)}); ModelOpt needs one quant_algo")
     return algos.pop()
@@ -150,17 +151,17 @@ def modelopt_quantization_config(quant_algo: str, kv_algo: str | None, exclude: 
     """config.json ``quantization_config`` in ModelOpt's form (``convert_hf_quant_config_format``)."""
     weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP_SIZE}
     group: dict[str, Any] = {"weights": weights, "targets": ["Linear"]}
-    if quant_algo == "NVFP4":
+    if quant_algo == MODELOPT_ALGOS["nvfp4"]:
         group["input_activations"] = dict(weights)
     config: dict[str, Any] = {
         "config_groups": {"group_0": group},
         "ignore": exclude,
         "quant_algo": quant_algo,
         "producer": producer,
-        "quant_method": "modelopt",
+        "quant_method": MODELOPT,
     }
     if kv_algo == "FP8":
-        config["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        config["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
     return config
 
 
@@ -213,7 +214,7 @@ def ct_nvfp4_to_modelopt(src_dir: str | Path, out_dir: str | Path, *, max_shard_
     config = dict(ckpt.config or {})
     qc = config.get("quantization_config")
     if not qc:
-        raise ConfigError("config.json has no quantization_config", file=str(src_dir / "config.json"))
+        raise ConfigError("config.json has no quantization_config", file=str(src_dir / CONFIG_JSON))
     quant_algo = ct_quant_algo(qc)
     kv_algo = kv_cache_algo(qc)
     mappings = plan(ckpt)
@@ -232,8 +233,8 @@ def ct_nvfp4_to_modelopt(src_dir: str | Path, out_dir: str | Path, *, max_shard_
                 tensor = kv_scale_to_modelopt(tensor)
             writer.write(m.dst, tensor)
             del tensor
-        writer.write_json("config.json", config)
-        writer.write_json(HF_QUANT_CONFIG, hf_quant_config(quant_algo, kv_algo, exclude, producer))
+        writer.write_json(CONFIG_JSON, config)
+        writer.write_json(HF_QUANT_CONFIG_JSON, hf_quant_config(quant_algo, kv_algo, exclude, producer))
         for path in sorted(src_dir.iterdir()):
             if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(".safetensors"):
                 writer.copy_file(path)

@@ -193,7 +193,7 @@ def layout_by_name(name: str, config: dict[str, Any] | None = None) -> Layout:
 def layout_for_config(config: dict[str, Any] | None) -> Layout:
     """Pick the layout from config.json's `architectures` / `model_type`."""
     if not config:
-        raise LayoutError("no config.json: pass the architecture layout explicitly (--layout)")
+        raise LayoutError("no config.json: name the architecture layout explicitly", option="layout")
     architectures = config.get("architectures") or []
     model_types = {config.get("model_type")}
     if isinstance(config.get("text_config"), dict):  # wrappers name the text model's type inside
@@ -202,4 +202,4 @@ def layout_for_config(config: dict[str, Any] | None) -> Layout:
         if any(a in layout.architectures for a in architectures) or model_types & set(layout.model_types):
             return _specialised(layout.name, mtp_layer_pattern(config))
     known = ", ".join(a for l in all_layouts() for a in l.architectures)
-    raise LayoutError(f"no layout for architecture {architectures or model_type!r}; known: {known}")
+    raise LayoutError(f"no layout for architecture {architectures or config.get('model_type')!r}; known: {known}", option="layout")

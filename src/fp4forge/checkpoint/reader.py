@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fp4forge.checkpoint.index import IndexFile, parse_index
+from fp4forge.checkpoint.names import CONFIG_JSON, EXTRA_JSON, INDEX_JSON, SINGLE_SAFETENSORS
 from fp4forge.checkpoint.safetensors_format import ShardHeader, TensorInfo
-from fp4forge.checkpoint.source import LocalSource, Source
-from fp4forge.checkpoint.writer import INDEX_FILE, SINGLE_FILE
-from fp4forge.errors import CheckpointError
+from fp4forge.checkpoint.source import LocalSource, Source, check_relpath
+from fp4forge.errors import CheckpointError, IndexFileError
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
@@ -50,7 +50,7 @@ class Checkpoint:
     headers: dict[str, ShardHeader]
     index: IndexFile | None = None
     config: dict[str, Any] | None = None
-    extra_json: dict[str, Any] = field(default_factory=dict)  # e.g. hf_quant_config.json
+    extra_json: dict[str, Any] = field(default_factory=dict)  # EXTRA_JSON: hf_quant_config.json, fp4forge.json
     shard_errors: dict[str, CheckpointError] = field(default_factory=dict)
 
     @property
@@ -140,17 +140,21 @@ def open_checkpoint(location: str | Path, *, strict: bool = True) -> Checkpoint:
     index: IndexFile | None = None
     if single is not None:
         shard_names = single
-    elif source.exists(INDEX_FILE):
-        index = parse_index(source.read(INDEX_FILE), source=source.describe(INDEX_FILE))
+    elif source.exists(INDEX_JSON):
+        index = parse_index(source.read(INDEX_JSON), source=source.describe(INDEX_JSON))
         shard_names = index.shard_names
-    elif source.exists(SINGLE_FILE):
-        shard_names = [SINGLE_FILE]
+    elif source.exists(SINGLE_SAFETENSORS):
+        shard_names = [SINGLE_SAFETENSORS]
     else:
         listed = source.list_files() or []
         shard_names = [f for f in listed if f.endswith(".safetensors")]
         if not shard_names:
-            raise CheckpointError(f"no {INDEX_FILE}, no {SINGLE_FILE} and no .safetensors files", file=source.display)
+            raise CheckpointError(f"no {INDEX_JSON}, no {SINGLE_SAFETENSORS} and no .safetensors files", file=source.display)
+    return _read_checkpoint(source, shard_names, index, strict=strict)
 
+
+def _read_checkpoint(source: Source, shard_names: list[str], index: IndexFile | None, *, strict: bool) -> Checkpoint:
+    """Every shard's header and the JSON files beside them."""
     headers: dict[str, ShardHeader] = {}
     errors: dict[str, CheckpointError] = {}
 
@@ -173,9 +177,9 @@ def open_checkpoint(location: str | Path, *, strict: bool = True) -> Checkpoint:
         else:
             headers[shard] = result
 
-    config = _read_json(source, "config.json")
+    config = _read_json(source, CONFIG_JSON)
     extra = {}
-    for name in ("hf_quant_config.json", "fp4forge.json"):
+    for name in EXTRA_JSON:
         doc = _read_json(source, name)
         if doc is not None:
             extra[name] = doc
@@ -188,3 +192,57 @@ def open_checkpoint(location: str | Path, *, strict: bool = True) -> Checkpoint:
         extra_json=extra,
         shard_errors=errors,
     )
+
+
+# -- a damaged checkpoint, opened for inspection --------------------------------------------------
+@dataclass(frozen=True)
+class RejectedIndexEntry:
+    """A weight_map entry the lenient open dropped: its shard path is not a safe relative path."""
+
+    tensor: str
+    shard: Any  # the value as written (a string leaving the checkpoint, or not a string at all)
+
+
+def open_checkpoint_lenient(location: str | Path) -> tuple[Checkpoint, list[RejectedIndexEntry]]:
+    """Open a possibly damaged checkpoint so that it can be inspected rather than refused.
+
+    Per-shard errors are recorded in ``shard_errors`` (as ``strict=False``); a weight_map entry
+    with a ``..`` or absolute path is dropped and returned, and the rest of the index is used.
+    An index that is not JSON at all, or has no weight_map object, or a path that is neither a
+    checkpoint nor a repo, still raises the reader's error: there is nothing to inspect past it.
+    """
+    try:
+        return open_checkpoint(location, strict=False), []
+    except IndexFileError as exc:
+        source, _ = resolve_source(location)
+        index, rejected = _safe_index(_index_document(source, exc))
+        return _read_checkpoint(source, index.shard_names, index, strict=False), rejected
+
+
+def _index_document(source: Source, original: IndexFileError) -> dict:
+    """The index as JSON; anything short of an object with a weight_map (not JSON, an LFS
+    pointer) re-raises the reader's own error, which says why."""
+    try:
+        doc = json.loads(source.read(INDEX_JSON).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise original from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        raise original
+    return doc
+
+
+def _safe_index(doc: dict) -> tuple[IndexFile, list[RejectedIndexEntry]]:
+    """The index without its unsafe entries, and those entries."""
+    safe: dict[str, str] = {}
+    rejected = []
+    for name, shard in doc["weight_map"].items():
+        try:
+            if not isinstance(shard, str):
+                raise IndexFileError(f"weight_map value {shard!r} is not a file name")
+            safe[name] = check_relpath(shard)
+        except IndexFileError:
+            rejected.append(RejectedIndexEntry(name, shard))
+    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    total = metadata.get("total_size")
+    valid_total = type(total) is int and total >= 0
+    return IndexFile(weight_map=safe, total_size=total if valid_total else None, metadata=metadata), rejected

@@ -30,7 +30,7 @@ def model_config_dict(config: dict[str, Any]) -> dict[str, Any]:
 
 
 
-def _to_transformers_config(config: dict[str, Any] | PreTrainedConfig) -> PreTrainedConfig:
+def to_transformers_config(config: dict[str, Any] | PreTrainedConfig) -> PreTrainedConfig:
     if isinstance(config, PreTrainedConfig):
         return config
     model_type = config.get("model_type")
@@ -42,7 +42,7 @@ def _to_transformers_config(config: dict[str, Any] | PreTrainedConfig) -> PreTra
         raise ConfigError(f"invalid {model_type} config: {exc}") from exc
 
 
-def _config_dtype(config: PreTrainedConfig) -> torch.dtype:
+def config_dtype(config: PreTrainedConfig) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or torch.bfloat16
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -53,8 +53,8 @@ def _config_dtype(config: PreTrainedConfig) -> torch.dtype:
 
 def checkpoint_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSpec]:
     """Every tensor ``save_pretrained`` writes for this config, in its natural layer order."""
-    hf_config = _to_transformers_config(config)
-    dtype = _config_dtype(hf_config)
+    hf_config = to_transformers_config(config)
+    dtype = config_dtype(hf_config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     # The same steps as PreTrainedModel.save_pretrained, minus the data.

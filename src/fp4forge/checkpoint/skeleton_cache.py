@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from fp4forge.atomic import write_text_atomic
+from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.checkpoint.writer import TensorSpec
+from fp4forge.errors import Fp4forgeError
 
 CACHE_VERSION = 1
 
@@ -75,3 +77,23 @@ def expected_tensor_specs(config: dict[str, Any], *, use_cache: bool = True) -> 
     if use_cache:
         _write(path, specs)
     return specs
+
+
+def expected_specs_or_reason(config: dict[str, Any], *, trust_remote_code: bool = False) -> tuple[list[TensorSpec] | None, str | None]:
+    """(the unquantized model's on-disk specs for ``config``, None), or (None, why they cannot be
+    built) — an unknown architecture, or transformers' own complaint about the config."""
+    specs, reason = _expected_for(json.dumps(config, sort_keys=True), trust_remote_code)
+    return (list(specs) if specs is not None else None), reason
+
+
+@lru_cache(maxsize=8)
+def _expected_for(config_json: str, trust_remote_code: bool) -> tuple[tuple[TensorSpec, ...] | None, str | None]:
+    config = json.loads(config_json)
+    config.pop("quantization_config", None)  # names are the unquantized model's
+    try:
+        # Remote code can change without the config changing: never served from the cache.
+        return tuple(expected_tensor_specs(config, use_cache=not trust_remote_code)), None
+    except Fp4forgeError as exc:
+        return None, exc.message
+    except (ImportError, ValueError, KeyError, TypeError, AttributeError) as exc:  # transformers' own complaints
+        return None, f"{type(exc).__name__}: {exc}"

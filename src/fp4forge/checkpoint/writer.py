@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fp4forge.checkpoint.names import INDEX_JSON, JOURNAL_FILE, SINGLE_SAFETENSORS
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, encode_header, reference_order
 from fp4forge.errors import WriteError
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-JOURNAL_FILE = ".fp4forge-journal"
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,7 @@ class TensorSpec:
 
 
 def shard_file_name(index: int, count: int) -> str:
-    return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+    return SINGLE_SAFETENSORS if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -237,7 +235,7 @@ class CheckpointWriter:
             }
             total = sum(s.nbytes for s in self.specs.values())
             index = {"metadata": {"total_size": total, **self.index_metadata}, "weight_map": dict(sorted(weight_map.items()))}
-            (self._tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            (self._tmp / INDEX_JSON).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         for shard_file in self._tmp.glob("*.safetensors"):
             if not self.sparse:
                 with open(shard_file, "rb+") as fh:

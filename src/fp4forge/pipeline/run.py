@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed
 from fp4forge.pipeline.state import (
     DONE, FAILED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
@@ -87,7 +88,7 @@ def _artifact_hashes(step: Step, ctx: Context, hasher: Hasher) -> dict[str, str]
 
 def validate(src: Path, out: Path, options: PipelineOptions) -> None:
     """What depends on the file system (the options checked themselves when constructed)."""
-    if not (src / "config.json").is_file():
+    if not (src / CONFIG_JSON).is_file():
         raise ConfigError(f"{src} is not a checkpoint directory (no config.json)")
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
         raise ConfigError("OUT must not be SRC or inside it")

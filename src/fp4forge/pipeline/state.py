@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge.atomic import write_text_atomic
+from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError
 
 CHUNK_BYTES = 8 << 20

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.checkpoint.atomic import replace_dir
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, ServeError, require_choice
 from fp4forge.pipeline.state import write_json
 
@@ -189,16 +190,6 @@ class Context:
             slot.stop()
 
 
-def _replace_dir(staged: Path, final: Path) -> None:
-    """Move a finished directory artifact into place (the old one goes only after it is done)."""
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(staged, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 # -- steps --------------------------------------------------------------------------------------
 def run_calibrate(ctx: Context) -> dict[str, Any]:
     from fp4forge.calibrate.run import calibrate_to_file
@@ -353,7 +344,7 @@ def run_perf(ctx: Context) -> dict[str, Any]:
         raise KeyboardInterrupt
     if result.stopped is not None:
         raise result.stopped
-    _replace_dir(staged, ctx.report("bench"))
+    replace_dir(staged, ctx.report("bench"))
     if result.failed:
         raise PipelineStepError(f"{result.failed} benchmark request(s) failed; see {ctx.report('bench') / 'summary.md'}")
     return {"requests": result.outcome.requests, "kept": result.outcome.kept}
@@ -386,7 +377,7 @@ def _quality_runs(ctx: Context, role: str) -> list[Any]:
         ctx.progress(finished[0], total, f"quality {QUALITY_ARMS[role]} run {run}")
 
     def publish(directory: Path) -> Path:
-        _replace_dir(directory, final)
+        replace_dir(directory, final)
         return final
 
     # Scored where the transcripts end up (publish), so the score document names their real paths.

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp4forge.endpoint import ERROR_BODY_CHARS, Endpoint, server_root
-from fp4forge.errors import ConfigError, EndpointError, EndpointProtocolError, EndpointStatusError, EndpointTimeout, Fp4forgeError, IncompleteRunError, QualityRunError
+from fp4forge.errors import ConfigError, EndpointError, EndpointProtocolError, EndpointStatusError, EndpointTimeout, IncompleteRunError, QualityRunError
 from fp4forge.quality.suite import Scenario, Suite
 from fp4forge.quality.scorer import ModelTurn, ParsedCall, ScenarioScore, score_scenario, turn_from_message
 from fp4forge.quality.simulated_tools import SimulatedWorld, replay

@@ -2,19 +2,7 @@
 constant the user asked for. There is no silent default: W4A4 and static FP8 need one of
 them, and the choice is recorded in the provenance (the audit flags constants).
 
-Statistics file (written by `fp4forge calibrate`, see `write_stats`): a safetensors file with
-F32 tensors, names as on disk (per-expert 2-D module names, not transformers' fused ones)
-  `<module>.input_amax`                 [1]  running max |x| of the Linear's input over all
-                                             calibration tokens (routed experts: the tokens the
-                                             coverage policy gives them; an expert that saw none
-                                             carries its layer peers' max)
-  `<layer>.self_attn.k_amax`            [1]  (and `v_amax`) max |K| / |V| as written to the KV
-                                             cache (after k-norm and RoPE)
-  `<layer>.self_attn.k_amax_per_head`   [num_kv_heads]  (and `v_amax_per_head`) the same per KV head
-plus `__metadata__` {"fp4forge_stats": "1", "calibration": "<JSON>"}; the JSON holds the MoE
-coverage policy ("routed" | "all-experts"), `tokens_per_expert` {experts module: [count per
-expert]}, `experts_without_tokens` [expert modules], and the data (sample count, seq_len, token
-count, sources, a digest of the token ids).
+The statistics file's format (written by `fp4forge calibrate`) is ``checkpoint/stats.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fp4forge.checkpoint.stats import CalibrationStats, read_stats
 from fp4forge.errors import ConfigError
-
-STATS_MARKER = "fp4forge_stats"
-STATS_METADATA_KEY = "calibration"
 
 
 @dataclass(frozen=True)
@@ -43,30 +29,18 @@ class ConstantAmax:
 
 
 class StatsAmax:
+    """Activation and KV amax from a calibration-statistics file."""
+
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
-        self.path = Path(path)
-        try:
-            with safe_open(self.path, framework="pt") as fh:
-                metadata = fh.metadata() or {}
-                self._values = {name: float(fh.get_tensor(name).float().max()) for name in fh.keys()}
-        except (OSError, ValueError, RuntimeError) as exc:  # safetensors raises these for bad files
-            raise ConfigError(f"cannot read statistics file {self.path}: {exc}") from None
-        if metadata.get(STATS_MARKER) is None:
-            raise ConfigError(f"{self.path} is not an fp4forge statistics file (no {STATS_MARKER} metadata)")
-        self.metadata = metadata
-
-    def _get(self, name: str) -> float:
-        if name not in self._values:
-            raise ConfigError(f"statistics file {self.path} has no {name!r}; was it calibrated on this model?")
-        return self._values[name]
+        self.stats: CalibrationStats = read_stats(path)
+        self.path = self.stats.path
+        self.metadata = self.stats.metadata
 
     def input_amax(self, module: str) -> float:
-        return self._get(f"{module}.input_amax")
+        return self.stats.input_amax(module)
 
     def kv_amax(self, layer_prefix: str) -> tuple[float, float]:
-        return self._get(f"{layer_prefix}.self_attn.k_amax"), self._get(f"{layer_prefix}.self_attn.v_amax")
+        return self.stats.kv_amax(layer_prefix)
 
     def provenance(self) -> dict:
         return {"source": "calibration", "file": self.path.name, "metadata": self.metadata}
@@ -88,28 +62,3 @@ def parse_act_scales(option: str | None, stats: str | Path | None):
     if kind != "constant" or not amax > 0 or amax == float("inf"):
         raise ConfigError(f"the activation amax must be constant:AMAX with a finite AMAX > 0, got {option!r}", option="act_scales")
     return ConstantAmax(amax)
-
-
-def write_stats(path: str | Path, tensors: dict, metadata: dict) -> Path:
-    """Write a statistics file atomically (temp file beside it, then rename)."""
-    import json
-    import os
-    import tempfile
-
-    import torch
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    bad = sorted(n for n, t in tensors.items() if t.dtype != torch.float32)
-    if bad:
-        raise ConfigError(f"statistics tensors must be F32, got others for {bad[:3]}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    try:
-        header = {STATS_MARKER: "1", STATS_METADATA_KEY: json.dumps(metadata, sort_keys=True)}
-        save_file({n: t.detach().clone() for n, t in tensors.items()}, tmp, metadata=header)  # own storage each
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return path

@@ -26,20 +26,20 @@ from fp4forge import __version__
 from fp4forge.checkpoint.layout import Layout, layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
-from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, CheckpointWriter, TensorSpec
+from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON
+from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError, require_choice
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
 from fp4forge.numerics.nvfp4 import nvfp4_global_scale, nvfp4_scale_2
 from fp4forge.numerics.scale_search import relative_error, search_nvfp4
 from fp4forge.quantize.act_scales import ConstantAmax, StatsAmax
-from fp4forge.quantize.plan import ExportPlan, LinearTarget, WorkUnit, plan_export
+from fp4forge.quantize.plan import ExportPlan, WorkUnit, plan_export
 from fp4forge.quantize.qconfig import compressed_tensors_config, modelopt_configs
 from fp4forge.quantize.recipe import Recipe
 
-PROVENANCE_FILE = "fp4forge.json"
 CONVENTION = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt"}
 # Files the exporter writes itself; every other non-weight file of the source is copied.
-REWRITTEN = {"config.json", INDEX_FILE, PROVENANCE_FILE, "hf_quant_config.json"}
+REWRITTEN = {CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON, HF_QUANT_CONFIG_JSON}
 
 Progress = Callable[[int, int, str], None]
 LayoutFormat = Literal["compressed-tensors", "modelopt"]
@@ -97,7 +97,7 @@ def _source_specs(ckpt: Checkpoint) -> list[TensorSpec]:
 def _check_source(ckpt: Checkpoint) -> None:
     if ckpt.config is None:
         raise ConfigError("source has no config.json", file=ckpt.display)
-    if ckpt.config.get("quantization_config") or "hf_quant_config.json" in ckpt.extra_json:
+    if ckpt.config.get("quantization_config") or HF_QUANT_CONFIG_JSON in ckpt.extra_json:
         raise ConfigError("source is already quantized; fp4forge quantizes BF16/F16/F32 checkpoints", file=ckpt.display)
 
 
@@ -344,8 +344,8 @@ def _write_companions(
     else:
         config_form, hf_quant = modelopt_configs(plan, all_linears, __version__)
         config["quantization_config"] = config_form
-        writer.write_json("hf_quant_config.json", hf_quant)
-    writer.write_json("config.json", config)
+        writer.write_json(HF_QUANT_CONFIG_JSON, hf_quant)
+    writer.write_json(CONFIG_JSON, config)
     source_root = getattr(ckpt.source, "root", None)
     if source_root is not None:
         for path in sorted(Path(source_root).iterdir()):
@@ -363,4 +363,4 @@ def _write_companions(
         "kv_cache": {"scheme": options.recipe.kv_cache_scheme, "layers": len(plan.kv_layers)} if plan.kv_layers else None,
         "weight_error": summarize_errors(errors) if errors else None,
     }
-    writer.write_json(PROVENANCE_FILE, provenance)
+    writer.write_json(PROVENANCE_JSON, provenance)

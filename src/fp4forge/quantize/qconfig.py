@@ -15,11 +15,10 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from fp4forge.checkpoint.declarations import CT, CT_FORMATS, MODELOPT, MODELOPT_ALGOS, MODELOPT_FP8_KV_SCHEME
 from fp4forge.errors import ConfigError
 from fp4forge.quantize.plan import ExportPlan
 
-CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized", "fp8": "float-quantized", "fp8_dynamic": "float-quantized"}
-MODELOPT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
 COMPRESSED_TENSORS_VERSION = "0.17.0"  # the version vLLM 0.32/0.33 pin; our fields are that model's
 
 
@@ -95,7 +94,7 @@ def compressed_tensors_config(plan: ExportPlan, all_linears: list[str]) -> dict[
         "global_compression_ratio": None,
         "ignore": sorted(ignore),
         "kv_cache_scheme": kv_cache_scheme_ct() if plan.kv_layers else None,
-        "quant_method": "compressed-tensors",
+        "quant_method": CT,
         "quantization_status": "compressed",
         "sparsity_config": {},
         "transform_config": {},
@@ -128,11 +127,11 @@ def modelopt_configs(plan: ExportPlan, all_linears: list[str], producer_version:
         }
     hf_quant_config = {"producer": producer, "quantization": quantization}
     config_form: dict[str, Any] = {
-        "quant_method": "modelopt",
+        "quant_method": MODELOPT,
         "producer": producer,
         **{k: v for k, v in quantization.items() if k != "exclude_modules"},
         "ignore": exclude,
     }
     if kv_algo:
-        config_form["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+        config_form["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
     return config_form, hf_quant_config

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge.atomic import write_text_atomic
+from fp4forge.checkpoint.atomic import write_text_atomic
+from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
@@ -108,11 +109,11 @@ def _pct(value: float | None) -> str:
 
 # -- sections -----------------------------------------------------------------------------------
 def summary_section(ctx: CardContext) -> list[str]:
-    provenance = ctx.art.json("ckpt:fp4forge.json")
-    config = ctx.art.json("ckpt:config.json")
+    provenance = ctx.art.json(f"ckpt:{PROVENANCE_JSON}")
+    config = ctx.art.json(f"ckpt:{CONFIG_JSON}")
     byte_doc = ctx.art.json("bytes.json")
     if provenance is None or byte_doc is None:
-        return _missing(ctx, *[n for n, d in (("ckpt:fp4forge.json", provenance), ("bytes.json", byte_doc)) if d is None])
+        return _missing(ctx, *[n for n, d in ((f"ckpt:{PROVENANCE_JSON}", provenance), ("bytes.json", byte_doc)) if d is None])
     recipe = provenance.get("recipe", {})
     kv = provenance.get("kv_cache") or {}
     rows = [
@@ -336,7 +337,7 @@ def fidelity_section(ctx: CardContext) -> list[str]:
         ctx.non_claims.append("Fidelity against the BF16 teacher was not measured.")
         return _missing(ctx, "fidelity.json")
     m = doc["metrics"]
-    vocab = (ctx.art.json("ckpt:config.json") or {}).get("vocab_size")
+    vocab = (ctx.art.json(f"ckpt:{CONFIG_JSON}") or {}).get("vocab_size")
     if vocab and m["perplexity"]["teacher"] > UNTRAINED_PERPLEXITY_SHARE * vocab:
         ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
                               "the base model is untrained (a testbed). Its quality scores and KL say nothing about a real model.")
@@ -387,10 +388,10 @@ def making_section(ctx: CardContext) -> list[str]:
 
 
 def provenance_section(ctx: CardContext) -> list[str]:
-    provenance = ctx.art.json("ckpt:fp4forge.json")
+    provenance = ctx.art.json(f"ckpt:{PROVENANCE_JSON}")
     lines: list[str] = []
     if provenance is None:
-        lines += _missing(ctx, "ckpt:fp4forge.json")
+        lines += _missing(ctx, f"ckpt:{PROVENANCE_JSON}")
     else:
         source = provenance.get("source", {})
         lines += table(["", ""], [
@@ -441,7 +442,7 @@ def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path |
     reports = Path(reports) if reports is not None else checkpoint / "reports"
     card_dir = (card_path or checkpoint / "README.md").parent
     ctx = CardContext(Artifacts(checkpoint, reports), card_dir)
-    provenance = ctx.art.json("ckpt:fp4forge.json") if ctx.art.exists("ckpt:fp4forge.json") else None
+    provenance = ctx.art.json(f"ckpt:{PROVENANCE_JSON}") if ctx.art.exists(f"ckpt:{PROVENANCE_JSON}") else None
     name = checkpoint.resolve().name
     description = ((provenance or {}).get("recipe") or {}).get("name")
     lines = [f"# {name}", "", f"Recipe `{description}`. " if description else "",

@@ -114,7 +114,7 @@ def compare_markdown(doc: dict[str, Any]) -> str:
         f"## What {doc['scenarios']} scenarios can detect",
         "",
         f"- The exact sign test needs at least {power['smallest_significant_discordance']} discordant scenarios, all in one direction, at α = {doc['alpha']}.",
-        f"- Graded scores, 80% power: minimum detectable mean difference "
+        "- Graded scores, 80% power: minimum detectable mean difference "
         + (f"{power['mde_80']:.3f} at the observed sd(d) = {power['sd_diff']:.3f}; " if power["mde_80"] is not None else "")
         + ", ".join(f"{v:.3f} at sd {k}" for k, v in power["mde_80_by_sd"].items()) + ".",
         "",

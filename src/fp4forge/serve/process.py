@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from fp4forge.endpoint import Endpoint, loopback_url
+
+from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ServeError
 from fp4forge.serve.doctor import Finding, LogDoctor
 from fp4forge.serve.launcher import VllmServer, launch_vllm
@@ -62,9 +64,7 @@ def _record_path(directory: Path, name: str) -> Path:
 def write_record(directory: Path, record: ServeRecord) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = _record_path(directory, record.name)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(record), indent=2))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(asdict(record), indent=2))
     return path
 
 

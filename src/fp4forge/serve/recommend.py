@@ -49,7 +49,7 @@ class CheckpointFacts:
 
 def read_checkpoint_facts(location: str) -> CheckpointFacts:
     """Headers and configs only: works on remote checkpoints without downloading weights."""
-    from fp4forge.audit.quant_config import read_declaration, resolve
+    from fp4forge.checkpoint.declarations import read_declaration, resolve
     from fp4forge.checkpoint.layout import layout_for_config
     from fp4forge.checkpoint.reader import open_checkpoint
 

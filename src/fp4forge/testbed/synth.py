@@ -31,9 +31,11 @@ from fp4forge.checkpoint.skeleton import (
     count_parameters,
     model_config_dict,
 )
+from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
-from fp4forge.testbed.tiny import Progress, ensure_fresh_output
+from fp4forge.checkpoint.atomic import ensure_fresh_output
+from fp4forge.testbed.tiny import Progress
 
 PRESETS: dict[str, str] = {"laguna-s-2.1-like": "laguna-s-2.1-like.json"}
 
@@ -73,7 +75,7 @@ def resolve_config_source(config_path_or_preset: str | Path) -> tuple[dict[str, 
     if isinstance(config_path_or_preset, str) and config_path_or_preset in PRESETS:
         return load_preset(config_path_or_preset), None
     path = Path(config_path_or_preset)
-    config_file = path / "config.json" if path.is_dir() else path
+    config_file = path / CONFIG_JSON if path.is_dir() else path
     if not config_file.is_file():
         raise ConfigError(
             f"{config_path_or_preset!s} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json "
@@ -182,7 +184,7 @@ def synth_checkpoint(
         sparse=sparse,
         index_metadata={"total_parameters": total_parameters},
     ) as writer:
-        writer.write_text("config.json", json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+        writer.write_text(CONFIG_JSON, json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
         if source_dir is not None:
             for name in COMPANION_FILES:
                 if (source_dir / name).is_file():

@@ -13,9 +13,6 @@ The same seed always gives byte-identical output directories.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +28,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from fp4forge.checkpoint.atomic import atomic_output_dir
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.tokenizer import build_tokenizer, generation_stop_ids
 
@@ -44,40 +42,6 @@ TINY_MAX_SHARD_BYTES = 6 * 10**6
 E_SCORE_CORRECTION_BIAS_STD = 0.5
 ROUTER_BIAS_SEED_OFFSET = 0x5EED_B1A5
 TINY_MAX_POSITIONS = 4096
-
-
-# -- output directory handling (shared with synth) -----------------------------------------------
-def ensure_fresh_output(out: Path) -> None:
-    """Refuse to write into a directory that already holds something."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"output {out} exists and is not empty; choose a new path", file=str(out))
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: Path) -> Iterator[Path]:
-    """Yield a temp dir beside ``out``; rename it to ``out`` on success, delete it on any error."""
-    out = Path(out)
-    ensure_fresh_output(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        yield staging
-        _apply_umask_modes(staging)
-        if out.exists():
-            out.rmdir()  # empty: checked above
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _apply_umask_modes(directory: Path) -> None:
-    """mkdtemp makes 0700 and safetensors writes 0600; give the output ordinary umask modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
-    for path in directory.rglob("*"):
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 @contextlib.contextmanager

@@ -17,10 +17,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
+
 CT = "compressed-tensors"
 MODELOPT = "modelopt"
 FORMATS = (CT, MODELOPT)
-HF_QUANT_CONFIG = "hf_quant_config.json"
 LINEAR_CLASS_TARGET = "Linear"
 
 # compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'
@@ -34,9 +35,14 @@ CT_SCHEMES: tuple[tuple[tuple[int, str, str], str | None, str], ...] = (
     ((8, "float", "channel"), "dynamic", "fp8_dynamic"),
     ((8, "float", "channel"), None, "fp8_dynamic"),
 )
-# ModelOpt quant_algo -> scheme key.
-MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4a16", "NVFP4_W4A16": "nvfp4a16", "FP8": "fp8"}
-MODELOPT_ALGO_NAMES = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
+# compressed-tensors `format` of a config group holding each scheme.
+CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized", "fp8": "float-quantized", "fp8_dynamic": "float-quantized"}
+# scheme key -> the ModelOpt quant_algo that spells it (what fp4forge writes); the one table.
+MODELOPT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
+# ModelOpt quant_algo -> scheme key, for reading: the inverse, plus the alias ModelOpt also accepts.
+SCHEME_OF_MODELOPT_ALGO = {algo: scheme for scheme, algo in MODELOPT_ALGOS.items()} | {"NVFP4_W4A16": "nvfp4a16"}
+# ModelOpt's config.json form of a static FP8 KV cache (vLLM needs `dynamic: false` to honour it).
+MODELOPT_FP8_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 # Keys vLLM requires, per form (docs/formats.md#compressed-tensors-declaration,
 # docs/formats.md#modelopt-declaration).
 CT_KV_REQUIRED = ("strategy", "symmetric")
@@ -207,16 +213,16 @@ def parse_modelopt(doc: dict[str, Any], *, where: str) -> QuantDeclaration:
         by_scheme: dict[str | None, list[str]] = {}
         for module, entry in layers.items():
             layer_algo = (entry or {}).get("quant_algo")
-            scheme = MODELOPT_ALGOS.get(layer_algo)
+            scheme = SCHEME_OF_MODELOPT_ALGO.get(layer_algo)
             if scheme is None and f"quantized_layers {layer_algo}" not in unsupported:
                 unsupported.append(f"quantized_layers {layer_algo}")
             by_scheme.setdefault(scheme, []).append(module)
         groups = [
-            SchemeGroup(f"quantized_layers {MODELOPT_ALGO_NAMES.get(s, '?')}", s, tuple(m), f"MIXED_PRECISION {MODELOPT_ALGO_NAMES.get(s, '?')}")
+            SchemeGroup(f"quantized_layers {MODELOPT_ALGOS.get(s, '?')}", s, tuple(m), f"MIXED_PRECISION {MODELOPT_ALGOS.get(s, '?')}")
             for s, m in by_scheme.items()
         ]
     elif algo is not None:
-        scheme = MODELOPT_ALGOS.get(algo)
+        scheme = SCHEME_OF_MODELOPT_ALGO.get(algo)
         if scheme == "nvfp4" and _all_groups_weight_only(quant):
             scheme = "nvfp4a16"  # vLLM reroutes it (PR #54427)
         if scheme is None:

@@ -1,0 +1,188 @@
+"""What every audit check looks at: the opened checkpoint, its layout and declaration, computed
+views of its tensors (computed once), and the small helpers the checks share. The checks
+(``checks_integrity``, ``checks_declarations``, ``checks_names``) import this module; the engine
+imports them; nothing here imports a check."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from fp4forge.audit.findings import Issue
+from fp4forge.checkpoint.declarations import FORMATS, QuantDeclaration
+from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffix
+from fp4forge.checkpoint.names import CONFIG_JSON
+from fp4forge.checkpoint.raw import decode_all, read_coalesced, tensor_index
+from fp4forge.checkpoint.reader import Checkpoint
+from fp4forge.checkpoint.safetensors_format import TensorInfo
+from fp4forge.checkpoint.skeleton_cache import expected_specs_or_reason
+from fp4forge.checkpoint.writer import TensorSpec
+from fp4forge.errors import ConfigError
+
+# Components whose 2-D weights are Linear layers (vLLM builds routers and lm_head as Linears too,
+# so a "Linear" target reaches them unless they are ignored). Embeddings and norms are not.
+LINEAR_COMPONENTS = ("attention", "routed_experts", "shared_expert", "dense_mlp", "router", "lm_head")
+# How messages name each component's modules.
+COMPONENT_NOUNS = {
+    "routed_experts": "routed-expert Linears",
+    "shared_expert": "shared-expert Linears",
+    "attention": "attention Linears",
+    "dense_mlp": "dense-MLP Linears",
+    "router": "routers",
+    "lm_head": "lm_head",
+    "embeddings": "embeddings",
+    "norms": "norms",
+}
+WEIGHT_SUFFIXES = ("weight", "weight_packed")
+SCALE_KINDS = ("weight_scale", "weight_global_scale", "input_scale", "input_global_scale")
+SMALL_SCALE_MAX_ELEMENTS = 1 << 16
+
+
+def modules_noun(component: str) -> str:
+    return COMPONENT_NOUNS.get(component, f"{component} modules")
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.strip().lstrip("v").split("."))
+    except ValueError:
+        raise ConfigError(f"not a version number: {text!r} (expected e.g. 0.32)") from None
+
+
+@dataclass
+class AuditContext:
+    """Everything a check may look at, computed once."""
+
+    ckpt: Checkpoint
+    layout: Layout | None
+    declaration: QuantDeclaration | None
+    deep: bool
+    fmt: str
+    vllm_version: tuple[int, ...]
+    trust_remote_code: bool = False
+    _values: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def tensors(self) -> dict[str, tuple[str, TensorInfo]]:
+        return tensor_index(self.ckpt)
+
+    @cached_property
+    def roles(self) -> dict[str, tuple[str, str, str]]:
+        """name -> (module, suffix, kind), split once (10^5 names)."""
+        return {name: split_suffix(name) for name in self.tensors}
+
+    def kind(self, name: str) -> str:
+        return self.roles[name][2]
+
+    @cached_property
+    def modules(self) -> dict[str, dict[str, TensorInfo]]:
+        """module -> {parameter suffix: header entry}, for names with a known suffix."""
+        out: dict[str, dict[str, TensorInfo]] = {}
+        for name, (_, info) in self.tensors.items():
+            module, suffix, kind = self.roles[name]
+            if kind != UNKNOWN:
+                out.setdefault(module, {})[suffix] = info
+        return out
+
+    @property
+    def tensor_format(self) -> str | None:
+        """compressed-tensors or modelopt: whose tensor names the declaration implies."""
+        return self.declaration.format if self.declaration and self.declaration.format in FORMATS else None
+
+    def file_of(self, name: str) -> str | None:
+        entry = self.tensors.get(name)
+        return entry[0] if entry else None
+
+    def component(self, module: str) -> str:
+        return self.layout.component_of(module) if self.layout else UNKNOWN
+
+    @cached_property
+    def expected(self) -> tuple[list[TensorSpec] | None, str | None]:
+        """(on-disk tensor specs save_pretrained writes for config.json, None) or (None, why not)."""
+        if not self.ckpt.config:
+            return None, f"no {CONFIG_JSON}"
+        return expected_specs_or_reason(self.ckpt.config, trust_remote_code=self.trust_remote_code)
+
+    @property
+    def expected_specs(self) -> list[TensorSpec] | None:
+        return self.expected[0]
+
+    @cached_property
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {spec.name: tuple(spec.shape) for spec in self.expected_specs or []}
+
+    @cached_property
+    def linear_modules(self) -> dict[str, str]:
+        """Linear module -> component: present with a 2-D weight, or expected by the architecture."""
+        out: dict[str, str] = {}
+        for module, params in self.modules.items():
+            weight = next((params[s] for s in WEIGHT_SUFFIXES if s in params), None)
+            if weight is not None and len(weight.shape) == 2:
+                component = self.component(module)
+                if component in LINEAR_COMPONENTS:
+                    out[module] = component
+        for name, shape in self.expected_shapes.items():
+            module, suffix, _ = split_suffix(name)
+            if suffix == "weight" and len(shape) == 2 and module not in out:
+                component = self.component(module)
+                if component in LINEAR_COMPONENTS:
+                    out[module] = component
+        return dict(sorted(out.items()))
+
+    def linear_shape(self, module: str) -> tuple[int, int] | None:
+        """[out, in] of a Linear: from the architecture, else from the stored weight."""
+        expected = self.expected_shapes.get(f"{module}.weight")
+        if expected is not None and len(expected) == 2:
+            return expected[0], expected[1]
+        params = self.modules.get(module, {})
+        if "weight_packed" in params and len(params["weight_packed"].shape) == 2:
+            out_features, half = params["weight_packed"].shape
+            return out_features, half * 2
+        weight = params.get("weight")
+        if weight is None or len(weight.shape) != 2:
+            return None
+        if weight.dtype == "U8":  # ModelOpt's packed FP4: two values per byte
+            return weight.shape[0], weight.shape[1] * 2
+        return weight.shape[0], weight.shape[1]
+
+    # -- values -------------------------------------------------------------------------------
+    @cached_property
+    def small_scales(self) -> list[str]:
+        """Per-tensor and per-channel scales: read even without --deep (FP8 block scales are not)."""
+        names = []
+        for name, (_, info) in self.tensors.items():
+            kind = self.roles[name][2]
+            if kind in SCALE_KINDS and info.numel <= SMALL_SCALE_MAX_ELEMENTS and not (kind == "weight_scale" and info.dtype == "F8_E4M3"):
+                names.append(name)
+        return names
+
+    def values(self, names: list[str]) -> dict[str, Any]:
+        """Flat float32 numpy arrays for small tensors, read in coalesced byte ranges."""
+        wanted = [n for n in names if n not in self._values and n in self.tensors]
+        if wanted:
+            self._values.update(decode_all(read_coalesced(self.ckpt, [self.tensors[n] for n in wanted])))
+        return {n: self._values[n] for n in names if n in self._values}
+
+
+def is_finite_positive(values) -> bool:
+    """Every value finite and > 0 (NaN compares false, so `> 0` alone misses only +Inf)."""
+    return values.size > 0 and bool((values > 0).all()) and bool((values < math.inf).all())
+
+
+def describe_value(values) -> str:
+    """A short text for a scale's value(s): `0`, `nan`, `-1.5`, or `3 of 128 non-finite or ≤ 0`."""
+    import numpy as np
+
+    if values.size == 1:
+        value = float(values[0])
+        return "nan" if math.isnan(value) else f"{value:g}"
+    bad = int((~(np.isfinite(values) & (values > 0))).sum())
+    return f"{bad:,} of {values.size:,} values non-finite or ≤ 0"
+
+
+def issue(rule: str, group: str, subject: str, **kwargs: Any) -> Issue:
+    """Shorthand used by the checks."""
+    tensors = kwargs.pop("tensors", ())
+    return Issue(rule=rule, group=group, subject=subject, tensors=tuple(tensors), **kwargs)

@@ -1,0 +1,127 @@
+"""Raw tensor bytes from an open checkpoint, without torch: byte-range reads (coalesced for many
+small tensors, chunked for one large one) and the decoding of safetensors dtypes to float32
+numpy arrays. The audit reads scales and scans weights through this; diff hashes and compares
+values through it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import lru_cache
+from typing import Any
+
+from fp4forge.checkpoint.reader import Checkpoint
+from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, TensorInfo
+from fp4forge.errors import ConfigError
+
+# A run of small tensors read in one request when the gap between them is below this.
+COALESCE_GAP_BYTES = 1 << 16
+MAX_COALESCED_BYTES = 1 << 26
+RAW_CHUNK_BYTES = 1 << 26
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def tensor_index(ckpt: Checkpoint) -> dict[str, tuple[str, TensorInfo]]:
+    """name -> (shard, header entry); for a name stored in two shards, the one weight_map names."""
+    weight_map = ckpt.index.weight_map if ckpt.index else {}
+    out: dict[str, tuple[str, TensorInfo]] = {}
+    for shard, info in ckpt.tensors():
+        if info.name not in out or weight_map.get(info.name) == shard:
+            out[info.name] = (shard, info)
+    return out
+
+
+def read_coalesced(ckpt: Checkpoint, entries: list[tuple[str, TensorInfo]]) -> dict[str, tuple[str, bytes]]:
+    """name -> (dtype, raw bytes), reading neighbouring tensors of a shard in one range request."""
+    by_shard: dict[str, list[TensorInfo]] = {}
+    for shard, info in entries:
+        by_shard.setdefault(shard, []).append(info)
+    out: dict[str, tuple[str, bytes]] = {}
+    for shard, infos in by_shard.items():
+        base = ckpt.headers[shard].data_start
+        infos.sort(key=lambda i: i.begin)
+        run: list[TensorInfo] = []
+        for info in infos + [None]:  # type: ignore[list-item]
+            if run and (info is None or info.begin - run[-1].end > COALESCE_GAP_BYTES or info.end - run[0].begin > MAX_COALESCED_BYTES):
+                blob = ckpt.source.read(shard, base + run[0].begin, run[-1].end - run[0].begin)
+                for member in run:
+                    out[member.name] = (member.dtype, blob[member.begin - run[0].begin : member.end - run[0].begin])
+                run = []
+            if info is not None:
+                run.append(info)
+    return out
+
+
+def iter_raw_chunks(ckpt: Checkpoint, shard: str, info: TensorInfo, chunk: int | None = None) -> Iterator[bytes]:
+    """A tensor's bytes in chunks (a whole number of elements each), never all at once."""
+    chunk = chunk or RAW_CHUNK_BYTES
+    base = ckpt.headers[shard].data_start + info.begin
+    for start in range(0, info.nbytes, chunk):
+        yield ckpt.source.read(shard, base + start, min(chunk, info.nbytes - start))
+
+
+def iter_values(ckpt: Checkpoint, shard: str, info: TensorInfo, elements: int) -> Iterator[Any]:
+    """A tensor's values as float32 numpy arrays of up to ``elements`` each, never all at once."""
+    width = DTYPE_BITS[info.dtype] // 8
+    base = ckpt.headers[shard].data_start + info.begin
+    for start in range(0, info.numel, elements):
+        count = min(elements, info.numel - start)
+        yield decode(info.dtype, ckpt.source.read(shard, base + start * width, count * width))
+
+
+# -- decoding -------------------------------------------------------------------------------------
+def float_view(dtype: str, raw: bytes):
+    """Raw little-endian bytes of a float dtype (FLOAT_DTYPES) -> numpy array, widened only where
+    numpy lacks the type (BF16 -> float32, exactly); F16 / F32 / F64 stay as stored."""
+    import numpy as np
+
+    if dtype == "BF16":  # numpy has no bfloat16: widen to float32 by shifting into the high half
+        return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(raw, dtype={"F16": "<f2", "F32": "<f4", "F64": "<f8"}[dtype])
+
+
+def _fp8_e4m3_table():
+    """float32 value of every E4M3FN byte (exponent bias 7, no Inf, S.1111.111 is NaN)."""
+    import numpy as np
+
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = np.where((codes & 0x7F) == 0x7F, np.nan, value)
+    return (sign * value).astype(np.float32)
+
+
+@lru_cache(maxsize=1)
+def _decoders() -> dict[str, Callable[[bytes], Any]]:
+    """safetensors dtype -> raw little-endian bytes to a flat float32 numpy array."""
+    import numpy as np
+
+    fp8 = _fp8_e4m3_table()
+    return {
+        "F32": lambda raw: float_view("F32", raw),
+        "F16": lambda raw: float_view("F16", raw).astype(np.float32),
+        "F64": lambda raw: float_view("F64", raw).astype(np.float32),
+        "BF16": lambda raw: float_view("BF16", raw),
+        "F8_E4M3": lambda raw: fp8[np.frombuffer(raw, np.uint8)],
+        "U8": lambda raw: np.frombuffer(raw, np.uint8).astype(np.float32),
+        "I8": lambda raw: np.frombuffer(raw, np.int8).astype(np.float32),
+        "I16": lambda raw: np.frombuffer(raw, "<i2").astype(np.float32),
+        "I32": lambda raw: np.frombuffer(raw, "<i4").astype(np.float32),
+        "I64": lambda raw: np.frombuffer(raw, "<i8").astype(np.float32),
+    }
+
+
+def can_decode(dtype: str) -> bool:
+    return dtype in _decoders()
+
+
+def decode(dtype: str, raw: bytes):
+    """Raw little-endian bytes -> flat float32 numpy array."""
+    decoder = _decoders().get(dtype)
+    if decoder is None:
+        raise ConfigError(f"cannot decode {dtype} values")
+    return decoder(raw)
+
+
+def decode_all(raw: dict[str, tuple[str, bytes]]) -> dict[str, Any]:
+    return {name: decode(dtype, data) for name, (dtype, data) in raw.items()}
