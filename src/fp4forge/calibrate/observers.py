@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp4forge.calibrate.streaming import WeightPlan
+from fp4forge.model.streaming import WeightPlan
 from fp4forge.errors import ConfigError
 
 POLICIES = ("routed", "all-experts")
