@@ -293,24 +293,32 @@ class QuantizedCheckpoint:
 
     # -- the KV cache -----------------------------------------------------------------------------------
     def kv_scale_names(self, layers: Iterable[str]) -> dict[str, dict[str, str]]:
-        """{layer prefix: {k_scale | v_scale: tensor name}} for the layers that store any, by the
-        layout whose names hold the most of them (a checkpoint may carry the other layout's)."""
-        layers = list(layers)
-        best: dict[str, dict[str, str]] = {}
-        for layout in LAYOUTS:
-            found: dict[str, dict[str, str]] = {}
-            for layer in layers:
-                names = {role: spec.name for role, spec in kv_role_names(layout, layer).items() if spec.name in self.names}
-                if names:
-                    found[layer] = names
-            if sum(map(len, found.values())) > sum(map(len, best.values())):
-                best = found
-        return best
+        """{layer prefix: {k_scale | v_scale: tensor name}} for the layers that store any
+        (:func:`find_kv_scale_names`)."""
+        return find_kv_scale_names(self.names, layers)[1]
 
     def kv_scales(self, layers: Iterable[str]) -> dict[str, dict[str, Tensor]]:
         """The stored FP8 KV scales (``amax/448``) as flat F32 tensors (one value, or one per KV
         head), by layer prefix and role."""
         return {layer: {role: self.ckpt.read_tensor(name).to(torch.float32).reshape(-1) for role, name in names.items()} for layer, names in self.kv_scale_names(layers).items()}
+
+
+def find_kv_scale_names(present: Iterable[str], layers: Iterable[str]) -> tuple[str | None, dict[str, dict[str, str]]]:
+    """(layout whose names the KV scales use, {layer prefix: {role: tensor name}}) among the tensor
+    names ``present``: the layout with the most names present (a checkpoint may carry the other
+    layout's); (None, {}) when there are none."""
+    present = present if isinstance(present, (set, frozenset)) else set(present)
+    layers = list(layers)
+    best: tuple[str | None, dict[str, dict[str, str]]] = (None, {})
+    for layout in LAYOUTS:
+        found: dict[str, dict[str, str]] = {}
+        for layer in layers:
+            names = {role: spec.name for role, spec in kv_role_names(layout, layer).items() if spec.name in present}
+            if names:
+                found[layer] = names
+        if sum(map(len, found.values())) > sum(map(len, best[1].values())):
+            best = (layout, found)
+    return best
 
 
 class DequantizedTensors:
