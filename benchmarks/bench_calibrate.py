@@ -79,7 +79,7 @@ def samples_file(samples: int, seq_len: int) -> Path:
     """The token ids every run uses, written once (so llm-compressor gets the very same)."""
     import torch
 
-    from fp4forge.calibrate.data import load_samples, load_tokenizer
+    from fp4forge.model.samples import load_samples, load_tokenizer
 
     path = OUT / f"calib-ids-{samples}x{seq_len}.pt"
     if not path.exists():
@@ -92,7 +92,7 @@ def child(src: Path, ids_path: Path, batch_size: int, ram_budget_gb: float, poli
     import torch
 
     from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-    from fp4forge.calibrate.data import Samples
+    from fp4forge.model.samples import Samples
 
     ids = torch.load(ids_path)
     options = CalibrationOptions(samples=ids.shape[0], seq_len=ids.shape[1], batch_size=batch_size, policy=policy, ram_budget_bytes=int(ram_budget_gb * 2**30))
@@ -174,7 +174,7 @@ def fidelity_tiny(threads: int) -> list[dict]:
 
     from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
     from fp4forge.calibrate import kv
-    from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+    from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
     from fp4forge.checkpoint.reader import open_checkpoint
     from fp4forge.checkpoint.stats import write_stats
     from fp4forge.quantize.act_scales import StatsAmax

@@ -13,9 +13,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint, calibrate_in_memory, calibration_samples
-from fp4forge.calibrate.data import builtin_documents, file_documents, load_samples, load_tokenizer
+from fp4forge.model.samples import builtin_documents, file_documents, load_samples, load_tokenizer
 from fp4forge.calibrate.observers import NoTap, experts_forward
-from fp4forge.calibrate.streaming import StreamedModel, call_layer
+from fp4forge.model.streaming import StreamedModel, call_layer
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.errors import ConfigError
 from tests.calibration_fixtures import BUILDERS, laguna, one_thread, tiny  # noqa: F401 (shared fixtures)

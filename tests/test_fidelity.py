@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-from fp4forge.calibrate.fidelity import FidelityOptions, TeacherEntry, estimated_kl, evaluate, exact_kl, teacher_entry
+from fp4forge.fidelity.evaluate import FidelityOptions, TeacherEntry, estimated_kl, evaluate, exact_kl, teacher_entry
 from fp4forge.calibrate.kv import write_declaration
 from fp4forge.errors import ConfigError
 from fp4forge.checkpoint.stats import write_stats

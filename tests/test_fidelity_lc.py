@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
 
 
 @pytest.mark.slow

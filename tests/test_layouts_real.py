@@ -8,7 +8,6 @@ import pytest
 
 from fp4forge.audit.byte_table import compute_byte_table
 from fp4forge.checkpoint.layout import (
-    infer_layout,
     layout_by_name,
     layout_for_config,
     layout_or_inferred,

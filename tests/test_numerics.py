@@ -593,3 +593,45 @@ def test_relative_error_and_error_sums():
     assert error_sums(w, torch.tensor([[3.0, 3.0]])) == (1.0, 25.0)
     with pytest.raises(NumericsError):
         search_nvfp4(w.repeat(1, 8), "magic")  # type: ignore[arg-type]
+
+
+# -- FP8 activation / KV fake-quant and the NVFP4 per-tensor scalars --------------------------------
+def test_e4m3_rounding_nearest_and_toward_zero():
+    """1.1 lies between E4M3 1.0 and 1.125 (nearer 1.125); 0.84375 is the tie between 0.8125 and
+    0.875 (nearest-even: 0.875); both directions saturate at 448."""
+    from fp4forge.numerics import e4m3_toward_zero, fp8_fake_quantize
+
+    x = torch.tensor([1.1, -1.1, 0.84375, 500.0, -500.0, 0.0])
+    assert e4m3_toward_zero(x).to(torch.float32).tolist() == [1.0, -1.0, 0.8125, 448.0, -448.0, 0.0]
+    one = torch.tensor(1.0)
+    assert fp8_fake_quantize(x, one).tolist() == pytest.approx([1.125, -1.125, 0.875, 448.0, -448.0, 0.0], abs=0)
+    assert fp8_fake_quantize(x, one, rounding="toward_zero").tolist() == [1.0, -1.0, 0.8125, 448.0, -448.0, 0.0]
+    # the scale applies on the way in and out, and the result keeps x's dtype
+    y = fp8_fake_quantize(torch.tensor([2.2], dtype=torch.bfloat16), torch.tensor(2.0))
+    assert y.dtype == torch.bfloat16 and y.item() == 2.25
+    with pytest.raises(NumericsError):
+        fp8_fake_quantize(x, one, rounding="up")
+
+
+def test_fp8_fake_quantize_reciprocal_and_dynamic():
+    from fp4forge.numerics import fp8_dynamic_fake_quantize, fp8_fake_quantize_reciprocal
+
+    assert fp8_fake_quantize_reciprocal(torch.tensor([1.1, 3.0]), torch.tensor(0.5)).tolist() == [1.125, 3.0]
+    # per-token: each row's max maps to 448 and comes back exactly; 1.0 in a row of max 3 does not
+    rows = torch.tensor([[3.0, 1.0], [-0.5, 0.25]])
+    out = fp8_dynamic_fake_quantize(rows)
+    assert out[0, 0].item() == 3.0 and out[1, 0].item() == -0.5
+    scale = np.float32(3.0) / np.float32(448.0)
+    q = torch.tensor(float(np.float32(1.0) / scale)).to(torch.float8_e4m3fn).to(torch.float32).item()
+    assert out[0, 1].item() == float(np.float32(q) * scale)
+
+
+def test_nvfp4_per_tensor_scalars_both_conventions():
+    from fp4forge.numerics import amax_from_ct_global_scale, amax_from_scale_2, ct_global_scale_from_amax
+    from fp4forge.numerics.fp8 import fp8_amax_from_scale
+
+    assert ct_global_scale_from_amax(8.0).tolist() == [336.0]  # 6 * 448 / 8
+    assert ct_global_scale_from_amax(0.0).tolist() == [1.0]
+    assert amax_from_ct_global_scale(336.0) == 8.0
+    assert amax_from_scale_2(8.0 / 2688.0) == pytest.approx(8.0, rel=1e-15)
+    assert fp8_amax_from_scale(0.5) == 224.0

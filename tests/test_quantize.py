@@ -5,7 +5,6 @@ export of the same testbed)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp4forge.checkpoint.quantized import QuantizedCheckpoint
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.quantize.act_scales import ConstantAmax
-from fp4forge.quantize.dequant import dequantize_linear
 from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
-from fp4forge.quantize.recipe import load_recipe, parse_recipe
+from fp4forge.quantize.recipe import parse_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -52,8 +52,9 @@ def test_dequantization_equals_compressed_tensors_dequantizer(vllm_venv, ours_li
     ours, reference = open_checkpoint(ours_like_lc), open_checkpoint(out)
     modules = [i.name[: -len(".weight_packed")] for _, i in ours.tensors() if i.name.endswith(".weight_packed")]
     assert len(modules) == 4 * 4 + 3 + 3 * (3 * 16 + 3)  # attention, dense layer 0, experts + shared
+    view = QuantizedCheckpoint(ours, "compressed-tensors")
     for module in modules:
-        assert same_bits(dequantize_linear(ours, module, "compressed-tensors"), reference.read_tensor(f"{module}.weight")), module
+        assert same_bits(view.dequantize(module), reference.read_tensor(f"{module}.weight")), module
 
 
 def test_weights_byte_identical_to_llm_compressor_nvfp4(ours_like_lc, lc_nvfp4_kv_dir):

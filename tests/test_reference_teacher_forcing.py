@@ -1,4 +1,4 @@
-"""``fp4forge.serve.reference.teacher_forced_check`` on a hand-built bigram model (no server).
+"""``fp4forge.fidelity.reference.teacher_forced_check`` on a hand-built bigram model (no server).
 
 Oracle: a fake "model" whose logits at each position are a fixed row chosen by the token there
 (a bigram table of exact binary fractions), so every gap, top-2 gap and argmax below is worked out
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fp4forge.errors import ConfigError
-from fp4forge.serve.reference import TeacherForcedCheck, check_continuation, teacher_forced_check
+from fp4forge.fidelity.reference import TeacherForcedCheck, check_continuation, teacher_forced_check
 
 NEAR = 2.0 + 1 / 128  # 1/128 above 2.0: a near-tie gap exact in float32
 # Row t = the logits that follow token t.

@@ -5,7 +5,7 @@
   transformers-bf16's argmax or a near-tie and logprobs agree within bf16 rounding.
 * fp4forge's NVFP4-experts + FP8-attention + FP8-KV checkpoint with calibrated activation and KV
   scales, both layouts, through vLLM's own weight loader: 32 greedy tokens of several prompts and
-  every prompt / generated logprob, held against fp4forge's reference (``fp4forge.serve.reference``)
+  every prompt / generated logprob, held against fp4forge's reference (``fp4forge.fidelity.reference``)
   teacher-forced on the served tokens (``teacher_forced_check``). Under the same numerics: exact
   to rounding level until the first flipped activation rounding, near-ties only after it; under
   the other numerics (``w4a16`` vs ``w4a4``): a mismatch from the first position.
@@ -35,7 +35,7 @@ from fp4forge.quantize.act_scales import StatsAmax
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.serve import VllmServer
 from fp4forge.serve.doctor import diagnose, iter_lines
-from fp4forge.serve.reference import TeacherForcedCheck, greedy_tokens, load_reference, teacher_forced_check
+from fp4forge.fidelity.reference import TeacherForcedCheck, greedy_tokens, load_reference, teacher_forced_check
 from tests.fixtures_vllm_plugin import Registry, plugin_bf16_moe, plugin_modelopt_w4a16, server_log, servers  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fp4forge.audit.byte_table import ByteTable
     from fp4forge.audit.diff import DiffReport
     from fp4forge.audit.findings import AuditReport
-    from fp4forge.calibrate.fidelity import FidelityOptions, FidelityReport
+    from fp4forge.fidelity.evaluate import FidelityOptions, FidelityReport
     from fp4forge.calibrate.run import CalibrationOptions
     from fp4forge.checkpoint.reader import Checkpoint
     from fp4forge.quantize.export import ExportSummary
@@ -119,6 +119,6 @@ def measure_fidelity(
     progress: Progress | None = None,
 ) -> FidelityReport:
     """KL, top-1 agreement and perplexity of the quantized ``student`` against its BF16 ``teacher``."""
-    from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+    from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
 
     return evaluate(teacher, student, options or FidelityOptions(), progress=progress)

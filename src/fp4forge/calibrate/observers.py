@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp4forge.calibrate.streaming import WeightPlan
 from fp4forge.checkpoint.stats import input_amax_name, kv_amax_name
+from fp4forge.model.streaming import WeightPlan
 from fp4forge.errors import ConfigError
 
 POLICIES = ("routed", "all-experts")

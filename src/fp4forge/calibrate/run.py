@@ -19,9 +19,9 @@ from typing import Any, Literal, get_args
 import torch
 
 from fp4forge import __version__
-from fp4forge.calibrate.data import Samples, load_samples, load_tokenizer
+from fp4forge.model.samples import Samples, load_samples, load_tokenizer
 from fp4forge.calibrate.observers import POLICIES, CalibrationObserver
-from fp4forge.calibrate.streaming import (
+from fp4forge.model.streaming import (
     DEFAULT_RAM_BUDGET_BYTES,
     ActivationStore,
     LayerCall,

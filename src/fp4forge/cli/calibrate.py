@@ -164,7 +164,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """KL, top-1 agreement, perplexity and per-layer error of a quantized student against its teacher, layer-streamed."""
         emit_json, out, progress_bar = _ui()
-        from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+        from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
         from fp4forge.report.calibrate_tables import fidelity_rich
 
         options = FidelityOptions(

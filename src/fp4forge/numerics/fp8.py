@@ -21,6 +21,7 @@ at multiples of the block height.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,9 +33,17 @@ from fp4forge.numerics.e2m1 import NumericsError
 __all__ = [
     "FP8_E4M3_MAX",
     "FP8_E5M2_MAX",
+    "E4M3_ROUNDINGS",
+    "E4M3Rounding",
     "Fp8Strategy",
     "Fp8Weight",
+    "e4m3_toward_zero",
+    "fp8_activation_fake_quantizer",
+    "fp8_amax_from_scale",
     "fp8_dequantize_weight",
+    "fp8_dynamic_fake_quantize",
+    "fp8_fake_quantize",
+    "fp8_fake_quantize_reciprocal",
     "fp8_quantize_weight",
     "fp8_scale_from_amax",
     "fp8_weight_amax",
@@ -72,6 +81,11 @@ def _eps(dtype: torch.dtype) -> float:
     if dtype == torch.float8_e4m3fn:
         return 0.125
     return torch.finfo(dtype).eps
+
+
+def fp8_amax_from_scale(scale: float) -> float:
+    """The amax an FP8 per-tensor scale (``amax / 448``) stands for, in float64."""
+    return scale * FP8_E4M3_MAX
 
 
 def fp8_scale_from_amax(amax: Tensor) -> Tensor:
@@ -196,3 +210,52 @@ def fp8_dequantize_weight(q: Fp8Weight, dtype: torch.dtype | None = None) -> Ten
     else:
         out = q.weight.to(sdt) * q.scale
     return out if dtype is None else out.to(dtype)
+
+
+# -- activations and the KV cache (the runtime's rounding, emulated) ------------------------------
+E4M3Rounding = Literal["nearest", "toward_zero"]
+
+
+def e4m3_toward_zero(x: Tensor) -> Tensor:
+    """E4M3 of ``x`` rounded toward zero (saturating at +-448): the nearest code, stepped down one
+    where it overshot. vLLM's CPU KV-cache kernel rounds this way."""
+    x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    magnitude, sign = bits & 0x7F, bits & 0x80
+    overshot = bits.view(torch.float8_e4m3fn).to(x.dtype).abs() > x.abs()
+    return ((magnitude - overshot.to(torch.uint8)) | sign).view(torch.float8_e4m3fn)
+
+
+E4M3_ROUNDINGS: dict[str, Callable[[Tensor], Tensor]] = {
+    "nearest": to_e4m3fn,
+    "toward_zero": e4m3_toward_zero,
+}
+
+
+def fp8_fake_quantize(x: Tensor, scale: Tensor, *, rounding: E4M3Rounding = "nearest") -> Tensor:
+    """``x`` through E4M3 with a static scale and back: ``e4m3(x / scale) * scale``, in F32, cast
+    to ``x.dtype``. ``scale`` broadcasts (per tensor, per token, per KV head)."""
+    if rounding not in E4M3_ROUNDINGS:
+        raise NumericsError(f"unknown E4M3 rounding {rounding!r} ({' | '.join(E4M3_ROUNDINGS)})")
+    q = E4M3_ROUNDINGS[rounding](x.to(torch.float32) / scale)
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+def fp8_fake_quantize_reciprocal(x: Tensor, scale: Tensor) -> Tensor:
+    """As :func:`fp8_fake_quantize`, but ``x * (1/scale)`` as vLLM's ``QuantFP8`` computes it (not
+    always the same float as ``x / scale``)."""
+    q = to_e4m3fn(x.to(torch.float32) * scale.reciprocal())
+    return (q.to(torch.float32) * scale).to(x.dtype)
+
+
+def fp8_dynamic_fake_quantize(x: Tensor) -> Tensor:
+    """Per-token dynamic FP8: each row's scale is ``max |row| / 448`` (F32, at least ``tiny``)."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).to(torch.float32) / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return fp8_fake_quantize(x, scale)
+
+
+def fp8_activation_fake_quantizer(amax: float) -> Callable[[Tensor], Tensor]:
+    """Static FP8 activation fake-quant for an input whose calibrated amax is ``amax``
+    (scale ``amax / 448`` in F32)."""
+    scale = torch.tensor(amax / FP8_E4M3_MAX, dtype=torch.float32)
+    return lambda x: fp8_fake_quantize(x, scale)

@@ -40,6 +40,7 @@ exactly the rows of the whole-tensor result.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -65,8 +66,12 @@ __all__ = [
     "DequantFormula",
     "Nvfp4Weight",
     "absmax",
+    "amax_from_ct_global_scale",
+    "amax_from_scale_2",
     "ct_global_to_modelopt_scale_2",
+    "ct_global_scale_from_amax",
     "modelopt_scale_2_to_ct_global",
+    "nvfp4_activation_fake_quantizer",
     "nvfp4_block_scales",
     "nvfp4_dequantize",
     "nvfp4_encode",
@@ -79,7 +84,7 @@ __all__ = [
 ]
 
 NVFP4_BLOCK = 16
-NVFP4_GLOBAL_NUMERATOR = FP8_E4M3_MAX * E2M1_MAX  # 2688
+NVFP4_GLOBAL_NUMERATOR = FP8_E4M3_MAX * E2M1_MAX  # 2688 = 448 * 6: the largest E4M3 block scale times the largest E2M1 value
 CT_ZERO_SCALE = 0.125  # compressed-tensors eps for an FP8 scale
 MODELOPT_ZERO_SCALE = 1.0  # ModelOpt: an all-zero block gets scale 1.0
 MODELOPT_MIN_SCALE = 2.0**-9  # ModelOpt clamps block scales at the smallest E4M3 subnormal
@@ -130,6 +135,24 @@ def ct_global_to_modelopt_scale_2(global_scale: Tensor) -> Tensor:
 def modelopt_scale_2_to_ct_global(scale_2: Tensor) -> Tensor:
     """ModelOpt ``weight_scale_2`` -> CT ``weight_global_scale`` (F32 ``[1]``): ``1 / x`` in F32."""
     return (1.0 / scale_2.to(torch.float32)).reshape(1)
+
+
+def amax_from_ct_global_scale(global_scale: float) -> float:
+    """The amax a compressed-tensors per-tensor scale (``2688 / amax``) stands for, in float64."""
+    return NVFP4_GLOBAL_NUMERATOR / global_scale
+
+
+def amax_from_scale_2(scale_2: float) -> float:
+    """The amax a ModelOpt per-tensor scale (``amax / 2688``) stands for, in float64."""
+    return scale_2 * NVFP4_GLOBAL_NUMERATOR
+
+
+def ct_global_scale_from_amax(amax: float) -> Tensor:
+    """``2688 / amax`` computed in float64, as F32 ``[1]``; 1.0 for a non-positive amax. (The
+    float64 quotient of a plain number; :func:`nvfp4_global_scale` is CT's, in amax's dtype.)"""
+    if amax > 0:
+        return torch.tensor([NVFP4_GLOBAL_NUMERATOR / amax], dtype=torch.float32)
+    return torch.ones(1)
 
 
 # -- the quantized weight ---------------------------------------------------------------------------
@@ -394,3 +417,10 @@ def nvfp4_fake_quantize_activation(x: Tensor, input_global_scale: Tensor) -> Ten
     step = scale.unsqueeze(-1) / input_global_scale.to(torch.float32)
     values = values.unflatten(-1, (values.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK))
     return (values * step).flatten(-2).to(x.dtype)
+
+
+def nvfp4_activation_fake_quantizer(amax: float) -> Callable[[Tensor], Tensor]:
+    """W4A4 activation fake-quant for an input whose per-tensor amax is ``amax``: the CT input
+    global scale :func:`ct_global_scale_from_amax`, then :func:`nvfp4_fake_quantize_activation`."""
+    gs = ct_global_scale_from_amax(amax)
+    return lambda x: nvfp4_fake_quantize_activation(x, gs)

@@ -281,7 +281,7 @@ def run_diff(ctx: Context) -> dict[str, Any]:
 
 
 def run_fidelity(ctx: Context) -> dict[str, Any]:
-    from fp4forge.calibrate.fidelity import FidelityOptions, evaluate
+    from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
 
     o = ctx.options
     options = FidelityOptions(numerics=o.fidelity_numerics, samples=o.fidelity_samples, seq_len=o.fidelity_seq_len,

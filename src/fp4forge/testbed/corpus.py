@@ -29,7 +29,7 @@ from fp4forge.checkpoint.skeleton import checkpoint_specs
 from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
-from fp4forge.testbed.tiny import ensure_fresh_output
+from fp4forge.checkpoint.atomic import ensure_fresh_output
 
 PROVENANCE = "PROVENANCE.json"
 INDEX = "model.safetensors.index.json"

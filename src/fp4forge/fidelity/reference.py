@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fp4forge.checkpoint.quantized import QuantizedCheckpoint, ServedExperts, ServedLinear
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
 from fp4forge.errors import ConfigError
-from fp4forge.numerics.fp8 import FP8_E4M3_MAX
-from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_dequantize, nvfp4_fake_quantize_activation
+from fp4forge.numerics.fp8 import E4M3_ROUNDINGS, fp8_fake_quantize, fp8_fake_quantize_reciprocal
+from fp4forge.numerics.nvfp4 import nvfp4_fake_quantize_activation
 
 Numerics = Literal["w4a4", "w4a16", "dequant"]
 # How the serving engine rounds K/V into its FP8 cache. vLLM's CPU kernel rounds toward zero
@@ -60,34 +60,9 @@ EXPERT = re.compile(r"^(?P<moe>.+\.mlp\.experts)\.(?P<idx>\d+)\.(?P<proj>gate_pr
 
 
 # -- reading the checkpoint ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class QuantLinear:
-    """One quantized Linear as the serving engine sees it after loading."""
-
-    module: str
-    scheme: str  # "nvfp4" | "fp8"
-    weight: Tensor  # dequantized, float32
-    act_scale: Tensor | None  # nvfp4: CT global scale (2688/amax); fp8: input scale (amax/448)
-
-
-@dataclass(frozen=True, eq=False)
-class _Source:
-    """The checkpoint with what every reader needs: its layout and the set of tensor names."""
-
-    ckpt: Checkpoint
-    layout: str
-    names: frozenset[str]
-
-    def has(self, name: str) -> bool:
-        return name in self.names
-
-    def f32(self, name: str) -> Tensor:
-        return self.ckpt.read_tensor(name).to(torch.float32).reshape(-1)
-
-
-def _open(ckpt_dir: Path) -> _Source:
+def _open(ckpt_dir: Path) -> QuantizedCheckpoint:
     ckpt = open_checkpoint(ckpt_dir)
-    return _Source(ckpt, _layout(ckpt), frozenset(info.name for _, info in ckpt.tensors()))
+    return QuantizedCheckpoint(ckpt, _layout(ckpt))
 
 
 def _layout(ckpt: Checkpoint) -> str:
@@ -98,114 +73,6 @@ def _layout(ckpt: Checkpoint) -> str:
     return layouts[method]
 
 
-# (suffix role in the layout's table, on-disk dtype) that identifies each weight scheme.
-SCHEME_MARKERS: dict[str, tuple[str, str]] = {"nvfp4": ("packed", "U8"), "fp8": ("weight", "F8_E4M3")}
-# On-disk per-tensor NVFP4 scalar -> amax/2688: CT stores 2688/amax (vLLM inverts it in F32).
-TO_AMAX_OVER_2688: dict[str, Callable[[Tensor], Tensor]] = {
-    "compressed-tensors": lambda s: 1.0 / s,
-    "modelopt": lambda s: s,
-}
-
-
-def _scheme_of(src: _Source, module: str) -> str | None:
-    for scheme, (role, dtype) in SCHEME_MARKERS.items():
-        name = f"{module}.{role_suffixes(src.layout, scheme)[role]}"
-        if src.has(name) and src.ckpt.locate(name)[1].dtype == dtype:
-            return scheme
-    return None
-
-
-def _nvfp4_parts(src: _Source, module: str) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """packed, block scale, dequant multiplier (amax/2688), input amax/2688 (None for W4A16)."""
-    roles = role_suffixes(src.layout, "nvfp4")
-    to_amax = TO_AMAX_OVER_2688[src.layout]
-    input_name = f"{module}.{roles['input_scale']}"
-    return (
-        src.ckpt.read_tensor(f"{module}.{roles['packed']}"),
-        src.ckpt.read_tensor(f"{module}.{roles['block_scale']}"),
-        to_amax(src.f32(f"{module}.{roles['global_scale']}")),
-        to_amax(src.f32(input_name)) if src.has(input_name) else None,
-    )
-
-
-def _dequant_nvfp4(packed: Tensor, block_scale: Tensor, multiplier: Tensor) -> Tensor:
-    # "multiply": value * (scale * multiplier), vLLM's dequantize_to_dtype formula.
-    q = Nvfp4Weight(packed, block_scale, multiplier.reshape(()), convention="modelopt")
-    return nvfp4_dequantize(q, torch.float32, formula="multiply")
-
-
-def _fused_partners(module: str) -> list[str]:
-    stem, _, leaf = module.rpartition(".")
-    for group in FUSED_LINEARS:
-        if leaf in group:
-            return [f"{stem}.{name}" for name in group]
-    return [module]
-
-
-def _fp8_linear(src: _Source, module: str) -> QuantLinear:
-    roles = role_suffixes(src.layout, "fp8")
-    partners = [m for m in _fused_partners(module) if _scheme_of(src, m) == "fp8"]
-    w_scales = {m: src.f32(f"{m}.{roles['weight_scale']}") for m in partners}
-    w_max = torch.stack([s.max() for s in w_scales.values()]).max()
-    weight = src.ckpt.read_tensor(f"{module}.weight").to(torch.float32) * w_scales[module]
-    if len(partners) > 1:
-        # vLLM requantizes fused per-tensor FP8 shards to the largest scale (requantize_with_max_scale).
-        weight = (weight / w_max).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32) * w_max
-    input_name = f"{module}.{roles['input_scale']}"
-    act = None
-    if src.has(input_name):
-        act = torch.stack([src.f32(f"{m}.{roles['input_scale']}").max() for m in partners]).max().reshape(1)
-    return QuantLinear(module, "fp8", weight, act)
-
-
-def _nvfp4_linear(src: _Source, module: str) -> QuantLinear:
-    partners = [m for m in _fused_partners(module) if _scheme_of(src, m) == "nvfp4"]
-    parts = {m: _nvfp4_parts(src, m) for m in partners}
-    packed, block, _, _ = parts[module]
-    # vLLM: one multiplier for the fused GEMM, 1/max(CT global) = max(amax/2688); same for inputs.
-    mult = torch.stack([p[2].max() for p in parts.values()]).max()
-    inputs = [p[3] for p in parts.values() if p[3] is not None]
-    act = None if not inputs else (1.0 / torch.stack([i.max() for i in inputs]).max()).reshape(1)
-    return QuantLinear(module, "nvfp4", _dequant_nvfp4(packed, block, mult), act)
-
-
-LINEAR_READERS: dict[str, Callable[[_Source, str], QuantLinear]] = {
-    "nvfp4": _nvfp4_linear,
-    "fp8": _fp8_linear,
-}
-
-
-@dataclass(frozen=True)
-class QuantExperts:
-    """One MoE layer's routed experts: fused gate/up and down, dequantized, with input scales."""
-
-    module: str  # checkpoint prefix, e.g. model.layers.1.mlp.experts
-    gate_up: Tensor  # [E, 2I, H] float32
-    down: Tensor  # [E, H, I]
-    gate_up_amax: Tensor | None  # [E, 2] input amax/2688 of gate and up
-    down_amax: Tensor | None  # [E]
-
-
-def _read_experts(src: _Source, moe: str, count: int) -> QuantExperts:
-    gate_up, down, gu_amax, d_amax = [], [], [], []
-    for e in range(count):
-        g, u, d = (_nvfp4_parts(src, f"{moe}.{e}.{proj}") for proj in ("gate_proj", "up_proj", "down_proj"))
-        # vLLM dequantizes the fused w13 with w1's (gate's) global scale.
-        gate_up.append(torch.cat([_dequant_nvfp4(g[0], g[1], g[2]), _dequant_nvfp4(u[0], u[1], g[2])]))
-        down.append(_dequant_nvfp4(d[0], d[1], d[2]))
-        if g[3] is not None and u[3] is not None and d[3] is not None:
-            gu_amax.append(torch.cat([g[3], u[3]]))
-            d_amax.append(d[3])
-    has_inputs = len(gu_amax) == count
-    return QuantExperts(
-        moe,
-        torch.stack(gate_up),
-        torch.stack(down),
-        torch.stack(gu_amax) if has_inputs else None,
-        torch.cat(d_amax) if has_inputs else None,
-    )
-
-
 INPUT_SCALE_REDUCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "per_expert": lambda a: a.reshape(a.shape[0], -1).amax(dim=1),
     "global": lambda a: a.amax().expand(a.shape[0]).clone(),
@@ -213,41 +80,15 @@ INPUT_SCALE_REDUCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 # -- the patched forward ------------------------------------------------------------------------
-def _e4m3_toward_zero(x: Tensor) -> Tensor:
-    """E4M3 of ``x`` rounded toward zero: the nearest code, stepped down one where it overshot."""
-    x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    bits = x.to(torch.float8_e4m3fn).view(torch.uint8)
-    magnitude, sign = bits & 0x7F, bits & 0x80
-    overshot = bits.view(torch.float8_e4m3fn).to(x.dtype).abs() > x.abs()
-    return ((magnitude - overshot.to(torch.uint8)) | sign).view(torch.float8_e4m3fn)
-
-
-E4M3_ROUNDING: dict[str, Callable[[Tensor], Tensor]] = {
-    "nearest": lambda x: x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn),
-    "toward_zero": _e4m3_toward_zero,
-}
-
-
-def _kv_fake_quant(x: Tensor, scale: Tensor, rounding: str) -> Tensor:
-    q = E4M3_ROUNDING[rounding](x.to(torch.float32) / scale)
-    return (q.to(torch.float32) * scale).to(x.dtype)
-
-
-def _fp8_fake_quant(x: Tensor, scale: Tensor) -> Tensor:
-    """Round through E4M3 with a static scale: ``x * (1/s)`` as vLLM's QuantFP8 computes it."""
-    q = (x.to(torch.float32) * scale.reciprocal()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.to(torch.float32) * scale).to(x.dtype)
-
-
-def _act_quant(q: QuantLinear, numerics: str) -> Callable[[Tensor], Tensor]:
-    if q.act_scale is None or q.scheme not in QUANTIZED_ACTIVATIONS[numerics]:
+def _act_quant(q: ServedLinear, numerics: str) -> Callable[[Tensor], Tensor]:
+    if q.act_scale is None or q.family not in QUANTIZED_ACTIVATIONS[numerics]:
         return lambda x: x
-    if q.scheme == "nvfp4":
+    if q.family == "nvfp4":
         return lambda x: nvfp4_fake_quantize_activation(x, q.act_scale)
-    return lambda x: _fp8_fake_quant(x, q.act_scale)
+    return lambda x: fp8_fake_quantize_reciprocal(x, q.act_scale)
 
 
-def _patch_linear(module: torch.nn.Module, q: QuantLinear, numerics: str) -> None:
+def _patch_linear(module: torch.nn.Module, q: ServedLinear, numerics: str) -> None:
     quant = _act_quant(q, numerics)
     weight = q.weight.to(module.weight.dtype)
 
@@ -257,7 +98,7 @@ def _patch_linear(module: torch.nn.Module, q: QuantLinear, numerics: str) -> Non
     module.forward = forward
 
 
-def _patch_experts(module: torch.nn.Module, q: QuantExperts, numerics: str, moe_input_scale: str) -> None:
+def _patch_experts(module: torch.nn.Module, q: ServedExperts, numerics: str, moe_input_scale: str) -> None:
     dtype = module.gate_up_proj.dtype
     gate_up, down = q.gate_up.to(dtype), q.down.to(dtype)
     gs = None
@@ -283,13 +124,13 @@ def _patch_experts(module: torch.nn.Module, q: QuantExperts, numerics: str, moe_
     module.forward = forward
 
 
-def _kv_scales(src: _Source, num_layers: int) -> dict[int, tuple[Tensor, Tensor]]:
+def _kv_scales(view: QuantizedCheckpoint, num_layers: int) -> dict[int, tuple[Tensor, Tensor]]:
+    stored = view.kv_scales(f"model.layers.{layer}" for layer in range(num_layers))
     scales = {}
     for layer in range(num_layers):
-        specs = kv_role_names(src.layout, f"model.layers.{layer}")
-        k, v = specs["k_scale"].name, specs["v_scale"].name
-        if src.has(k) and src.has(v):
-            scales[layer] = (src.f32(k).max(), src.f32(v).max())
+        found = stored.get(f"model.layers.{layer}", {})
+        if "k_scale" in found and "v_scale" in found:
+            scales[layer] = (found["k_scale"].max(), found["v_scale"].max())
     return scales
 
 
@@ -305,7 +146,7 @@ def _register_fp8_kv_attention(scales: dict[int, tuple[Tensor, Tensor]], base: s
     def attention(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
         if module.layer_idx in scales:
             k_scale, v_scale = scales[module.layer_idx]
-            key, value = _kv_fake_quant(key, k_scale, rounding), _kv_fake_quant(value, v_scale, rounding)
+            key, value = fp8_fake_quantize(key, k_scale, rounding=rounding), fp8_fake_quantize(value, v_scale, rounding=rounding)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     name = f"fp4forge_fp8_kv_{id(attention):x}"
@@ -322,13 +163,7 @@ def _in_memory(module: str) -> str:
     return module
 
 
-def _shape(src: _Source, module: str, scheme: str) -> tuple[int, int]:
-    role = SCHEME_MARKERS[scheme][0]
-    out_f, stored_in = src.ckpt.locate(f"{module}.{role_suffixes(src.layout, scheme)[role]}")[1].shape
-    return out_f, stored_in * (2 if scheme == "nvfp4" else 1)  # two FP4 codes per byte
-
-
-def _write_dense_copy(ckpt_dir: Path, src: _Source, schemes: dict[str, str], out: Path) -> None:
+def _write_dense_copy(ckpt_dir: Path, view: QuantizedCheckpoint, out: Path) -> None:
     """config without quantization + the unquantized tensors, what transformers loads; quantized
     Linears get zero placeholders (their forward is patched afterwards)."""
     from safetensors.torch import save_file
@@ -340,12 +175,12 @@ def _write_dense_copy(ckpt_dir: Path, src: _Source, schemes: dict[str, str], out
         if (ckpt_dir / extra).is_file():
             (out / extra).write_bytes((ckpt_dir / extra).read_bytes())
     tensors = {
-        name: src.ckpt.read_tensor(name).to(torch.float32)
-        for name in sorted(src.names)
-        if name.rsplit(".", 1)[0] not in schemes and not name.endswith(KV_SCALE_SUFFIXES)
+        name: view.ckpt.read_tensor(name).to(torch.float32)
+        for name in sorted(view.names)
+        if name.rsplit(".", 1)[0] not in view.linears and not name.endswith(KV_SCALE_SUFFIXES)
     }
-    for module, scheme in schemes.items():
-        tensors[f"{module}.weight"] = torch.zeros(_shape(src, module, scheme))
+    for module, q in sorted(view.linears.items()):
+        tensors[f"{module}.weight"] = torch.zeros((q.out_features, q.in_features))
     save_file(tensors, str(out / "model.safetensors"))
 
 
@@ -366,27 +201,25 @@ def load_reference(
     if numerics not in NUMERICS:
         raise ConfigError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
     ckpt_dir = Path(ckpt_dir)
-    src = _open(ckpt_dir)
-    modules = sorted({n.rsplit(".", 1)[0] for n in src.names})
-    schemes = {m: s for m in modules if (s := _scheme_of(src, m)) is not None}
+    view = _open(ckpt_dir)
     config = json.loads((ckpt_dir / "config.json").read_text())
-    kv = _kv_scales(src, config["num_hidden_layers"])
-    if kv_rounding not in E4M3_ROUNDING:
-        raise ConfigError(f"kv_rounding {kv_rounding!r} is not one of {', '.join(E4M3_ROUNDING)}")
+    kv = _kv_scales(view, config["num_hidden_layers"])
+    if kv_rounding not in E4M3_ROUNDINGS:
+        raise ConfigError(f"kv_rounding {kv_rounding!r} is not one of {', '.join(E4M3_ROUNDINGS)}")
     attn = _register_fp8_kv_attention(kv, "sdpa", kv_rounding) if kv else "sdpa"
     with tempfile.TemporaryDirectory(prefix="fp4forge-ref-") as tmp:
-        _write_dense_copy(ckpt_dir, src, schemes, Path(tmp))
+        _write_dense_copy(ckpt_dir, view, Path(tmp))
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=attn).eval()
     lookup = dict(model.named_modules())
     moe_layers: dict[str, int] = {}
-    for module, scheme in schemes.items():
+    for module in sorted(view.linears):
         match = EXPERT.match(module)
         if match:
             moe_layers[match["moe"]] = max(moe_layers.get(match["moe"], 0), int(match["idx"]) + 1)
         else:
-            _patch_linear(lookup[_in_memory(module)], LINEAR_READERS[scheme](src, module), numerics)
+            _patch_linear(lookup[_in_memory(module)], view.served_linear(module, FUSED_LINEARS), numerics)
     for moe, count in moe_layers.items():
-        _patch_experts(lookup[moe], _read_experts(src, moe, count), numerics, moe_input_scale)
+        _patch_experts(lookup[moe], view.served_experts(moe, count), numerics, moe_input_scale)
     model.generation_config.eos_token_id = None  # generate exactly max_tokens, as vLLM's ignore_eos
     return model
 

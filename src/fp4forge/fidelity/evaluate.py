@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp4forge import __version__
-from fp4forge.calibrate.data import Samples, load_samples, load_tokenizer
-from fp4forge.calibrate.kv import attention_layers, find_scale_tensors, kv_layout
+from fp4forge.model.samples import Samples, load_samples, load_tokenizer
+from fp4forge.calibrate.kv import attention_layers, kv_layout
 from fp4forge.calibrate.observers import (
     KVCacheTap,
     NoTap,
@@ -59,7 +59,7 @@ from fp4forge.calibrate.observers import (
     install_kv_tap,
     is_fused_experts,
 )
-from fp4forge.calibrate.streaming import (
+from fp4forge.model.streaming import (
     DEFAULT_RAM_BUDGET_BYTES,
     ActivationStore,
     LayerCall,
@@ -68,16 +68,14 @@ from fp4forge.calibrate.streaming import (
     call_layer,
 )
 from fp4forge.checkpoint.declarations import read_declaration
-from fp4forge.checkpoint.layout import layout_for_config
+from fp4forge.checkpoint.quantized import QuantizedCheckpoint
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.checkpoint.schemes import scheme_table
 from fp4forge.errors import ConfigError
-from fp4forge.numerics.fp8 import FP8_E4M3_MAX, Fp8Weight, fp8_dequantize_weight
-from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_fake_quantize_activation
+from fp4forge.numerics.fp8 import fp8_activation_fake_quantizer, fp8_dynamic_fake_quantize, fp8_fake_quantize
+from fp4forge.numerics.nvfp4 import nvfp4_activation_fake_quantizer
 
 NUMERICS = ("w4a4", "w4a16")
 MOE_INPUT_SCALES = ("global-max", "per-expert")
-KV_SUFFIXES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 ARCHITECTURE_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_key_value_heads")
 Progress = Callable[[int, int, str], None] | None
 
@@ -107,23 +105,13 @@ class FidelityOptions:
 
 
 # -- activation fake-quantization ------------------------------------------------------------------
-def _fp8_fake(x: Tensor, scale: Tensor) -> Tensor:
-    q = (x.to(torch.float32) / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.to(torch.float32) * scale).to(x.dtype)
-
-
-def _fp8_dynamic_fake(x: Tensor) -> Tensor:
-    scale = (x.abs().amax(dim=-1, keepdim=True).to(torch.float32) / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return _fp8_fake(x, scale)
-
-
 ActQuant = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
 class ActivationScale:
     """A Linear's input quantization: ``kind`` (nvfp4 | fp8 | fp8_dynamic) and its per-tensor
-    amax-like value (``amax``: CT gs = 2688/amax, FP8 scale = amax/448), comparable across shards."""
+    amax (what the stored input scale stands for), comparable across shards."""
 
     kind: str
     amax: float
@@ -132,118 +120,21 @@ class ActivationScale:
         return ACTIVATION_QUANTIZERS[self.kind](self.amax)
 
 
-def _nvfp4_quantizer(amax: float) -> ActQuant:
-    gs = torch.tensor([2688.0 / amax], dtype=torch.float32) if amax > 0 else torch.ones(1)
-    return lambda x: nvfp4_fake_quantize_activation(x, gs)
-
-
-def _fp8_quantizer(amax: float) -> ActQuant:
-    scale = torch.tensor(amax / FP8_E4M3_MAX, dtype=torch.float32)
-    return lambda x: _fp8_fake(x, scale)
-
-
 ACTIVATION_QUANTIZERS: dict[str, Callable[[float], ActQuant]] = {
-    "nvfp4": _nvfp4_quantizer,
-    "fp8": _fp8_quantizer,
-    "fp8_dynamic": lambda _amax: _fp8_dynamic_fake,
+    "nvfp4": nvfp4_activation_fake_quantizer,
+    "fp8": fp8_activation_fake_quantizer,
+    "fp8_dynamic": lambda _amax: fp8_dynamic_fake_quantize,
 }
 
 
-# -- reading a quantized checkpoint as BF16 weights --------------------------------------------------
-@dataclass(frozen=True)
-class QuantizedLinear:
-    module: str
-    scheme: str  # nvfp4 | nvfp4a16 | fp8 | fp8_dynamic
-    names: dict[str, str]  # role (packed, block_scale, global_scale, input_scale, weight, weight_scale) -> tensor
-    out_features: int
-    in_features: int
-
-
-def _scheme_signatures(layout: str) -> dict[frozenset[str], str]:
-    return {frozenset(entries): scheme for scheme, entries in scheme_table()[layout].items() if scheme != "kv"}
-
-
-def _input_amax(layout: str, scheme: str, value: float) -> float:
-    """The amax an input scale stands for: CT NVFP4 gs = 2688/amax, ModelOpt NVFP4 amax/2688,
-    FP8 amax/448 (both layouts)."""
-    if scheme == "nvfp4":
-        return 2688.0 / value if layout == "compressed-tensors" else value * 2688.0
-    return value * FP8_E4M3_MAX
-
-
-class StudentTensors:
-    """A quantized checkpoint seen as the BF16 checkpoint it came from: ``<m>.weight`` is the
-    dequantized weight of every quantized Linear, quantization metadata is hidden."""
-
-    def __init__(self, ckpt: Checkpoint, layout: str, dtype: torch.dtype):
-        self.ckpt = ckpt
-        self.layout = layout
-        self.dtype = dtype
-        self.linears: dict[str, QuantizedLinear] = {}
-        self._plain: dict[str, tuple[int, ...]] = {}
-        self._classify()
-
-    def _classify(self) -> None:
-        signatures = _scheme_signatures(self.layout)
-        by_module: dict[str, dict[str, Any]] = {}
-        for _, info in self.ckpt.tensors():
-            module, _, suffix = info.name.rpartition(".")
-            if suffix in KV_SUFFIXES:
-                continue
-            by_module.setdefault(module, {})[suffix] = info
-        for module, tensors in by_module.items():
-            scheme = signatures.get(frozenset(tensors))
-            if scheme is None:
-                for suffix, info in tensors.items():
-                    self._plain[f"{module}.{suffix}"] = tuple(info.shape)
-                continue
-            roles = {entry["role"]: f"{module}.{suffix}" for suffix, entry in scheme_table()[self.layout][scheme].items()}
-            weight_info = tensors["weight" if "weight" in tensors else "weight_packed"]
-            out_features, stored_in = weight_info.shape
-            in_features = stored_in * 2 if scheme.startswith("nvfp4") else stored_in
-            self.linears[module] = QuantizedLinear(module, scheme, roles, out_features, in_features)
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = dict(self._plain)
-        shapes.update({f"{q.module}.weight": (q.out_features, q.in_features) for q in self.linears.values()})
-        return shapes
-
-    def read(self, name: str) -> Tensor:
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        quantized = self.linears.get(module) if module else None
-        if quantized is None:
-            return self.ckpt.read_tensor(name)
-        return DEQUANTIZERS[quantized.scheme](self, quantized)
-
-    def _tensor(self, q: QuantizedLinear, role: str) -> Tensor:
-        return self.ckpt.read_tensor(q.names[role])
-
-    def dequantize_nvfp4(self, q: QuantizedLinear) -> Tensor:
-        weight = Nvfp4Weight(self._tensor(q, "packed"), self._tensor(q, "block_scale"), self._tensor(q, "global_scale").to(torch.float32), self.layout)
-        return weight.dequantize(self.dtype, formula="multiply")  # vLLM's emulation formula, both layouts
-
-    def dequantize_fp8(self, q: QuantizedLinear) -> Tensor:
-        scale = self._tensor(q, "weight_scale")
-        strategy = "tensor" if scale.numel() == 1 else "channel"
-        return fp8_dequantize_weight(Fp8Weight(self._tensor(q, "weight"), scale.reshape(1) if strategy == "tensor" else scale, strategy), self.dtype)
-
-    def activation_scale(self, module: str) -> ActivationScale | None:
-        """How vLLM quantizes this module's input (None: not at all)."""
-        q = self.linears.get(module)
-        if q is None or q.scheme == "nvfp4a16":
-            return None
-        if q.scheme == "fp8_dynamic":
-            return ActivationScale("fp8_dynamic", 0.0)
-        value = float(self._tensor(q, "input_scale").to(torch.float32).reshape(-1)[0])
-        return ActivationScale(q.scheme, _input_amax(self.layout, q.scheme, value))
-
-
-DEQUANTIZERS: dict[str, Callable[[StudentTensors, QuantizedLinear], Tensor]] = {
-    "nvfp4": StudentTensors.dequantize_nvfp4,
-    "nvfp4a16": StudentTensors.dequantize_nvfp4,
-    "fp8": StudentTensors.dequantize_fp8,
-    "fp8_dynamic": StudentTensors.dequantize_fp8,
-}
+def activation_scale(view: QuantizedCheckpoint, module: str) -> ActivationScale | None:
+    """How vLLM quantizes this module's input (None: not at all)."""
+    scheme = view.scheme(module)
+    if scheme in ("unquantized", "nvfp4a16"):
+        return None
+    if scheme == "fp8_dynamic":
+        return ActivationScale("fp8_dynamic", 0.0)
+    return ActivationScale(scheme, view.input_amax(module))
 
 
 # -- the student's numerics on one layer -------------------------------------------------------------
@@ -280,27 +171,21 @@ def _group_scale(scales: list[ActivationScale | None]) -> ActivationScale | None
 class StudentNumerics:
     """Hooks that make a materialised layer compute what the quantized deployment computes."""
 
-    def __init__(self, streamed: StreamedModel, tensors: StudentTensors, ckpt: Checkpoint, options: FidelityOptions):
+    def __init__(self, streamed: StreamedModel, view: QuantizedCheckpoint, options: FidelityOptions):
         self.streamed = streamed
-        self.tensors = tensors
+        self.view = view
         self.options = options
-        layout = layout_for_config(ckpt.config)
-        self.fused = layout.fused
-        self.kv_scales = _student_kv_scales(ckpt)
+        self.kv_scales = _student_kv_scales(view)
         self.activation_quantized = 0
 
     def _scale(self, disk_module: str) -> ActivationScale | None:
-        scale = self.tensors.activation_scale(disk_module)
+        scale = activation_scale(self.view, disk_module)
         if scale is not None and scale.kind == "nvfp4" and self.options.numerics == "w4a16":
             return None  # MARLIN / HUMMING drop the activation scales
         return scale
 
     def _fused_scale(self, disk_module: str) -> ActivationScale | None:
-        if disk_module not in self.tensors.linears:
-            return None
-        parent, _, leaf = disk_module.rpartition(".")
-        group = next((members for members in self.fused.values() if leaf in members), (leaf,))
-        return _group_scale([self._scale(f"{parent}.{m}") for m in group if f"{parent}.{m}" in self.tensors.linears])
+        return _group_scale([self._scale(m) for m in self.view.fused_partners(disk_module)])
 
     def attach(self, layer: nn.Module, prefix: str) -> Callable[[], None]:
         undo = [install_kv_tap(layer, KVCacheTap(None, prefix, self.kv_scales.get(prefix)))]
@@ -343,23 +228,24 @@ def _fp8_kv_transform(k_scale: Tensor, v_scale: Tensor) -> Callable[[Tensor, Ten
         return scale.reshape(1, -1, 1, 1) if scale.numel() > 1 else scale.reshape(())
 
     k, v = broadcast(k_scale), broadcast(v_scale)
-    return lambda key, value: (_fp8_fake(key, k), _fp8_fake(value, v))
+    return lambda key, value: (fp8_fake_quantize(key, k), fp8_fake_quantize(value, v))
 
 
-def _student_kv_scales(ckpt: Checkpoint) -> dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]]:
+def _student_kv_scales(view: QuantizedCheckpoint) -> dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]]:
     """Per layer prefix, the FP8 KV fake-quant (absent scales of a declared cache -> 1.0, as vLLM)."""
+    ckpt = view.ckpt
     declaration = read_declaration(ckpt.config, ckpt.extra_json)
     if declaration is None or declaration.kv is None:
         return {}
     if declaration.kv.algo != "fp8":
         raise ConfigError(f"fidelity emulates FP8 KV caches only, the checkpoint declares {declaration.kv.algo}", file=ckpt.display)
     layers = attention_layers(ckpt)
-    _, found = find_scale_tensors(ckpt, layers)
+    found = view.kv_scales(layers)
     one = torch.ones((), dtype=torch.float32)
     out = {}
     for layer in layers:
-        names = found.get(layer, {})
-        scales = [ckpt.read_tensor(names[r]).to(torch.float32).reshape(-1) if r in names else one for r in ("k_scale", "v_scale")]
+        stored = found.get(layer, {})
+        scales = [stored.get(r, one) for r in ("k_scale", "v_scale")]
         out[layer] = _fp8_kv_transform(*[s.reshape(()) if s.numel() == 1 else s for s in scales])
     return out
 
@@ -588,9 +474,10 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     batches = samples.batches(options.batch_size)
 
     teacher = None if cached else StreamedModel.from_checkpoint(teacher_ckpt)
-    student_tensors = StudentTensors(student_ckpt, layout, _model_dtype(teacher_ckpt))
-    student = StreamedModel(student_ckpt.config, student_tensors)
-    numerics = StudentNumerics(student, student_tensors, student_ckpt, options)
+    view = QuantizedCheckpoint(student_ckpt, layout)
+    # vLLM's emulation formula, both layouts, in the teacher's dtype
+    student = StreamedModel(student_ckpt.config, view.dequantized(_model_dtype(teacher_ckpt), formula="multiply"))
+    numerics = StudentNumerics(student, view, options)
     space = SpillSpace(options.ram_budget_bytes, options.spill_dir)
     errors = [_LayerError() for _ in range(student.num_layers)]
     total = student.num_layers + 2
@@ -629,7 +516,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
         data=samples.describe(),
         metrics=metrics,
         layers=[e.to_json(student.layer_prefix(i)) for i, e in enumerate(errors)] if teacher else [],
-        kv_cache=_describe_kv(student_ckpt),
+        kv_cache=_describe_kv(view),
         activation_quantized_gemm_inputs=numerics.activation_quantized,
         teacher_cache=cache_info,
         seconds=time.perf_counter() - started,
@@ -641,11 +528,12 @@ def _model_dtype(ckpt: Checkpoint) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _describe_kv(ckpt: Checkpoint) -> str:
+def _describe_kv(view: QuantizedCheckpoint) -> str:
+    ckpt = view.ckpt
     declaration = read_declaration(ckpt.config, ckpt.extra_json)
     if declaration is None or declaration.kv is None:
         return "not quantized (no FP8 KV declared)"
-    _, found = find_scale_tensors(ckpt, attention_layers(ckpt))
+    found = view.kv_scale_names(attention_layers(ckpt))
     return "fp8 with the checkpoint's k/v scales" if found else "fp8 at scale 1.0 (declared without scales, as vLLM runs it)"
 
 
