@@ -12,6 +12,7 @@ import torch
 from fp4forge.bench import gemm
 from fp4forge.bench.gemm import GemmShape, projection_shapes, run_gemm_bench
 from fp4forge.errors import ConfigError
+from fp4forge.numerics.fp8 import fp8_quantize_weight
 from fp4forge.numerics.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
 PRESET = Path(__file__).resolve().parents[1] / "src/fp4forge/testbed/presets/laguna-s-2.1-like.json"
@@ -60,15 +61,22 @@ def test_kernels_compute_their_own_products() -> None:
     w = (torch.randn(32, 64, generator=g) * 0.02).to(torch.bfloat16)
     # bf16: the plain product
     assert torch.equal(_kernel_output("bf16", x, w), (x @ w.t()).float())
-    # fp8: per-tensor scales amax/448 on both operands; the product of the dequantized operands
+    # fp8: the activation by hand (per-tensor amax/448, F32), the weight as compressed-tensors
+    # quantizes it (numerics/fp8.py, tested bit-exact against compressed-tensors); the GEMM of the
+    # dequantized operands
     sx = x.float().abs().amax() / 448
-    sw = w.float().abs().amax() / 448
     xq = (x.float() / sx).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sx
-    wq = (w.float() / sw).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sw
+    wq = fp8_quantize_weight(w, "tensor").dequantize(torch.float32)
     expect = (xq @ wq.t()).to(torch.bfloat16).float()
-    for kernel in ("fp8", "fp8-static-act", "fp8-dynamic-act"):
+    for kernel in ("fp8", "fp8-static-act"):
         got = _kernel_output(kernel, x, w)
-        assert torch.allclose(got, expect, rtol=1e-2, atol=1e-4), kernel
+        assert torch.allclose(got, expect, rtol=1e-2, atol=1e-3), kernel
+    # fp8-dynamic-act (FP8_DYNAMIC): a scale per token (row of x) and per output channel (row of W)
+    sxt = x.float().abs().amax(dim=1, keepdim=True) / 448
+    xq = (x.float() / sxt).clamp(-448, 448).to(torch.float8_e4m3fn).float() * sxt
+    wq = fp8_quantize_weight(w, "channel").dequantize(torch.float32)
+    expect = (xq @ wq.t()).to(torch.bfloat16).float()
+    assert torch.allclose(_kernel_output("fp8-dynamic-act", x, w), expect, rtol=1e-2, atol=1e-3)
     # nvfp4 emulated: x times the dequantized NVFP4 weight
     wd = nvfp4_dequantize(nvfp4_quantize(w, convention="modelopt"), torch.bfloat16)
     assert torch.equal(_kernel_output("nvfp4-emulated", x, w), (x @ wd.t()).float())
@@ -96,3 +104,32 @@ def test_unknown_kernel_and_bad_m_are_named_errors() -> None:
         run_gemm_bench([GemmShape("t", 16, 16)], kernels=["int3"], device="cpu")  # type: ignore[list-item]
     with pytest.raises(ConfigError):
         run_gemm_bench([GemmShape("t", 16, 16)], m_values=[0], device="cpu")
+
+
+def _cli(*args: str) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "fp4forge.cli", "bench", "gemm", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_measures_writes_and_renders(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                               "moe_intermediate_size": 32, "vocab_size": 128}))
+    out = tmp_path / "out"
+    done = _cli("--config", str(cfg), "--device", "cpu", "--m", "1,4", "--kernels", "bf16,fp8", "--samples", "2", "--inner", "1",
+                "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert {r["kernel"] for r in data["results"]} == {"bf16", "fp8"} and {r["m"] for r in data["results"]} == {1, 4}
+    assert json.loads((out / "gemm.json").read_text()) == data
+    assert (out / "gemm.png").stat().st_size > 0 and "| shape |" in (out / "gemm.md").read_text()
+    rendered = _cli("--config", "unused", "--from-json", str(out / "gemm.json"), "--markdown")
+    assert rendered.returncode == 0 and rendered.stdout == (out / "gemm.md").read_text()
+
+
+def test_cli_bad_config_is_exit_2_without_traceback(tmp_path: Path) -> None:
+    done = _cli("--config", str(tmp_path / "nope.json"), "--device", "cpu")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "--config" in done.stderr

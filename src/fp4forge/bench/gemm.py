@@ -8,7 +8,8 @@ an FP32 reference:
 * ``fp8``             ``torch._scaled_mm`` on inputs that are already FP8 E4M3 (GEMM alone);
 * ``fp8-static-act``  the same plus what a W8A8 layer with a calibrated input scale does first:
                       divide, clamp, cast the bf16 activation;
-* ``fp8-dynamic-act`` the same with the scale taken from the activation's amax on every call;
+* ``fp8-dynamic-act`` FP8_DYNAMIC: per-channel weight scales, and per-token activation scales
+                      taken from the activation's amax on every call;
 * ``nvfp4-emulated``  NVFP4 weights dequantized to bf16, then a bf16 GEMM: what a GPU without FP4
                       tensor cores (Hopper, CPU) runs. Labelled emulated; no native FP4 path is
                       timed, because a native kernel must be measured where one exists.
@@ -23,17 +24,19 @@ percentiles is what tables show.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
 from torch import Tensor
 
 from fp4forge.errors import ConfigError
-from fp4forge.numerics.fp8 import fp8_scale_from_amax, to_e4m3fn
+from fp4forge.numerics.fp8 import fp8_dynamic_scale, fp8_quantize_activation, fp8_quantize_weight
 from fp4forge.numerics.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 
 Kernel = Literal["bf16", "fp8", "fp8-static-act", "fp8-dynamic-act", "nvfp4-emulated"]
@@ -198,8 +201,13 @@ class _Timer:
         return (time.perf_counter() - t0) * 1e6 / inner
 
 
+MAX_COPIES = 64
+
+
 def _copies(bytes_each: int, cache_bytes: int) -> int:
-    return max(1, math.ceil(cache_bytes / max(bytes_each, 1)))
+    """How many copies of a weight make a set larger than the cache (at most MAX_COPIES: a weight
+    that small is launch-bound whatever the cache does)."""
+    return min(MAX_COPIES, max(1, math.ceil(cache_bytes / max(bytes_each, 1))))
 
 
 def _rel_error(y: Tensor, ref: Tensor) -> float:
@@ -219,33 +227,37 @@ def _kernel_fns(kernel: Kernel, x: Tensor, weights: list[Tensor]) -> tuple[Calla
         xb = x.to(torch.bfloat16)
         return (lambda i: xb @ ws[i % len(ws)].t()), None
     if kernel.startswith("fp8"):
-        w_scales = [fp8_scale_from_amax(w.abs().amax().float()).reshape(()) for w in weights]
-        wq = [to_e4m3fn(w.float() / s).t() for w, s in zip(weights, w_scales)]  # [K, N] column-major
         xb = x.to(torch.bfloat16)
-        x_scale = fp8_scale_from_amax(x.abs().amax().float()).reshape(()).to(dev)
-        xq = to_e4m3fn(xb.float() / x_scale)
+        note = "activation quantized by unfused eager torch ops (vLLM fuses this step into one kernel)"
+        if kernel == "fp8-dynamic-act":
+            # FP8_DYNAMIC: per-channel weight scales, per-token activation scales found on every call
+            wq = [fp8_quantize_weight(w, "channel") for w in weights]
+            ws = [(q.weight.t(), q.scale.to(torch.float32).reshape(1, -1)) for q in wq]
 
-        def gemm(a: Tensor, a_scale: Tensor, i: int) -> Tensor:
-            j = i % len(wq)
-            return torch._scaled_mm(a, wq[j], a_scale, w_scales[j], out_dtype=torch.bfloat16)
+            def dynamic(i: int) -> Tensor:
+                s = fp8_dynamic_scale(xb)
+                w, w_scale = ws[i % len(ws)]
+                return torch._scaled_mm(fp8_quantize_activation(xb, s), w, s, w_scale, out_dtype=torch.bfloat16)
+
+            return dynamic, note
+        # static W8A8: per-tensor weight scale, a calibrated per-tensor input scale
+        wq = [fp8_quantize_weight(w, "tensor") for w in weights]
+        ws = [(q.weight.t(), q.scale.to(torch.float32).reshape(())) for q in wq]  # [K, N] column-major
+        x_scale = fp8_dynamic_scale(xb, per_token=False)  # stands for the calibrated scale
+        xq = fp8_quantize_activation(xb, x_scale)
+
+        def gemm(a: Tensor, i: int) -> Tensor:
+            w, w_scale = ws[i % len(ws)]
+            return torch._scaled_mm(a, w, x_scale, w_scale, out_dtype=torch.bfloat16)
 
         if kernel == "fp8":
-            return (lambda i: gemm(xq, x_scale, i)), None
-        note = "activation quantized by unfused eager torch ops (vLLM fuses this step into one kernel)"
-        if kernel == "fp8-static-act":
-            inv = 1.0 / x_scale
-            return (lambda i: gemm(to_e4m3fn(xb.float() * inv), x_scale, i)), note
-
-        def dynamic(i: int) -> Tensor:
-            s = fp8_scale_from_amax(xb.abs().amax().float())
-            return gemm(to_e4m3fn(xb.float() / s), s, i)
-
-        return dynamic, note
+            return (lambda i: gemm(xq, i)), None
+        return (lambda i: gemm(fp8_quantize_activation(xb, x_scale), i)), note
     if kernel == "nvfp4-emulated":
         qs = [nvfp4_quantize(w.to(torch.bfloat16), convention="modelopt") for w in weights]
         xb = x.to(torch.bfloat16)
         return (lambda i: xb @ nvfp4_dequantize(qs[i % len(qs)], torch.bfloat16).t()), "emulated: dequantize to bf16 + bf16 GEMM"
-    raise ConfigError(f"unknown GEMM kernel {kernel!r}; known: {', '.join(KERNELS)}")
+    raise ConfigError(f"unknown GEMM kernel {kernel!r}; known: {', '.join(KERNELS)}", option="kernels")
 
 
 def run_gemm_bench(
@@ -259,17 +271,17 @@ def run_gemm_bench(
     warmup: int = 3,
     cache_bytes: int = 256 << 20,
     seed: int = 0,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> GemmReport:
     """Time and check every (shape, M, kernel); see the module docstring for what is measured."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("GEMM bench asked for CUDA but torch sees no GPU")
+        raise ConfigError("GEMM bench asked for CUDA but torch sees no GPU", option="device")
     for k in kernels:
         if k not in KERNELS:
-            raise ConfigError(f"unknown GEMM kernel {k!r}; known: {', '.join(KERNELS)}")
+            raise ConfigError(f"unknown GEMM kernel {k!r}; known: {', '.join(KERNELS)}", option="kernels")
     if not m_values or min(m_values) < 1:
-        raise ConfigError("M values must be positive integers")
+        raise ConfigError("M values must be positive integers", option="m_values")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     report = GemmReport(str(dev), name, torch.__version__, fp4_tensor_cores(dev))
     if report.fp4_tensor_cores:
@@ -278,6 +290,7 @@ def run_gemm_bench(
         report.not_run.append(f"native NVFP4 GEMM: {name} has no FP4 tensor cores (emulated path timed instead)")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     timer = _Timer(dev)
+    total, done = len(shapes) * len(m_values) * len(kernels), 0
     for shape in shapes:
         w_cpu = torch.randn(shape.n, shape.k, generator=gen) * 0.02
         copies = _copies(shape.n * shape.k * 2, cache_bytes)
@@ -289,7 +302,8 @@ def run_gemm_bench(
             ref = x.float() @ weights[0].float().t()
             for kernel in kernels:
                 if progress:
-                    progress(f"{shape.name} [{shape.n}x{shape.k}] M={m} {kernel}")
+                    progress(done, total, f"{shape.name} [{shape.n}x{shape.k}] M={m} {kernel}")
+                done += 1
                 fn, note = _kernel_fns(kernel, x, weights)
                 err = _rel_error(fn(0), ref)
                 calls = max(inner, len(weights))  # one sample touches every weight copy
@@ -302,4 +316,25 @@ def run_gemm_bench(
         del weights
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if progress:
+        progress(done, total, "done")
     return report
+
+
+def load_model_config(source: str) -> dict[str, Any]:
+    """A model config from a testbed preset name, a ``config.json`` file or a checkpoint directory."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        preset = Path(__file__).resolve().parents[1] / "testbed" / "presets" / f"{source}.json"
+        if not preset.exists():
+            raise ConfigError(f"{source!r} is neither a config.json, a checkpoint directory nor a testbed preset", option="config")
+        path = preset
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path} as a JSON model config: {exc}", option="config") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object", option="config")
+    return config.get("text_config") or config if "hidden_size" not in config else config

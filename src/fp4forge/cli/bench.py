@@ -5,6 +5,7 @@
                         [--concurrency 1,2,4] [--rate 0.5,1] [--warmups 2] [--samples 7] [--json] [--no-plots]
     fp4forge bench analyze DIR [--json] [--markdown] [--no-plots]
     fp4forge bench compare RUN_A RUN_B [--json] [--markdown]
+    fp4forge bench gemm --config CONFIG [--out DIR] [--m 1,16,128] [--kernels bf16,fp8] [--device cuda|cpu]
 
 Exit codes. perf: 0 every request succeeded; 1 the run finished but some requests failed (counted
 in the summary); 2 the run could not start (bad options, no server, model not served); 3 the
@@ -246,6 +247,58 @@ def compare_command(
         out = _out()
         for block in compare_rich(doc):
             out.print(block)
+
+
+# -- gemm -------------------------------------------------------------------------------------------
+@bench_app.command("gemm")
+def gemm_command(
+    config: str = typer.Option(..., "--config", metavar="CONFIG", help="config.json, a checkpoint directory, or a testbed preset (laguna-s-2.1-like)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", metavar="DIR", help="Write gemm.json (every sample), gemm.md and gemm.png here."),
+    m_values: Optional[str] = typer.Option(None, "--m", help="Token counts M, comma-separated (default 1,2,4,...,8192)."),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help="Comma-separated subset of bf16,fp8,fp8-static-act,fp8-dynamic-act,nvfp4-emulated."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda (default when a GPU is present) or cpu."),
+    samples: int = typer.Option(20, "--samples", help="Timed samples per cell."),
+    inner: int = typer.Option(10, "--inner", help="Calls per sample (at least one per rotated weight copy)."),
+    from_json: Optional[Path] = typer.Option(None, "--from-json", metavar="FILE", help="Render a saved gemm.json instead of measuring."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole report as JSON."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the Markdown table."),
+) -> None:
+    """GEMM precision microbench at every projection shape of a model: time per call and error against FP32, per kernel and M."""
+    from fp4forge.bench.gemm import DEFAULT_M, KERNELS, load_model_config, projection_shapes, run_gemm_bench
+    from fp4forge.cli.common import progress_bar
+    from fp4forge.report.gemm_tables import gemm_markdown, gemm_plot, gemm_rich
+    from fp4forge.report.plotting import pyplot
+
+    try:
+        if from_json is not None:
+            data = json.loads(from_json.read_text(encoding="utf-8"))
+        else:
+            import torch
+
+            shapes = projection_shapes(load_model_config(config))
+            ms = _int_list(m_values, "m_values") or list(DEFAULT_M)
+            ks = [k.strip() for k in kernels.split(",")] if kernels else list(KERNELS)
+            dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            with progress_bar("gemm", enabled=not as_json) as progress:
+                report = run_gemm_bench(shapes, m_values=ms, kernels=ks, device=dev, samples=samples, inner=inner, progress=progress)
+            data = report.to_json()
+            data["config"] = config
+    except (Fp4forgeError, OSError, json.JSONDecodeError) as error:
+        raise _fail(error, EXIT_UNUSABLE, as_json) from None
+    if out_dir is not None:
+        from fp4forge.checkpoint.atomic import write_text_atomic
+
+        write_text_atomic(out_dir / "gemm.json", json.dumps(data, indent=1))
+        write_text_atomic(out_dir / "gemm.md", gemm_markdown(data))
+        gemm_plot(data, out_dir / "gemm.png", pyplot())
+    if as_json:
+        _emit(data)
+    elif markdown:
+        sys.stdout.write(gemm_markdown(data))
+    else:
+        _out().print(gemm_rich(data))
+        for note in data.get("not_run", []):
+            _err().print(f"[yellow]not run:[/yellow] {note}")
 
 
 def main() -> None:

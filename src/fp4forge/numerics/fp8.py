@@ -42,8 +42,10 @@ __all__ = [
     "fp8_amax_from_scale",
     "fp8_dequantize_weight",
     "fp8_dynamic_fake_quantize",
+    "fp8_dynamic_scale",
     "fp8_fake_quantize",
     "fp8_fake_quantize_reciprocal",
+    "fp8_quantize_activation",
     "fp8_quantize_weight",
     "fp8_scale_from_amax",
     "fp8_weight_amax",
@@ -248,10 +250,21 @@ def fp8_fake_quantize_reciprocal(x: Tensor, scale: Tensor) -> Tensor:
     return (q.to(torch.float32) * scale).to(x.dtype)
 
 
+def fp8_dynamic_scale(x: Tensor, *, per_token: bool = True) -> Tensor:
+    """A dynamic FP8 activation scale: ``max |x| / 448`` per token (``[..., 1]``) or per tensor
+    (``[]``), in F32 and at least ``tiny``. No host synchronisation, so a CUDA graph can hold it."""
+    amax = x.abs().amax(dim=-1, keepdim=True) if per_token else x.abs().amax()
+    return (amax.to(torch.float32) / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def fp8_quantize_activation(x: Tensor, scale: Tensor) -> Tensor:
+    """The E4M3 codes a W8A8 layer feeds its GEMM: ``e4m3(x / scale)`` in F32, saturating."""
+    return to_e4m3fn(x.to(torch.float32) / scale)
+
+
 def fp8_dynamic_fake_quantize(x: Tensor) -> Tensor:
     """Per-token dynamic FP8: each row's scale is ``max |row| / 448`` (F32, at least ``tiny``)."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).to(torch.float32) / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return fp8_fake_quantize(x, scale)
+    return fp8_fake_quantize(x, fp8_dynamic_scale(x))
 
 
 def fp8_activation_fake_quantizer(amax: float) -> Callable[[Tensor], Tensor]:
