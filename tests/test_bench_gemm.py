@@ -4,6 +4,7 @@ against hand-built references; timings are never asserted)."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,7 @@ def test_unknown_kernel_and_bad_m_are_named_errors() -> None:
         run_gemm_bench([GemmShape("t", 16, 16)], m_values=[0], device="cpu")
 
 
-def _cli(*args: str) -> "subprocess.CompletedProcess[str]":
+def _cli(*args: str) -> subprocess.CompletedProcess:
     import subprocess
     import sys
 

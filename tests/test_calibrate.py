@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint, calibrate_in_memory, calibration_samples
 from fp4forge.model.samples import builtin_documents, file_documents, load_samples, load_tokenizer
-from fp4forge.calibrate.observers import NoTap, experts_forward
+from fp4forge.model.hooks import NoTap, experts_forward
 from fp4forge.model.streaming import StreamedModel, call_layer
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.errors import ConfigError

@@ -21,7 +21,6 @@ Exit codes: 0 no errors (warnings allowed), 1 at least one error, 2 the input co
 
 from __future__ import annotations
 
-import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -29,6 +28,7 @@ from importlib import resources
 from typing import Any
 
 from fp4forge.errors import DataFileError
+from fp4forge.checkpoint.names import natural_key  # noqa: F401 (re-exported: the checks sort with it)
 
 SEVERITIES = ("error", "warning", "info")
 EXAMPLES_SHOWN = 3
@@ -104,11 +104,6 @@ class Finding:
             "title": self.title,
             "count": self.count,
         }
-
-
-def natural_key(text: str) -> list:
-    """`experts.10` after `experts.9`."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _example(issue: Issue) -> str:

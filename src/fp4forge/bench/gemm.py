@@ -221,7 +221,6 @@ def fp4_tensor_cores(device: torch.device) -> bool:
 
 def _kernel_fns(kernel: Kernel, x: Tensor, weights: list[Tensor]) -> tuple[Callable[[int], Tensor], str | None]:
     """A call ``fn(i)`` computing ``x Wᵢᵀ`` with the kernel, weights prepared (quantized) up front."""
-    dev = x.device
     if kernel == "bf16":
         ws = [w.to(torch.bfloat16) for w in weights]
         xb = x.to(torch.bfloat16)

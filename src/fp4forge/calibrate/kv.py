@@ -25,7 +25,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,21 +33,21 @@ from typing import Any
 
 import torch
 
-from fp4forge import __version__
 from fp4forge.checkpoint.atomic import StagedFiles, atomic_output_dir, staged_files
-from fp4forge.checkpoint.declarations import CT, MODELOPT, MODELOPT_FP8_KV_SCHEME, detect_format, read_declaration
-from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, KV_SCALES_SAFETENSORS, PROVENANCE_JSON
+from fp4forge.checkpoint.declarations import CT, MODELOPT, read_declaration
+from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, KV_SCALES_SAFETENSORS, PROVENANCE_JSON, natural_key
+from fp4forge.checkpoint.quantized import attention_layers, kv_layout
 from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
+from fp4forge.checkpoint.tensor_file import write_tensors
 from fp4forge.checkpoint.stats import KV_ROLES, kv_amax_name, read_stats
 from fp4forge.errors import ConfigError, WriteError, require_choice
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
-from fp4forge.quantize.qconfig import COMPRESSED_TENSORS_VERSION, kv_cache_scheme_ct
+from fp4forge.quantize.qconfig import declare_kv
 
 KV_SHARD = KV_SCALES_SAFETENSORS
 LAYOUTS = (CT, MODELOPT)
 ROLES = ("k_scale", "v_scale")
-ATTENTION_LAYER = re.compile(r"^(?P<layer>.+)\.self_attn\.k_proj\.(weight|weight_packed)$")
 
 
 @dataclass
@@ -66,16 +65,6 @@ class KvScales:
         return any(t.dim() > 0 for roles in self.layers.values() for t in roles.values())
 
 
-def attention_layers(ckpt: Checkpoint) -> list[str]:
-    """Layer prefixes that hold an attention k_proj, in natural order."""
-    found = {m.group("layer") for _, info in ckpt.tensors() if (m := ATTENTION_LAYER.match(info.name))}
-    return sorted(found, key=_natural)
-
-
-def _natural(name: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
-
-
 # -- where scales come from --------------------------------------------------------------------
 def scales_from_stats(path: str | Path, layers: list[str], *, per_head: bool = False) -> KvScales:
     """k/v scale = amax / 448 from an fp4forge statistics file."""
@@ -88,14 +77,6 @@ def scales_from_stats(path: str | Path, layers: list[str], *, per_head: bool = F
             entry[role] = (amax if per_head else amax.reshape(())) / FP8_E4M3_MAX
         out[layer] = entry
     return KvScales(out, {"source": "calibration", "statistics": Path(path).name, "formula": "amax / 448", "per_head": per_head})
-
-
-def kv_layout(ckpt: Checkpoint) -> str | None:
-    """The layout whose declaration the checkpoint carries (None: no quantization declared)."""
-    detected = detect_format(ckpt.config, ckpt.extra_json)
-    if detected is not None and detected not in LAYOUTS:
-        raise ConfigError(f"quant_method {detected!r}: fp4forge writes KV scales for {', '.join(LAYOUTS)} only", file=ckpt.display)
-    return detected
 
 
 def find_scale_tensors(ckpt: Checkpoint, layers: list[str]) -> tuple[str | None, dict[str, dict[str, str]]]:
@@ -203,55 +184,6 @@ def layout_tensors(scales: KvScales, layout: str) -> dict[str, torch.Tensor]:
     return out
 
 
-# -- declarations --------------------------------------------------------------------------------
-def _linear_modules(ckpt: Checkpoint) -> list[str]:
-    """Every module with a 2-D weight except embeddings (the Linears a declaration can exclude)."""
-    modules = []
-    for _, info in ckpt.tensors():
-        if info.name.endswith(".weight") and len(info.shape) == 2 and not info.name.endswith("embed_tokens.weight"):
-            modules.append(info.name[: -len(".weight")])
-    return sorted(set(modules), key=_natural)
-
-
-def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(config.json, hf_quant_config.json or None) with the FP8 KV declaration added."""
-    config = json.loads(json.dumps(ckpt.config or {}))
-    qc = config.get("quantization_config")
-    if layout == CT:
-        scheme = kv_cache_scheme_ct()
-        if per_head:
-            scheme["strategy"] = "attn_head"
-        if qc is None:  # KV-only: no Linear is quantized
-            qc = {
-                "config_groups": {},
-                "format": "dense",
-                "global_compression_ratio": None,
-                "ignore": [],
-                "quant_method": CT,
-                "quantization_status": "compressed",
-                "sparsity_config": {},
-                "transform_config": {},
-                "version": COMPRESSED_TENSORS_VERSION,
-            }
-        qc["kv_cache_scheme"] = scheme
-        config["quantization_config"] = qc
-        return config, None
-    if per_head:
-        raise ConfigError("the ModelOpt layout has per-tensor KV scales only", option="per_head")
-    hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG_JSON) or {}))
-    if not hf_quant and qc is None:  # KV-only: vLLM needs a quant_algo, so FP8 with every Linear excluded
-        exclude = _linear_modules(ckpt)
-        hf_quant = {"producer": {"name": "fp4forge", "version": __version__}, "quantization": {"quant_algo": "FP8", "exclude_modules": exclude, "kv_cache_quant_algo": "FP8"}}
-        qc = {"quant_method": MODELOPT, "producer": hf_quant["producer"], "quant_algo": "FP8", "ignore": exclude}
-    if hf_quant:
-        hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
-    if qc is not None:
-        qc["kv_cache_quant_algo"] = "FP8"
-        qc["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
-        config["quantization_config"] = qc
-    return config, (hf_quant or None)
-
-
 # -- writing into a checkpoint directory ---------------------------------------------------------
 def _weight_map(ckpt: Checkpoint) -> dict[str, str]:
     if ckpt.index is not None:
@@ -271,8 +203,6 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
     """Add ``scales`` to the checkpoint at ``directory`` as ``model-kvscales.safetensors`` plus the
     re-resolved index and the KV declaration. ``layout``: needed only when the checkpoint declares
     no quantization yet. Returns the provenance entry written to ``fp4forge.json``."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     ckpt = open_checkpoint(directory)
     declared = kv_layout(ckpt)
@@ -282,10 +212,10 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
     if layout is None:
         raise ConfigError(f"the checkpoint declares no quantization: choose the layout ({' or '.join(LAYOUTS)})", file=ckpt.display, option="layout_format")
     layers = attention_layers(ckpt)
-    missing = sorted(set(layers) - set(scales.layers), key=_natural)
+    missing = sorted(set(layers) - set(scales.layers), key=natural_key)
     if missing:
         raise ConfigError(f"no KV scales for {len(missing)} attention layers, e.g. {missing[:3]}", file=ckpt.display)
-    foreign = sorted(set(scales.layers) - set(layers), key=_natural)
+    foreign = sorted(set(scales.layers) - set(layers), key=natural_key)
     if foreign:
         raise ConfigError(f"KV scales for layers this checkpoint does not have: {foreign[:3]}", file=ckpt.display)
     _, existing = find_scale_tensors(ckpt, layers)
@@ -306,7 +236,7 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
 
     # Renamed in the order that keeps each step loadable: tensors, index, then the declaration.
     with _updating(directory) as stage:
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(stage.path(KV_SHARD)), metadata={"format": "pt"})  # one key: safetensors orders a metadata map by hash
+        write_tensors(stage.path(KV_SHARD), tensors, metadata={"format": "pt"})  # one key: safetensors orders a metadata map by hash
         _stage_json(stage, [(INDEX_JSON, index), (HF_QUANT_CONFIG_JSON, hf_quant), (CONFIG_JSON, config), (PROVENANCE_JSON, doc)])
     return provenance
 
@@ -384,7 +314,7 @@ def _check_compatible(donor: Checkpoint, recipient: Checkpoint) -> None:
         raise ConfigError(f"refusing to transplant KV scales between different architectures ({detail})", file=donor.display)
     donor_layers, recipient_layers = attention_layers(donor), attention_layers(recipient)
     if donor_layers != recipient_layers:
-        only = sorted(set(donor_layers) ^ set(recipient_layers), key=_natural)
+        only = sorted(set(donor_layers) ^ set(recipient_layers), key=natural_key)
         raise ConfigError(f"attention layers differ between donor and recipient, e.g. {only[:3]}", file=donor.display)
 
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp4forge.checkpoint.stats import input_amax_name, kv_amax_name
+from fp4forge.model.hooks import KVCacheTap, apply_gate, check_fused_experts, install_experts_forward, install_kv_tap, is_fused_experts
 from fp4forge.model.streaming import WeightPlan
 from fp4forge.errors import ConfigError
 
@@ -52,84 +53,6 @@ class AmaxTable:
 
 
 # -- routed experts -------------------------------------------------------------------------------
-class ExpertTap(Protocol):
-    """Sees (and may replace) the input of each expert's gate/up and down GEMMs."""
-
-    def routed(self, counts: Tensor) -> None: ...
-
-    def gate_up_input(self, expert: int, x: Tensor) -> Tensor: ...
-
-    def down_input(self, expert: int, h: Tensor) -> Tensor: ...
-
-    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None: ...
-
-
-def check_fused_experts(module: nn.Module, name: str) -> None:
-    """The eager loop below covers gated, concatenated [gate; up], untransposed, bias-free experts."""
-    layout = {
-        "has_gate": getattr(module, "has_gate", True),
-        "has_bias": getattr(module, "has_bias", False),
-        "is_transposed": getattr(module, "is_transposed", False),
-        "is_concatenated": getattr(module, "is_concatenated", True),
-        "has_post_expert_norm": getattr(module, "has_post_expert_norm", False),
-    }
-    if layout != {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True, "has_post_expert_norm": False}:
-        raise ConfigError(f"{name}: fused experts with layout {layout} are not supported by fp4forge's expert loop")
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    gate_up = getattr(module, "gate_up_proj", None)
-    down = getattr(module, "down_proj", None)
-    return isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == 3 and hasattr(module, "num_experts")
-
-
-def apply_gate(module: nn.Module, gate_up: Tensor) -> Tensor:
-    """The experts' gating (``act(gate) * up``), through the class's own ``_apply_gate`` if any."""
-    custom = getattr(module, "_apply_gate", None)
-    if custom is not None:
-        return custom(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return module.act_fn(gate) * up
-
-
-@torch.no_grad()
-def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, tap: ExpertTap) -> Tensor:
-    """transformers' eager expert loop (same ops, same order), with ``tap`` at the GEMM inputs."""
-    num_experts = module.num_experts
-    final = torch.zeros_like(hidden_states)
-    expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
-    tap.routed(torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts])
-    hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for expert_idx in hit:
-        expert = int(expert_idx[0])
-        if expert == num_experts:
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[expert])
-        state = tap.gate_up_input(expert, hidden_states[token_idx])
-        hidden = apply_gate(module, F.linear(state, module.gate_up_proj[expert]))
-        hidden = F.linear(tap.down_input(expert, hidden), module.down_proj[expert])
-        hidden = hidden * top_k_weights[token_idx, top_k_pos, None]
-        final.index_add_(0, token_idx, hidden.to(final.dtype))
-    tap.after_routed(module, hidden_states)
-    return final
-
-
-class NoTap:
-    """The teacher's experts: nothing seen, nothing changed."""
-
-    def routed(self, counts: Tensor) -> None:
-        pass
-
-    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
-        return x
-
-    def down_input(self, expert: int, h: Tensor) -> Tensor:
-        return h
-
-    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
-        pass
-
-
 @dataclass
 class ExpertStats:
     """Per-expert running statistics of one fused experts module."""
@@ -178,48 +101,16 @@ class ExpertObserver:
             self.down_input(expert, hidden)
 
 
-def install_experts_forward(module: nn.Module, tap: ExpertTap) -> Callable[[], None]:
-    """Route ``module``'s forward through :func:`experts_forward` with ``tap``; returns the undo."""
+def kv_amax_recorder(table: AmaxTable, layer_prefix: str) -> Callable[[Tensor, Tensor], None]:
+    """Keeps the running K and V amax of one layer, per tensor and per KV head."""
 
-    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return experts_forward(module, hidden_states, top_k_index, top_k_weights, tap)
+    def observe(key_states: Tensor, value_states: Tensor) -> None:
+        for role, states in (("k", key_states), ("v", value_states)):
+            per_head = states.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32)
+            table.update_value(kv_amax_name(layer_prefix, role, per_head=True), per_head)
+            table.update_value(kv_amax_name(layer_prefix, role), per_head.amax().reshape(1))
 
-    module.forward = forward
-    return lambda: module.__dict__.pop("forward", None)
-
-
-# -- the KV cache --------------------------------------------------------------------------------
-KVTransform = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
-
-
-class KVCacheTap:
-    """Passed to attention as ``past_key_values``: ``update`` gets K and V [B, kv_heads, S, D]
-    as the cache would store them and returns what attention uses (unchanged, or fake-quantized
-    by ``transform``). Stores nothing: calibration and evaluation run whole sequences."""
-
-    def __init__(self, table: AmaxTable | None, layer_prefix: str, transform: KVTransform | None = None):
-        self.table = table
-        self.layer_prefix = layer_prefix
-        self.transform = transform
-
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int | None = None, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        if self.table is not None:
-            for role, states in (("k", key_states), ("v", value_states)):
-                per_head = states.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32)
-                self.table.update_value(kv_amax_name(self.layer_prefix, role, per_head=True), per_head)
-                self.table.update_value(kv_amax_name(self.layer_prefix, role), per_head.amax().reshape(1))
-        if self.transform is not None:
-            return self.transform(key_states, value_states)
-        return key_states, value_states
-
-
-def install_kv_tap(layer: nn.Module, tap: KVCacheTap) -> Callable[[], None]:
-    """Make every call of the decoder layer pass ``tap`` as its ``past_key_values``."""
-
-    def inject(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return args, {**kwargs, "past_key_values": tap}
-
-    return layer.register_forward_pre_hook(inject, with_kwargs=True).remove
+    return observe
 
 
 # -- one decoder layer's observers -------------------------------------------------------------------
@@ -236,7 +127,7 @@ class CalibrationObserver:
 
     def attach(self, layer: nn.Module, prefix: str) -> Callable[[], None]:
         """Hook ``layer`` (in-memory name ``prefix``); returns the function that removes the hooks."""
-        undo: list[Callable[[], None]] = [install_kv_tap(layer, KVCacheTap(self.amax, prefix))]
+        undo: list[Callable[[], None]] = [install_kv_tap(layer, KVCacheTap(observe=kv_amax_recorder(self.amax, prefix)))]
         for name, module in layer.named_modules():
             full = f"{prefix}.{name}" if name else prefix
             if isinstance(module, nn.Linear):

@@ -30,7 +30,7 @@ from fp4forge.model.streaming import (
     build_weight_plan,
     call_layer,
 )
-from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON
+from fp4forge.checkpoint.declarations import detect_format
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.errors import ConfigError, require_choice
 
@@ -101,7 +101,7 @@ class CalibrationResult:
 def _check_source(ckpt: Checkpoint) -> None:
     if ckpt.config is None:
         raise ConfigError("checkpoint has no config.json", file=ckpt.display)
-    if ckpt.config.get("quantization_config") or HF_QUANT_CONFIG_JSON in ckpt.extra_json:
+    if detect_format(ckpt.config, ckpt.extra_json) is not None:
         raise ConfigError("calibrate the BF16 source checkpoint, not a quantized one", file=ckpt.display)
 
 

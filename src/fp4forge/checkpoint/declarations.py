@@ -265,6 +265,13 @@ def _modelopt_kv(quant: dict[str, Any], where: str, problems: list[str]) -> KvDe
     return KvDeclaration(kv, "tensor", False, f"{where} kv_cache_quant_algo")
 
 
+def stored_quantization_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """config.json's ``quantization_config`` as stored (None when absent): for code that rebuilds
+    what a declaration describes rather than auditing it."""
+    qc = (config or {}).get("quantization_config")
+    return qc if isinstance(qc, dict) else None
+
+
 def detect_format(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> str | None:
     """The format vLLM will read: config.json's quantization_config first, then hf_quant_config.json."""
     qc = (config or {}).get("quantization_config")

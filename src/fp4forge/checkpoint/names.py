@@ -13,3 +13,10 @@ JOURNAL_FILE = ".fp4forge-journal"  # the writer's resume journal inside a parti
 
 # What open_checkpoint reads besides config.json (into Checkpoint.extra_json).
 EXTRA_JSON = (HF_QUANT_CONFIG_JSON, PROVENANCE_JSON)
+
+
+def natural_key(name: str) -> list:
+    """How fp4forge orders tensor, module and layer names: `experts.10` after `experts.9`."""
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -22,6 +22,7 @@ it; the arithmetic itself is :mod:`fp4forge.numerics`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -29,6 +30,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from fp4forge.checkpoint.declarations import detect_format
+from fp4forge.checkpoint.names import natural_key
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.checkpoint.schemes import LAYOUTS, kv_role_names, scheme_table
 from fp4forge.errors import ConfigError
@@ -343,3 +346,21 @@ class DequantizedTensors:
         if module is None or module not in self.view.linears:
             return self.view.ckpt.read_tensor(name)
         return self.view.dequantize(module, self.dtype, formula=self.formula)
+
+
+# -- which layers carry a KV cache, and which layout declares it ------------------------------------
+ATTENTION_LAYER = re.compile(r"^(?P<layer>.+)\.self_attn\.k_proj\.(weight|weight_packed)$")
+
+
+def attention_layers(ckpt: Checkpoint) -> list[str]:
+    """Layer prefixes that hold an attention k_proj, in natural order."""
+    found = {m.group("layer") for _, info in ckpt.tensors() if (m := ATTENTION_LAYER.match(info.name))}
+    return sorted(found, key=natural_key)
+
+
+def kv_layout(ckpt: Checkpoint) -> str | None:
+    """The layout whose declaration the checkpoint carries (None: no quantization declared)."""
+    detected = detect_format(ckpt.config, ckpt.extra_json)
+    if detected is not None and detected not in LAYOUTS:
+        raise ConfigError(f"quant_method {detected!r}: fp4forge writes KV scales for {', '.join(LAYOUTS)} only", file=ckpt.display)
+    return detected

@@ -76,6 +76,20 @@ class Checkpoint:
                 return shard, header.tensors[name]
         raise CheckpointError("no such tensor in the checkpoint", file=self.display, tensor=name)
 
+    def header_digest(self) -> str:
+        """Hash of every shard's header and size: a cheap identity of the checkpoint's byte layout
+        (names, dtypes, shapes, offsets), read from headers only."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=16)
+        for shard in self.shard_names:
+            header = self.headers[shard]
+            h.update(shard.encode())
+            h.update(str(header.declared_file_size).encode())
+            for info in header.tensors.values():
+                h.update(f"{info.name}:{info.dtype}:{info.shape}:{info.begin}".encode())
+        return h.hexdigest()
+
     def read_raw(self, name: str) -> bytes:
         shard, info = self.locate(name)
         header = self.headers[shard]

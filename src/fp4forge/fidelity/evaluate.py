@@ -36,6 +36,8 @@ while writing one, the KL is exact (full vocabulary) and the estimate is reporte
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 import math
 import time
@@ -50,8 +52,7 @@ from torch import Tensor, nn
 
 from fp4forge import __version__
 from fp4forge.model.samples import Samples, load_samples, load_tokenizer
-from fp4forge.calibrate.kv import attention_layers, kv_layout
-from fp4forge.calibrate.observers import (
+from fp4forge.model.hooks import (
     KVCacheTap,
     NoTap,
     check_fused_experts,
@@ -67,8 +68,9 @@ from fp4forge.model.streaming import (
     StreamedModel,
     call_layer,
 )
-from fp4forge.checkpoint.declarations import read_declaration
-from fp4forge.checkpoint.quantized import QuantizedCheckpoint
+from fp4forge.checkpoint.declarations import detect_format, read_declaration
+from fp4forge.checkpoint.quantized import QuantizedCheckpoint, attention_layers, kv_layout
+from fp4forge.checkpoint.tensor_file import load_tensors, save_tensors
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.errors import ConfigError
 from fp4forge.numerics.fp8 import fp8_activation_fake_quantizer, fp8_dynamic_fake_quantize, fp8_fake_quantize
@@ -188,7 +190,7 @@ class StudentNumerics:
         return _group_scale([self._scale(m) for m in self.view.fused_partners(disk_module)])
 
     def attach(self, layer: nn.Module, prefix: str) -> Callable[[], None]:
-        undo = [install_kv_tap(layer, KVCacheTap(None, prefix, self.kv_scales.get(prefix)))]
+        undo = [install_kv_tap(layer, KVCacheTap(transform=self.kv_scales.get(prefix)))]
         for name, module in layer.named_modules():
             full = f"{prefix}.{name}" if name else prefix
             if isinstance(module, nn.Linear):
@@ -337,38 +339,20 @@ def log_probs(logits: Tensor) -> Tensor:
 
 
 # -- the teacher cache ------------------------------------------------------------------------------
+TEACHER_CACHE_MARKER = "fp4forge_teacher_cache"
 CACHE_FIELDS = ("topk_ids", "topk_logp", "tail_ids", "tail_logp", "tail_mass", "target_logp", "argmax")
 
 
 def save_teacher_cache(path: Path, entries: list[TeacherEntry], samples: Samples, meta: dict[str, Any]) -> None:
-    import json
-    import os
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    tensors = {name: torch.cat([getattr(e, name) for e in entries]).contiguous() for name in CACHE_FIELDS}
-    tensors["input_ids"] = samples.input_ids.contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"fp4forge_teacher_cache": "1", "meta": json.dumps(meta, sort_keys=True)})
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    tensors = {name: torch.cat([getattr(e, name) for e in entries]) for name in CACHE_FIELDS}
+    tensors["input_ids"] = samples.input_ids
+    save_tensors(path, tensors, metadata={TEACHER_CACHE_MARKER: "1", "meta": json.dumps(meta, sort_keys=True)})
 
 
 def load_teacher_cache(path: Path, batch_size: int) -> tuple[list[TeacherEntry], Tensor, dict[str, Any]]:
-    import json
-
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as fh:
-        metadata = fh.metadata() or {}
-        if "fp4forge_teacher_cache" not in metadata:
-            raise ConfigError("not an fp4forge teacher cache", file=str(path))
-        tensors = {name: fh.get_tensor(name) for name in (*CACHE_FIELDS, "input_ids")}
+    tensors, metadata = load_tensors(path, (*CACHE_FIELDS, "input_ids"))
+    if TEACHER_CACHE_MARKER not in metadata:
+        raise ConfigError("not an fp4forge teacher cache", file=str(path))
     split = {name: tensors[name].split(batch_size) for name in CACHE_FIELDS}
     entries = [TeacherEntry(**{name: split[name][i] for name in CACHE_FIELDS}) for i in range(len(split["argmax"]))]
     return entries, tensors["input_ids"], json.loads(metadata["meta"])
@@ -417,7 +401,7 @@ def _check_pair(teacher: Checkpoint, student: Checkpoint) -> str:
     differing = [k for k in ARCHITECTURE_KEYS if teacher.config.get(k) != student.config.get(k)]
     if differing:
         raise ConfigError(f"student and teacher differ in {differing}: not the same model", file=student.display)
-    if teacher.config.get("quantization_config") or "hf_quant_config.json" in teacher.extra_json:
+    if detect_format(teacher.config, teacher.extra_json) is not None:
         raise ConfigError("the teacher must be the unquantized checkpoint", file=teacher.display)
     layout = kv_layout(student)
     if layout is None:
@@ -590,6 +574,4 @@ def _head(
 
 
 def _digest(ckpt: Checkpoint) -> str:
-    from fp4forge.quantize.export import source_header_digest
-
-    return source_header_digest(ckpt)
+    return ckpt.header_digest()

@@ -33,8 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fp4forge.checkpoint.declarations import CT, MODELOPT, detect_format
+from fp4forge.checkpoint.names import CONFIG_JSON, SINGLE_SAFETENSORS
 from fp4forge.checkpoint.quantized import QuantizedCheckpoint, ServedExperts, ServedLinear
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
+from fp4forge.checkpoint.tensor_file import save_tensors
 from fp4forge.errors import ConfigError
 from fp4forge.numerics.fp8 import E4M3_ROUNDINGS, fp8_fake_quantize, fp8_fake_quantize_reciprocal
 from fp4forge.numerics.nvfp4 import nvfp4_fake_quantize_activation
@@ -66,11 +69,10 @@ def _open(ckpt_dir: Path) -> QuantizedCheckpoint:
 
 
 def _layout(ckpt: Checkpoint) -> str:
-    method = ((ckpt.config or {}).get("quantization_config") or {}).get("quant_method")
-    layouts = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt"}
-    if method not in layouts:
-        raise ConfigError(f"{ckpt.display}: not a compressed-tensors or ModelOpt checkpoint (quant_method {method!r})")
-    return layouts[method]
+    layout = detect_format(ckpt.config, {})  # config.json only: the dense copy drops it
+    if layout not in (CT, MODELOPT):
+        raise ConfigError(f"{ckpt.display}: not a compressed-tensors or ModelOpt checkpoint (declared {layout!r})")
+    return layout
 
 
 INPUT_SCALE_REDUCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -166,11 +168,9 @@ def _in_memory(module: str) -> str:
 def _write_dense_copy(ckpt_dir: Path, view: QuantizedCheckpoint, out: Path) -> None:
     """config without quantization + the unquantized tensors, what transformers loads; quantized
     Linears get zero placeholders (their forward is patched afterwards)."""
-    from safetensors.torch import save_file
-
-    config = json.loads((ckpt_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(config))
+    config = json.loads((ckpt_dir / CONFIG_JSON).read_text())
+    config.pop("quantization_config", None)  # the dense copy is what transformers loads unquantized
+    (out / CONFIG_JSON).write_text(json.dumps(config))
     for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (ckpt_dir / extra).is_file():
             (out / extra).write_bytes((ckpt_dir / extra).read_bytes())
@@ -181,7 +181,7 @@ def _write_dense_copy(ckpt_dir: Path, view: QuantizedCheckpoint, out: Path) -> N
     }
     for module, q in sorted(view.linears.items()):
         tensors[f"{module}.weight"] = torch.zeros((q.out_features, q.in_features))
-    save_file(tensors, str(out / "model.safetensors"))
+    save_tensors(out / SINGLE_SAFETENSORS, tensors)
 
 
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
@@ -202,7 +202,7 @@ def load_reference(
         raise ConfigError(f"numerics {numerics!r} is not one of {', '.join(NUMERICS)}")
     ckpt_dir = Path(ckpt_dir)
     view = _open(ckpt_dir)
-    config = json.loads((ckpt_dir / "config.json").read_text())
+    config = json.loads((ckpt_dir / CONFIG_JSON).read_text())
     kv = _kv_scales(view, config["num_hidden_layers"])
     if kv_rounding not in E4M3_ROUNDINGS:
         raise ConfigError(f"kv_rounding {kv_rounding!r} is not one of {', '.join(E4M3_ROUNDINGS)}")

@@ -130,19 +130,6 @@ def resume_key(plan: ExportPlan, options: QuantizeOptions, source_digest: str) -
     return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def source_header_digest(ckpt: Checkpoint) -> str:
-    """Hash of every source shard's header and size: a cheap identity of the source bytes' layout.
-    (Content hashes per tensor are folded in as tensors are read; see `_TensorHasher`.)"""
-    h = hashlib.blake2b(digest_size=16)
-    for shard in ckpt.shard_names:
-        header = ckpt.headers[shard]
-        h.update(shard.encode())
-        h.update(str(header.declared_file_size).encode())
-        for info in header.tensors.values():
-            h.update(f"{info.name}:{info.dtype}:{info.shape}:{info.begin}".encode())
-    return h.hexdigest()
-
-
 class UnitQuantizer:
     """Quantizes one work unit; pure apart from reading tensors through `read`."""
 
@@ -282,7 +269,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             option="act_amax",
         )
     all_linears = linear_names(specs, layout)
-    source_digest = source_header_digest(ckpt)
+    source_digest = ckpt.header_digest()
     key = resume_key(plan, options, source_digest)
     out = Path(out)
     quantizer = UnitQuantizer(options)

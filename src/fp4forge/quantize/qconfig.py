@@ -11,11 +11,15 @@ docs/formats.md#modelopt-declaration.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from typing import Any
 
+from fp4forge import __version__
 from fp4forge.checkpoint.declarations import CT, CT_FORMATS, MODELOPT, MODELOPT_ALGOS, MODELOPT_FP8_KV_SCHEME
+from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON, natural_key
+from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.errors import ConfigError
 from fp4forge.quantize.plan import ExportPlan
 
@@ -135,3 +139,52 @@ def modelopt_configs(plan: ExportPlan, all_linears: list[str], producer_version:
     if kv_algo:
         config_form["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
     return config_form, hf_quant_config
+
+
+# -- the FP8 KV-cache declaration (kv calibrate / transplant add it to a checkpoint) --------------------------------------------------------------------------------
+def _linear_modules(ckpt: Checkpoint) -> list[str]:
+    """Every module with a 2-D weight except embeddings (the Linears a declaration can exclude)."""
+    modules = []
+    for _, info in ckpt.tensors():
+        if info.name.endswith(".weight") and len(info.shape) == 2 and not info.name.endswith("embed_tokens.weight"):
+            modules.append(info.name[: -len(".weight")])
+    return sorted(set(modules), key=natural_key)
+
+
+def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(config.json, hf_quant_config.json or None) with the FP8 KV declaration added."""
+    config = json.loads(json.dumps(ckpt.config or {}))
+    qc = config.get("quantization_config")
+    if layout == CT:
+        scheme = kv_cache_scheme_ct()
+        if per_head:
+            scheme["strategy"] = "attn_head"
+        if qc is None:  # KV-only: no Linear is quantized
+            qc = {
+                "config_groups": {},
+                "format": "dense",
+                "global_compression_ratio": None,
+                "ignore": [],
+                "quant_method": CT,
+                "quantization_status": "compressed",
+                "sparsity_config": {},
+                "transform_config": {},
+                "version": COMPRESSED_TENSORS_VERSION,
+            }
+        qc["kv_cache_scheme"] = scheme
+        config["quantization_config"] = qc
+        return config, None
+    if per_head:
+        raise ConfigError("the ModelOpt layout has per-tensor KV scales only", option="per_head")
+    hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG_JSON) or {}))
+    if not hf_quant and qc is None:  # KV-only: vLLM needs a quant_algo, so FP8 with every Linear excluded
+        exclude = _linear_modules(ckpt)
+        hf_quant = {"producer": {"name": "fp4forge", "version": __version__}, "quantization": {"quant_algo": "FP8", "exclude_modules": exclude, "kv_cache_quant_algo": "FP8"}}
+        qc = {"quant_method": MODELOPT, "producer": hf_quant["producer"], "quant_algo": "FP8", "ignore": exclude}
+    if hf_quant:
+        hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
+    if qc is not None:
+        qc["kv_cache_quant_algo"] = "FP8"
+        qc["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
+        config["quantization_config"] = qc
+    return config, (hf_quant or None)

@@ -30,6 +30,7 @@ from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
 from fp4forge.checkpoint.atomic import ensure_fresh_output
+from fp4forge.checkpoint.declarations import stored_quantization_config
 
 PROVENANCE = "PROVENANCE.json"
 INDEX = "model.safetensors.index.json"
@@ -201,7 +202,7 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
     sidecar = entry.directory / QUANT_SIDECAR
     if sidecar.is_file():
         return _modelopt_specs(entry, json.loads(sidecar.read_text(encoding="utf-8")), specs)
-    declaration = entry.config.get("quantization_config")
+    declaration = stored_quantization_config(entry.config)
     if not declaration:
         return specs
     method = declaration.get("quant_method")
