@@ -346,11 +346,13 @@ class LogDoctor:
             return None  # no engine line, or vLLM said it itself
         location = self.checkpoint or self.engine.get("model")
         facts = None
-        if location and (self.checkpoint is not None or Path(location).is_dir()):
+        if self.checkpoint is not None:
+            facts = read_checkpoint_facts(self.checkpoint)  # asked for: an unreadable one is an error
+        elif location and Path(location).is_dir():
             try:
                 facts = read_checkpoint_facts(location)
             except Fp4forgeError:
-                facts = None
+                facts = None  # the log's path may name another machine's directory
         verdict = kv_cache_verdict(facts, dtype, quantization=self.engine.get("quantization"), model=location)
         if verdict is None:
             return None
