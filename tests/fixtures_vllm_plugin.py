@@ -15,6 +15,8 @@ interpreter exit. Servers (all fp32, --enforce-eager, on tiny testbed models bui
   ``w4a16``, with vLLM's stock ``poolside_v1`` reasoning parser (the parser tests' "before"
   picture). Both layouts were measured to match their reference in both numerics
   (tests/test_vllm_plugin.py); this pairing keeps one ``w4a16`` server and four servers in all;
+* ``plugin_ct_w4a4_compiled``: ``plugin_ct_w4a4`` without ``--enforce-eager``: vLLM compiles the
+  model with torch.compile, through the plugin's expert op (fp4forge-vllm 0.1.0 failed here);
 * ``noplugin_ct``: the compressed-tensors checkpoint with the plugin switched off, which must fail.
 
 The parser servers use a chat template that thinks unless told not to (as Laguna-S-2.1's does) and
@@ -125,6 +127,7 @@ class ServerSpec:
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     chat_template: bool = False
+    eager: bool = True  # False: no --enforce-eager, vLLM's default torch.compile start-up
 
 
 SERVER_SPECS: dict[str, ServerSpec] = {
@@ -132,6 +135,7 @@ SERVER_SPECS: dict[str, ServerSpec] = {
     # The same model computed in bfloat16 (the later --dtype wins over VLLM_COMMON_ARGS').
     "plugin_bf16_moe_bf16": ServerSpec("bf16_moe", ("--dtype", "bfloat16")),
     "plugin_ct_w4a4": ServerSpec("ct", env={"FP4FORGE_VLLM_NUMERICS": "w4a4"}),
+    "plugin_ct_w4a4_compiled": ServerSpec("ct", env={"FP4FORGE_VLLM_NUMERICS": "w4a4"}, eager=False),
     "plugin_modelopt_w4a16": ServerSpec(
         "modelopt", (*PARSER_COMMON, *STOCK_PARSER), env={"FP4FORGE_VLLM_NUMERICS": "w4a16"}, chat_template=True
     ),
@@ -149,7 +153,7 @@ class Registry:
     def launch(self, name: str) -> VllmServer:
         if name not in self.servers:
             spec = SERVER_SPECS[name]
-            args = list(VLLM_COMMON_ARGS) + list(spec.args)
+            args = [a for a in VLLM_COMMON_ARGS if spec.eager or a != "--enforce-eager"] + list(spec.args)
             if spec.chat_template:
                 args += ["--chat-template", str(self.models.get("thinking_template"))]
             self.servers[name] = launch_vllm(
