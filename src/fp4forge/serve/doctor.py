@@ -240,6 +240,7 @@ class LogDoctor:
         self.engine: dict[str, str] = {}  # model, quantization, kv_cache_dtype from the engine line
         self.engine_line: int | None = None
         self._frames: dict[str, str | None] = {}  # per process: last source line of an open traceback
+        self._facts: dict[str | None, Any] = {}  # checkpoint location -> CheckpointFacts | None
 
     def feed(self, line: str) -> list[Finding]:
         self.line_count += 1
@@ -345,14 +346,17 @@ class LogDoctor:
         if dtype is None or any(f.id == KV_SCALE_ONE_ID for f in self.findings):
             return None  # no engine line, or vLLM said it itself
         location = self.checkpoint or self.engine.get("model")
-        facts = None
-        if self.checkpoint is not None:
-            facts = read_checkpoint_facts(self.checkpoint)  # asked for: an unreadable one is an error
-        elif location and Path(location).is_dir():
-            try:
-                facts = read_checkpoint_facts(location)
-            except Fp4forgeError:
-                facts = None  # the log's path may name another machine's directory
+        if location not in self._facts:  # read once: diagnosis() may be asked for repeatedly
+            facts = None
+            if self.checkpoint is not None:
+                facts = read_checkpoint_facts(self.checkpoint)  # asked for: an unreadable one is an error
+            elif location and Path(location).is_dir():
+                try:
+                    facts = read_checkpoint_facts(location)
+                except Fp4forgeError:
+                    facts = None  # the log's path may name another machine's directory
+            self._facts[location] = facts
+        facts = self._facts[location]
         verdict = kv_cache_verdict(facts, dtype, quantization=self.engine.get("quantization"), model=location)
         if verdict is None:
             return None
