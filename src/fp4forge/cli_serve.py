@@ -72,7 +72,11 @@ def doctor_command(
     from fp4forge.serve.doctor import diagnose, iter_lines
 
     try:
-        text = sys.stdin.read() if logfile == "-" else Path(logfile).read_text(encoding="utf-8", errors="replace")
+        if logfile == "-":
+            text = sys.stdin.read()
+        else:  # newline="": a progress bar's "\r" is not a line break, so line numbers match the file's
+            with open(logfile, encoding="utf-8", errors="replace", newline="") as handle:
+                text = handle.read()
     except OSError as error:
         raise _fail(error, as_json) from None
     try:

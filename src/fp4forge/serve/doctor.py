@@ -220,7 +220,7 @@ def _finding(pattern: Pattern, match: re.Match[str], number: int, text: str, aft
 class LogDoctor:
     """Incremental: feed lines as they arrive (``serve up`` streams the log through it)."""
 
-    def __init__(self, vllm_version: str | None = None, checkpoint: str | None = None) -> None:
+    def __init__(self, vllm_version: str | None = None, checkpoint: str | None = None, *, find_checkpoint: bool = True) -> None:
         self.vllm_version = vllm_version
         self._version = _parse_version(vllm_version)
         self._version_regexes, self._patterns = load_patterns()
@@ -231,6 +231,7 @@ class LogDoctor:
         self.line_count = 0
         # the server's life, for the lifecycle finding
         self.checkpoint = checkpoint
+        self.find_checkpoint = find_checkpoint  # read the log's model path when it is a local directory
         self.ready_line: int | None = None
         self.stop_line: int | None = None
         self.failed_line: int | None = None  # first start-up failure line (before any stop)
@@ -350,7 +351,7 @@ class LogDoctor:
             facts = None
             if self.checkpoint is not None:
                 facts = read_checkpoint_facts(self.checkpoint)  # asked for: an unreadable one is an error
-            elif location and Path(location).is_dir():
+            elif location and self.find_checkpoint and Path(location).is_dir():
                 try:
                     facts = read_checkpoint_facts(location)
                 except Fp4forgeError:
@@ -377,14 +378,16 @@ class LogDoctor:
         return self._life_finding([]) is not None
 
 
-def diagnose(lines: Iterable[str], *, vllm_version: str | None = None, checkpoint: str | None = None) -> Diagnosis:
+def diagnose(
+    lines: Iterable[str], *, vllm_version: str | None = None, checkpoint: str | None = None, find_checkpoint: bool = True
+) -> Diagnosis:
     """Findings of a whole log, errors first. The version comes from the log unless given; it is
     read before matching, so that version-restricted patterns apply from the first line.
     ``checkpoint`` (a local directory or repo) lets the doctor infer what the log cannot say (an
     FP8 KV cache at scale 1.0); by default the model path on the log's engine line is used when it
-    is a local directory."""
+    is a local directory (``find_checkpoint=False``: never)."""
     lines = list(lines)
-    doctor = LogDoctor(vllm_version or find_vllm_version(lines), checkpoint=checkpoint)
+    doctor = LogDoctor(vllm_version or find_vllm_version(lines), checkpoint=checkpoint, find_checkpoint=find_checkpoint)
     for line in lines:
         doctor.feed(line)
     return doctor.diagnosis()
@@ -392,4 +395,9 @@ def diagnose(lines: Iterable[str], *, vllm_version: str | None = None, checkpoin
 
 def iter_lines(text: str) -> Iterator[str]:
     # vLLM's resource tracker can leave NUL runs in a log it shares with a restarted server.
-    yield from text.replace("\x00", "").splitlines()
+    # Split on "\n" only: progress bars write "\r", which str.splitlines() would count as a line
+    # break, and findings' line numbers must match an editor's.
+    lines = text.replace("\x00", "").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    yield from (line.rstrip("\r") for line in lines)

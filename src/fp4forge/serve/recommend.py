@@ -199,18 +199,16 @@ class KvVerdict:
 
 
 def kv_cache_verdict(
-    facts: CheckpointFacts | None, kv_cache_dtype: str = "auto", *, quantization: str | None = None,
-    model: str | None = None, log_says_fp8: bool = False,
+    facts: CheckpointFacts | None, kv_cache_dtype: str = "auto", *, quantization: str | None = None, model: str | None = None
 ) -> KvVerdict | None:
     """Whether an FP8 KV cache runs at scale 1.0, from the checkpoint (``facts``) and the KV cache
-    dtype asked of vLLM; None when there is nothing to say. Without the checkpoint the answer is an
-    info when the cache may be FP8 (``log_says_fp8``, an explicit fp8 dtype, or a quantized model)."""
+    dtype asked of vLLM; None when there is nothing to say. Without the checkpoint: an info when
+    the cache may be FP8 (an fp8 dtype, or a quantized checkpoint whose declaration may ask for it)."""
     table = knowledge()["kv"]
     check = table["check"].format(model=model or "MODEL")
     explicit_fp8 = kv_cache_dtype.startswith("fp8")
     if facts is None:
-        quantized = quantization not in (None, "None")
-        if log_says_fp8 or explicit_fp8 or (quantized and kv_cache_dtype == "auto" and log_says_fp8):
+        if explicit_fp8 or quantization not in (None, "None"):
             return KvVerdict("info", table["unverified"].format(dtype=kv_cache_dtype if explicit_fp8 else "fp8"), check)
         return None
     if facts.kv_declared is None:
