@@ -82,8 +82,8 @@ def plugin_ct_w4a4(servers: Registry) -> VllmServer:
 
 
 @pytest.fixture(scope="module")
-def plugin_ct_w4a4_compiled(servers: Registry) -> VllmServer:
-    return servers.ready("plugin_ct_w4a4_compiled")
+def plugin_ct_nokv_compiled(servers: Registry) -> VllmServer:
+    return servers.ready("plugin_ct_nokv_compiled")
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def test_bf16_moe_output_depends_on_the_router_bias(plugin_bf16_moe: VllmServer,
 # -- quantized checkpoints: w4a4 / w4a16 against fp4forge's reference ----------------------------
 CHECKPOINT_OF_SERVER = {"plugin_ct_w4a4": ("ct", "w4a4"), "plugin_modelopt_w4a16": ("modelopt", "w4a16")}
 # the same checkpoint and numerics served without --enforce-eager (torch.compile start-up)
-COMPILED_SERVERS = {"plugin_ct_w4a4_compiled": ("ct", "w4a4")}
+COMPILED_SERVERS = {"plugin_ct_nokv_compiled": ("ct_nokv", "w4a4")}
 OTHER_NUMERICS = {"w4a4": "w4a16", "w4a16": "w4a4"}
 Served = dict[str, tuple[list[int], dict[str, Any]]]
 
@@ -304,7 +304,7 @@ def test_w4a16_and_w4a4_differ_on_the_same_checkpoint(
 
 @pytest.mark.parametrize(
     ("server_name", "numerics"),
-    [("plugin_ct_w4a4", "w4a4"), ("plugin_modelopt_w4a16", "w4a16"), ("plugin_ct_w4a4_compiled", "w4a4")],
+    [("plugin_ct_w4a4", "w4a4"), ("plugin_modelopt_w4a16", "w4a16"), ("plugin_ct_nokv_compiled", "w4a4")],
 )
 def test_doctor_reads_the_plugin_servers_logs(request: pytest.FixtureRequest, server_name: str, numerics: str) -> None:
     server: VllmServer = request.getfixturevalue(server_name)
