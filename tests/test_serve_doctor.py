@@ -194,6 +194,18 @@ def test_a_log_cut_at_readiness_or_still_starting_is_not_a_failure() -> None:
     assert not [f for f in diagnose(text[:40]).findings if f.severity == "error"]
 
 
+def test_a_process_that_exited_before_ready_is_a_failure_even_without_a_traceback() -> None:
+    """serve up sees the process exit; a SIGKILLed server (out of memory) leaves no exception."""
+    text = (LOGS / "cpu-plugin-ct-w4a4.log").read_text().splitlines()
+    ready = next(i for i, line in enumerate(text) if "Application startup complete" in line)
+    doctor = LogDoctor()
+    for line in text[: ready - 5]:
+        doctor.feed(line)
+    assert not [f for f in doctor.diagnosis().findings if f.severity == "error"]
+    (failure,) = [f for f in doctor.diagnosis(process_exited=True).findings if f.severity == "error"]
+    assert failure.id == FAILED[1] and "exited with no exception" in failure.message
+
+
 def test_the_laguna_router_failure_says_start_up() -> None:
     finding = next(f for f in diagnose_file("cpu-stock-laguna-moe-compiled.log").findings if f.id == "cpu-router-softmax-only")
     assert "at start-up" in finding.message and "--enforce-eager" in finding.message

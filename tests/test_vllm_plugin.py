@@ -356,3 +356,5 @@ def test_router_bias_loading_does_not_depend_on_the_platform(vllm_venv: Path) ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-2:] == ["True", "False"]
     assert "router-bias loading fixed" in proc.stdout + proc.stderr
+    gpu_line = [f for f in diagnose(iter_lines(proc.stdout + proc.stderr)).findings if f.id == "fp4forge-plugin-gpu"]
+    assert gpu_line and "loads mlp.experts.e_score_correction_bias" in gpu_line[0].message

@@ -104,6 +104,7 @@ class Lifecycle:
     died_id: str
     died_message: str
     unknown_fix: str
+    exited_message: str
     engine_config: tuple[re.Pattern[str], ...]  # named groups: model, quantization, kv_cache_dtype
     kv_id: str
 
@@ -171,6 +172,7 @@ def load_lifecycle() -> Lifecycle:
         died_id=life["died_id"],
         died_message=life["died_message"],
         unknown_fix=life["unknown_fix"],
+        exited_message=life["exited_message"],
         engine_config=engine_config,
         kv_id=context["kv_id"],
     )
@@ -318,12 +320,12 @@ class LogDoctor:
         wrappers = self._life.wrappers
         return next((e for e in candidates if not any(w.search(e.text) for w in wrappers)), candidates[0])
 
-    def _life_finding(self, pattern_findings: list[Finding]) -> Finding | None:
+    def _life_finding(self, pattern_findings: list[Finding], process_exited: bool = False) -> Finding | None:
         """The error for a server that never became ready or whose engine died, or None."""
         life = self._life
         if self.ready_line is None:
             root = self._root_exception(after_ready=False)
-            if root is None and self.failed_line is None:
+            if root is None and self.failed_line is None and not (process_exited and self.stop_line is None):
                 return None  # still starting, or stopped while starting: nothing says it failed
             finding_id, template = life.failed_id, life.failed_message
         elif self.died_line is not None:
@@ -332,7 +334,7 @@ class LogDoctor:
         else:
             return None
         line = root.line if root else self.failed_line or self.died_line or 1
-        quoted = root.text if root else (self.failed_text or "no exception in the log")
+        quoted = root.text if root else (self.failed_text or life.exited_message)
         specific = [f for f in pattern_findings if f.severity == "error" and f.fix]
         # a pattern that matched the root line (or, else, any failure pattern) knows the fix
         known = next((f for f in specific if f.line == line), specific[0] if specific else None)
@@ -363,10 +365,12 @@ class LogDoctor:
             return None
         return Finding(self._life.kv_id, verdict.severity, verdict.message, self.engine_line or 1, verdict.check, "")
 
-    def diagnosis(self) -> Diagnosis:
+    def diagnosis(self, *, process_exited: bool = False) -> Diagnosis:
+        """All findings, errors first. ``process_exited``: the caller saw the vLLM process exit
+        before it was ready (``serve up``), which the log alone cannot say (a SIGKILL leaves no line)."""
         order = {s: i for i, s in enumerate(SEVERITIES)}
         findings = list(self.findings)
-        for extra in (self._life_finding(findings), self._kv_finding()):
+        for extra in (self._life_finding(findings, process_exited), self._kv_finding()):
             if extra is not None:
                 findings.append(extra)
         findings = sorted(findings, key=lambda f: (order[f.severity], f.line))
