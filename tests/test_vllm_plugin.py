@@ -364,7 +364,10 @@ def test_router_bias_loading_does_not_depend_on_the_platform(vllm_venv: Path) ->
     code = (
         "import vllm.platforms as p\n"
         "p.current_platform.is_cpu = lambda: False\n"
+        "import logging, sys\n"
         "import fp4forge_vllm\n"
+        "plugin_logger = logging.getLogger(fp4forge_vllm.LOGGER_NAME)\n"  # the server's logging config is not set up here
+        "plugin_logger.addHandler(logging.StreamHandler(sys.stdout)); plugin_logger.setLevel(logging.INFO)\n"
         "fp4forge_vllm.register()\n"
         "from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts\n"
         "from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter\n"
