@@ -15,6 +15,10 @@ interpreter exit. Servers (all fp32, --enforce-eager, on tiny testbed models bui
   ``w4a16``, with vLLM's stock ``poolside_v1`` reasoning parser (the parser tests' "before"
   picture). Both layouts were measured to match their reference in both numerics
   (tests/test_vllm_plugin.py); this pairing keeps one ``w4a16`` server and four servers in all;
+* ``plugin_ct_nokv_compiled``: the compressed-tensors checkpoint of the same recipe without its FP8
+  KV cache (vLLM's CPU attention keeps an FP8 cache only on AVX-512/AMX machines), numerics
+  ``w4a4``, without ``--enforce-eager``: vLLM compiles the model with torch.compile, through the
+  plugin's expert op (fp4forge-vllm 0.1.0 failed here);
 * ``noplugin_ct``: the compressed-tensors checkpoint with the plugin switched off, which must fail.
 
 The parser servers use a chat template that thinks unless told not to (as Laguna-S-2.1's does) and
@@ -42,6 +46,17 @@ READY_TIMEOUT_S = 900.0
 CALIBRATION_SAMPLES = 8
 CALIBRATION_SEQ_LEN = 128
 RECIPE = "nvfp4-experts-fp8-attn"
+# The same recipe without its [kv_cache] table: a BF16 KV cache.
+RECIPE_WITHOUT_KV = """name = "nvfp4-experts-fp8-attn-bf16-kv"
+description = "nvfp4-experts-fp8-attn with a BF16 KV cache"
+[[rules]]
+components = ["routed_experts"]
+scheme = "nvfp4"
+[[rules]]
+components = ["attention", "shared_expert"]
+scheme = "fp8"
+ignore = ['re:.*\\.self_attn\\.g_proj$']
+"""
 
 TESTBED_THINKING_LINE = (
     "{%- set thinking_on = (enable_thinking is defined and enable_thinking) "
@@ -79,13 +94,13 @@ def calibrate(src: Path, out: Path) -> Path:
     return write_stats(out, result.tensors, result.metadata)
 
 
-def quantize(src: Path, stats: Path, out: Path, layout: str) -> Path:
+def quantize(src: Path, stats: Path, out: Path, layout: str, recipe: str = RECIPE) -> Path:
     """fp4forge quantize --stats: calibrated input scales and calibrated FP8 KV scales."""
     from fp4forge.quantize.act_scales import parse_act_scales
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
     from fp4forge.quantize.recipe import load_recipe
 
-    options = QuantizeOptions(recipe=load_recipe(RECIPE), layout_format=layout, act_amax=parse_act_scales(None, stats))
+    options = QuantizeOptions(recipe=load_recipe(recipe), layout_format=layout, act_amax=parse_act_scales(None, stats))
     quantize_checkpoint(src, out, options)
     return out
 
@@ -109,8 +124,15 @@ class Models:
             "stats": lambda: calibrate(self.get("bf16_moe"), root / "tiny-laguna-stats.safetensors"),
             "ct": lambda: quantize(self.get("bf16_moe"), self.get("stats"), root / "tiny-laguna-ct", "compressed-tensors"),
             "modelopt": lambda: quantize(self.get("bf16_moe"), self.get("stats"), root / "tiny-laguna-modelopt", "modelopt"),
+            "ct_nokv": lambda: quantize(self.get("bf16_moe"), self.get("stats"), root / "tiny-laguna-ct-nokv",
+                                        "compressed-tensors", str(self._recipe_without_kv())),
             "thinking_template": lambda: thinking_template(self.get("bf16_moe"), root / "thinking-on.jinja"),
         }
+
+    def _recipe_without_kv(self) -> Path:
+        path = self.root / "recipe-without-kv.toml"
+        path.write_text(RECIPE_WITHOUT_KV)
+        return path
 
     def get(self, name: str) -> Path:
         if name not in self._built:
@@ -125,6 +147,7 @@ class ServerSpec:
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     chat_template: bool = False
+    eager: bool = True  # False: no --enforce-eager, vLLM's default torch.compile start-up
 
 
 SERVER_SPECS: dict[str, ServerSpec] = {
@@ -132,6 +155,7 @@ SERVER_SPECS: dict[str, ServerSpec] = {
     # The same model computed in bfloat16 (the later --dtype wins over VLLM_COMMON_ARGS').
     "plugin_bf16_moe_bf16": ServerSpec("bf16_moe", ("--dtype", "bfloat16")),
     "plugin_ct_w4a4": ServerSpec("ct", env={"FP4FORGE_VLLM_NUMERICS": "w4a4"}),
+    "plugin_ct_nokv_compiled": ServerSpec("ct_nokv", env={"FP4FORGE_VLLM_NUMERICS": "w4a4"}, eager=False),
     "plugin_modelopt_w4a16": ServerSpec(
         "modelopt", (*PARSER_COMMON, *STOCK_PARSER), env={"FP4FORGE_VLLM_NUMERICS": "w4a16"}, chat_template=True
     ),
@@ -149,7 +173,7 @@ class Registry:
     def launch(self, name: str) -> VllmServer:
         if name not in self.servers:
             spec = SERVER_SPECS[name]
-            args = list(VLLM_COMMON_ARGS) + list(spec.args)
+            args = [a for a in VLLM_COMMON_ARGS if spec.eager or a != "--enforce-eager"] + list(spec.args)
             if spec.chat_template:
                 args += ["--chat-template", str(self.models.get("thinking_template"))]
             self.servers[name] = launch_vllm(

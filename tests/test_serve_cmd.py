@@ -83,7 +83,10 @@ def check_snapshot(name: str, text: str) -> None:
 
 # -- what the checkpoint is ----------------------------------------------------------------------
 def test_facts_of_fp4forge_checkpoints(checkpoints: dict[str, Path], w4a4_facts: CheckpointFacts) -> None:
-    assert w4a4_facts == CheckpointFacts("LagunaForCausalLM", "compressed-tensors", ("nvfp4",), ("fp8",), "fp8", 8, 4)
+    # 3 MoE layers, each with its mlp.experts.e_score_correction_bias (the testbed's non-zero router bias)
+    assert w4a4_facts == CheckpointFacts(
+        "LagunaForCausalLM", "compressed-tensors", ("nvfp4",), ("fp8",), "fp8", 8, 4, {"laguna-router-bias-dropped": 3}
+    )
     w4a16 = read_checkpoint_facts(str(checkpoints["w4a16"]))
     assert (w4a16.expert_schemes, w4a16.linear_schemes, w4a16.kv_declared) == (("nvfp4a16",), (), None)
     bf16 = read_checkpoint_facts(str(checkpoints["bf16"]))
@@ -149,6 +152,8 @@ def test_w4a16_checkpoint_is_marlin_on_blackwell(checkpoints: dict[str, Path]) -
 def test_cpu_uses_the_plugin(w4a4_facts: CheckpointFacts) -> None:
     rec = recommend(MODEL_LABEL, w4a4_facts, "cpu", VLLM)
     assert rec.env["FP4FORGE_VLLM_NUMERICS"] == "w4a4"
+    # the CPU server reproduces the recommended GB10 backend (FLASHINFER_CUTLASS: one global-max input scale)
+    assert rec.env["FP4FORGE_VLLM_MOE_INPUT_SCALE"] == "global"
     assert any("fp4forge-vllm" in note["why"] for note in rec.notes)
     assert "--enforce-eager" in flags(rec)
 
@@ -195,3 +200,105 @@ def test_cli_json(checkpoints: dict[str, Path]) -> None:
     assert {"vllm_version", "hardware", "model", "checkpoint", "env", "argv", "command", "notes", "warnings"} <= set(doc)
     assert doc["argv"][:3] == ["vllm", "serve", str(checkpoints["w4a4"])]
     assert doc["warnings"]
+
+
+# -- one MoE numerics setting: backend -> serve line -> plugin -> fidelity ---------------------------
+def test_target_numerics_come_from_the_backend_table() -> None:
+    from fp4forge.serve.recommend import knowledge, target_numerics
+
+    backends = knowledge()["moe_backends"]
+    for hardware in ("gb10", "b200"):
+        numerics = target_numerics(hardware)
+        assert numerics.moe_backend == knowledge()["hardware"][hardware]["moe_backend"]
+        assert (numerics.activations, numerics.moe_input_scale) == ("w4a4", backends[numerics.moe_backend]["moe_input_scale"])
+    assert target_numerics("gb10").moe_input_scale == "global"  # FLASHINFER_CUTLASS
+    assert backends["cutlass"]["moe_input_scale"] == "per_expert"  # vLLM's own CUTLASS
+    for hardware in ("h100", "h200"):  # HUMMING/MARLIN drop the activation scales
+        assert (target_numerics(hardware).activations, target_numerics(hardware).moe_input_scale) == ("w4a16", "none")
+    assert target_numerics("gb10", weight_only=True).activations == "w4a16"
+    cpu = target_numerics("cpu")
+    assert cpu == target_numerics("gb10")
+    assert cpu.plugin_env() == {"FP4FORGE_VLLM_NUMERICS": "w4a4", "FP4FORGE_VLLM_MOE_INPUT_SCALE": "global"}
+    assert cpu.fidelity_options() == {"numerics": "w4a4", "moe_input_scale": "global-max"}
+
+
+def test_plugin_switch_values_are_the_plugins() -> None:
+    """The env values serve cmd writes are values the plugin's settings accept."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "plugins" / "fp4forge-vllm" / "src"))
+    try:
+        from fp4forge_vllm.settings import ENV_MOE_INPUT_SCALE, ENV_NUMERICS, MoeInputScale, Numerics
+    finally:
+        sys.path.pop(0)
+    from fp4forge.serve.recommend import PLUGIN_MOE_INPUT_SCALE_ENV, PLUGIN_NUMERICS_ENV, knowledge
+
+    assert (PLUGIN_NUMERICS_ENV, PLUGIN_MOE_INPUT_SCALE_ENV) == (ENV_NUMERICS, ENV_MOE_INPUT_SCALE)
+    for entry in knowledge()["moe_backends"].values():
+        Numerics(entry["activations"])
+        if entry["moe_input_scale"] != "none":
+            MoeInputScale(entry["moe_input_scale"])
+
+
+def test_the_serve_line_names_its_numerics(w4a4_facts: CheckpointFacts, checkpoints: dict[str, Path]) -> None:
+    for hardware in HARDWARE:
+        rec = recommend(MODEL_LABEL, w4a4_facts, hardware, VLLM)
+        assert rec.to_json()["numerics"]["moe_input_scale"] in {"global", "per_expert", "none"}
+        assert "# MoE numerics: " in rec.render()
+    bf16 = recommend(MODEL_LABEL, read_checkpoint_facts(str(checkpoints["bf16"])), "gb10", VLLM)
+    assert bf16.to_json()["numerics"] is None
+
+
+# -- lines that would serve the checkpoint wrong ---------------------------------------------------
+GPU_TARGETS = ("gb10", "b200", "h100", "h200")
+
+
+@pytest.mark.parametrize("hardware", GPU_TARGETS)
+def test_router_bias_warning_on_every_gpu_target_where_the_plugin_does_not_fix_it(
+    checkpoints: dict[str, Path], w4a4_facts: CheckpointFacts, hardware: str
+) -> None:
+    """vLLM <= 0.32's Laguna loader drops mlp.experts.e_score_correction_bias on every platform; the
+    plugin (0.2.0) loads it on vLLM 0.32.0 only. Every other line must warn, in text and --json."""
+    for facts in (w4a4_facts, read_checkpoint_facts(str(checkpoints["bf16"]))):
+        assert facts.engine_quirks == {"laguna-router-bias-dropped": 3}
+        unfixed = recommend(MODEL_LABEL, facts, hardware, "0.25.1")
+        (warning,) = [w for w in unfixed.warnings if "laguna-router-bias-dropped" in w]
+        assert "e_score_correction_bias" in warning and "only on vLLM 0.32.0" in warning
+        assert f"# WARNING: {warning}" in unfixed.render()
+        fixed = recommend(MODEL_LABEL, facts, hardware, VLLM)
+        assert not [w for w in fixed.warnings if "router" in w]
+        (note,) = [n for n in fixed.notes if n["flag"] == "(fp4forge-vllm plugin, required)"]
+        assert "e_score_correction_bias" in note["why"]
+        assert "fp4forge_vllm.reasoning" in fixed.command()  # the plugin package is on the line
+
+
+def test_router_bias_warning_in_json(checkpoints: dict[str, Path]) -> None:
+    app = typer.Typer()
+
+    @app.callback()
+    def main() -> None:
+        """fp4forge (test harness)"""
+
+    cli_serve.register(app)
+    for hardware in GPU_TARGETS:
+        result = CliRunner().invoke(app, ["serve", "cmd", str(checkpoints["bf16"]), "--hardware", hardware, "--vllm-version", "0.25.1", "--json"])
+        assert result.exit_code == 0, result.output
+        assert any("e_score_correction_bias" in w for w in json.loads(result.stdout)["warnings"])
+
+
+def test_no_router_bias_warning_without_the_bias(tmp_path: Path, checkpoints: dict[str, Path]) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = shutil.copytree(checkpoints["bf16"], tmp_path / "no-bias")
+    for shard in out.glob("*.safetensors"):
+        tensors = load_file(shard)
+        save_file({k: v for k, v in tensors.items() if not k.endswith("e_score_correction_bias")}, shard, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if not k.endswith("e_score_correction_bias")}
+    index.write_text(json.dumps(doc))
+    facts = read_checkpoint_facts(str(out))
+    assert facts.engine_quirks == {}
+    assert not [w for w in recommend(MODEL_LABEL, facts, "gb10", "0.25.1").warnings if "router" in w]

@@ -1,7 +1,7 @@
 """`fp4forge serve ...`, added to the main Typer app by ``register(app)``.
 
     fp4forge serve cmd MODEL [--hardware gb10|b200|h100|h200|cpu] [--vllm-version 0.32.0] [--json]
-    fp4forge serve doctor LOGFILE|- [--vllm-version V] [--json]
+    fp4forge serve doctor LOGFILE|- [--vllm-version V] [--checkpoint CKPT] [--json]
     fp4forge serve up MODEL [--name N] [--port P] [--venv DIR] [--hardware cpu] [--timeout S] [--json] [-- EXTRA...]
     fp4forge serve down [NAME...] [--all] [--json]
 
@@ -63,16 +63,25 @@ def cmd_command(
 def doctor_command(
     logfile: str = typer.Argument(..., metavar="LOGFILE|-", help="A vLLM startup log, or - for stdin."),
     vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Override the version read from the log."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="The served checkpoint (default: the log's model path, when it is a local directory): lets the doctor tell whether the FP8 KV cache runs at scale 1.0."),
     as_json: bool = typer.Option(False, "--json", help='{"vllm_version", "findings": [{"id","severity","message","line",...}]}'),
 ) -> None:
-    """Explain a vLLM startup log: backends and their numerics, KV scales, parser, load failures."""
+    """Explain a vLLM startup log: whether the server came up (a failed start or a dead engine is an
+    error, exit 1), backends and their numerics, KV scales, parser, load failures."""
     from fp4forge.serve.doctor import diagnose, iter_lines
 
     try:
-        text = sys.stdin.read() if logfile == "-" else Path(logfile).read_text(encoding="utf-8", errors="replace")
+        if logfile == "-":
+            text = sys.stdin.read()
+        else:  # newline="": a progress bar's "\r" is not a line break, so line numbers match the file's
+            with open(logfile, encoding="utf-8", errors="replace", newline="") as handle:
+                text = handle.read()
     except OSError as error:
         raise _fail(error, as_json) from None
-    diagnosis = diagnose(iter_lines(text), vllm_version=vllm_version)
+    try:
+        diagnosis = diagnose(iter_lines(text), vllm_version=vllm_version, checkpoint=checkpoint)
+    except Fp4forgeError as error:
+        raise _fail(error, as_json) from None
     if as_json:
         _emit(diagnosis.to_json())
     else:

@@ -238,6 +238,10 @@ def serve_section(ctx: CardContext) -> list[str]:
     else:
         lines += [f"For **{rec['hardware']}** with vLLM {rec['vllm_version']} (`fp4forge serve cmd --hardware {rec['hardware']}`):", "",
                   "```bash", rec["command"].rstrip(), "```", ""]
+        numerics = rec.get("numerics")
+        if numerics:
+            lines += [f"MoE numerics of this line: **{numerics['activations'].upper()}**, MoE input scale "
+                      f"**{numerics['moe_input_scale']}** ({numerics['moe_backend'].upper()} on {numerics['target']}).", ""]
         lines += [f"- `{n['flag']}`: {n['why']}" for n in rec["notes"]]
         lines += [f"- **warning**: {w}" for w in rec["warnings"]]
     served = ctx.art.json("serve.json")

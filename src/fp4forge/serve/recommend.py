@@ -5,6 +5,11 @@ schemes of experts and linears, KV declaration and shipped scales, architecture)
 known about a vLLM version and a piece of hardware (``serve_knowledge.toml``). The output is the
 command plus one comment per non-obvious choice, and warnings where no flag can make the
 checkpoint's numerics come out as intended.
+
+Two answers other parts of fp4forge ask for, so that they hold one rule with the serve line:
+:func:`target_numerics` (how the target's MoE backend computes NVFP4 experts: what fidelity and the
+CPU plugin must reproduce) and :func:`kv_cache_verdict` (whether an FP8 KV cache runs at scale 1.0;
+the log doctor uses it too).
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class CheckpointFacts:
     kv_declared: str | None  # "fp8" | "nvfp4" | None
     kv_scales_shipped: int  # k_scale + v_scale tensors present
     attention_layers: int
+    # serving-engine quirks (fp4forge.audit's serving_quirks.toml) whose architecture, config and
+    # tensor names this checkpoint matches -> how many tensors they hit; versions checked later
+    engine_quirks: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_scales_expected(self) -> int:
@@ -68,6 +76,14 @@ def read_checkpoint_facts(location: str) -> CheckpointFacts:
             target = expert_schemes if layout.component_of(module) == EXPERT_COMPONENT else linear_schemes
             target.add(group.scheme)
     architectures = config.get("architectures") or [None]
+    quirks: dict[str, int] = {}
+    for quirk in _vllm_quirks():
+        if set(config.get("architectures") or []) & set(quirk.architectures) and all(
+            config.get(key) == value for key, value in quirk.when_config.items()
+        ):
+            hits = sum(1 for n in names if quirk.tensors.fullmatch(n))
+            if hits:
+                quirks[quirk.id] = hits
     return CheckpointFacts(
         architecture=architectures[0],
         quant_format=None if decl is None else decl.format,
@@ -76,7 +92,15 @@ def read_checkpoint_facts(location: str) -> CheckpointFacts:
         kv_declared=None if decl is None or decl.kv is None else decl.kv.algo,
         kv_scales_shipped=sum(n.endswith(KV_SCALE_SUFFIXES) for n in names),
         attention_layers=int(config.get("num_hidden_layers") or 0),
+        engine_quirks=quirks,
     )
+
+
+def _vllm_quirks() -> tuple[Any, ...]:
+    """vLLM's known loader blind spots: the audit's table (one home for them)."""
+    from fp4forge.audit.checks_names import serving_quirks
+
+    return tuple(q for q in serving_quirks() if q.engine == "vllm")
 
 
 # -- knowledge -----------------------------------------------------------------------------------
@@ -109,6 +133,94 @@ def _spell(template: list[str], backend: str) -> list[str]:
     return [part.replace("<backend>", backend.lower()).replace("<BACKEND>", backend.upper()) for part in template]
 
 
+# -- numerics of a target ------------------------------------------------------------------------
+PLUGIN_NUMERICS_ENV = "FP4FORGE_VLLM_NUMERICS"
+PLUGIN_MOE_INPUT_SCALE_ENV = "FP4FORGE_VLLM_MOE_INPUT_SCALE"
+# fidelity's spelling of the same choice (FidelityOptions.moe_input_scale)
+FIDELITY_MOE_INPUT_SCALES = {"global": "global-max", "per_expert": "per-expert"}
+
+
+@dataclass(frozen=True)
+class MoeNumerics:
+    """How a deployment target computes NVFP4 routed experts."""
+
+    target: str  # the hardware whose deployment this is (cpu resolves to the one it emulates)
+    moe_backend: str  # lower-case vLLM backend name
+    activations: str  # "w4a4" | "w4a16"
+    moe_input_scale: str  # "global" | "per_expert" | "none" (activations not quantised)
+
+    def plugin_env(self) -> dict[str, str]:
+        """The fp4forge-vllm switches that make a CPU server compute these numerics."""
+        env = {PLUGIN_NUMERICS_ENV: self.activations}
+        if self.moe_input_scale != "none":
+            env[PLUGIN_MOE_INPUT_SCALE_ENV] = self.moe_input_scale
+        return env
+
+    def fidelity_options(self) -> dict[str, str]:
+        """``numerics`` and ``moe_input_scale`` keyword arguments for the fidelity evaluator."""
+        scale = FIDELITY_MOE_INPUT_SCALES.get(self.moe_input_scale, FIDELITY_MOE_INPUT_SCALES["global"])
+        return {"numerics": self.activations, "moe_input_scale": scale}
+
+    def describe(self) -> str:
+        scales = {"global": "one global-max input scale over all experts", "per_expert": "per-expert input scales",
+                  "none": "activation scales dropped"}[self.moe_input_scale]
+        return f"{self.activations.upper()}, {scales} ({self.moe_backend.upper()} on {self.target})"
+
+    def to_json(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def target_numerics(hardware: str, *, weight_only: bool = False) -> MoeNumerics:
+    """The MoE numerics that ``serve cmd --hardware HARDWARE`` serves: the recommended backend's
+    (or, where fp4forge passes no backend flag, vLLM's auto choice) activation quantisation and
+    MoE input-scale reduction, from ``serve_knowledge.toml``. ``cpu`` answers for the target it
+    emulates. ``weight_only``: an NVFP4 W4A16 checkpoint (no activation scales at all)."""
+    hw = hardware_entry(hardware)
+    target = hardware
+    if hw["w4a4"] == "plugin":
+        target = hw["emulates"]
+        hw = hardware_entry(target)
+    if hw["w4a4"] == "fused":
+        backend = hw["w4a16_moe_backend"] if weight_only else hw["moe_backend"]
+    else:
+        backend = hw["auto_moe_backend"]
+    entry = knowledge()["moe_backends"][backend]
+    activations = "w4a16" if weight_only else entry["activations"]
+    scale = "none" if activations == "w4a16" else entry["moe_input_scale"]
+    return MoeNumerics(target, backend, activations, scale)
+
+
+# -- the FP8 KV cache -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KvVerdict:
+    severity: str  # "warning" (scale 1.0 inferred) | "info" (cannot tell)
+    message: str
+    check: str  # the command that shows the checkpoint's k/v scales
+
+
+def kv_cache_verdict(
+    facts: CheckpointFacts | None, kv_cache_dtype: str = "auto", *, quantization: str | None = None, model: str | None = None
+) -> KvVerdict | None:
+    """Whether an FP8 KV cache runs at scale 1.0, from the checkpoint (``facts``) and the KV cache
+    dtype asked of vLLM; None when there is nothing to say. Without the checkpoint: an info when
+    the cache may be FP8 (an fp8 dtype, or a quantized checkpoint whose declaration may ask for it)."""
+    table = knowledge()["kv"]
+    check = table["check"].format(model=model or "MODEL")
+    explicit_fp8 = kv_cache_dtype.startswith("fp8")
+    if facts is None:
+        if explicit_fp8 or quantization not in (None, "None"):
+            return KvVerdict("info", table["unverified"].format(dtype=kv_cache_dtype if explicit_fp8 else "fp8"), check)
+        return None
+    if facts.kv_declared is None:
+        if explicit_fp8:
+            return KvVerdict("warning", table["undeclared_fp8"].format(dtype=kv_cache_dtype), check)
+        return None
+    if facts.kv_declared == "fp8" and facts.kv_scales_shipped < facts.kv_scales_expected:
+        message = table["declared_missing"].format(shipped=facts.kv_scales_shipped, expected=facts.kv_scales_expected)
+        return KvVerdict("warning", message, check)
+    return None
+
+
 # -- the recommendation ---------------------------------------------------------------------------
 @dataclass
 class Recommendation:
@@ -121,6 +233,7 @@ class Recommendation:
     args: list[list[str]] = field(default_factory=list)  # one flag (with its value) per entry
     notes: list[dict[str, str]] = field(default_factory=list)  # {"flag", "why"}
     warnings: list[str] = field(default_factory=list)
+    numerics: MoeNumerics | None = None  # the MoE numerics this line serves (None: no NVFP4 experts)
 
     def add(self, flag: list[str], why: str) -> None:
         self.args.append(flag)
@@ -142,6 +255,8 @@ class Recommendation:
             f"# fp4forge serve cmd: vLLM {self.vllm_version} ({self.vllm_label}), {knowledge()['hardware'][self.hardware]['name']}",
             f"# checkpoint: {describe(facts)}",
         ]
+        if self.numerics is not None:
+            header.append(f"# MoE numerics: {self.numerics.describe()}")
         header += [f"# WARNING: {w}" for w in self.warnings]
         header += [f"# {note['flag']}: {note['why']}" for note in self.notes]
         return "\n".join([*header, self.command()]) + "\n"
@@ -157,6 +272,7 @@ class Recommendation:
             "command": self.command(),
             "notes": self.notes,
             "warnings": self.warnings,
+            "numerics": None if self.numerics is None else self.numerics.to_json(),
         }
 
 
@@ -203,6 +319,14 @@ def _moe_choice(rec: Recommendation, ver: dict[str, Any], hw: dict[str, Any]) ->
             f"true W4A4 numerics instead (slow): {' '.join(hw['emulation'])}."
         )
     elif mode == "plugin":
+        numerics = target_numerics(rec.hardware, weight_only=not w4a4)
+        rec.env.update(numerics.plugin_env())
+        rec.notes.append({
+            "flag": " ".join(f"{k}={v}" for k, v in numerics.plugin_env().items()),
+            "why": f"the plugin reproduces {numerics.target}'s {numerics.moe_backend.upper()} MoE numerics: "
+            f"{numerics.describe()}. w4a4 fake-quantises activations per 16 with the checkpoint's input scales "
+            "(w4a16 = what MARLIN/HUMMING compute). Fidelity measured with the same setting is comparable with this server.",
+        })
         rec.notes.append({
             "flag": "(fp4forge-vllm plugin)",
             "why": "vLLM's CPU build has no NVFP4 kernel: the plugin (pip install --no-deps --no-build-isolation "
@@ -211,6 +335,30 @@ def _moe_choice(rec: Recommendation, ver: dict[str, Any], hw: dict[str, Any]) ->
         })
         if not ver["plugin_tested"]:
             rec.warnings.append(f"fp4forge-vllm is tested with vLLM 0.32 only; this is {rec.vllm_version}.")
+
+
+def _engine_quirks(rec: Recommendation) -> None:
+    """Warn where this vLLM version serves the checkpoint wrong, unless the plugin fixes it there."""
+    from fp4forge.audit.checks_names import version_matches
+
+    if not rec.checkpoint.engine_quirks:
+        return
+    version = tuple(int(x) for x in Version(rec.vllm_version).release)
+    plugin = knowledge()["plugin"]
+    plugin_runs = SpecifierSet(plugin["vllm"]).contains(Version(rec.vllm_version), prereleases=True)
+    quirks = {q.id: q for q in _vllm_quirks()}
+    for quirk_id, hits in sorted(rec.checkpoint.engine_quirks.items()):
+        quirk = quirks.get(quirk_id)
+        if quirk is None or not version_matches(version, quirk.affects):
+            continue
+        if plugin_runs and quirk_id in plugin["fixes"]:
+            rec.notes.append({"flag": "(fp4forge-vllm plugin, required)", "why": plugin["fixes_why"][quirk_id]})
+        else:
+            fixed_by = f" fp4forge-vllm fixes it only on vLLM {plugin['vllm'].lstrip('=')}." if quirk_id in plugin["fixes"] else ""
+            rec.warnings.append(
+                f"vLLM {rec.vllm_version} serves this checkpoint wrong ({quirk_id}, {hits} tensors): {quirk.effect}. "
+                f"Workaround: {quirk.workaround}.{fixed_by}"
+            )
 
 
 def _kv_choice(rec: Recommendation) -> None:
@@ -225,11 +373,9 @@ def _kv_choice(rec: Recommendation) -> None:
         )
     else:
         rec.add(["--kv-cache-dtype", "auto"], "`auto` cannot remove the checkpoint's FP8 KV declaration, nor invent its missing scales.")
-        rec.warnings.append(
-            f"FP8 KV is declared but only {facts.kv_scales_shipped}/{facts.kv_scales_expected} k/v scales ship: the cache "
-            "runs at scale 1.0 ('Using KV cache scaling factor 1.0' on ModelOpt; silent on compressed-tensors). Calibrate "
-            "the KV scales, or drop the declaration from the config for a BF16 cache."
-        )
+    verdict = kv_cache_verdict(facts, "auto", model=rec.model)
+    if verdict is not None and verdict.severity == "warning":
+        rec.warnings.append(f"{verdict.message} Check: {verdict.check}")
 
 
 def _attention_choice(rec: Recommendation, ver: dict[str, Any], hw: dict[str, Any]) -> None:
@@ -275,6 +421,9 @@ def recommend(model: str, facts: CheckpointFacts, hardware: str, vllm_version: s
     if rec.env and hw.get("env_why"):
         rec.notes.append({"flag": " ".join(f"{k}={v}" for k, v in rec.env.items()), "why": hw["env_why"]})
     _moe_choice(rec, ver, hw)
+    if rec.checkpoint.expert_schemes and set(rec.checkpoint.expert_schemes) & {"nvfp4", "nvfp4a16"}:
+        rec.numerics = target_numerics(hardware, weight_only="nvfp4" not in rec.checkpoint.expert_schemes)
+    _engine_quirks(rec)
     _kv_choice(rec)
     _attention_choice(rec, ver, hw)
     _parsers(rec, ver)

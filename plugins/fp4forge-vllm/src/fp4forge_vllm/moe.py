@@ -8,12 +8,18 @@ post-load processing and the expert computation.
 
 The subclass names keep "Compressed" / "ModelOpt": ``RoutedExperts.weight_loader`` branches on
 those substrings of the method's class name.
+
+The expert loop visits only the experts the batch routes to (``torch.unique(topk_ids)``): a
+data-dependent loop that torch.compile cannot trace (``GuardOnDataDependentSymNode``). It is
+therefore one opaque custom op, ``fp4forge::nvfp4_experts``, with a fake implementation for
+tracing, so ``vllm serve`` works with and without ``--enforce-eager``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +85,36 @@ def _refuse_unsupported(moe, where: str) -> None:  # type: ignore[no-untyped-def
     refused = [reason for reason, hit in reasons.items() if hit]
     if refused:
         raise NotImplementedError(f"fp4forge-vllm {where}: cannot serve {', '.join(refused)}")
+
+
+@torch.library.custom_op("fp4forge::nvfp4_experts", mutates_args=())
+def nvfp4_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_act_global_scale: Optional[torch.Tensor],
+    w2_act_global_scale: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The routed experts of one MoE layer on dequantised weights; each GEMM input fake-quantised
+    to NVFP4 with that expert's CT-convention global scale (2688/amax) when one is given."""
+    scales = {"w13": w13_act_global_scale, "w2": w2_act_global_scale}
+
+    def fake_quant(h: torch.Tensor, expert: int, gemm: str) -> torch.Tensor:
+        scale = scales[gemm]
+        if scale is None:
+            return h
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
+
+        return ref_nvfp4_quant_dequant(h, scale[expert : expert + 1], NVFP4_BLOCK)
+
+    return experts_forward(x, w13, w2, topk_weights, topk_ids, fake_quant)
+
+
+@nvfp4_experts.register_fake
+def _nvfp4_experts_fake(x, w13, w2, topk_weights, topk_ids, w13_act_global_scale, w2_act_global_scale):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x)
 
 
 def experts_forward(
@@ -181,16 +217,10 @@ class DequantExpertsMixin:
         # Shared experts (if any) were already run by the runner: moe_kernel is None here.
         if layer.apply_router_weight_on_input:
             raise NotImplementedError("fp4forge-vllm: apply_router_weight_on_input is not supported")
-        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
-
-        scales = layer.fp4forge_act_global_scales
-
-        def fake_quant(h: torch.Tensor, expert: int, gemm: str) -> torch.Tensor:
-            if scales is None:
-                return h
-            return ref_nvfp4_quant_dequant(h, scales[gemm][expert : expert + 1], NVFP4_BLOCK)
-
-        return experts_forward(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, fake_quant)
+        scales = layer.fp4forge_act_global_scales or {}
+        return nvfp4_experts(
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, scales.get("w13"), scales.get("w2")
+        )
 
 
 def make_method_classes(numerics: Numerics, moe_input_scale: MoeInputScale) -> dict[str, type]:

@@ -1,6 +1,7 @@
 """Sigmoid + correction-bias MoE routing on vLLM's CPU platform, and loading that bias.
 
-Two defects of vLLM 0.32 that stop Laguna's MoE from serving correctly on CPU:
+Two defects of vLLM 0.32 that stop Laguna's MoE from serving correctly (the first on CPU only,
+the second, a loader defect, on every platform):
 
 * ``CPURouter._compute_routing`` handles plain top-k only for softmax
   (``assert self.scoring_func == "softmax"``), so the first request to a sigmoid-routed model
