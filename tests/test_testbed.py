@@ -284,7 +284,7 @@ def test_chat_with_tools_renders_poolside_format(tokenizer):
     ) in text
     assert '<tool_response>{"temp_c": 21}</tool_response>\n' in text
     assert "<assistant></think>21 C and sunny.</assistant>\n" in text
-    assert text.endswith("<user>Thanks!</user>\n<assistant></think>")
+    assert text.endswith("<user>Thanks!</user>\n<assistant><think>")  # thinking on by default, as Laguna's template
 
     calls = VLLM_TOOL_CALL.findall(text)
     assert len(calls) == 1
@@ -302,12 +302,19 @@ def test_chat_with_tools_renders_poolside_format(tokenizer):
         assert vocab[token] in ids, token
 
 
-@pytest.mark.parametrize("kwargs", [{"enable_thinking": True}, {"thinking": True}])
-def test_thinking_generation_prompt(tokenizer, kwargs):
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": True}, {"thinking": True}, {"enable_thinking": None}])
+def test_thinking_is_on_by_default(tokenizer, kwargs):
+    """Laguna's template thinks unless told not to: the prompt opens a <think> block for the model."""
     messages = [{"role": "user", "content": "Hi"}]
     on = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    off = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert on == "〈|EOS|〉<system></system>\n<user>Hi</user>\n<assistant><think>"
+    assert on == "〈|EOS|〉<user>Hi</user>\n<assistant><think>"
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_thinking": False}, {"thinking": False}, {"enable_thinking": True, "thinking": False}])
+def test_thinking_off_when_a_key_is_false(tokenizer, kwargs):
+    """Either key false turns thinking off, the rule poolside_v1_fixed's thinking_requested applies."""
+    messages = [{"role": "user", "content": "Hi"}]
+    off = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     assert off == "〈|EOS|〉<user>Hi</user>\n<assistant></think>"
 
 
