@@ -184,6 +184,15 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
+def _register_testbed_subcommands() -> None:
+    from fp4forge import cli_trained
+
+    cli_trained.register(testbed_app)
+
+
+_register_testbed_subcommands()
+
+
 def main() -> None:
     try:
         # With standalone_mode=False, typer turns Ctrl-C into a returned 130 and click returns
