@@ -41,11 +41,15 @@ def generated():  # type: ignore[no-untyped-def]
 
 
 # -- disjointness from the scored suite ------------------------------------------------------------
+FIELD_NAME = re.compile(r"^[a-z_]+$")  # structural keys (orders, customer_id, fixtures), not entity ids
+
+
 def _strings(value: Any) -> set[str]:
     if isinstance(value, str):
         return {value}
     if isinstance(value, dict):
-        return set().union(*(_strings(k) | _strings(v) for k, v in value.items())) if value else set()
+        keys = {k for k in value if isinstance(k, str) and not FIELD_NAME.match(k)}
+        return keys.union(*(_strings(v) for v in value.values())) if value else set()
     if isinstance(value, (list, tuple)):
         return set().union(*(_strings(v) for v in value)) if value else set()
     return set()
@@ -81,6 +85,11 @@ def _scenario_entities(scenario: Any) -> set[str]:
     return {v.strip().casefold() for v in values if v.strip()} - {e.casefold() for e in _enum_values(scenario.tools)}
 
 
+# Not entities: order statuses the simulated shop's rules read (cancel_order accepts only placed or
+# processing orders), and the booking reference the simulated tool mints (BK-1001 for a first booking).
+SIMULATOR_VOCABULARY = {"placed", "processing", "delivered", "bk-1001"}
+
+
 def test_generated_entities_are_disjoint_from_the_scored_suite(generated) -> None:  # type: ignore[no-untyped-def]
     scored: set[str] = set()
     for scenario in load_suite().scenarios:
@@ -88,8 +97,7 @@ def test_generated_entities_are_disjoint_from_the_scored_suite(generated) -> Non
     ours: set[str] = set()
     for item in generated:
         ours |= _scenario_entities(item.scenario)
-    # The booking reference is minted by the simulated tool (BK-1001 for a first booking), not chosen.
-    shared = (ours & scored) - {"bk-1001"}
+    shared = (ours & scored) - SIMULATOR_VOCABULARY
     assert shared == set()
     # And no scored user message is reproduced word for word.
     scored_messages = {m["content"] for s in load_suite().scenarios for m in s.messages if m["role"] == "user"}

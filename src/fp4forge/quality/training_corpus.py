@@ -66,8 +66,8 @@ CITIES = (("Krakow", "KRK"), ("Bergen", "BGO"), ("Valencia", "VLC"), ("Bologna",
           ("Hamburg", "HAM"), ("Geneva", "GVA"), ("Dublin", "DUB"), ("Helsinki", "HEL"), ("Malaga", "AGP"),
           ("Naples", "NAP"))
 AIRLINES = ("LX", "SK", "KL", "IB", "LO", "AY", "EI", "TP")
-CONDITIONS = ("sunny", "overcast", "light rain", "snow showers", "fog", "windy", "thunderstorms", "drizzle")
-EVENT_TITLES = ("Standup", "Code review", "Vendor call", "Sprint planning", "Yoga class", "Parent meeting",
+CONDITIONS = ("clear skies", "overcast", "light rain", "snow showers", "fog", "windy", "thunderstorms", "drizzle")
+EVENT_TITLES = ("Daily huddle", "Code review", "Supplier call", "Sprint planning", "Yoga class", "Parent meeting",
                 "Car service", "Tax advisor", "Team retro", "Piano lesson")
 ROOMS = ("garage", "attic", "hallway", "study", "nursery", "basement", "guest room")
 TICKERS = ("QRVX", "LUMN", "TKRA", "ZEPH", "ORBL", "VANTX", "HELIO", "MRKS")
@@ -139,14 +139,14 @@ def stock_quote(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
     price = round(rng.uniform(5, 900), 2)
     raw = {
         "tools": _tools(rng, ["get_stock_quote"]),
-        "world": {"fixtures": {"get_stock_quote": [{"when": {"symbol": symbol}, "result": {"symbol": symbol, "price": price, "currency": "USD"}}]}},
+        "world": {"fixtures": {"get_stock_quote": [{"when": {"symbol": symbol}, "result": {"symbol": symbol, "price": price}}]}},
         "messages": _user(rng.choice((f"What does {symbol} trade at?", f"Get me a quote for {symbol}.", f"Price of {symbol} stock?"))),
         "steps": [{"expect": "call", "calls": [_call("get_stock_quote", symbol=symbol)]},
                   {"expect": "answer", "content": {"any_of": [str(price)]}}],
     }
     return raw, [
         StepScript(f"A stock price question. get_stock_quote with symbol {symbol}."),
-        StepScript("The quote came back.", lambda r: f"{symbol} is at {r[-1]['price']} {r[-1]['currency']}."),
+        StepScript("The quote came back.", lambda r: f"{symbol} is at {r[-1]['price']}."),
     ]
 
 
@@ -203,7 +203,7 @@ def book_cheapest_flight(rng: random.Random) -> tuple[dict[str, Any], list[StepS
     for airline in rng.sample(AIRLINES, 3):
         flights.append({"flight_id": f"{airline}-{rng.randint(1000, 9999)}", "origin": [origin_code, origin],
                         "destination": [destination_code, destination], "date": date,
-                        "depart": f"{rng.randint(6, 21):02d}:{rng.choice((0, 15, 30, 45)):02d}", "cabin": "economy",
+                        "depart": f"{rng.randint(6, 21):02d}:{rng.choice((5, 20, 35, 50)):02d}", "cabin": "economy",
                         "price_eur": rng.randint(60, 480)})
     cheapest = min(flights, key=lambda f: (f["price_eur"], f["flight_id"]))
     raw = {

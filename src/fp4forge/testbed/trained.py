@@ -270,8 +270,12 @@ def train_laguna(
         model_config = tiny_laguna_config(_padded(len(tokenizer), 64), tokenizer.bos_token_id, stop_ids, tokenizer.pad_token_id, dense=False)
         model = _init_model(LagunaForCausalLM, model_config, seed)
 
+        if progress is not None:
+            progress(0, config.steps, "tokenizing the corpus")
         train_windows = pack_windows(tokenize_documents(tokenizer, train_documents), config.seq_len)
         heldout_windows = pack_windows(tokenize_documents(tokenizer, heldout_documents), config.seq_len)[: config.eval_windows]
+        if progress is not None:
+            progress(0, config.steps, "scoring the untrained init")
         untrained_ppl = perplexity(model, heldout_windows, config.batch_size)  # the fp32 init
         untrained_weights = weight_tail_stats(model)
         model.train()
@@ -300,10 +304,13 @@ def train_laguna(
             loads.update_biases(config.router_bias_rate)
             losses.append(loss.item())
             if progress is not None:
-                progress(step + 1, config.steps, f"training: step {step + 1}/{config.steps} loss {losses[-1]:.3f}")
+                cpu = time.process_time() - cpu_started
+                progress(step + 1, config.steps, f"training: step {step + 1}/{config.steps} loss {losses[-1]:.3f} cpu {cpu / (step + 1):.2f} s/step")
         train_seconds, train_cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
         loads.close()
 
+        if progress is not None:
+            progress(config.steps, config.steps, "measuring perplexity and tails")
         model = model.to(torch.bfloat16).eval()  # what ships, so what is measured
         trained_ppl = perplexity(model, heldout_windows, config.batch_size)
         report = {
