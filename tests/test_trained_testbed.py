@@ -220,3 +220,18 @@ def test_cache_key_tracks_every_input(small_corpus: Corpus, tokenizer) -> None: 
     }
     assert key not in variants and len(variants) == 4
     assert corpus_digest(small_corpus) == corpus_digest(build_corpus(SMALL_SPEC, 3, tokenizer))  # the corpus is a function of the seed
+
+
+# -- the command --------------------------------------------------------------------------------------
+def test_cli_refuses_bad_settings_before_writing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "model"
+    result = subprocess.run(
+        [sys.executable, "-m", "fp4forge.cli", "testbed", "trained-laguna", str(out), "--steps", "0"],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 2
+    assert "training steps must be at least 1" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -66,9 +66,9 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "threads", "eval_windows"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"training {name} must be at least 1, got {getattr(self, name)}", option=name.replace("_", "-"))
+                raise ConfigError(f"training {name} must be at least 1, got {getattr(self, name)}")
         if not (self.lr > 0):
-            raise ConfigError(f"training lr must be positive, got {self.lr}", option="lr")
+            raise ConfigError(f"training lr must be positive, got {self.lr}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
