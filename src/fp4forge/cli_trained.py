@@ -19,7 +19,7 @@ def testbed_trained_laguna(
     out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to create."),
     seed: int = typer.Option(0, help="Seed: the same seed (and code, torch build, threads) gives byte-identical weights."),
     steps: int = typer.Option(None, "--steps", help="Optimizer steps (default: the cached testbed's)."),
-    threads: int = typer.Option(None, "--threads", help="Torch CPU threads, fixed for determinism (default 2)."),
+    threads: int = typer.Option(None, "--threads", help="Torch CPU threads, fixed for determinism (default 1; part of the cache key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the training report as one JSON object."),
 ) -> None:
     """The tiny Laguna (sigmoid routing + learned router bias, shared expert, mixed attention, output gate)

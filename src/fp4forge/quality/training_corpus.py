@@ -436,10 +436,10 @@ def structured_text(rng: random.Random) -> str:
 class CorpusSpec:
     """How much of each kind; part of the trained testbed's cache key."""
 
-    # About 650k training tokens: a little more than the default training sees (240 x 4 x 640).
-    train_transcripts: int = 900
+    # About 350k training tokens: a little more than the default training sees (120 x 4 x 640).
+    train_transcripts: int = 480
     heldout_transcripts: int = 60
-    train_structured: int = 300
+    train_structured: int = 160
     heldout_structured: int = 20
 
 

@@ -48,7 +48,7 @@ REPORT_FILE = "fp4forge-training.json"
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    steps: int = 240
+    steps: int = 120
     batch_size: int = 4
     seq_len: int = 640
     lr: float = 3e-3
@@ -60,7 +60,9 @@ class TrainingConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     router_bias_rate: float = 2e-3
-    threads: int = 2
+    # One thread: the same bytes on any machine (the reduction order of a matmul can change with
+    # the thread count), and no spin-waiting threads on a shared host.
+    threads: int = 1
     eval_windows: int = 48  # held-out windows of seq_len tokens scored for perplexity
 
     def __post_init__(self) -> None:
