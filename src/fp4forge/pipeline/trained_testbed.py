@@ -21,6 +21,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
+from fp4forge.errors import ConfigError
 from fp4forge.quality import training_corpus
 from fp4forge.quality.training_corpus import Corpus, CorpusSpec, build_corpus
 from fp4forge.testbed import trained
@@ -129,7 +130,11 @@ def cached_trained_laguna(
         "cache_key": key,
         "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
     }
-    # atomic_output_dir renames into place only on success; a concurrent builder that won the race
-    # leaves a full directory, which is then the answer.
-    train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra)
+    try:
+        train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra)
+    except (ConfigError, OSError):
+        # The output is renamed into place only when complete; if a concurrent build of the same
+        # key won the race, its directory is the same model and is the answer.
+        if not (model_dir / trained.REPORT_FILE).is_file():
+            raise
     return model_dir

@@ -1,4 +1,5 @@
-"""Testbed: tiny random MoE models (Laguna, Qwen3-MoE) and shape-true synthetic checkpoints.
+"""Testbed: tiny random MoE models (Laguna, Qwen3-MoE), the tiny Laguna trained from scratch, and
+shape-true synthetic checkpoints.
 
 The public functions are imported lazily, so ``import fp4forge.testbed`` stays cheap (no torch or
 transformers import) until one is used.
@@ -18,6 +19,8 @@ _EXPORTS = {
     "load_preset": "fp4forge.testbed.synth",
     "PRESETS": "fp4forge.testbed.synth",
     "build_tokenizer": "fp4forge.testbed.tokenizer",
+    "train_laguna": "fp4forge.testbed.trained",
+    "TrainingConfig": "fp4forge.testbed.trained",
 }
 
 __all__ = sorted(_EXPORTS)
