@@ -235,3 +235,21 @@ def test_cli_refuses_bad_settings_before_writing(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "training steps must be at least 1" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cache_builds_once_then_reuses(small_corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fp4forge.pipeline import trained_testbed
+
+    monkeypatch.setenv("FP4FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    built = trained_testbed.cached_trained_laguna(seed=0, config=SMALL_CONFIG, spec=SMALL_SPEC)
+    assert built.parent.parent == tmp_path / "cache" / "trained-laguna"
+    report = json.loads((built / REPORT_FILE).read_text())
+    assert built.parent.name == report["cache_key"]
+
+    def no_training(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("trained again although the cache holds this key")
+
+    monkeypatch.setattr(trained_testbed, "train_laguna", no_training)
+    assert trained_testbed.cached_trained_laguna(seed=0, config=SMALL_CONFIG, spec=SMALL_SPEC) == built
+    copy = trained_testbed.copy_cached_trained_laguna(tmp_path / "copy", seed=0, config=SMALL_CONFIG, spec=SMALL_SPEC)
+    assert {p.name: p.read_bytes() for p in copy.path.iterdir()} == {p.name: p.read_bytes() for p in built.iterdir()}

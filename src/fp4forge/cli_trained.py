@@ -18,22 +18,24 @@ def register(testbed_app: typer.Typer) -> None:
 def testbed_trained_laguna(
     out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to create."),
     seed: int = typer.Option(0, help="Seed: the same seed (and code, torch build, threads) gives byte-identical weights."),
-    steps: int = typer.Option(None, "--steps", help="Optimizer steps (default: the cached testbed's)."),
+    steps: int = typer.Option(None, "--steps", help="Optimizer steps (default 120; part of the cache key)."),
     threads: int = typer.Option(None, "--threads", help="Torch CPU threads, fixed for determinism (default 1; part of the cache key)."),
+    cache: bool = typer.Option(False, "--cache", help="Copy the build cached for these settings (building it into the cache first if missing)."),
     as_json: bool = typer.Option(False, "--json", help="Print the training report as one JSON object."),
 ) -> None:
     """The tiny Laguna (sigmoid routing + learned router bias, shared expert, mixed attention, output gate)
     trained from scratch on agentic transcripts fp4forge generates; reports perplexity and heavy tails."""
     from dataclasses import replace
 
-    from fp4forge.pipeline.trained_testbed import build_trained_laguna
+    from fp4forge.pipeline.trained_testbed import build_trained_laguna, copy_cached_trained_laguna
     from fp4forge.report.training_tables import tail_stats_rich, training_summary_rich
     from fp4forge.testbed.trained import TrainingConfig
 
     overrides = {k: v for k, v in (("steps", steps), ("threads", threads)) if v is not None}
     config = replace(TrainingConfig(), **overrides)
     progress = None if as_json else _line_progress()
-    result = build_trained_laguna(out_dir, seed=seed, config=config, progress=progress)
+    build = copy_cached_trained_laguna if cache else build_trained_laguna
+    result = build(out_dir, seed=seed, config=config, progress=progress)
     if as_json:
         emit_json({"path": str(result.path), **result.report})
         return

@@ -138,3 +138,19 @@ def cached_trained_laguna(
         if not (model_dir / trained.REPORT_FILE).is_file():
             raise
     return model_dir
+
+
+def copy_cached_trained_laguna(
+    out: Path, *, seed: int = 0, config: TrainingConfig = TrainingConfig(), spec: CorpusSpec = CorpusSpec(), progress: Progress = None
+) -> TrainingResult:
+    """``out`` as a copy of the cached build for these settings (built into the cache first if missing)."""
+    import shutil
+
+    from fp4forge.testbed.tiny import atomic_output_dir, ensure_fresh_output
+
+    ensure_fresh_output(Path(out))  # before a build that may take minutes
+    cached = cached_trained_laguna(seed=seed, config=config, spec=spec, progress=progress)
+    with atomic_output_dir(Path(out)) as staging:
+        for item in sorted(cached.iterdir()):
+            shutil.copy2(item, staging / item.name)
+    return TrainingResult(Path(out), json.loads((Path(out) / trained.REPORT_FILE).read_text()))
