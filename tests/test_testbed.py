@@ -326,3 +326,22 @@ def test_string_arguments_and_content_parts(tokenizer):
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert "<user>run it</user>\n" in text
     assert "<tool_call>sh<arg_key>arguments</arg_key><arg_value>ls -l</arg_value></tool_call></assistant>\n" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"enable_thinking": True}, {"thinking": True}, {"enable_thinking": False}, {"thinking": False},
+     {"enable_thinking": True, "thinking": False}, {"enable_thinking": None}, {"unrelated": 1}],
+)
+def test_template_and_fixed_parser_agree_on_thinking(tokenizer, kwargs):
+    """The template opens <think> exactly when poolside_v1_fixed expects reasoning first."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "fp4forge-vllm" / "src"))
+    try:
+        from fp4forge_vllm.reasoning_defaults import thinking_requested
+    finally:
+        sys.path.pop(0)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True, **kwargs)
+    assert prompt.endswith("<assistant><think>") is thinking_requested(kwargs)
+    assert prompt.endswith("<assistant></think>") is not thinking_requested(kwargs)
