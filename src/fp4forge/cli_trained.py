@@ -41,7 +41,8 @@ def testbed_trained_laguna(
         return
     out = console()
     out.print(training_summary_rich(result.report))
-    out.print(tail_stats_rich(result.report))
+    for table in tail_stats_rich(result.report):
+        out.print(table)
     out.print(f"[green]wrote[/green] {result.path} (report: fp4forge-training.json)")
 
 

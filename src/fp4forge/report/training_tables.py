@@ -28,22 +28,25 @@ def training_summary_rich(report: dict[str, Any]) -> Table:
     return table
 
 
-def tail_stats_rich(report: dict[str, Any]) -> Table:
-    """Per component: kurtosis (Gaussian = 3) and max|x|/RMS, median and max over its tensors."""
-    table = Table(title="heavy tails per component (kurtosis: Gaussian = 3; median / max over tensors)")
-    for column in ("kind", "component", "tensors", "kurtosis", "max/RMS", "untrained kurtosis", "untrained max/RMS"):
-        table.add_column(column, justify="left" if column in ("kind", "component") else "right")
+def _pair(stats: dict[str, float], key: str) -> str:
+    return f"{_fmt(stats[key + '_median'])}/{_fmt(stats[key + '_max'])}"
+
+
+def tail_stats_rich(report: dict[str, Any]) -> list[Table]:
+    """Per component: kurtosis (Gaussian = 3) and max|x|/RMS, as median/max over its tensors."""
+    weights = Table(title="weights: kurtosis (Gaussian = 3) and max/RMS, median/max over tensors")
+    for column in ("component", "n", "kurtosis", "max/RMS", "init kurtosis", "init max/RMS"):
+        weights.add_column(column, justify="left" if column == "component" else "right", no_wrap=True)
     untrained = report.get("untrained_weights", {})
-    for kind, stats in (("weights", report["weights"]), ("activations", report["activations"])):
-        for component, s in stats.items():
-            before = untrained.get(component) if kind == "weights" else None
-            table.add_row(
-                kind,
-                component,
-                str(s["tensors"]),
-                f"{_fmt(s['kurtosis_median'])} / {_fmt(s['kurtosis_max'])}",
-                f"{_fmt(s['max_over_rms_median'])} / {_fmt(s['max_over_rms_max'])}",
-                f"{_fmt(before['kurtosis_median'])} / {_fmt(before['kurtosis_max'])}" if before else "",
-                f"{_fmt(before['max_over_rms_median'])} / {_fmt(before['max_over_rms_max'])}" if before else "",
-            )
-    return table
+    for component, stats in report["weights"].items():
+        before = untrained.get(component)
+        weights.add_row(
+            component, str(stats["tensors"]), _pair(stats, "kurtosis"), _pair(stats, "max_over_rms"),
+            _pair(before, "kurtosis") if before else "", _pair(before, "max_over_rms") if before else "",
+        )
+    activations = Table(title="activations (Linear inputs, one held-out batch): kurtosis and max/RMS, median/max over layers")
+    for column in ("component", "layers", "kurtosis", "max/RMS"):
+        activations.add_column(column, justify="left" if column == "component" else "right", no_wrap=True)
+    for component, stats in report["activations"].items():
+        activations.add_row(component, str(stats["tensors"]), _pair(stats, "kurtosis"), _pair(stats, "max_over_rms"))
+    return [weights, activations]
