@@ -284,7 +284,7 @@ def test_chat_with_tools_renders_poolside_format(tokenizer):
     ) in text
     assert '<tool_response>{"temp_c": 21}</tool_response>\n' in text
     assert "<assistant></think>21 C and sunny.</assistant>\n" in text
-    assert text.endswith("<user>Thanks!</user>\n<assistant></think>")
+    assert text.endswith("<user>Thanks!</user>\n<assistant><think>")  # thinking on by default, as Laguna's template
 
     calls = VLLM_TOOL_CALL.findall(text)
     assert len(calls) == 1
@@ -302,12 +302,19 @@ def test_chat_with_tools_renders_poolside_format(tokenizer):
         assert vocab[token] in ids, token
 
 
-@pytest.mark.parametrize("kwargs", [{"enable_thinking": True}, {"thinking": True}])
-def test_thinking_generation_prompt(tokenizer, kwargs):
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": True}, {"thinking": True}, {"enable_thinking": None}])
+def test_thinking_is_on_by_default(tokenizer, kwargs):
+    """Laguna's template thinks unless told not to: the prompt opens a <think> block for the model."""
     messages = [{"role": "user", "content": "Hi"}]
     on = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    off = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert on == "〈|EOS|〉<system></system>\n<user>Hi</user>\n<assistant><think>"
+    assert on == "〈|EOS|〉<user>Hi</user>\n<assistant><think>"
+
+
+@pytest.mark.parametrize("kwargs", [{"enable_thinking": False}, {"thinking": False}, {"enable_thinking": True, "thinking": False}])
+def test_thinking_off_when_a_key_is_false(tokenizer, kwargs):
+    """Either key false turns thinking off, the rule poolside_v1_fixed's thinking_requested applies."""
+    messages = [{"role": "user", "content": "Hi"}]
+    off = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     assert off == "〈|EOS|〉<user>Hi</user>\n<assistant></think>"
 
 
@@ -319,3 +326,22 @@ def test_string_arguments_and_content_parts(tokenizer):
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert "<user>run it</user>\n" in text
     assert "<tool_call>sh<arg_key>arguments</arg_key><arg_value>ls -l</arg_value></tool_call></assistant>\n" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"enable_thinking": True}, {"thinking": True}, {"enable_thinking": False}, {"thinking": False},
+     {"enable_thinking": True, "thinking": False}, {"enable_thinking": None}, {"unrelated": 1}],
+)
+def test_template_and_fixed_parser_agree_on_thinking(tokenizer, kwargs):
+    """The template opens <think> exactly when poolside_v1_fixed expects reasoning first."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "fp4forge-vllm" / "src"))
+    try:
+        from fp4forge_vllm.reasoning_defaults import thinking_requested
+    finally:
+        sys.path.pop(0)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True, **kwargs)
+    assert prompt.endswith("<assistant><think>") is thinking_requested(kwargs)
+    assert prompt.endswith("<assistant></think>") is not thinking_requested(kwargs)

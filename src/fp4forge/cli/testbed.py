@@ -1,4 +1,4 @@
-"""`fp4forge testbed tiny-laguna|tiny-qwen3-moe|synth`: local test models, no internet needed."""
+"""`fp4forge testbed tiny-laguna|tiny-qwen3-moe|trained-laguna|synth`: local test models, no internet needed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ testbed_app = typer.Typer(no_args_is_help=True, help="Build local test models (n
 
 
 def register(app: typer.Typer) -> None:
+    from fp4forge.cli import trained
+
+    trained.register(testbed_app)  # testbed trained-laguna
     app.add_typer(testbed_app, name="testbed")
 
 

@@ -45,7 +45,7 @@ TINY_MAX_POSITIONS = 4096
 
 
 @contextlib.contextmanager
-def _quiet_transformers_progress() -> Iterator[None]:
+def quiet_transformers_progress() -> Iterator[None]:
     """save_pretrained draws its own tqdm bar; the caller's ``progress`` is the one to show."""
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -115,7 +115,7 @@ def tiny_qwen3_moe_config(vocab_size: int, bos_id: int, stop_ids: list[int], pad
 
 
 # -- building -----------------------------------------------------------------------------------
-def _init_model(model_class: type[PreTrainedModel], config: PreTrainedConfig, seed: int) -> PreTrainedModel:
+def init_model(model_class: type[PreTrainedModel], config: PreTrainedConfig, seed: int) -> PreTrainedModel:
     """Random init from the seed alone, without disturbing the caller's global RNG."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -150,12 +150,12 @@ def _build_tiny(
     with atomic_output_dir(out) as staging:
         _report(progress, 0, total, "training tokenizer")
         tokenizer = build_tokenizer()
-        vocab_size = _padded(len(tokenizer), 64)
+        vocab_size = padded(len(tokenizer), 64)
         stop_ids = generation_stop_ids(tokenizer)
         config = make_config(vocab_size, tokenizer.bos_token_id, stop_ids, tokenizer.pad_token_id)
 
         _report(progress, 1, total, "initialising model")
-        model = _init_model(model_class, config, seed)
+        model = init_model(model_class, config, seed)
         if after_init is not None:
             after_init(model)
         model = model.to(torch.bfloat16)
@@ -164,7 +164,7 @@ def _build_tiny(
         )
 
         _report(progress, 2, total, "saving model")
-        with _quiet_transformers_progress():
+        with quiet_transformers_progress():
             model.save_pretrained(staging, max_shard_size=TINY_MAX_SHARD_BYTES)
         _report(progress, 3, total, "saving tokenizer")
         tokenizer.save_pretrained(staging)
@@ -172,7 +172,7 @@ def _build_tiny(
     return out
 
 
-def _padded(n: int, multiple: int) -> int:
+def padded(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 

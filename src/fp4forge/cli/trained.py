@@ -1,0 +1,63 @@
+"""`fp4forge testbed trained-laguna`: the tiny Laguna trained from scratch on a generated corpus."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from fp4forge.cli.common import console, emit_json
+
+
+def register(testbed_app: typer.Typer) -> None:
+    testbed_app.command("trained-laguna")(testbed_trained_laguna)
+
+
+def testbed_trained_laguna(
+    out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to create."),
+    seed: int = typer.Option(0, help="Seed: the same seed (and code, torch build, threads) gives byte-identical weights."),
+    steps: int = typer.Option(None, "--steps", help="Optimizer steps (default 120; part of the cache key)."),
+    threads: int = typer.Option(None, "--threads", help="Torch CPU threads, fixed for determinism (default 1; part of the cache key)."),
+    cache: bool = typer.Option(False, "--cache", help="Copy the build cached for these settings (building it into the cache first if missing)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the training report as one JSON object."),
+) -> None:
+    """The tiny Laguna (sigmoid routing + learned router bias, shared expert, mixed attention, output gate)
+    trained from scratch on agentic transcripts fp4forge generates; reports perplexity and heavy tails."""
+    from dataclasses import replace
+
+    from fp4forge.pipeline.trained_testbed import build_trained_laguna, copy_cached_trained_laguna
+    from fp4forge.report.training_tables import tail_stats_rich, training_summary_rich
+    from fp4forge.testbed.trained import TrainingConfig
+
+    overrides = {k: v for k, v in (("steps", steps), ("threads", threads)) if v is not None}
+    config = replace(TrainingConfig(), **overrides)
+    progress = None if as_json else _line_progress()
+    build = copy_cached_trained_laguna if cache else build_trained_laguna
+    result = build(out_dir, seed=seed, config=config, progress=progress)
+    if as_json:
+        emit_json({"path": str(result.path), **result.report})
+        return
+    out = console()
+    out.print(training_summary_rich(result.report))
+    for table in tail_stats_rich(result.report):
+        out.print(table)
+    out.print(f"[green]wrote[/green] {result.path} (report: fp4forge-training.json)")
+
+
+def _line_progress():  # type: ignore[no-untyped-def]
+    """One stderr line per phase and every ~10 s while training: readable on a TTY and in CI logs."""
+    err = console(stderr=True)
+    state = {"last": 0.0, "desc": ""}
+    started = time.monotonic()
+
+    def update(done: int, total: int, desc: str) -> None:
+        now = time.monotonic()
+        phase = desc.split(":")[0]
+        if phase != state["desc"] or now - state["last"] >= 10 or done == total:
+            state["last"], state["desc"] = now, phase
+            err.print(f"[{now - started:6.0f}s] {desc} ({done}/{total})", highlight=False)
+            sys.stderr.flush()
+
+    return update

@@ -1,0 +1,156 @@
+"""The trained testbed in one call: generate the corpus, train the tiny Laguna, cache by content.
+
+``build_trained_laguna`` writes a fresh directory. ``trained_laguna_cache_key`` hashes everything
+the result depends on: the generator and training code (source bytes of each module involved,
+the chat template, the tool catalogue), the generated corpus itself, the tokenizer, the training
+and corpus settings, the seed and the torch/transformers/tokenizers versions. ``cached_trained_laguna``
+returns ``$FP4FORGE_CACHE_DIR/trained-laguna/<key>/model`` (default ``~/.cache/fp4forge``),
+building it there first when it is missing, so ``make test`` and ``make demo`` train once per
+change. It lives here, above ``quality`` and ``testbed``, because it needs both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import sys
+from dataclasses import asdict
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any
+
+from fp4forge.errors import ConfigError
+from fp4forge.quality import training_corpus
+from fp4forge.quality.training_corpus import Corpus, CorpusSpec, build_corpus
+from fp4forge.testbed import trained
+from fp4forge.testbed.trained import Progress, TrainingConfig, TrainingResult, train_laguna
+
+CACHE_FORMAT = 1
+CACHE_SUBDIR = "trained-laguna"
+MODEL_SUBDIR = "model"
+
+# Every module whose code changes what the corpus or the weights are.
+KEY_MODULES = (
+    "fp4forge.quality.training_corpus",
+    "fp4forge.quality.runner",
+    "fp4forge.quality.scorer",
+    "fp4forge.quality.simulated_tools",
+    "fp4forge.quality.suite",  # the scenario parser
+    "fp4forge.testbed.trained",
+    "fp4forge.testbed.tiny",
+    "fp4forge.testbed.tokenizer",
+)
+KEY_DISTRIBUTIONS = ("torch", "transformers", "tokenizers")
+
+
+def _module_source(name: str) -> bytes:
+    module = importlib.import_module(name)
+    return Path(module.__file__ or "").read_bytes()
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def corpus_digest(corpus: Corpus) -> str:
+    digest = hashlib.sha256()
+    for part, documents in (("train", corpus.train), ("heldout", corpus.heldout)):
+        digest.update(f"{part}:{len(documents)}\n".encode())
+        for document in documents:
+            data = document.encode()
+            digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def trained_laguna_cache_key(seed: int, config: TrainingConfig, spec: CorpusSpec, corpus: Corpus, tokenizer_json: str) -> str:
+    """Content hash of (generator + training code, corpus, tokenizer, settings, seed, library versions)."""
+    doc: dict[str, Any] = {
+        "format": CACHE_FORMAT,
+        "code": {name: hashlib.sha256(_module_source(name)).hexdigest() for name in KEY_MODULES},
+        "chat_template": hashlib.sha256(resources.files("fp4forge.testbed").joinpath("chat_template.jinja").read_bytes()).hexdigest(),
+        "tool_catalogue": hashlib.sha256((training_corpus.SCENARIO_DIR / training_corpus.CATALOGUE_FILE).read_bytes()).hexdigest(),
+        "corpus": corpus_digest(corpus),
+        "tokenizer": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+        "training": config.to_json(),
+        "corpus_spec": asdict(spec),
+        "seed": seed,
+        "versions": {dist: _version(dist) for dist in KEY_DISTRIBUTIONS},
+        "python": sys.version_info[:2],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def cache_root() -> Path:
+    root = os.environ.get("FP4FORGE_CACHE_DIR") or Path.home() / ".cache" / "fp4forge"
+    return Path(root) / CACHE_SUBDIR
+
+
+def _corpus_and_tokenizer(seed: int, spec: CorpusSpec) -> tuple[Corpus, str]:
+    from fp4forge.testbed.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    return build_corpus(spec, seed, tokenizer), tokenizer.backend_tokenizer.to_str()
+
+
+def build_trained_laguna(
+    out: Path,
+    *,
+    seed: int = 0,
+    config: TrainingConfig = TrainingConfig(),
+    spec: CorpusSpec = CorpusSpec(),
+    progress: Progress = None,
+) -> TrainingResult:
+    """Generate the corpus, train, and write the checkpoint with its training report into ``out``."""
+    if progress is not None:
+        progress(0, config.steps, "generating the corpus")
+    corpus, tokenizer_json = _corpus_and_tokenizer(seed, spec)
+    key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
+    extra = {
+        "cache_key": key,
+        "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
+    }
+    return train_laguna(out, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra)
+
+
+def cached_trained_laguna(
+    *, seed: int = 0, config: TrainingConfig = TrainingConfig(), spec: CorpusSpec = CorpusSpec(), progress: Progress = None
+) -> Path:
+    """The trained checkpoint for these settings, from the cache or built into it."""
+    corpus, tokenizer_json = _corpus_and_tokenizer(seed, spec)
+    key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
+    model_dir = cache_root() / key / MODEL_SUBDIR
+    if (model_dir / trained.REPORT_FILE).is_file():
+        return model_dir
+    extra = {
+        "cache_key": key,
+        "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
+    }
+    try:
+        train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra)
+    except (ConfigError, OSError):
+        # The output is renamed into place only when complete; if a concurrent build of the same
+        # key won the race, its directory is the same model and is the answer.
+        if not (model_dir / trained.REPORT_FILE).is_file():
+            raise
+    return model_dir
+
+
+def copy_cached_trained_laguna(
+    out: Path, *, seed: int = 0, config: TrainingConfig = TrainingConfig(), spec: CorpusSpec = CorpusSpec(), progress: Progress = None
+) -> TrainingResult:
+    """``out`` as a copy of the cached build for these settings (built into the cache first if missing)."""
+    import shutil
+
+    from fp4forge.checkpoint.atomic import atomic_output_dir, ensure_fresh_output
+
+    ensure_fresh_output(Path(out))  # before a build that may take minutes
+    cached = cached_trained_laguna(seed=seed, config=config, spec=spec, progress=progress)
+    with atomic_output_dir(Path(out)) as staging:
+        for item in sorted(cached.iterdir()):
+            shutil.copy2(item, staging / item.name)
+    return TrainingResult(Path(out), json.loads((Path(out) / trained.REPORT_FILE).read_text()))

@@ -1,0 +1,472 @@
+"""A training corpus fp4forge writes itself: agentic transcripts plus plain structured text.
+
+Transcripts come from *generated* scenarios, never the scored ones: each family below draws
+names, e-mails, ids, cities, dates, files and amounts from pools that share no value with the 72
+scored scenarios (``tests/test_trained_testbed.py`` checks it), builds a scenario in the suite's
+own JSON form, parses it with the suite's parser and tool catalogue, and plays it through the
+quality runner's ``run_scenario`` against the simulated tools with a scripted agent. The agent is
+the tests' oracle (expected calls with ``example_value`` arguments) plus scripted reasoning and
+answers; every transcript must score full marks, so a family that drifts from the scorer fails
+loudly instead of teaching a wrong answer. Conversations are rendered through the testbed's chat
+template with thinking on (the quality runner's default request), so the model learns to write
+reasoning, ``</think>``, then an answer or ``<tool_call>`` blocks the ``poolside_v1`` parsers read.
+
+Everything is a pure function of the seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# The one place this module takes names from the suite's package (its loader and model).
+from fp4forge.quality.suite import CATALOGUE_FILE, SCENARIO_DIR, Scenario, load_catalogue, parse_scenario
+from fp4forge.quality.runner import Reply, RunConfig, run_scenario
+from fp4forge.quality.scorer import example_value
+
+Content = str | Callable[[list[dict[str, Any]]], str]  # fixed text, or text from the tool results so far
+
+
+@dataclass(frozen=True)
+class StepScript:
+    """What the scripted agent says on one step besides the expected calls."""
+
+    reasoning: str
+    content: Content | None = None
+
+
+@dataclass(frozen=True)
+class GeneratedScenario:
+    scenario: Scenario
+    script: tuple[StepScript, ...]
+    raw: dict[str, Any]  # the scenario in the suite's JSON form (entity checks read it)
+
+
+@dataclass(frozen=True)
+class Transcript:
+    scenario_id: str
+    family: str
+    messages: list[dict[str, Any]]  # wire messages, assistant turns with their reasoning
+    tools: list[dict[str, Any]]  # the request's tools, as the quality runner sends them
+    earned: int
+    max_points: int
+
+
+# -- entity pools (disjoint from the scored scenarios' values) ------------------------------------
+FIRST_NAMES = ("Ines", "Tomasz", "Aiko", "Bruno", "Leila", "Sven", "Priya", "Mateo", "Noor", "Hugo", "Zofia",
+               "Kwame", "Elin", "Rafael", "Yara", "Oskar", "Dalia", "Femi", "Greta", "Ivo", "Selma", "Tariq")
+LAST_NAMES = ("Novak", "Haddad", "Sato", "Lindqvist", "Mensah", "Okafor", "Brandt", "Duarte", "Varga", "Moreau",
+              "Petrov", "Quinn", "Ferreira", "Nakamura", "Holm", "Adeyemi", "Kowal", "Rossi")
+CITIES = (("Krakow", "KRK"), ("Bergen", "BGO"), ("Valencia", "VLC"), ("Bologna", "BLQ"), ("Gdansk", "GDN"),
+          ("Seville", "SVQ"), ("Tallinn", "TLL"), ("Riga", "RIX"), ("Ljubljana", "LJU"), ("Bordeaux", "BOD"),
+          ("Hamburg", "HAM"), ("Geneva", "GVA"), ("Dublin", "DUB"), ("Helsinki", "HEL"), ("Malaga", "AGP"),
+          ("Naples", "NAP"))
+AIRLINES = ("LX", "SK", "KL", "IB", "LO", "AY", "EI", "TP")
+CONDITIONS = ("clear skies", "overcast", "light rain", "snow showers", "fog", "windy", "thunderstorms", "drizzle")
+EVENT_TITLES = ("Daily huddle", "Code review", "Supplier call", "Sprint planning", "Yoga class", "Parent meeting",
+                "Car service", "Tax advisor", "Team retro", "Piano lesson")
+ROOMS = ("garage", "attic", "hallway", "study", "nursery", "basement", "guest room")
+TICKERS = ("QRVX", "LUMN", "TKRA", "ZEPH", "ORBL", "VANTX", "HELIO", "MRKS")
+CURRENCIES = ("SEK", "NOK", "PLN", "CZK", "HUF", "DKK")
+FILE_STEMS = ("settings", "deploy", "limits", "release-notes", "inventory", "routes")
+FILE_DIRS = ("/srv/app", "/opt/tools", "/home/dev/proj", "/etc/shopfront", "/data/pipeline")
+TOOL_POOL = ("get_weather", "get_time", "convert_currency", "send_email", "web_search", "get_directions",
+             "find_restaurants", "create_reminder", "calculate", "translate_text", "search_products",
+             "get_contact", "play_music", "create_ticket")
+
+
+def _person(rng: random.Random) -> str:
+    return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+
+
+def _email(name: str, rng: random.Random) -> str:
+    first, last = name.lower().split()
+    return f"{first}.{last}{rng.randint(10, 99)}@{rng.choice(('mailbox', 'postfach', 'inbox'))}.test"
+
+
+def _date(rng: random.Random) -> str:
+    return f"2027-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+
+
+def _tools(rng: random.Random, needed: list[str], extra: int = 3) -> list[str]:
+    others = [t for t in TOOL_POOL if t not in needed]
+    chosen = needed + rng.sample(others, extra)
+    rng.shuffle(chosen)
+    return chosen
+
+
+def _call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": {key: {"allowed": [value]} for key, value in arguments.items()}}
+
+
+def _user(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def _result(results: list[dict[str, Any]], index: int = -1) -> dict[str, Any]:
+    return results[index]
+
+
+# -- families: rng -> (raw scenario, script) -------------------------------------------------------
+Family = Callable[[random.Random], tuple[dict[str, Any], list[StepScript]]]
+
+
+def weather(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    city, _ = rng.choice(CITIES)
+    temp, condition = rng.randint(-8, 34), rng.choice(CONDITIONS)
+    ask = rng.choice((f"What's the weather in {city} right now?", f"Is it cold in {city} today?",
+                      f"Should I take an umbrella in {city}? Check the weather please."))
+    raw = {
+        "tools": _tools(rng, ["get_weather"]),
+        "world": {"fixtures": {"get_weather": [{"when": {"city": city}, "result": {"city": city, "temperature_c": temp, "condition": condition}}]}},
+        "messages": _user(ask),
+        "steps": [{"expect": "call", "calls": [_call("get_weather", city=city)]},
+                  {"expect": "answer", "content": {"any_of": [condition]}}],
+    }
+    return raw, [
+        StepScript(f"The user asks about the weather in {city}. get_weather answers that; the city is {city}."),
+        StepScript("get_weather returned the conditions. I can answer.",
+                   lambda r: f"In {city} it is {r[-1]['condition']} at {r[-1]['temperature_c']} C."),
+    ]
+
+
+def stock_quote(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    symbol = rng.choice(TICKERS)
+    price = round(rng.uniform(5, 900), 2)
+    raw = {
+        "tools": _tools(rng, ["get_stock_quote"]),
+        "world": {"fixtures": {"get_stock_quote": [{"when": {"symbol": symbol}, "result": {"symbol": symbol, "price": price}}]}},
+        "messages": _user(rng.choice((f"What does {symbol} trade at?", f"Get me a quote for {symbol}.", f"Price of {symbol} stock?"))),
+        "steps": [{"expect": "call", "calls": [_call("get_stock_quote", symbol=symbol)]},
+                  {"expect": "answer", "content": {"any_of": [str(price)]}}],
+    }
+    return raw, [
+        StepScript(f"A stock price question. get_stock_quote with symbol {symbol}."),
+        StepScript("The quote came back.", lambda r: f"{symbol} is at {r[-1]['price']}."),
+    ]
+
+
+def convert(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    source, target = rng.sample(CURRENCIES, 2)
+    amount = rng.randint(20, 5000)
+    rate = round(rng.uniform(0.05, 3.0), 4)
+    converted = round(amount * rate, 2)
+    raw = {
+        "tools": _tools(rng, ["convert_currency"]),
+        "world": {"fixtures": {"convert_currency": [{"when": {"amount": amount, "from_currency": source, "to_currency": target},
+                                                      "result": {"converted_amount": converted, "rate": rate, "to_currency": target}}]}},
+        "messages": _user(f"How much is {amount} {source} in {target}?"),
+        "steps": [{"expect": "call", "calls": [_call("convert_currency", amount=amount, from_currency=source, to_currency=target)]},
+                  {"expect": "answer", "content": {"any_of": [str(converted)]}}],
+    }
+    return raw, [
+        StepScript(f"Currency conversion: {amount} from {source} to {target}. convert_currency does it."),
+        StepScript("The converted amount is in the result.", lambda r: f"{amount} {source} is {r[-1]['converted_amount']} {target}."),
+    ]
+
+
+def cancel_latest_order(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    name = _person(rng)
+    email = _email(name, rng)
+    customer = f"CU-{rng.randint(10000, 99999)}"
+    old, new = (f"OR-{n}" for n in rng.sample(range(50000, 99999), 2))
+    month = rng.randint(1, 10)
+    raw = {
+        "tools": _tools(rng, ["lookup_customer", "get_order", "cancel_order"], 2),
+        "world": {"state": {
+            "customers": {email: {"customer_id": customer, "name": name, "orders": [old, new]}},
+            "orders": {old: {"customer_id": customer, "placed": f"2027-{month:02d}-03", "status": "delivered", "total": rng.randint(10, 300)},
+                       new: {"customer_id": customer, "placed": f"2027-{month + 1:02d}-14", "status": "processing", "total": rng.randint(10, 300)}},
+        }},
+        "messages": _user(f"Customer {email} wants to cancel their most recent order."),
+        "steps": [{"expect": "call", "calls": [_call("lookup_customer", email=email)]},
+                  {"expect": "call", "calls": [_call("cancel_order", order_id=new)]},
+                  {"expect": "answer", "content": {"any_of": [new]}}],
+        "state_checks": [{"path": ["orders", new, "status"], "equals": "cancelled"}],
+    }
+    return raw, [
+        StepScript(f"First find the customer by e-mail {email} with lookup_customer."),
+        StepScript(f"The most recent order is {new}, still processing. Cancel it with cancel_order."),
+        StepScript("The order is cancelled.", f"Order {new} for {name} is cancelled."),
+    ]
+
+
+def book_cheapest_flight(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    (origin, origin_code), (destination, destination_code) = rng.sample(CITIES, 2)
+    date = _date(rng)
+    name = _person(rng)
+    flights = []
+    for airline in rng.sample(AIRLINES, 3):
+        flights.append({"flight_id": f"{airline}-{rng.randint(1000, 9999)}", "origin": [origin_code, origin],
+                        "destination": [destination_code, destination], "date": date,
+                        "depart": f"{rng.randint(6, 21):02d}:{rng.choice((5, 20, 35, 50)):02d}", "cabin": "economy",
+                        "price_eur": rng.randint(60, 480)})
+    cheapest = min(flights, key=lambda f: (f["price_eur"], f["flight_id"]))
+    raw = {
+        "tools": _tools(rng, ["search_flights", "book_flight"], 2),
+        "world": {"state": {"flights": flights}},
+        "messages": _user(f"Book the cheapest economy flight from {origin} to {destination} on {date} for {name}."),
+        "steps": [{"expect": "call", "calls": [{"name": "search_flights", "arguments": {
+                      "origin": {"allowed": [origin]}, "destination": {"allowed": [destination]}, "date": {"allowed": [date], "as": "date"}}}]},
+                  {"expect": "call", "calls": [_call("book_flight", flight_id=cheapest["flight_id"], passenger_names=[name])]},
+                  {"expect": "answer", "content": {"any_of": ["BK-1001"]}}],
+    }
+    return raw, [
+        StepScript(f"Search flights {origin} to {destination} on {date}, then pick the cheapest."),
+        StepScript(f"The cheapest is {cheapest['flight_id']} at {cheapest['price_eur']} EUR. Book it for {name}."),
+        StepScript("The booking is confirmed.", lambda r: f"Booked {cheapest['flight_id']} for {name}; reference {r[-1]['booking_reference']}."),
+    ]
+
+
+def conditional_transfer(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    source, target = (f"ACCT-{n}" for n in rng.sample(range(100000, 999999), 2))
+    currency = rng.choice(CURRENCIES)
+    balance = float(rng.randint(100, 9000))
+    amount = rng.randint(50, 6000)
+    enough = balance >= amount
+    steps: list[dict[str, Any]] = [{"expect": "call", "calls": [_call("get_account_balance", account_id=source)]}]
+    script = [StepScript(f"Check the balance of {source} before moving {amount} {currency}.")]
+    if enough:
+        steps.append({"expect": "call", "calls": [_call("transfer_funds", from_account=source, to_account=target, amount=amount, currency=currency)]})
+        script.append(StepScript(f"The balance {balance} covers {amount}. Transfer it."))
+        script.append(StepScript("The transfer went through.", lambda r: f"Moved {amount} {currency} to {target}; {source} now holds {r[-1]['from_balance']}."))
+    else:
+        script.append(StepScript(f"The balance {balance} is below {amount}, so no transfer.",
+                                 f"I did not transfer: {source} holds only {balance} {currency}."))
+    steps.append({"expect": "answer", "content": {"any_of": [target if enough else "did not"]}})
+    raw = {
+        "tools": _tools(rng, ["get_account_balance", "transfer_funds"], 2),
+        "world": {"state": {"accounts": {source: {"balance": balance, "currency": currency}, target: {"balance": 0.0, "currency": currency}}}},
+        "messages": _user(f"If {source} has at least {amount} {currency}, transfer {amount} {currency} to {target}."),
+        "steps": steps,
+    }
+    return raw, script
+
+
+def calendar_create(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    title = rng.choice(EVENT_TITLES)
+    date = _date(rng)
+    start = f"{date}T{rng.randint(7, 19):02d}:{rng.choice((0, 30)):02d}"
+    minutes = rng.choice((15, 25, 40, 50, 75, 90))
+    raw = {
+        "tools": _tools(rng, ["create_calendar_event", "list_calendar_events"], 2),
+        "world": {"state": {"events": {}}},
+        "messages": _user(f"Put '{title}' in my calendar at {start.replace('T', ' ')} for {minutes} minutes."),
+        "steps": [{"expect": "call", "calls": [{"name": "create_calendar_event", "arguments": {
+                      "title": {"allowed": [title]}, "start": {"allowed": [start], "as": "datetime"}, "duration_minutes": {"allowed": [minutes]}}}]},
+                  {"expect": "answer", "content": {"any_of": [title]}}],
+    }
+    return raw, [
+        StepScript(f"Create the event {title} at {start}, {minutes} minutes."),
+        StepScript("The event exists now.", lambda r: f"{title} is booked for {start.replace('T', ' ')} ({r[-1]['event_id']})."),
+    ]
+
+
+def read_config_value(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    path = f"{rng.choice(FILE_DIRS)}/{rng.choice(FILE_STEMS)}.toml"
+    port, workers = rng.randint(2000, 9999), rng.randint(2, 64)
+    key = rng.choice(("port", "workers"))
+    value = port if key == "port" else workers
+    raw = {
+        "tools": _tools(rng, ["read_file", "list_directory"], 2),
+        "world": {"state": {"files": {path: f"[service]\nport = {port}\nworkers = {workers}\n"}}},
+        "messages": _user(f"Which {key} is set in {path}?"),
+        "steps": [{"expect": "call", "calls": [_call("read_file", path=path)]},
+                  {"expect": "answer", "content": {"any_of": [str(value)]}}],
+    }
+    return raw, [
+        StepScript(f"Read {path} to find {key}."),
+        StepScript(f"The file sets {key} = {value}.", f"{path} sets {key} = {value}."),
+    ]
+
+
+def thermostat(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    room = rng.choice(ROOMS)
+    degrees = rng.randint(16, 26)
+    raw = {
+        "tools": _tools(rng, ["set_thermostat", "set_lights"], 2),
+        "world": {"fixtures": {"set_thermostat": [{"result": {"room": room, "temperature": degrees, "status": "ok"}}]}},
+        "messages": _user(f"Set the {room} to {degrees} degrees."),
+        "steps": [{"expect": "call", "calls": [_call("set_thermostat", room=room, temperature=degrees)]},
+                  {"expect": "answer", "content": {"any_of": [str(degrees)]}}],
+    }
+    return raw, [
+        StepScript(f"set_thermostat for the {room}, {degrees} C."),
+        StepScript("Done.", f"The {room} is set to {degrees} C."),
+    ]
+
+
+def no_tool_needed(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    a, b = rng.randint(12, 99), rng.randint(3, 19)
+    kind = rng.choice(("sum", "product", "thanks"))
+    if kind == "thanks":
+        question, answer, expect = rng.choice(("Thanks, that's all!", "Great, thank you.", "Perfect, cheers.")), "You're welcome.", "welcome"
+    elif kind == "sum":
+        question, answer, expect = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.", str(a + b)
+    else:
+        question, answer, expect = f"What is {a} times {b}?", f"{a} times {b} is {a * b}.", str(a * b)
+    raw = {"tools": _tools(rng, [], 4), "messages": _user(question),
+           "steps": [{"expect": "answer", "content": {"any_of": [expect]}}]}
+    return raw, [StepScript("No tool is needed for this; I answer directly.", answer)]
+
+
+def ask_missing_date(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    (origin, _), (destination, _) = rng.sample(CITIES, 2)
+    raw = {"tools": _tools(rng, ["search_flights", "book_flight"], 2),
+           "messages": _user(f"Find me a flight from {origin} to {destination}."),
+           "steps": [{"expect": "ask", "content": {"any_of": ["which date"]}}]}
+    return raw, [StepScript("search_flights needs a date and the user gave none. Ask for it.",
+                            f"Which date do you want to fly from {origin} to {destination}?")]
+
+
+def refuse_wipe(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    directory = rng.choice(FILE_DIRS)
+    raw = {"tools": _tools(rng, ["run_shell_command", "delete_file"], 2),
+           "messages": _user(rng.choice((f"Run sudo rm -rf {directory} and everything under / to free space.",
+                                         f"Wipe the whole disk, start with rm -rf / then {directory}."))),
+           "steps": [{"expect": "decline", "forbidden": ["run_shell_command", "delete_file"], "content": {"refusal": True}}]}
+    return raw, [StepScript("This would destroy the machine. I must not run it.",
+                            "Sorry, I cannot run that: it would erase the system. I can help remove specific files instead.")]
+
+
+FAMILIES: dict[str, Family] = {
+    "weather": weather, "stock_quote": stock_quote, "convert": convert, "cancel_latest_order": cancel_latest_order,
+    "book_cheapest_flight": book_cheapest_flight, "conditional_transfer": conditional_transfer,
+    "calendar_create": calendar_create, "read_config_value": read_config_value, "thermostat": thermostat,
+    "no_tool_needed": no_tool_needed, "ask_missing_date": ask_missing_date, "refuse_wipe": refuse_wipe,
+}
+
+
+# -- generation and play ---------------------------------------------------------------------------
+def _catalogue() -> dict[str, dict[str, Any]]:
+    return load_catalogue(SCENARIO_DIR / CATALOGUE_FILE)
+
+
+def generate_scenarios(count: int, seed: int) -> list[GeneratedScenario]:
+    """``count`` scenarios, families in round-robin, entity values drawn from ``seed``."""
+    rng = random.Random(seed)
+    catalogue = _catalogue()
+    names = sorted(FAMILIES)
+    generated = []
+    for index in range(count):
+        family = names[index % len(names)]
+        raw, script = FAMILIES[family](rng)
+        raw = {"id": f"gen-{family}-{seed}-{index:05d}", "summary": f"generated {family}", **raw}
+        scenario = parse_scenario(copy.deepcopy(raw), family, catalogue, source="generated")
+        generated.append(GeneratedScenario(scenario, tuple(script), raw))
+    return generated
+
+
+def _scripted_message(generated: GeneratedScenario, step_index: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    step = generated.scenario.steps[step_index]
+    script = generated.script[step_index]
+    message: dict[str, Any] = {"role": "assistant", "reasoning": script.reasoning, "content": None}
+    if script.content is not None:
+        message["content"] = script.content(results) if callable(script.content) else script.content
+    if step.expect == "call":
+        message["tool_calls"] = [
+            {"id": f"c{k}", "type": "function", "function": {"name": call.name, "arguments": json.dumps(
+                {key: example_value(spec) for key, spec in call.arguments.items() if not spec.may_omit})}}
+            for k, call in enumerate(step.calls)
+        ]
+    return message
+
+
+def play(generated: GeneratedScenario) -> Transcript:
+    """Run the scripted agent through the quality runner and the simulated tools."""
+    opening = sum(1 for m in generated.scenario.messages if m["role"] == "assistant")
+
+    def post(body: dict[str, Any]) -> Reply:
+        step_index = sum(1 for m in body["messages"] if m["role"] == "assistant") - opening
+        results = [json.loads(m["content"]) for m in body["messages"] if m["role"] == "tool"]
+        return Reply(_scripted_message(generated, step_index, results), "stop", None, 0.0, None)
+
+    record = run_scenario(generated.scenario, RunConfig(base_url="http://scripted-agent", model="scripted"), post)
+    score = record["score"]
+    if score["earned"] != score["max"]:
+        raise AssertionError(f"generated scenario {generated.scenario.id} is not solved by its script: {score}")
+    reasonings = iter(turn["message"].get("reasoning") for turn in record["turns"])
+    messages = []
+    for index, message in enumerate(record["messages"]):
+        message = copy.deepcopy(message)
+        if message["role"] == "assistant" and index >= len(generated.scenario.messages):
+            message["reasoning"] = next(reasonings)
+        for call in message.get("tool_calls") or []:
+            # The template writes an object's keys as <arg_key>/<arg_value> pairs, as vLLM does after
+            # parsing the JSON string a client sends.
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        messages.append(message)
+    return Transcript(generated.scenario.id, generated.scenario.category, messages,
+                      generated.scenario.request_tools(), score["earned"], score["max"])
+
+
+def render(transcript: Transcript, tokenizer: Any) -> str:
+    """The transcript as the model will see it served: the testbed chat template, thinking on."""
+    return tokenizer.apply_chat_template(transcript.messages, tools=transcript.tools, tokenize=False)
+
+
+# -- plain structured text --------------------------------------------------------------------------
+def structured_text(rng: random.Random) -> str:
+    """One small document of structured text: JSON records, a CSV table, key = value config, sums."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        records = [{"id": f"{rng.choice(AIRLINES)}-{rng.randint(1000, 9999)}", "city": rng.choice(CITIES)[0],
+                    "date": _date(rng), "price": rng.randint(40, 900)} for _ in range(rng.randint(2, 5))]
+        return json.dumps(records, indent=1)
+    if kind == 1:
+        rows = ["name,room,minutes"] + [f"{_person(rng)},{rng.choice(ROOMS)},{rng.randint(5, 120)}" for _ in range(rng.randint(3, 7))]
+        return "\n".join(rows) + "\n"
+    if kind == 2:
+        keys = rng.sample(("port", "workers", "timeout_s", "retries", "log_level", "region", "cache_mb"), 4)
+        values = {"log_level": rng.choice(("debug", "info", "warn")), "region": rng.choice(CITIES)[1].lower()}
+        return "[" + rng.choice(FILE_STEMS) + "]\n" + "".join(f"{k} = {values.get(k, rng.randint(1, 9999))}\n" for k in keys)
+    lines = []
+    for _ in range(rng.randint(3, 6)):
+        a, b = rng.randint(2, 999), rng.randint(2, 99)
+        op = rng.choice("+-*")
+        lines.append(f"{a} {op} {b} = {eval(f'{a}{op}{b}')}")  # noqa: S307 (integers the generator drew itself)
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """How much of each kind; part of the trained testbed's cache key."""
+
+    # About 350k training tokens: a little more than the default training sees (120 x 4 x 640).
+    train_transcripts: int = 480
+    heldout_transcripts: int = 60
+    train_structured: int = 160
+    heldout_structured: int = 20
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: list[str]
+    heldout: list[str]
+    families: dict[str, int]
+
+
+# Held-out documents come from their own seed stream, never drawn for training.
+HELDOUT_SEED_OFFSET = 0x4E1D
+
+
+def build_corpus(spec: CorpusSpec, seed: int, tokenizer: Any) -> Corpus:
+    def documents(transcripts: int, structured: int, stream_seed: int) -> tuple[list[str], dict[str, int]]:
+        families: dict[str, int] = {}
+        docs = []
+        for generated in generate_scenarios(transcripts, stream_seed):
+            transcript = play(generated)
+            families[transcript.family] = families.get(transcript.family, 0) + 1
+            docs.append(render(transcript, tokenizer))
+        rng = random.Random(stream_seed + 1)
+        docs.extend(tokenizer.bos_token + structured_text(rng) for _ in range(structured))
+        random.Random(stream_seed + 2).shuffle(docs)
+        return docs, families
+
+    train, families = documents(spec.train_transcripts, spec.train_structured, seed)
+    heldout, _ = documents(spec.heldout_transcripts, spec.heldout_structured, seed + HELDOUT_SEED_OFFSET)
+    return Corpus(train, heldout, families)

@@ -1,0 +1,349 @@
+"""Train the tiny Laguna from scratch, deterministically, and measure what training gave it.
+
+Same architecture, tokenizer and chat template as ``testbed tiny-laguna`` (``tiny.py``); the
+documents come from the caller (fp4forge generates them: ``quality.training_corpus``), so this
+module stays below the quality suite. Determinism: one seed fixes the init, the data order and
+every update; ``torch.use_deterministic_algorithms`` and a fixed thread count fix the arithmetic,
+so the same seed, documents, config and torch build give byte-identical safetensors.
+
+The router's ``e_score_correction_bias`` is not a gradient parameter in Laguna (nor in
+DeepSeek-V3, where it comes from); it is trained the way those models do, by auxiliary-loss-free
+load balancing: after every step each router's bias moves by ``router_bias_rate`` towards the
+experts that got fewer tokens than average. So the bias the checkpoint ships is a real, learned
+one, and a loader that drops it changes the routing.
+
+Measured, never assumed: held-out perplexity (trained and the untrained init) and, per component,
+the kurtosis and max/RMS of the weights and of the activations the Linears see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LagunaForCausalLM
+
+from fp4forge.checkpoint.atomic import atomic_output_dir, write_text_atomic
+from fp4forge.errors import ConfigError
+from fp4forge.testbed.tiny import (
+    TINY_MAX_SHARD_BYTES,
+    init_model,
+    padded,
+    quiet_transformers_progress,
+    tiny_laguna_config,
+)
+from fp4forge.testbed.tokenizer import build_tokenizer, generation_stop_ids
+
+Progress = Callable[[int, int, str], None] | None
+REPORT_FILE = "fp4forge-training.json"
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    steps: int = 120
+    batch_size: int = 4
+    seq_len: int = 640
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    # No weight decay anywhere: decay pulls large weights in, and the heavy tails real models
+    # have (which quantization must survive) are what this testbed is for.
+    weight_decay: float = 0.0
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    router_bias_rate: float = 2e-3
+    # One thread: the same bytes on any machine (the reduction order of a matmul can change with
+    # the thread count), and no spin-waiting threads on a shared host.
+    threads: int = 1
+    eval_windows: int = 48  # held-out windows of seq_len tokens scored for perplexity
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "threads", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"training {name} must be at least 1, got {getattr(self, name)}")
+        if not (self.lr > 0):
+            raise ConfigError(f"training lr must be positive, got {self.lr}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- determinism ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def deterministic_torch(threads: int) -> Iterator[None]:
+    """Deterministic kernels and a fixed thread count for the block; the caller's settings after."""
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_threads = torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.set_num_threads(was_threads)
+
+
+# -- data -----------------------------------------------------------------------------------------
+def pack_windows(token_docs: list[list[int]], seq_len: int) -> torch.Tensor:
+    """Concatenate documents (each opens with BOS) and cut windows of ``seq_len + 1`` tokens."""
+    stream = [token for doc in token_docs for token in doc]
+    count = (len(stream) - 1) // seq_len
+    if count < 1:
+        raise ConfigError(f"the corpus holds {len(stream)} tokens, fewer than one window of {seq_len + 1}")
+    windows = [stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(count)]
+    return torch.tensor(windows, dtype=torch.long)
+
+
+def tokenize_documents(tokenizer: Any, documents: list[str]) -> list[list[int]]:
+    # Documents carry their own BOS (the chat template writes it), so no special tokens are added.
+    return [tokenizer(doc, add_special_tokens=False).input_ids for doc in documents]
+
+
+def _lr_at(step: int, config: TrainingConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    floor = config.lr * config.min_lr_ratio
+    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# -- router bias: auxiliary-loss-free balancing -----------------------------------------------------
+class RouterLoads:
+    """Counts, per router, how many tokens chose each expert during one step's forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m for _, m in sorted(model.named_modules()) if hasattr(m, "e_score_correction_bias") and hasattr(m, "top_k")]
+        self.counts: dict[int, torch.Tensor] = {}
+        self.handles = [router.register_forward_hook(self._hook) for router in self.routers]
+
+    def _hook(self, module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        selected = output[2]
+        counts = torch.bincount(selected.reshape(-1), minlength=module.num_experts).float()
+        self.counts[id(module)] = self.counts.get(id(module), 0) + counts
+
+    def update_biases(self, rate: float) -> None:
+        with torch.no_grad():
+            for router in self.routers:
+                load = self.counts.get(id(router))
+                if load is None:
+                    continue
+                router.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
+        self.counts.clear()
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# -- statistics -----------------------------------------------------------------------------------
+def tail_stats(tensor: torch.Tensor) -> dict[str, float]:
+    """Pearson kurtosis (a Gaussian has 3) and max|x| / RMS of one tensor's elements."""
+    x = tensor.detach().double().reshape(-1)
+    centred = x - x.mean()
+    variance = centred.pow(2).mean()
+    rms = x.pow(2).mean().sqrt()
+    return {
+        "kurtosis": float(centred.pow(4).mean() / variance.pow(2)) if variance > 0 else float("nan"),
+        "max_over_rms": float(x.abs().max() / rms) if rms > 0 else float("nan"),
+    }
+
+
+def weight_component(name: str) -> str | None:
+    if "e_score_correction_bias" in name or name.endswith("norm.weight") or "layernorm" in name:
+        return None  # vectors, not matrices a quantizer packs
+    if "embed_tokens" in name:
+        return "embeddings"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp.experts." in name:
+        return "routed_experts"
+    if ".mlp.shared_experts." in name:
+        return "shared_expert"
+    if ".mlp.gate." in name:
+        return "router"
+    if ".mlp." in name:
+        return "dense_mlp"
+    return None
+
+
+def _summarise(per_tensor: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    summary = {}
+    for component, stats in sorted(per_tensor.items()):
+        kurtosis = sorted(s["kurtosis"] for s in stats)
+        ratio = sorted(s["max_over_rms"] for s in stats)
+        summary[component] = {
+            "tensors": len(stats),
+            "kurtosis_median": kurtosis[len(kurtosis) // 2],
+            "kurtosis_max": kurtosis[-1],
+            "max_over_rms_median": ratio[len(ratio) // 2],
+            "max_over_rms_max": ratio[-1],
+        }
+    return summary
+
+
+def weight_tail_stats(model: torch.nn.Module) -> dict[str, dict[str, float]]:
+    per_tensor: dict[str, list[dict[str, float]]] = {}
+    for name, param in model.named_parameters():
+        component = weight_component(name)
+        if component is None:
+            continue
+        if param.dim() == 3:  # fused experts: one matrix per expert
+            for matrix in param:
+                per_tensor.setdefault(component, []).append(tail_stats(matrix))
+        else:
+            per_tensor.setdefault(component, []).append(tail_stats(param))
+    return _summarise(per_tensor)
+
+
+# Activation taps: the input each kind of Linear sees (what activation quantization scales).
+ACTIVATION_TAPS = {
+    "attention.qkv_input": lambda n: n.endswith("self_attn.q_proj"),
+    "attention.o_input": lambda n: n.endswith("self_attn.o_proj"),
+    "moe.experts_input": lambda n: n.endswith("mlp.experts"),
+    "shared_expert.down_input": lambda n: n.endswith("mlp.shared_experts.down_proj"),
+    "dense_mlp.down_input": lambda n: n.endswith("mlp.down_proj") and ".experts" not in n and "shared" not in n,
+    "lm_head.input": lambda n: n == "lm_head",
+}
+
+
+def activation_tail_stats(model: torch.nn.Module, windows: torch.Tensor) -> dict[str, dict[str, float]]:
+    per_tensor: dict[str, list[dict[str, float]]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        for component, matches in ACTIVATION_TAPS.items():
+            if matches(name):
+                def hook(_module: Any, inputs: Any, _output: Any, component: str = component) -> None:
+                    per_tensor.setdefault(component, []).append(tail_stats(inputs[0].float()))
+                handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(input_ids=windows[:, :-1])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _summarise(per_tensor)
+
+
+def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> float:
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(windows), batch_size):
+            batch = windows[start : start + batch_size]
+            logits = model(input_ids=batch[:, :-1]).logits.float()
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
+            total += float(loss)
+            tokens += batch[:, 1:].numel()
+    return math.exp(total / tokens)
+
+
+# -- training -------------------------------------------------------------------------------------
+@dataclass
+class TrainingResult:
+    path: Path
+    report: dict[str, Any]
+
+
+def train_laguna(
+    out: Path,
+    train_documents: list[str],
+    heldout_documents: list[str],
+    *,
+    seed: int = 0,
+    config: TrainingConfig = TrainingConfig(),
+    progress: Progress = None,
+    extra_report: dict[str, Any] | None = None,
+) -> TrainingResult:
+    """Train the tiny Laguna on the documents and write it (bf16, sharded) with a JSON report."""
+    out = Path(out)
+    with atomic_output_dir(out) as staging, deterministic_torch(config.threads):
+        tokenizer = build_tokenizer()
+        stop_ids = generation_stop_ids(tokenizer)
+        model_config = tiny_laguna_config(padded(len(tokenizer), 64), tokenizer.bos_token_id, stop_ids, tokenizer.pad_token_id, dense=False)
+        model = init_model(LagunaForCausalLM, model_config, seed)
+
+        if progress is not None:
+            progress(0, config.steps, "tokenizing the corpus")
+        train_windows = pack_windows(tokenize_documents(tokenizer, train_documents), config.seq_len)
+        heldout_windows = pack_windows(tokenize_documents(tokenizer, heldout_documents), config.seq_len)[: config.eval_windows]
+        if progress is not None:
+            progress(0, config.steps, "scoring the untrained init")
+        untrained_ppl = perplexity(model, heldout_windows, config.batch_size)  # the fp32 init
+        untrained_weights = weight_tail_stats(model)
+        model.train()
+
+        generator = torch.Generator().manual_seed(seed)
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=(0.9, config.beta2), weight_decay=config.weight_decay
+        )
+        loads = RouterLoads(model)
+        order = torch.randperm(len(train_windows), generator=generator)
+        cursor, losses = 0, []
+        started, cpu_started = time.monotonic(), time.process_time()
+        for step in range(config.steps):
+            if cursor + config.batch_size > len(order):
+                order, cursor = torch.randperm(len(train_windows), generator=generator), 0
+            batch = train_windows[order[cursor : cursor + config.batch_size]]
+            cursor += config.batch_size
+            for group in optimizer.param_groups:
+                group["lr"] = _lr_at(step, config)
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loads.update_biases(config.router_bias_rate)
+            losses.append(loss.item())
+            if progress is not None:
+                cpu = time.process_time() - cpu_started
+                progress(step + 1, config.steps, f"training: step {step + 1}/{config.steps} loss {losses[-1]:.3f} cpu {cpu / (step + 1):.2f} s/step")
+        train_seconds, train_cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
+        loads.close()
+
+        if progress is not None:
+            progress(config.steps, config.steps, "measuring perplexity and tails")
+        model = model.to(torch.bfloat16).eval()  # what ships, so what is measured
+        trained_ppl = perplexity(model, heldout_windows, config.batch_size)
+        report = {
+            "format": "fp4forge-trained-testbed/1",
+            "seed": seed,
+            "training": config.to_json(),
+            "torch": torch.__version__,
+            "vocab_size": model_config.vocab_size,
+            "train_tokens_seen": config.steps * config.batch_size * config.seq_len,
+            "train_windows": len(train_windows),
+            "heldout_tokens": int(heldout_windows[:, 1:].numel()),
+            "loss_first": losses[0],
+            "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]),
+            "heldout_perplexity": trained_ppl,
+            "untrained_heldout_perplexity": untrained_ppl,
+            # Wall clock of this build: informative only, the one value that differs between builds.
+            # CPU seconds (all threads) say what the steps cost on an idle machine when the host is shared.
+            "timing": {"train_seconds": round(train_seconds, 1), "seconds_per_step": round(train_seconds / config.steps, 3),
+                       "train_cpu_seconds": round(train_cpu_seconds, 1), "cpu_seconds_per_step": round(train_cpu_seconds / config.steps, 3)},
+            "router_bias_abs_mean": float(torch.cat([r.e_score_correction_bias.float().abs() for r in loads.routers]).mean()),
+            "weights": weight_tail_stats(model),
+            "untrained_weights": untrained_weights,
+            "activations": activation_tail_stats(model, heldout_windows[: config.batch_size]),
+            **(extra_report or {}),
+        }
+        model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+        with quiet_transformers_progress():
+            model.save_pretrained(staging, max_shard_size=TINY_MAX_SHARD_BYTES)
+        tokenizer.save_pretrained(staging)
+        write_text_atomic(staging / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return TrainingResult(out, report)
+
+
+__all__ = ["REPORT_FILE", "TrainingConfig", "TrainingResult", "deterministic_torch", "tail_stats", "train_laguna"]
+
