@@ -45,6 +45,9 @@ VERSION_PATH = "/version"
 METRICS_PATH = "/metrics"
 HEALTH_PATH = "/health"
 LOOPBACK_HOST = "127.0.0.1"
+# The base URL of a run played without any server (a scripted agent answers): never contacted;
+# ".invalid" cannot resolve (RFC 6761).
+NO_SERVER_URL = "http://no-server.invalid"
 
 GenerationKind = Literal["completions", "chat"]
 GENERATION_PATHS: dict[str, str] = {"completions": COMPLETIONS_PATH, "chat": CHAT_PATH}
