@@ -30,7 +30,7 @@ def main() -> None:
     config = json.loads(Path(args.config).read_text())
     report = run_gemm_bench(
         projection_shapes(config), m_values=[int(m) for m in args.m.split(",")], device=args.device,
-        samples=args.samples, inner=args.inner, progress=lambda s: print(s, file=sys.stderr, flush=True),
+        samples=args.samples, inner=args.inner, progress=lambda done, total, s: print(f"[{done}/{total}] {s}", file=sys.stderr, flush=True),
     )
     data = report.to_json()
     data["config"] = args.config
