@@ -10,10 +10,11 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo vllm test test-fast clean
 
-$(BIN)/.fp4forge-ready: pyproject.toml
+# pyproject.toml states version ranges; constraints.txt pins the versions the tests run on.
+$(BIN)/.fp4forge-ready: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test]' -c constraints.txt
 	touch $@
 
 install: $(BIN)/.fp4forge-ready
