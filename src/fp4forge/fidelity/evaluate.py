@@ -101,9 +101,9 @@ class FidelityOptions:
 
     def check(self) -> None:
         if self.numerics not in NUMERICS:
-            raise ConfigError(f"--numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}", option="numerics")
         if self.moe_input_scale not in MOE_INPUT_SCALES:
-            raise ConfigError(f"--moe-input-scale must be one of {', '.join(MOE_INPUT_SCALES)}, got {self.moe_input_scale!r}")
+            raise ConfigError(f"MoE input scale must be one of {', '.join(MOE_INPUT_SCALES)}, got {self.moe_input_scale!r}", option="moe_input_scale")
 
 
 # -- activation fake-quantization ------------------------------------------------------------------

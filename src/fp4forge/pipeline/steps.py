@@ -283,11 +283,17 @@ def run_diff(ctx: Context) -> dict[str, Any]:
 def run_fidelity(ctx: Context) -> dict[str, Any]:
     from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
 
+    from fp4forge.serve.recommend import target_numerics
+
     o = ctx.options
+    # The MoE input-scale reduction the target's backend applies (one global max, or per expert):
+    # fidelity measures the numerics the serve line will run, and says which.
+    served = target_numerics(o.hardware, weight_only=o.fidelity_numerics == "w4a16")
     options = FidelityOptions(numerics=o.fidelity_numerics, samples=o.fidelity_samples, seq_len=o.fidelity_seq_len,
-                              text_files=o.fidelity_text)
+                              text_files=o.fidelity_text, moe_input_scale=served.fidelity_options()["moe_input_scale"])
     doc = evaluate(ctx.src, ctx.out, options, progress=ctx.progress).to_json()
     doc["student"] = "."
+    doc["served_numerics"] = {**served.to_json(), "describe": served.describe()}
     write_json(ctx.report("fidelity.json"), doc)
     return {"kl_mean": doc["metrics"]["kl"]["mean"], "top1": doc["metrics"]["top1_agreement"]}
 
@@ -468,7 +474,7 @@ STEPS: tuple[Step, ...] = (
     Step("diff", "diff against the sibling", run_diff, ("reports/diff.json",), ("checkpoint", "sibling"),
          off=lambda o: None if o.sibling else "no --sibling given"),
     Step("fidelity", "fidelity against the BF16 teacher", run_fidelity, ("reports/fidelity.json",), ("src", "checkpoint"),
-         ("fidelity_samples", "fidelity_seq_len", "fidelity_numerics", "fidelity_text")),
+         ("fidelity_samples", "fidelity_seq_len", "fidelity_numerics", "fidelity_text", "hardware")),
     Step("serve-cmd", "the serve line for the target hardware", run_serve_cmd, ("reports/serve-cmd.json",), ("checkpoint",),
          ("hardware", "vllm_version")),
     Step("serve", "serve it here (vLLM) and read the log", run_serve, ("reports/serve.json", "reports/serve.log"),

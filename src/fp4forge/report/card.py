@@ -345,7 +345,10 @@ def fidelity_section(ctx: CardContext) -> list[str]:
     if vocab and m["perplexity"]["teacher"] > UNTRAINED_PERPLEXITY_SHARE * vocab:
         ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
                               "the base model is untrained (a testbed). Its quality scores and KL say nothing about a real model.")
-    lines = [f"`fp4forge fidelity`, numerics `{doc['numerics']}`, {_int(m['positions'])} positions of "
+    served = doc.get("served_numerics")
+    moe = (f"MoE input scales `{doc['moe_input_scale']}`, the serve target's: {served['describe']}" if served
+           else f"MoE input scales `{doc.get('moe_input_scale', 'global-max')}`")
+    lines = [f"`fp4forge fidelity`, numerics `{doc['numerics']}`, {moe}; {_int(m['positions'])} positions of "
              f"{', '.join(doc['data']['sources'])} ({doc['data']['samples']} × {doc['data']['seq_len']} tokens); KV cache: {doc['kv_cache']}.", ""]
     lines += table(["metric", "value"], [
         ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4)],
