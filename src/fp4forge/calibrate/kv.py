@@ -36,7 +36,7 @@ import torch
 from fp4forge.checkpoint.atomic import StagedFiles, atomic_output_dir, staged_files
 from fp4forge.checkpoint.declarations import CT, MODELOPT, read_declaration
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, KV_SCALES_SAFETENSORS, PROVENANCE_JSON, natural_key
-from fp4forge.checkpoint.quantized import attention_layers, kv_layout
+from fp4forge.checkpoint.quantized import attention_layers, find_kv_scale_names, kv_layout
 from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
 from fp4forge.checkpoint.tensor_file import write_tensors
@@ -80,19 +80,9 @@ def scales_from_stats(path: str | Path, layers: list[str], *, per_head: bool = F
 
 
 def find_scale_tensors(ckpt: Checkpoint, layers: list[str]) -> tuple[str | None, dict[str, dict[str, str]]]:
-    """(layout whose names the KV scales use, {layer: {role: tensor name}}) — the layout with the
-    most names present; (None, {}) when there are none."""
-    present = {info.name for _, info in ckpt.tensors()}
-    best: tuple[str | None, dict[str, dict[str, str]]] = (None, {})
-    for layout in LAYOUTS:
-        found: dict[str, dict[str, str]] = {}
-        for layer in layers:
-            names = {role: spec.name for role, spec in kv_role_names(layout, layer).items() if spec.name in present}
-            if names:
-                found[layer] = names
-        if sum(map(len, found.values())) > sum(map(len, best[1].values())):
-            best = (layout, found)
-    return best
+    """(layout whose names the KV scales use, {layer: {role: tensor name}}): the checkpoint's side
+    of :func:`fp4forge.checkpoint.quantized.find_kv_scale_names`."""
+    return find_kv_scale_names({info.name for _, info in ckpt.tensors()}, layers)
 
 
 def scales_from_checkpoint(ckpt: Checkpoint) -> tuple[str, KvScales]:
