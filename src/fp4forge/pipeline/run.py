@@ -171,6 +171,14 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
         manifest.status = COMPLETE
         manifest.finished = time.time()
         return manifest
+    except KeyboardInterrupt:
+        # A Ctrl-C between a step's "running" record reaching disk and its handler above (or in
+        # on_event) interrupts that step all the same: the manifest must say so, not "pending".
+        for record in manifest.steps.values():
+            if record.status == "running":
+                record.status, record.message = INTERRUPTED, "interrupted (Ctrl-C); a re-run resumes here"
+        manifest.status = INTERRUPTED
+        raise
     finally:
         ctx.stop_servers()
         if manifest.status == COMPLETE:
