@@ -16,7 +16,7 @@ from importlib import resources
 
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.findings import Issue, natural_key
-from fp4forge.checkpoint.declarations import Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.declarations import QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import split_suffix
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
@@ -41,7 +41,7 @@ def run(ctx: AuditContext) -> list[Issue]:
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
         if ctx.layout is not None and ctx.tensor_format is not None:
             resolution = resolve(decl, list(ctx.linear_modules))
-            issues += target_issues(resolution)
+            issues += target_issues(ctx, decl, resolution)
             issues += fused_ignore_issues(ctx, resolution)
             issues += scheme_issues(ctx, resolution)
             issues += fused_scale_issues(ctx, resolution)
@@ -80,9 +80,15 @@ def undeclared_quantization_issues(ctx: AuditContext) -> list[Issue]:
     return issues
 
 
-def target_issues(resolution: Resolution) -> list[Issue]:
+def target_issues(ctx: AuditContext, decl: QuantDeclaration, resolution: Resolution) -> list[Issue]:
     issues = [issue("target-matches-nothing", "config-group targets that match no Linear", f"{group}: {target}") for group, target in resolution.unmatched_targets]
-    issues += [issue("target-matches-nothing", "ignore entries that match no Linear", pattern) for pattern in resolution.unmatched_ignores]
+    # An ignore entry may name any real module, not only a Linear: llm-compressor's data-free path
+    # lists `model.embed_tokens`, ModelOpt's exclude_modules lists norms. Only names that match no
+    # module of the checkpoint at all are noise worth a warning.
+    modules = {name.rpartition(".")[0] for name in ctx.tensors}
+    exact = {p for p in resolution.unmatched_ignores if p in modules}
+    nowhere = [p for p in resolution.unmatched_ignores if p not in exact and not any(decl.matcher(p, m) for m in modules)]
+    issues += [issue("target-matches-nothing", "ignore entries that match no module", pattern) for pattern in nowhere]
     return issues
 
 
