@@ -181,6 +181,20 @@ def test_target_and_ignore_that_match_nothing(ct: Path) -> None:
     assert "shared_mlp" in finding(report, "target-matches-nothing").message
 
 
+def test_group_format_string_that_disagrees_with_its_scheme(ct: Path) -> None:
+    # FP8 arguments under nvfp4-pack-quantized: compressed-tensors would pick the NVFP4 decompressor
+    def relabel(d):
+        group = qc(d)["config_groups"]["group_0"]
+        group["weights"] = {**group["weights"], "num_bits": 8, "type": "float", "strategy": "tensor", "group_size": None}
+        group["input_activations"] = {**(group.get("input_activations") or {}), "num_bits": 8, "type": "float", "strategy": "tensor", "group_size": None, "dynamic": False}
+        group["format"] = "nvfp4-pack-quantized"
+
+    patch_json(ct / "config.json", relabel)
+    report = audit(ct)
+    assert "quant-config-invalid" in rules(report, "error")
+    assert "disagrees with its fp8 arguments" in finding(report, "quant-config-invalid").message
+
+
 def test_ignore_entries_naming_real_non_linear_modules_are_not_noise(ct: Path) -> None:
     # llm-compressor's data-free path ignores model.embed_tokens; ModelOpt exports exclude norms:
     # real modules that are not Linears. Only an entry naming no module at all is worth a warning.

@@ -162,7 +162,13 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
             targets = [targets]
         problems.extend(_ct_group_problems(name, group))
         scheme = _ct_scheme(group["weights"], group.get("input_activations"))
-        description = f"{name} ({group.get('format') or qc.get('format') or 'format?'})"
+        fmt = group.get("format") or qc.get("format")
+        # "mixed-precision" at the top says only that the groups differ: each group's own string counts
+        if scheme is not None and fmt not in (None, "mixed-precision", CT_FORMATS[scheme]):
+            # compressed-tensors picks the decompressor by this string, not by the arguments
+            problems.append(f"config group {name!r}: format {fmt!r} disagrees with its {scheme} arguments "
+                            f"(compressed-tensors decompresses {scheme} as {CT_FORMATS[scheme]!r})")
+        description = f"{name} ({fmt or 'format?'})"
         if scheme is None:
             unsupported.append(description)
         groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description))
