@@ -181,6 +181,20 @@ def test_target_and_ignore_that_match_nothing(ct: Path) -> None:
     assert "shared_mlp" in finding(report, "target-matches-nothing").message
 
 
+def test_modelopt_config_json_declaring_kv_only_as_kv_cache_quant_algo(modelopt: Path) -> None:
+    # vLLM's ModelOpt config parser takes the KV method from kv_cache_scheme alone in config.json:
+    # with only kv_cache_quant_algo the cache is FP8 and the calibrated scales are never loaded
+    def algo_only(d):
+        quant = qc(d)
+        quant.pop("kv_cache_scheme", None)
+        quant["kv_cache_quant_algo"] = "FP8"
+
+    patch_json(modelopt / "config.json", algo_only)
+    report = audit(modelopt)
+    assert "quant-config-invalid" in rules(report, "error")
+    assert "only as kv_cache_quant_algo" in finding(report, "quant-config-invalid").message
+
+
 def test_group_format_string_that_disagrees_with_its_scheme(ct: Path) -> None:
     # FP8 arguments under nvfp4-pack-quantized: compressed-tensors would pick the NVFP4 decompressor
     def relabel(d):

@@ -268,6 +268,15 @@ def _modelopt_kv(quant: dict[str, Any], where: str, problems: list[str]) -> KvDe
     if kv is None:
         problems.append(f"kv_cache_quant_algo {algo!r} is unknown to vLLM (it falls back to auto, a BF16 cache)")
         return None
+    if where != HF_QUANT_CONFIG and not isinstance(scheme, str):
+        # vLLM reads the cache dtype from kv_cache_quant_algo in either form, but the config.json
+        # form's quantization method takes its KV method from kv_cache_scheme alone: an FP8 cache
+        # whose k/v scales are never loaded (scale 1.0) (docs/formats.md#kv-cache-dtype-resolution)
+        problems.append(
+            f"{where} declares the KV cache only as kv_cache_quant_algo; vLLM makes the cache {kv.upper()} from it but "
+            "loads k/v scales only for a kv_cache_scheme object here, so every scale is 1.0: add "
+            "kv_cache_scheme {\"dynamic\": false, \"num_bits\": 8, \"type\": \"float\"}"
+        )
     return KvDeclaration(kv, "tensor", False, f"{where} kv_cache_quant_algo")
 
 
