@@ -10,13 +10,13 @@ audited: the reader's error propagates (exit code 2).
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 from fp4forge.audit.engine import AuditContext, issue, iter_raw_chunks, modules_noun
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.index import IndexFile
+from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.checkpoint.layout import UNKNOWN
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint, resolve_source
 from fp4forge.checkpoint.reader import _read_json as read_json  # the reader's own JSON rules (LFS pointers named)
@@ -71,8 +71,8 @@ def _index_document(source, original: IndexFileError) -> dict:
     """The index as JSON; anything short of an object with a weight_map (not JSON, an LFS
     pointer) cannot be audited past, and the reader's own error says why."""
     try:
-        doc = json.loads(source.read(INDEX_FILE).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        doc = load_json(source.read(INDEX_FILE))
+    except JsonTextError:
         raise original from None
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise original

@@ -3,7 +3,6 @@ resolve its shards through the index, read every shard's header, and read tensor
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fp4forge.checkpoint.index import IndexFile, parse_index
+from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.checkpoint.safetensors_format import ShardHeader, TensorInfo
 from fp4forge.checkpoint.source import LocalSource, Source
 from fp4forge.checkpoint.writer import INDEX_FILE, SINGLE_FILE
@@ -103,11 +103,14 @@ def _read_json(source: Source, relpath: str) -> Any | None:
         return None
     raw = source.read(relpath)
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = load_json(raw)
+    except JsonTextError as exc:
         if raw.startswith(b"version https://git-lfs"):
             raise CheckpointError("git-LFS pointer instead of JSON; use a /resolve/ URL", file=source.describe(relpath)) from None
-        raise CheckpointError(f"not valid JSON: {exc}", file=source.describe(relpath)) from None
+        raise CheckpointError(exc.reason, file=source.describe(relpath)) from None
+    if not isinstance(doc, dict):  # config.json, hf_quant_config.json, fp4forge.json are all objects
+        raise CheckpointError(f"not a JSON object (a {type(doc).__name__})", file=source.describe(relpath))
+    return doc
 
 
 def resolve_source(location: str | Path) -> tuple[Source, list[str] | None]:

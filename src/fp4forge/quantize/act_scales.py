@@ -97,7 +97,8 @@ def write_stats(path: str | Path, tensors: dict, metadata: dict) -> Path:
     import tempfile
 
     import torch
-    from safetensors.torch import save_file
+
+    from fp4forge.checkpoint.safetensors_format import encode_header, reference_order
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,11 +106,18 @@ def write_stats(path: str | Path, tensors: dict, metadata: dict) -> Path:
     if bad:
         raise ConfigError(f"statistics tensors must be F32, got others for {bad[:3]}")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
     try:
+        # Encoded here, not by safetensors' save_file: it orders a metadata map of two keys by a
+        # per-process random hash, so two identical calibrations wrote different bytes.
         header = {STATS_MARKER: "1", STATS_METADATA_KEY: json.dumps(metadata, sort_keys=True)}
-        save_file({n: t.detach().clone() for n, t in tensors.items()}, tmp, metadata=header)  # own storage each
+        entries = reference_order([(name, "F32", tuple(t.shape)) for name, t in tensors.items()])
+        prefix, _ = encode_header(entries, header)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(prefix)
+            for name, _, _ in entries:
+                fh.write(tensors[name].detach().contiguous().numpy().tobytes())
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
     return path
+
