@@ -164,7 +164,10 @@ def _header_text_mutation(rng: random.Random, doc: dict) -> tuple[str, str]:
     elif kind == "float-special":
         body = json.dumps(doc)
         needle = json.dumps(entry["shape"])
-        text = body.replace(needle, "[" + rng.choice(["NaN", "Infinity", "-Infinity", "1e400", "4.0", "-0", "4e0", "0x4"]) + "]", 1)
+        special = rng.choice(["NaN", "Infinity", "-Infinity", "1e400", "4.0", "-0", "4e0", "0x4"])
+        text = body.replace(needle, "[" + special + "]", 1)
+        if special == "-0":
+            kind = "negative-zero"
     elif kind == "padding":  # valid: whitespace around the JSON, as writers pad to 8 bytes
         text = rng.choice([" ", "\n", "\t", "\r\n", "        "]) * rng.randint(0, 3) + json.dumps(doc) + " " * rng.randint(0, 9)
     elif kind == "reordered":  # valid: key order carries no meaning
@@ -275,6 +278,16 @@ def mutate_index(rng: random.Random, text: str) -> tuple[bytes, str]:
         doc[rng.choice(["format", "__metadata__", ""])] = rng.choice([1, "x", None, {"a": [1]}])
     return json.dumps(doc).encode(), kind
 
+
+# Shard mutations the safetensors library reads and fp4forge refuses on purpose: a name stored
+# twice (the reference keeps the last; other JSON readers keep the first, so two tools would load
+# different tensors) and an entry with keys beyond dtype/shape/data_offsets (ignored by the
+# reference; fp4forge reads the header as the strict schema it is).
+STRICTER_THAN_REFERENCE = {"header-json/duplicate-key", "header-json/entry-extra-key"}
+# ... and the one it reads where the reference refuses: a dimension spelled ``-0`` (valid JSON for
+# the integer 0; Rust's usize parser refuses the sign). Harmless: the value is 0 either way, and
+# telling it apart would need an int hook on the parse of every header.
+LENIENT_THAN_REFERENCE = {"header-json/negative-zero"}
 
 # Index mutations a reader must refuse (the others may be read; the audit then reports them).
 INDEX_MUST_REFUSE = {
@@ -420,11 +433,11 @@ def fuzz_library_case(target: str, rng: random.Random, template: Path, workdir: 
         record["reference"] = "accepted" if reference is not None else "refused"
         if single_error is None:
             ours = {name: (info.dtype, tuple(info.shape)) for name, info in single.headers[path.name].tensors.items()}
-            if reference is None:
+            if reference is None and label not in LENIENT_THAN_REFERENCE:
                 raise Violation(f"shard mutation {label!r}: fp4forge accepts a file the safetensors library refuses")
-            if ours != reference:
+            if reference is not None and ours != reference:
                 raise Violation(f"shard mutation {label!r}: fp4forge reads {ours} where safetensors reads {reference}")
-        elif reference is not None:
+        elif reference is not None and label not in STRICTER_THAN_REFERENCE:
             raise Violation(f"shard mutation {label!r}: fp4forge refuses a file the safetensors library reads ({single_error})")
         if (strict_error is None) != (single_error is None):
             raise Violation(f"shard mutation {label!r}: the directory and the file disagree ({strict_error} / {single_error})")
@@ -437,4 +450,108 @@ def fuzz_library_case(target: str, rng: random.Random, template: Path, workdir: 
     after = tree_state(workdir)
     if after != before:
         raise Violation(f"{target} mutation {label!r}: files changed: {sorted(set(after.items()) ^ set(before.items()))[:5]}")
+    return record
+
+
+# -- one fuzz case through the command line --------------------------------------------------------
+def run_cli(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """``fp4forge ARGV`` in this process through ``fp4forge.cli.main`` (the console script's entry
+    point), in ``cwd``: (exit code, stdout, stderr). An exception escaping ``main`` is what a user
+    would see as a traceback: it is raised as a :class:`Violation`."""
+    import contextlib
+    import io
+    import sys
+    import traceback
+
+    from fp4forge.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old_argv, old_cwd = sys.argv, os.getcwd()
+    sys.argv = ["fp4forge", *argv]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:  # noqa: BLE001 - the violation under test
+        raise Violation(f"fp4forge {' '.join(argv[:1])}: traceback: {type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc)[-6:])) from exc
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    return code, out.getvalue(), err.getvalue()
+
+
+# Warnings every audit of the tiny Laguna carries (vLLM 0.32's router-bias blind spot): no evidence
+# that the audit noticed the damage.
+QUIET_WARNINGS = {"serving-blind-spot"}
+
+
+def check_cli_outcome(command: str, label: str, code: int, stdout: str, stderr: str, library_refuses: bool) -> None:
+    """The command line's side of the contract (see docs/reliability.md)."""
+    where = f"fp4forge {command} on {label!r}"
+    if "Traceback" in stdout + stderr:
+        raise Violation(f"{where}: printed a traceback: {stderr[-800:]}")
+    allowed = {"bytes": {0, 2}, "audit": {0, 1, 2}}[command]
+    if code not in allowed:
+        raise Violation(f"{where}: exit {code}, expected one of {sorted(allowed)}; stderr {stderr[-400:]!r}")
+    if code == 2:
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        if len(lines) != 1 or not lines[0].startswith("error:"):
+            raise Violation(f"{where}: exit 2 without a one-line 'error:' message: {stderr[-600:]!r}")
+    if command == "audit":
+        doc = json.loads(stdout)  # --json: one document whatever the outcome
+        if code == 2 and "error" not in doc:
+            raise Violation(f"{where}: exit 2 without an error document")
+        if code == 1 and not any(f["severity"] == "error" for f in doc.get("findings", [])):
+            raise Violation(f"{where}: exit 1 without an error finding")
+        noted = [f for f in doc.get("findings", []) if f["severity"] == "warning" and f["rule"] not in QUIET_WARNINGS]
+        if code == 0 and library_refuses and not noted:  # exit 0 is allowed only with a warning that says why
+            raise Violation(f"{where}: exit 0 (a green light, no warning) on a checkpoint the reader refuses")
+    if command == "bytes" and code == 0 and library_refuses:
+        raise Violation(f"{where}: exit 0 on a checkpoint the reader refuses")
+
+
+def fuzz_cli_case(target: str, rng: random.Random, template: Path, workdir: Path, commands: tuple[str, ...] = ("bytes", "audit")) -> dict:
+    """Damage one file of a hard-linked copy of the real checkpoint ``template``; run
+    ``fp4forge bytes --json`` and ``fp4forge audit --json`` on it and check the contract:
+    exit 0/2 (bytes), 0/1/2 (audit) with never 0 on what the reader refuses, a one-line
+    ``error:`` on exit 2, no traceback, nothing written in the checkpoint or the working dir."""
+    import shutil
+
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.errors import Fp4forgeError
+
+    checkpoint = workdir / "checkpoint"
+    cwd = workdir / "cwd"
+    shutil.copytree(template, checkpoint, copy_function=os.link)
+    cwd.mkdir()
+    if target == "shard":
+        path = checkpoint / rng.choice(sorted(p.name for p in template.glob("*.safetensors")))
+        damaged, label = mutate_shard(rng, path.read_bytes())
+    elif target == "index":
+        path = checkpoint / INDEX
+        damaged, label = mutate_index(rng, path.read_text())
+    else:
+        path = checkpoint / "config.json"
+        damaged, label = mutate_config(rng, path.read_text())
+    path.unlink()  # a hard link to the template: replace, never write through it
+    path.write_bytes(damaged)
+    try:
+        open_checkpoint(checkpoint)
+        refuses = False
+    except Fp4forgeError:
+        refuses = True
+    except Exception as exc:  # noqa: BLE001
+        raise Violation(f"open_checkpoint on {target} mutation {label!r}: {type(exc).__name__}: {exc}") from exc
+    before = tree_state(checkpoint, cwd)
+    record = {"target": target, "label": label, "library": "refused" if refuses else "accepted"}
+    for command in commands:
+        code, stdout, stderr = run_cli([command, str(checkpoint), "--json"], cwd)
+        check_cli_outcome(command, f"{target}/{label}", code, stdout, stderr, refuses)
+        record[command] = code
+    after = tree_state(checkpoint, cwd)
+    if after != before:
+        raise Violation(f"{target} mutation {label!r}: the CLI changed files: {sorted(set(after.items()) ^ set(before.items()))[:5]}")
     return record

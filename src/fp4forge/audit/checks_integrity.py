@@ -18,7 +18,7 @@ from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.index import IndexFile
 from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.checkpoint.layout import UNKNOWN
-from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint, resolve_source
+from fp4forge.checkpoint.reader import Checkpoint, check_config_identity, open_checkpoint, resolve_source
 from fp4forge.checkpoint.reader import _read_json as read_json  # the reader's own JSON rules (LFS pointers named)
 from fp4forge.checkpoint.safetensors_format import LENGTH_PREFIX_BYTES, TensorInfo, header_length, parse_header, parse_lfs_pointer
 from fp4forge.checkpoint.source import check_relpath
@@ -93,6 +93,10 @@ def _safe_index(doc: dict) -> tuple[IndexFile, list[Issue]]:
     metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     total = metadata.get("total_size")
     valid_total = type(total) is int and total >= 0
+    if doc.get("metadata") is not None and not isinstance(doc.get("metadata"), dict):
+        issues.append(issue("index-total-size", "metadata.total_size", f"metadata is {doc['metadata']!r}, not an object", file=INDEX_FILE))
+    elif total is not None and not valid_total:
+        issues.append(issue("index-total-size", "metadata.total_size", f"{total!r} is not a non-negative integer", file=INDEX_FILE))
     return IndexFile(weight_map=safe, total_size=total if valid_total else None, metadata=metadata), issues
 
 
@@ -105,6 +109,7 @@ def _open_with_index(source, index: IndexFile) -> Checkpoint:
         except CheckpointError as exc:
             errors[shard] = exc
     config = read_json(source, "config.json")
+    check_config_identity(config, source.describe("config.json"))
     extra = {name: doc for name in EXTRA_JSON if (doc := read_json(source, name)) is not None}
     return Checkpoint(source=source, shard_names=index.shard_names, headers=headers, index=index, config=config, extra_json=extra, shard_errors=errors)
 
@@ -210,7 +215,9 @@ def config_issues(ctx: AuditContext) -> list[Issue]:
         return [issue("config-missing", "config.json", "not found next to the shards")]
     if ctx.layout is None:
         config = ctx.ckpt.config
-        arch = ", ".join(config.get("architectures") or []) or str(config.get("model_type"))
+        architectures = config.get("architectures") or []
+        named = ", ".join(map(str, architectures)) if isinstance(architectures, list) else repr(architectures)
+        arch = named or str(config.get("model_type"))
         return [issue("architecture-unknown", "architecture without a layout", arch, file="config.json")]
     return []
 

@@ -113,6 +113,20 @@ def _read_json(source: Source, relpath: str) -> Any | None:
     return doc
 
 
+def check_config_identity(config: dict[str, Any] | None, shown: str) -> None:
+    """The two keys every consumer reads to pick the architecture must have their types:
+    ``architectures`` a list of class names, ``model_type`` a string (transformers, vLLM and the
+    layout lookup all assume so)."""
+    if config is None:
+        return
+    architectures = config.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        raise CheckpointError(f"architectures must be a list of class names, got {architectures!r}", file=shown)
+    model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"model_type must be a string, got {model_type!r}", file=shown)
+
+
 def resolve_source(location: str | Path) -> tuple[Source, list[str] | None]:
     """Turn a user's argument into a Source (and the shard list, for a single-file path)."""
     text = str(location)
@@ -177,6 +191,7 @@ def open_checkpoint(location: str | Path, *, strict: bool = True) -> Checkpoint:
             headers[shard] = result
 
     config = _read_json(source, "config.json")
+    check_config_identity(config, source.describe("config.json"))
     extra = {}
     for name in ("hf_quant_config.json", "fp4forge.json"):
         doc = _read_json(source, name)
