@@ -1,0 +1,264 @@
+"""kill -9 at random points of fp4forge's long commands, for the reliability suite.
+
+Shared by tests/test_reliability_kill.py (a few kills per command) and
+benchmarks/bench_reliability.py (many). A *chain* starts a command as its own process, SIGKILLs
+it after a seeded random delay, checks what is visible at the destination, starts it again (a
+resume), kills it again, ... and finally lets it finish; the finished output must be byte for byte
+the output of one uninterrupted run (:func:`reference_run`).
+
+What "no partial output visible" means per command (the destination as a user sees it; names
+starting with ``.`` are staging and journals, which are allowed):
+- ``calibrate --out FILE``, ``quantize SRC OUT``: the destination is absent, or complete and
+  identical to the reference;
+- ``kv calibrate STATS --into CKPT`` (updates an existing checkpoint): every visible file is
+  either its old or its final version, the checkpoint reads strictly, and a KV declaration never
+  exists without the scales it declares;
+- ``pipeline SRC OUT``: every visible JSON parses and every visible shard is whole (header and
+  size agree), the calibration statistics file is absent or final, and every artifact the
+  manifest records as done is there with its recorded SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.reliability_support import Violation
+
+RECIPE = "nvfp4-experts-fp8-attn"
+CALIBRATION = ["--samples", "4", "--seq-len", "64", "--batch-size", "2"]
+STATS = "stats.safetensors"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def visible_files(root: Path) -> dict[str, str]:
+    """relative path -> SHA-256 of every file under ``root`` whose path has no ``.``-prefixed part."""
+    if root.is_file():
+        return {root.name: sha256(root)}
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+            out[str(rel)] = sha256(path)
+    return out
+
+
+def hidden_entries(root: Path) -> list[str]:
+    """Staging litter: ``.``-prefixed names under ``root`` (the pipeline's hash cache excepted)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob(".*") if p.name != ".hashes.json")
+
+
+@dataclass
+class KillTarget:
+    """One command under test. ``workdir`` holds everything of one chain."""
+
+    name: str
+    argv: Callable[[Path], list[str]]  # fp4forge arguments
+    destination: Callable[[Path], Path]
+    compared: Callable[[Path], dict[str, str]]  # the final bytes compared with the reference
+    prepare: Callable[[Path], None] = lambda workdir: None
+    check_visible: Callable[[Path, "Reference"], None] = lambda workdir, reference: None
+
+
+@dataclass
+class Reference:
+    seconds: float
+    digests: dict[str, str]
+    before: dict[str, str] = field(default_factory=dict)  # kv: the checkpoint before the command
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join(p for p in [src, os.environ.get("PYTHONPATH", "")] if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _command(target: KillTarget, workdir: Path) -> list[str]:
+    return [sys.executable, "-m", "fp4forge.cli", *target.argv(workdir)]
+
+
+def reference_run(target: KillTarget, workdir: Path) -> Reference:
+    """One uninterrupted run: its duration and the digests every resumed run must reproduce."""
+    target.prepare(workdir)
+    before = visible_files(target.destination(workdir)) if target.destination(workdir).exists() else {}
+    started = time.monotonic()
+    proc = subprocess.run(_command(target, workdir), capture_output=True, text=True, env=_env(), timeout=1800)
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference {target.name} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return Reference(seconds=seconds, digests=target.compared(workdir), before=before)
+
+
+def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: random.Random, kills: int) -> dict:
+    """``kills`` SIGKILLs at seeded random points (a fraction of the reference duration, measured
+    from process start), the destination checked after each; then a run to completion whose
+    output must equal the reference's. Returns what happened (for the figures)."""
+    target.prepare(workdir)
+    record: dict = {"command": target.name, "delays_s": [], "killed": 0, "finished_before_kill": 0, "staging_seen": 0}
+    for _ in range(kills):
+        delay = rng.uniform(0.05, 1.0) * reference.seconds
+        record["delays_s"].append(round(delay, 2))
+        proc = subprocess.Popen(_command(target, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=delay)
+            if proc.returncode != 0:
+                raise Violation(f"{target.name}: a resumed run failed (exit {proc.returncode}): {stderr[-1500:]!r}")
+            record["finished_before_kill"] += 1
+            break  # finished: nothing left to interrupt in this chain
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            record["killed"] += 1
+        if hidden_entries(workdir):
+            record["staging_seen"] += 1
+        try:
+            target.check_visible(workdir, reference)
+        except Violation as exc:
+            raise Violation(f"{target.name}, after a SIGKILL {delay:.1f} s in: {exc}") from None
+    done = subprocess.run(_command(target, workdir), capture_output=True, text=True, env=_env(), timeout=1800)
+    if done.returncode != 0:
+        raise Violation(f"{target.name}: the run after {record['killed']} kills failed (exit {done.returncode}): {done.stderr[-1500:]}")
+    final = target.compared(workdir)
+    if final != reference.digests:
+        differing = sorted(k for k in set(final) | set(reference.digests) if final.get(k) != reference.digests.get(k))
+        raise Violation(f"{target.name}: after {record['killed']} kills the output differs from an uninterrupted run in {differing}")
+    record["litter"] = hidden_entries(workdir)
+    return record
+
+
+# -- the four commands --------------------------------------------------------------------------
+def _absent_or_final(path: Path, reference: Reference) -> None:
+    if path.exists() and visible_files(path) != reference.digests:
+        raise Violation(f"{path.name} is visible but not the complete final output")
+
+
+def calibrate_target(src: Path) -> KillTarget:
+    return KillTarget(
+        name="calibrate",
+        argv=lambda w: ["calibrate", str(src), "--out", str(w / STATS), *CALIBRATION, "--json"],
+        destination=lambda w: w / STATS,
+        compared=lambda w: visible_files(w / STATS),
+        check_visible=lambda w, ref: _absent_or_final(w / STATS, ref),
+    )
+
+
+def quantize_target(src: Path) -> KillTarget:
+    return KillTarget(
+        name="quantize",
+        argv=lambda w: ["quantize", str(src), str(w / "out"), "--recipe", RECIPE, "--act-scales", "constant:8", "--json"],
+        destination=lambda w: w / "out",
+        compared=lambda w: visible_files(w / "out"),
+        check_visible=lambda w, ref: _absent_or_final(w / "out", ref),
+    )
+
+
+def _check_kv_install(workdir: Path, reference: Reference) -> None:
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.errors import Fp4forgeError
+
+    ckpt_dir = workdir / "ckpt"
+    now = visible_files(ckpt_dir)
+    for rel, digest in now.items():
+        if digest not in (reference.before.get(rel), reference.digests.get(rel)):
+            raise Violation(f"{rel} is neither its old nor its final version")
+    for rel in reference.before:
+        if rel not in now:
+            raise Violation(f"{rel} disappeared")
+    try:
+        ckpt = open_checkpoint(ckpt_dir)
+    except Fp4forgeError as exc:
+        raise Violation(f"the checkpoint does not read: {exc}") from None
+    declared = isinstance(ckpt.config, dict) and "kv_cache_scheme" in (ckpt.config.get("quantization_config") or {})
+    stored = {info.name for _, info in ckpt.tensors() if info.name.endswith(("k_scale", "v_scale"))}
+    if declared and not stored:
+        raise Violation("config.json declares an FP8 KV cache but no k/v scales are stored (vLLM would run it at scale 1.0)")
+
+
+def kv_target(stats: Path, quantized: Path) -> KillTarget:
+    def prepare(workdir: Path) -> None:
+        shutil.copytree(quantized, workdir / "ckpt")
+
+    return KillTarget(
+        name="kv calibrate",
+        argv=lambda w: ["kv", "calibrate", str(stats), "--into", str(w / "ckpt"), "--json"],
+        destination=lambda w: w / "ckpt",
+        compared=lambda w: visible_files(w / "ckpt"),
+        prepare=prepare,
+        check_visible=_check_kv_install,
+    )
+
+
+PIPELINE_OPTIONS = ["--recipe", RECIPE, "--calib-samples", "4", "--calib-seq-len", "64", "--fidelity-samples", "2", "--fidelity-seq-len", "64"]
+
+
+def _pipeline_compared(workdir: Path) -> dict[str, str]:
+    """The exported checkpoint (every file at OUT's top level) and the calibration statistics."""
+    out = workdir / "out"
+    files = {k: v for k, v in visible_files(out).items() if "/" not in k}
+    stats = out / "reports" / "calibration-stats.safetensors"
+    if stats.is_file():
+        files["reports/calibration-stats.safetensors"] = sha256(stats)
+    return files
+
+
+def _check_pipeline(workdir: Path, reference: Reference) -> None:
+    from fp4forge.checkpoint.safetensors_format import LENGTH_PREFIX_BYTES, header_length, parse_header
+    from fp4forge.checkpoint.source import check_file_size
+    from fp4forge.errors import Fp4forgeError
+
+    out = workdir / "out"
+    if not out.exists():
+        return
+    for rel in visible_files(out):
+        path = out / rel
+        if rel.endswith(".json"):
+            try:
+                json.loads(path.read_text())
+            except ValueError as exc:
+                raise Violation(f"{rel} is not whole JSON: {exc}") from None
+        elif rel.endswith(".safetensors"):
+            data = path.read_bytes()
+            try:
+                length = header_length(data[:1024], source=rel, file_size=len(data))
+                check_file_size(parse_header(data[LENGTH_PREFIX_BYTES : LENGTH_PREFIX_BYTES + length], source=rel), len(data))
+            except Fp4forgeError as exc:
+                raise Violation(f"{rel} is not a whole shard: {exc}") from None
+    stats = out / "reports" / "calibration-stats.safetensors"
+    if stats.exists() and sha256(stats) != reference.digests["reports/calibration-stats.safetensors"]:
+        raise Violation("the calibration statistics are visible but not final")
+    manifest = out / "reports" / "pipeline.json"
+    if manifest.exists():
+        for step in json.loads(manifest.read_text()).get("steps", []):
+            if step.get("status") != "done":
+                continue
+            for rel, digest in (step.get("artifacts") or {}).items():
+                path = out / rel
+                if rel == "." or not path.is_file():  # "." is a tree hash of OUT, which later steps extend
+                    if rel != "." and not path.exists():
+                        raise Violation(f"the manifest records {step['name']} done but its artifact {rel} is missing")
+                    continue
+                if sha256(path) != digest:
+                    raise Violation(f"the manifest records {step['name']} done but {rel} does not have its recorded SHA-256")
+
+
+def pipeline_target(src: Path) -> KillTarget:
+    return KillTarget(
+        name="pipeline",
+        argv=lambda w: ["pipeline", str(src), str(w / "out"), *PIPELINE_OPTIONS, "--json"],
+        destination=lambda w: w / "out",
+        compared=_pipeline_compared,
+        check_visible=_check_pipeline,
+    )
