@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from pathlib import Path
 from tests.reliability_support import Violation
 
 RECIPE = "nvfp4-experts-fp8-attn"
+KV_BASE_RECIPE = "nvfp4-experts"  # no KV cache scheme: what `kv calibrate --into` adds scales to
 CALIBRATION = ["--samples", "4", "--seq-len", "64", "--batch-size", "2"]
 STATS = "stats.safetensors"
 
@@ -128,7 +130,10 @@ def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: ran
             target.check_visible(workdir, reference)
         except Violation as exc:
             raise Violation(f"{target.name}, after a SIGKILL {delay:.1f} s in: {exc}") from None
-    done = subprocess.run(_command(target, workdir), capture_output=True, text=True, env=_env(), timeout=1800)
+    if record["finished_before_kill"]:  # the last run completed: its output is the one to compare
+        done = subprocess.CompletedProcess([], 0, "", "")
+    else:
+        done = subprocess.run(_command(target, workdir), capture_output=True, text=True, env=_env(), timeout=1800)
     if done.returncode != 0:
         raise Violation(f"{target.name}: the run after {record['killed']} kills failed (exit {done.returncode}): {done.stderr[-1500:]}")
     final = target.compared(workdir)
@@ -262,3 +267,79 @@ def pipeline_target(src: Path) -> KillTarget:
         compared=_pipeline_compared,
         check_visible=_check_pipeline,
     )
+
+
+# -- a bench whose server dies -------------------------------------------------------------------
+FAKE_SERVER_SCRIPT = Path(__file__).with_name("test_bench_client.py")
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """Complete lines only (a line being written has no newline yet)."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    return text.splitlines()[: text.count("\n")]
+
+
+def bench_kill_case(rng: random.Random, workdir: Path) -> dict:
+    """``fp4forge bench perf`` against the fake OpenAI server (tests/test_bench_client.py --serve),
+    the server SIGKILLed after a random number of finished samples. The bench must exit 3 with no
+    traceback, say how many requests it finished and kept, keep every sample line written before
+    the kill unchanged, leave only whole lines, and summarise the run as aborted."""
+    from fp4forge.serve import pick_free_port
+
+    kill_after = rng.randint(1, 40)
+    port = pick_free_port()
+    server = subprocess.Popen([sys.executable, str(FAKE_SERVER_SCRIPT), "--serve", "--port", str(port), "--ttft", "0.01", "--token-gap", "0.005"],
+                              stdout=subprocess.PIPE, text=True, env=_env())
+    out = workdir / "bench"
+    try:
+        if not server.stdout.readline().startswith("READY"):
+            raise RuntimeError("the fake server did not start")
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "fp4forge.cli", "bench", "perf", "--url", f"http://127.0.0.1:{port}", "--model", "normal",
+             "--out", str(out), "--prompt-tokens", "16,32", "--output-tokens", "8", "--warmups", "0", "--samples", "500", "--no-plots"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**_env(), "COLUMNS": "200"},
+        )
+        samples_file = out / "samples.jsonl"
+        deadline = time.monotonic() + 120
+        while len(_complete_lines(samples_file)) < kill_after:
+            if bench.poll() is not None:
+                raise Violation(f"the bench ended before the kill: {bench.communicate()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {kill_after} samples within 120 s")
+            time.sleep(0.01)
+        os.kill(server.pid, signal.SIGKILL)
+        finished_at_kill = _complete_lines(samples_file)
+        server.wait(10)
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait(10)
+
+    where = f"bench killed after {kill_after} samples"
+    if bench.returncode != 3:  # ExitCode.ABORTED
+        raise Violation(f"{where}: exit {bench.returncode}, expected 3: {stderr[-800:]!r}")
+    if "Traceback" in stderr:
+        raise Violation(f"{where}: traceback: {stderr[-800:]}")
+    message = " ".join(stderr.split())
+    lines = _complete_lines(samples_file)
+    if lines[: len(finished_at_kill)] != finished_at_kill:
+        raise Violation(f"{where}: samples finished before the kill were lost or changed")
+    try:
+        samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    except ValueError as exc:
+        raise Violation(f"{where}: samples.jsonl holds a partial line: {exc}") from None
+    said = re.search(r"Stopped after (\d+) finished requests \((\d+) kept\)", message)
+    if not said or "stopped answering" not in message:
+        raise Violation(f"{where}: the message does not say what was kept: {message[-400:]!r}")
+    ok = sum(s["ok"] for s in samples)
+    if (int(said.group(1)), int(said.group(2))) != (len(samples), ok):
+        raise Violation(f"{where}: it says {said.group(0)!r} but the file holds {len(samples)} samples, {ok} ok")
+    if ok < kill_after:
+        raise Violation(f"{where}: only {ok} ok samples kept")
+    summary = json.loads((out / "summary.json").read_text())
+    if summary["run"]["status"] != "aborted" or summary["totals"]["kept_ok"] != ok:
+        raise Violation(f"{where}: summary.json says status {summary['run']['status']!r}, kept_ok {summary['totals']['kept_ok']} (file: {ok})")
+    return {"kill_after": kill_after, "samples": len(samples), "ok": ok}
