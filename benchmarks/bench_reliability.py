@@ -98,12 +98,12 @@ def run_kills(commands: list[str], kills: int, chain: int, seed: int, work: Path
                 subprocess.run([sys.executable, "-m", "fp4forge.cli", *args], check=True, capture_output=True, env=_env())
         target = {"calibrate": calibrate_target(testbed), "quantize": quantize_target(testbed), "kv": kv_target(stats, quantized),
                   "pipeline": pipeline_target(testbed)}[name]
-        reference = reference_run(target, work / f"kill-{name}-reference")
+        reference = reference_run(target, work / f"kill-{name}")  # every chain runs in this same directory
         entry = {"reference_s": round(reference.seconds, 1), "kills": 0, "finished_before_kill": 0, "chains": 0, "staging_seen": 0,
                  "identical": 0, "violations": [], "litter": 0}
         rng = random.Random(f"{seed}-{name}")
         while entry["kills"] < kills:
-            workdir = work / f"kill-{name}-{entry['chains']}"
+            workdir = work / f"kill-{name}"
             try:
                 record = kill_chain(target, reference, workdir, rng, min(chain, kills - entry["kills"]))
                 entry["identical"] += 1

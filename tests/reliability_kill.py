@@ -101,7 +101,10 @@ def reference_run(target: KillTarget, workdir: Path) -> Reference:
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         raise RuntimeError(f"reference {target.name} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return Reference(seconds=seconds, digests=target.compared(workdir), before=before)
+    reference = Reference(seconds=seconds, digests=target.compared(workdir), before=before)
+    # The chains run in this same directory: outputs may name their own path (the card's serve line).
+    shutil.rmtree(workdir)
+    return reference
 
 
 def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: random.Random, kills: int) -> dict:
@@ -111,7 +114,7 @@ def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: ran
     target.prepare(workdir)
     record: dict = {"command": target.name, "delays_s": [], "killed": 0, "finished_before_kill": 0, "staging_seen": 0}
     for _ in range(kills):
-        delay = rng.uniform(0.05, 1.0) * reference.seconds
+        delay = rng.uniform(0.02, 0.7) * reference.seconds  # resumed runs are shorter: later points would rarely land
         record["delays_s"].append(round(delay, 2))
         proc = subprocess.Popen(_command(target, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), start_new_session=True)
         try:
@@ -186,7 +189,7 @@ def _check_kv_install(workdir: Path, reference: Reference) -> None:
         ckpt = open_checkpoint(ckpt_dir)
     except Fp4forgeError as exc:
         raise Violation(f"the checkpoint does not read: {exc}") from None
-    declared = isinstance(ckpt.config, dict) and "kv_cache_scheme" in (ckpt.config.get("quantization_config") or {})
+    declared = isinstance(ckpt.config, dict) and (ckpt.config.get("quantization_config") or {}).get("kv_cache_scheme") is not None
     stored = {info.name for _, info in ckpt.tensors() if info.name.endswith(("k_scale", "v_scale"))}
     if declared and not stored:
         raise Violation("config.json declares an FP8 KV cache but no k/v scales are stored (vLLM would run it at scale 1.0)")

@@ -43,9 +43,9 @@ BENCH_KILL_POINTS = 3
 
 
 def _chain(target: KillTarget, tmp_path: Path, seed: int) -> dict:
-    reference = reference_run(target, tmp_path / "reference")
-    record = kill_chain(target, reference, tmp_path / "chain", random.Random(seed), KILLS)
-    assert record["killed"] + record["finished_before_kill"] >= 1
+    reference = reference_run(target, tmp_path / "work")
+    record = kill_chain(target, reference, tmp_path / "work", random.Random(seed), KILLS)
+    assert record["killed"] >= 1, record
     return record
 
 
