@@ -113,8 +113,9 @@ def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: ran
     output must equal the reference's. Returns what happened (for the figures)."""
     target.prepare(workdir)
     record: dict = {"command": target.name, "delays_s": [], "killed": 0, "finished_before_kill": 0, "staging_seen": 0}
-    for _ in range(kills):
-        delay = rng.uniform(0.02, 0.7) * reference.seconds  # resumed runs are shorter: later points would rarely land
+    scale, completed = 1.0, False
+    while record["killed"] < kills:
+        delay = rng.uniform(0.3, 1.0) * scale * reference.seconds  # before 30 %, a kill lands in the imports
         record["delays_s"].append(round(delay, 2))
         proc = subprocess.Popen(_command(target, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), start_new_session=True)
         try:
@@ -122,7 +123,13 @@ def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: ran
             if proc.returncode != 0:
                 raise Violation(f"{target.name}: a resumed run failed (exit {proc.returncode}): {stderr[-1500:]!r}")
             record["finished_before_kill"] += 1
-            break  # finished: nothing left to interrupt in this chain
+            if record["killed"]:
+                completed = True
+                break  # a resumed run finished: nothing left to interrupt in this chain
+            shutil.rmtree(workdir)  # finished before the first kill: start over, with earlier points
+            target.prepare(workdir)
+            scale *= 0.7
+            continue
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
@@ -133,7 +140,7 @@ def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: ran
             target.check_visible(workdir, reference)
         except Violation as exc:
             raise Violation(f"{target.name}, after a SIGKILL {delay:.1f} s in: {exc}") from None
-    if record["finished_before_kill"]:  # the last run completed: its output is the one to compare
+    if completed:  # the last run finished before its kill: its output is the one to compare
         done = subprocess.CompletedProcess([], 0, "", "")
     else:
         done = subprocess.run(_command(target, workdir), capture_output=True, text=True, env=_env(), timeout=1800)
@@ -212,10 +219,23 @@ def kv_target(stats: Path, quantized: Path) -> KillTarget:
 PIPELINE_OPTIONS = ["--recipe", RECIPE, "--calib-samples", "4", "--calib-seq-len", "64", "--fidelity-samples", "2", "--fidelity-seq-len", "64"]
 
 
+# The card's steps table: "| calibrate | done | 25.8 |". Wall seconds differ between any two runs,
+# and a resumed run reports the steps an earlier run finished as skipped.
+_CARD_STEP_ROW = re.compile(r"^\| ([\w-]+) \| (done|skipped) \| [0-9.]+ \|$", re.MULTILINE)
+
+
+def card_digest(path: Path) -> str:
+    """SHA-256 of the card with its steps table's status and seconds normalised (every other byte counts)."""
+    return hashlib.sha256(_CARD_STEP_ROW.sub(r"| \1 | ran | - |", path.read_text()).encode()).hexdigest()
+
+
 def _pipeline_compared(workdir: Path) -> dict[str, str]:
-    """The exported checkpoint (every file at OUT's top level) and the calibration statistics."""
+    """The exported checkpoint (every file at OUT's top level, the card by :func:`card_digest`) and
+    the calibration statistics."""
     out = workdir / "out"
     files = {k: v for k, v in visible_files(out).items() if "/" not in k}
+    if "README.md" in files:
+        files["README.md"] = card_digest(out / "README.md")
     stats = out / "reports" / "calibration-stats.safetensors"
     if stats.is_file():
         files["reports/calibration-stats.safetensors"] = sha256(stats)
