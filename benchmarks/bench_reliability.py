@@ -99,7 +99,7 @@ def run_kills(commands: list[str], kills: int, chain: int, seed: int, work: Path
         target = {"calibrate": calibrate_target(testbed), "quantize": quantize_target(testbed), "kv": kv_target(stats, quantized),
                   "pipeline": pipeline_target(testbed)}[name]
         reference = reference_run(target, work / f"kill-{name}")  # every chain runs in this same directory
-        entry = {"reference_s": round(reference.seconds, 1), "kills": 0, "finished_before_kill": 0, "chains": 0, "staging_seen": 0,
+        entry = {"reference_s": round(reference.seconds, 1), "kill_window_s": [round(x, 1) for x in reference.kill_window()], "kills": 0, "killed_after_output": 0, "finished_before_kill": 0, "chains": 0, "staging_seen": 0,
                  "identical": 0, "violations": [], "litter": 0}
         rng = random.Random(f"{seed}-{name}")
         while entry["kills"] < kills:
@@ -111,6 +111,7 @@ def run_kills(commands: list[str], kills: int, chain: int, seed: int, work: Path
                 entry["litter"] += len(record["litter"])
                 entry["kills"] += record["killed"]
                 entry["finished_before_kill"] += record["finished_before_kill"]
+                entry["killed_after_output"] += record.get("killed_after_output", 0)
             except Violation as exc:
                 entry["violations"].append(str(exc).splitlines()[0])
                 entry["kills"] += 1  # a chain that broke counts its kill, so the loop ends

@@ -80,6 +80,13 @@ class Reference:
     seconds: float
     digests: dict[str, str]
     before: dict[str, str] = field(default_factory=dict)  # kv: the checkpoint before the command
+    first_write: float | None = None  # seconds into the run when its first file appeared
+
+    def kill_window(self) -> tuple[float, float]:
+        """Where kills are drawn: from a little before the first write (earlier, a kill only ever
+        lands in the imports and the computation, which leave nothing behind) to the end."""
+        start = 0.3 * self.seconds if self.first_write is None else min(0.9 * self.first_write, 0.9 * self.seconds)
+        return start, self.seconds
 
 
 def _env() -> dict[str, str]:
@@ -96,26 +103,33 @@ def reference_run(target: KillTarget, workdir: Path) -> Reference:
     """One uninterrupted run: its duration and the digests every resumed run must reproduce."""
     target.prepare(workdir)
     before = visible_files(target.destination(workdir)) if target.destination(workdir).exists() else {}
+    existed = target.destination(workdir).exists()
     started = time.monotonic()
-    proc = subprocess.run(_command(target, workdir), capture_output=True, text=True, env=_env(), timeout=1800)
+    proc = subprocess.Popen(_command(target, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    first_write = None
+    while proc.poll() is None:  # when the first staging file or the destination appears: where writing starts
+        if first_write is None and (hidden_entries(workdir) or (not existed and target.destination(workdir).exists())):
+            first_write = time.monotonic() - started
+        time.sleep(0.02)
     seconds = time.monotonic() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"reference {target.name} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    reference = Reference(seconds=seconds, digests=target.compared(workdir), before=before)
+        raise RuntimeError(f"reference {target.name} failed ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+    reference = Reference(seconds=seconds, digests=target.compared(workdir), before=before, first_write=first_write)
     # The chains run in this same directory: outputs may name their own path (the card's serve line).
     shutil.rmtree(workdir)
     return reference
 
 
 def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: random.Random, kills: int) -> dict:
-    """``kills`` SIGKILLs at seeded random points (a fraction of the reference duration, measured
-    from process start), the destination checked after each; then a run to completion whose
-    output must equal the reference's. Returns what happened (for the figures)."""
+    """``kills`` SIGKILLs at seeded random points (uniform over the reference's kill window,
+    measured from process start), the destination checked after each; then a run to completion
+    whose output must equal the reference's. Returns what happened (for the figures)."""
     target.prepare(workdir)
     record: dict = {"command": target.name, "delays_s": [], "killed": 0, "finished_before_kill": 0, "staging_seen": 0}
     scale, completed = 1.0, False
     while record["killed"] < kills:
-        delay = rng.uniform(0.3, 1.0) * scale * reference.seconds  # before 30 %, a kill lands in the imports
+        low, high = reference.kill_window()
+        delay = rng.uniform(low, high) * scale
         record["delays_s"].append(round(delay, 2))
         proc = subprocess.Popen(_command(target, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), start_new_session=True)
         try:
@@ -140,6 +154,10 @@ def kill_chain(target: KillTarget, reference: Reference, workdir: Path, rng: ran
             target.check_visible(workdir, reference)
         except Violation as exc:
             raise Violation(f"{target.name}, after a SIGKILL {delay:.1f} s in: {exc}") from None
+        if target.destination(workdir).exists() and target.compared(workdir) == reference.digests:
+            record["killed_after_output"] = record.get("killed_after_output", 0) + 1
+            completed = True  # killed after its output was in place (while exiting): nothing left to redo
+            break
     if completed:  # the last run finished before its kill: its output is the one to compare
         done = subprocess.CompletedProcess([], 0, "", "")
     else:
