@@ -32,10 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.reliability_kill import (  # noqa: E402
+from tests.reliability_kill import (
     CALIBRATION,
     KV_BASE_RECIPE,
-    RECIPE,
     _env,
     bench_kill_case,
     calibrate_target,
@@ -45,7 +44,12 @@ from tests.reliability_kill import (  # noqa: E402
     quantize_target,
     reference_run,
 )
-from tests.reliability_support import Violation, fuzz_cli_case, fuzz_library_case, write_base_checkpoint  # noqa: E402
+from tests.reliability_support import (
+    Violation,
+    fuzz_cli_case,
+    fuzz_library_case,
+    write_base_checkpoint,
+)
 
 TARGETS = ("shard", "index", "config")
 

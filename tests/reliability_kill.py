@@ -72,7 +72,7 @@ class KillTarget:
     destination: Callable[[Path], Path]
     compared: Callable[[Path], dict[str, str]]  # the final bytes compared with the reference
     prepare: Callable[[Path], None] = lambda workdir: None
-    check_visible: Callable[[Path, "Reference"], None] = lambda workdir, reference: None
+    check_visible: Callable[[Path, Reference], None] = lambda workdir, reference: None
 
 
 @dataclass
@@ -261,7 +261,11 @@ def _pipeline_compared(workdir: Path) -> dict[str, str]:
 
 
 def _check_pipeline(workdir: Path, reference: Reference) -> None:
-    from fp4forge.checkpoint.safetensors_format import LENGTH_PREFIX_BYTES, header_length, parse_header
+    from fp4forge.checkpoint.safetensors_format import (
+        LENGTH_PREFIX_BYTES,
+        header_length,
+        parse_header,
+    )
     from fp4forge.checkpoint.source import check_file_size
     from fp4forge.errors import Fp4forgeError
 

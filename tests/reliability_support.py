@@ -415,7 +415,7 @@ def fuzz_library_case(target: str, rng: random.Random, template: Path, workdir: 
     def attempt(name: str, call: Callable[[], object]) -> tuple[object | None, Exception | None]:
         try:
             return _observe(call)
-        except Exception as exc:  # noqa: BLE001 - the violation under test
+        except Exception as exc:
             import traceback
 
             raise Violation(f"{name}: {target} mutation {label!r} raised {type(exc).__name__}: {exc}\n"
@@ -475,7 +475,7 @@ def run_cli(argv: list[str], cwd: Path) -> tuple[int, str, str]:
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException as exc:  # noqa: BLE001 - the violation under test
+    except BaseException as exc:
         raise Violation(f"fp4forge {' '.join(argv[:1])}: traceback: {type(exc).__name__}: {exc}\n" + "".join(traceback.format_exception(exc)[-6:])) from exc
     finally:
         sys.argv = old_argv
@@ -543,7 +543,7 @@ def fuzz_cli_case(target: str, rng: random.Random, template: Path, workdir: Path
         refuses = False
     except Fp4forgeError:
         refuses = True
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise Violation(f"open_checkpoint on {target} mutation {label!r}: {type(exc).__name__}: {exc}") from exc
     before = tree_state(checkpoint, cwd)
     record = {"target": target, "label": label, "library": "refused" if refuses else "accepted"}

@@ -45,8 +45,8 @@ from tests.reliability_support import (
 )
 
 hypothesis = pytest.importorskip("hypothesis", reason="the reliability fuzzer needs hypothesis (pip install -e '.[test]')")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 LIBRARY_EXAMPLES = 200
 CLI_EXAMPLES = 10

@@ -26,8 +26,8 @@ import pytest
 from tests.reliability_kill import (
     CALIBRATION,
     KV_BASE_RECIPE,
-    RECIPE,
     KillTarget,
+    _env,
     bench_kill_case,
     calibrate_target,
     kill_chain,
@@ -35,7 +35,6 @@ from tests.reliability_kill import (
     pipeline_target,
     quantize_target,
     reference_run,
-    _env,
 )
 
 KILLS = 3
