@@ -44,11 +44,14 @@ STATISTICS_KINDS = ("weight_global_scale", "input_scale", "input_global_scale")
 
 # -- opening --------------------------------------------------------------------------------------
 def unsafe_index_issues(rejected: list[RejectedIndexEntry]) -> list[Issue]:
-    """A finding for each weight_map entry the lenient open dropped."""
-    return [
-        issue("index-unsafe-path", "weight_map entries whose shard path leaves the checkpoint", entry.tensor, tensors=[entry.tensor], file=INDEX_JSON, detail=repr(entry.shard))
-        for entry in rejected
-    ]
+    """A finding for each index entry the lenient open dropped."""
+    issues = []
+    for entry in rejected:
+        if entry.reason == "total-size":
+            issues.append(issue("index-total-size", "metadata.total_size", f"{entry.tensor} is {entry.shard!r}, not a non-negative integer", file=INDEX_JSON))
+        else:
+            issues.append(issue("index-unsafe-path", "weight_map entries whose shard path leaves the checkpoint", entry.tensor, tensors=[entry.tensor], file=INDEX_JSON, detail=repr(entry.shard)))
+    return issues
 
 
 # -- files and index ------------------------------------------------------------------------------
@@ -152,7 +155,9 @@ def config_issues(ctx: AuditContext) -> list[Issue]:
         return [issue("config-missing", CONFIG_JSON, "not found next to the shards")]
     if ctx.layout is None:
         config = ctx.ckpt.config
-        arch = ", ".join(config.get("architectures") or []) or str(config.get("model_type"))
+        architectures = config.get("architectures") or []
+        named = ", ".join(map(str, architectures)) if isinstance(architectures, list) else repr(architectures)
+        arch = named or str(config.get("model_type"))
         return [issue("architecture-unknown", "architecture without a layout", arch, file=CONFIG_JSON)]
     return []
 

@@ -303,7 +303,18 @@ def detect_format(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> 
 
 
 def read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> QuantDeclaration | None:
-    """The declaration vLLM would act on, or None when the checkpoint declares no quantization."""
+    """The declaration vLLM would act on, or None when the checkpoint declares no quantization.
+    A declaration whose parts have the wrong JSON types (a list where a name belongs, ...) is one
+    problem (a quant-config-invalid finding) with nothing declared, never an exception."""
+    try:
+        return _read_declaration(config, extra_json)
+    except (TypeError, AttributeError, KeyError, ValueError) as exc:
+        detected = str(detect_format(config, extra_json))
+        where = "config.json quantization_config" if isinstance((config or {}).get("quantization_config"), dict) else HF_QUANT_CONFIG
+        return QuantDeclaration(detected, where, [], (), None, [f"{where} is malformed ({type(exc).__name__}: {exc})"])
+
+
+def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> QuantDeclaration | None:
     detected = detect_format(config, extra_json)
     qc = (config or {}).get("quantization_config")
     if detected == CT:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
+from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.checkpoint.source import check_relpath
 from fp4forge.errors import Fp4forgeError, IndexFileError
 
@@ -20,30 +20,28 @@ class IndexFile:
         return sorted(set(self.weight_map.values()))
 
 
-def _hashable(value: object) -> object:
-    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
-
-
 def parse_index(raw: bytes, *, source: str) -> IndexFile:
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = load_json(raw)
+    except JsonTextError as exc:
         if raw.startswith(b"version https://git-lfs"):
             raise IndexFileError("git-LFS pointer instead of the index JSON; use a /resolve/ URL, not /raw/", file=source) from None
-        raise IndexFileError(f"index is not valid JSON: {exc}", file=source) from None
+        raise IndexFileError(f"index is {exc.reason}", file=source) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise IndexFileError("index has no weight_map object", file=source)
     weight_map = doc["weight_map"]
-    for shard in set(map(_hashable, weight_map.values())):  # a few distinct shard names, 10^5 entries
-        if not isinstance(shard, str):
-            name = next(n for n, s in weight_map.items() if _hashable(s) == shard)
-            raise IndexFileError(f"weight_map value for {name!r} is not a file name", file=source, tensor=name)
+    if not all(type(shard) is str for shard in weight_map.values()):
+        name, shard = next((n, s) for n, s in weight_map.items() if type(s) is not str)
+        raise IndexFileError(f"weight_map value {shard!r} is not a file name", file=source, tensor=name)
+    for shard in set(weight_map.values()):  # a few distinct shard names, 10^5 entries
         try:
             check_relpath(shard)
         except Fp4forgeError as exc:
             name = next(n for n, s in weight_map.items() if s == shard)
             raise IndexFileError(exc.message, file=source, tensor=name) from None
-    metadata = doc.get("metadata") or {}
+    metadata = doc.get("metadata")
+    if metadata is None:  # absent or null
+        metadata = {}
     if not isinstance(metadata, dict):
         raise IndexFileError("index metadata is not an object", file=source)
     total = metadata.get("total_size")

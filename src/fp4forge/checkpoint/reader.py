@@ -3,7 +3,6 @@ resolve its shards through the index, read every shard's header, and read tensor
 
 from __future__ import annotations
 
-import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from typing import Any, Iterator
 
 from fp4forge.checkpoint.index import IndexFile, parse_index
 from fp4forge.checkpoint.names import CONFIG_JSON, EXTRA_JSON, INDEX_JSON, SINGLE_SAFETENSORS
+from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.checkpoint.safetensors_format import ShardHeader, TensorInfo
 from fp4forge.checkpoint.source import LocalSource, Source, check_relpath
 from fp4forge.errors import CheckpointError, IndexFileError
@@ -117,11 +117,28 @@ def _read_json(source: Source, relpath: str) -> Any | None:
         return None
     raw = source.read(relpath)
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = load_json(raw)
+    except JsonTextError as exc:
         if raw.startswith(b"version https://git-lfs"):
             raise CheckpointError("git-LFS pointer instead of JSON; use a /resolve/ URL", file=source.describe(relpath)) from None
-        raise CheckpointError(f"not valid JSON: {exc}", file=source.describe(relpath)) from None
+        raise CheckpointError(exc.reason, file=source.describe(relpath)) from None
+    if not isinstance(doc, dict):  # config.json, hf_quant_config.json, fp4forge.json are all objects
+        raise CheckpointError(f"not a JSON object (a {type(doc).__name__})", file=source.describe(relpath))
+    return doc
+
+
+def check_config_identity(config: dict[str, Any] | None, shown: str) -> None:
+    """The two keys every consumer reads to pick the architecture must have their types:
+    ``architectures`` a list of class names, ``model_type`` a string (transformers, vLLM and the
+    layout lookup all assume so)."""
+    if config is None:
+        return
+    architectures = config.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        raise CheckpointError(f"architectures must be a list of class names, got {architectures!r}", file=shown)
+    model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"model_type must be a string, got {model_type!r}", file=shown)
 
 
 def resolve_source(location: str | Path) -> tuple[Source, list[str] | None]:
@@ -192,6 +209,7 @@ def _read_checkpoint(source: Source, shard_names: list[str], index: IndexFile | 
             headers[shard] = result
 
     config = _read_json(source, CONFIG_JSON)
+    check_config_identity(config, source.describe(CONFIG_JSON))
     extra = {}
     for name in EXTRA_JSON:
         doc = _read_json(source, name)
@@ -213,8 +231,9 @@ def _read_checkpoint(source: Source, shard_names: list[str], index: IndexFile | 
 class RejectedIndexEntry:
     """A weight_map entry the lenient open dropped: its shard path is not a safe relative path."""
 
-    tensor: str
+    tensor: str  # the weight_map key, or "metadata" for a malformed metadata object / total_size
     shard: Any  # the value as written (a string leaving the checkpoint, or not a string at all)
+    reason: str = "unsafe-path"  # "unsafe-path" | "total-size"
 
 
 def open_checkpoint_lenient(location: str | Path) -> tuple[Checkpoint, list[RejectedIndexEntry]]:
@@ -237,8 +256,8 @@ def _index_document(source: Source, original: IndexFileError) -> dict:
     """The index as JSON; anything short of an object with a weight_map (not JSON, an LFS
     pointer) re-raises the reader's own error, which says why."""
     try:
-        doc = json.loads(source.read(INDEX_JSON).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        doc = load_json(source.read(INDEX_JSON))
+    except JsonTextError:
         raise original from None
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise original
@@ -259,4 +278,8 @@ def _safe_index(doc: dict) -> tuple[IndexFile, list[RejectedIndexEntry]]:
     metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     total = metadata.get("total_size")
     valid_total = type(total) is int and total >= 0
+    if doc.get("metadata") is not None and not isinstance(doc.get("metadata"), dict):
+        rejected.append(RejectedIndexEntry("metadata", doc["metadata"], "total-size"))
+    elif total is not None and not valid_total:
+        rejected.append(RejectedIndexEntry("metadata.total_size", total, "total-size"))
     return IndexFile(weight_map=safe, total_size=total if valid_total else None, metadata=metadata), rejected

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.errors import DtypeError, HeaderError, LfsPointerError, OffsetError
 
 # The reference loader's cap (safetensors `MAX_HEADER_SIZE`).
@@ -151,7 +152,7 @@ def _may_hold_duplicates(text: str, doc: dict) -> bool:
 
     (Quotes inside JSON strings are escaped, so `"data_offsets"` only occurs as a key.)"""
     entries = len(doc) - ("__metadata__" in doc)
-    return any(text.count(key) != entries for key in ('"data_offsets"', '"dtype"', '"shape"'))
+    return text.count('"__metadata__"') > 1 or any(text.count(key) != entries for key in ('"data_offsets"', '"dtype"', '"shape"'))
 
 
 def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> ShardHeader:
@@ -166,9 +167,9 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})", file=source) from None
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise HeaderError(f"header is not valid JSON ({exc.msg} at char {exc.pos})", file=source) from None
+        doc = load_json(text)
+    except JsonTextError as exc:
+        raise HeaderError(f"header is {exc.reason}", file=source) from None
     if isinstance(doc, dict) and _may_hold_duplicates(text, doc):
         try:  # slow path, only to name the duplicate precisely
             json.loads(text, object_pairs_hook=_reject_duplicate_keys)
@@ -177,7 +178,9 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     if not isinstance(doc, dict):
         raise HeaderError("header JSON is not an object", file=source)
 
-    metadata_raw = doc.pop("__metadata__", None) or {}
+    metadata_raw = doc.pop("__metadata__", None)
+    if metadata_raw is None:  # absent, or null: the reference loader reads both as no metadata
+        metadata_raw = {}
     if not isinstance(metadata_raw, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
     ):
@@ -207,7 +210,7 @@ def _parse_entries_fast(doc: dict) -> dict[str, TensorInfo] | None:
         offsets = [e["data_offsets"] for e in entries]
     except (KeyError, TypeError):
         return None
-    if not set(dtypes) <= DTYPE_BITS.keys():
+    if not all(type(d) is str for d in dtypes) or not set(dtypes) <= DTYPE_BITS.keys():
         return None
     if not all(type(s) is list for s in shapes) or not all(type(d) is int and d >= 0 for s in shapes for d in s):
         return None

@@ -30,16 +30,33 @@ def model_config_dict(config: dict[str, Any]) -> dict[str, Any]:
 
 
 
+# The skeleton holds one Python module per layer, expert and head even on the meta device: a
+# config.json claiming 10^12 experts would exhaust memory before transformers says anything. Real
+# models stay far below this (the largest MoEs have a few hundred experts, ~100 layers).
+MAX_COUNT = 1 << 16
+
+
+def _check_counts(config: dict[str, Any], where: str = "") -> None:
+    """Refuse a ``num_*`` / ``n_*`` count no model has (nested configs included)."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            _check_counts(value, f"{where}{key}.")
+        elif key.startswith(("num_", "n_")) and type(value) is int and value > MAX_COUNT:
+            raise ConfigError(f"config.json: {where}{key} = {value:,} exceeds {MAX_COUNT:,}; no model has that many")
+
+
 def to_transformers_config(config: dict[str, Any] | PreTrainedConfig) -> PreTrainedConfig:
     if isinstance(config, PreTrainedConfig):
         return config
+    _check_counts(config)
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ConfigError(f"model_type {model_type!r} is not known to this transformers version")
     try:
         return CONFIG_MAPPING[model_type].from_dict(model_config_dict(config))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid {model_type} config: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers validates an untrusted file in its own ways (strict dataclasses, ...)
+        reason = " ".join(str(exc).split())  # one line: validation messages span several
+        raise ConfigError(f"invalid {model_type} config: {type(exc).__name__}: {reason}") from exc
 
 
 def config_dtype(config: PreTrainedConfig) -> torch.dtype:
@@ -55,14 +72,18 @@ def checkpoint_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSp
     """Every tensor ``save_pretrained`` writes for this config, in its natural layer order."""
     hf_config = to_transformers_config(config)
     dtype = config_dtype(hf_config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    # The same steps as PreTrainedModel.save_pretrained, minus the data.
-    state_dict = model.state_dict()
-    for key in model._keys_to_ignore_on_save or []:
-        state_dict.pop(key, None)
-    state_dict = remove_tied_weights_from_state_dict(state_dict, model)
-    state_dict = revert_weight_conversion(model, state_dict)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        # The same steps as PreTrainedModel.save_pretrained, minus the data.
+        state_dict = model.state_dict()
+        for key in model._keys_to_ignore_on_save or []:
+            state_dict.pop(key, None)
+        state_dict = remove_tied_weights_from_state_dict(state_dict, model)
+        state_dict = revert_weight_conversion(model, state_dict)
+    except Exception as exc:  # noqa: BLE001 - a config transformers accepted but cannot build (a zero head count, ...)
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"transformers cannot build {hf_config.model_type} from this config: {type(exc).__name__}: {reason}") from exc
     specs = []
     for name, tensor in state_dict.items():
         if tensor.dtype not in TORCH_TO_SAFETENSORS:

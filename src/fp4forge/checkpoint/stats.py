@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fp4forge.checkpoint.atomic import atomic_file
 from fp4forge.errors import StatsFileError
 
 STATS_MARKER = "fp4forge_stats"
@@ -79,16 +78,15 @@ class CalibrationStats:
 def write_stats(path: str | Path, tensors: dict, metadata: dict) -> Path:
     """Write a statistics file atomically; ``metadata`` is the calibration record (JSON object)."""
     import torch
-    from safetensors.torch import save_file
+
+    from fp4forge.checkpoint.tensor_file import save_tensors
 
     path = Path(path)
     bad = sorted(n for n, t in tensors.items() if t.dtype != torch.float32)
     if bad:
         raise StatsFileError(f"statistics tensors must be F32, got others for {bad[:3]}")
     header = {STATS_MARKER: STATS_VERSION, STATS_METADATA_KEY: json.dumps(metadata, sort_keys=True)}
-    with atomic_file(path) as tmp:
-        save_file({n: t.detach().clone() for n, t in tensors.items()}, str(tmp), metadata=header)  # own storage each
-    return path
+    return save_tensors(path, tensors, metadata=header)  # byte-reproducible: same calibration, same file
 
 
 def read_stats(path: str | Path) -> CalibrationStats:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fp4forge.checkpoint.atomic import atomic_file
 from fp4forge.errors import CheckpointError
 
@@ -24,10 +26,22 @@ def save_tensors(path: str | Path, tensors: dict[str, Any], metadata: dict[str, 
 
 
 def write_tensors(path: str | Path, tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
-    """Write the file in place: for a path some caller already stages (``checkpoint.atomic``)."""
-    from safetensors.torch import save_file
+    """Write the file in place: for a path some caller already stages (``checkpoint.atomic``).
 
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(path), metadata=metadata)
+    Encoded by fp4forge's own header writer in safetensors' tensor order, not by safetensors'
+    ``save_file``: that orders a metadata map of two or more keys by a per-process random hash,
+    so two identical runs would write different bytes."""
+    from fp4forge.checkpoint.reader import TORCH_DTYPES
+    from fp4forge.checkpoint.safetensors_format import encode_header, reference_order
+
+    code_of = {name: code for code, name in TORCH_DTYPES.items()}
+    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    entries = reference_order([(name, code_of[str(t.dtype).removeprefix("torch.")], tuple(t.shape)) for name, t in tensors.items()])
+    prefix, _ = encode_header(entries, metadata)
+    with open(path, "wb") as fh:
+        fh.write(prefix)
+        for name, _, _ in entries:
+            fh.write(tensors[name].view(-1).view(torch.uint8).numpy().tobytes() if tensors[name].numel() else b"")
 
 
 def load_tensors(path: str | Path, names: tuple[str, ...] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
