@@ -195,6 +195,19 @@ def test_modelopt_config_json_declaring_kv_only_as_kv_cache_quant_algo(modelopt:
     assert "only as kv_cache_quant_algo" in finding(report, "quant-config-invalid").message
 
 
+def test_modelopt_sidecar_that_disagrees_with_config_json(modelopt: Path) -> None:
+    # vLLM reads config.json's quantization_config, TensorRT-LLM hf_quant_config.json first
+    patch_json(modelopt / "hf_quant_config.json", lambda d: d["quantization"].update(kv_cache_quant_algo=None))
+    report = audit(modelopt)
+    assert "quant-config-invalid" in rules(report, "error")
+    assert "different KV caches (fp8 vs none)" in finding(report, "quant-config-invalid").message
+
+
+def test_modelopt_export_agrees_with_its_sidecar(modelopt: Path) -> None:
+    # the control: fp4forge's and llm-compressor's ModelOpt exports write both forms alike
+    assert "quant-config-invalid" not in rules(audit(modelopt), "error")
+
+
 def test_group_format_string_that_disagrees_with_its_scheme(ct: Path) -> None:
     # FP8 arguments under nvfp4-pack-quantized: compressed-tensors would pick the NVFP4 decompressor
     def relabel(d):

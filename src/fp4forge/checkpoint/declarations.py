@@ -320,13 +320,37 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
     if detected == CT:
         return parse_compressed_tensors(qc)
     if detected == MODELOPT and isinstance(qc, dict):
-        return parse_modelopt(qc, where="config.json quantization_config")
+        decl = parse_modelopt(qc, where="config.json quantization_config")
+        sidecar = extra_json.get(HF_QUANT_CONFIG)
+        if isinstance(sidecar, dict):
+            decl.problems.extend(_modelopt_disagreements(decl, parse_modelopt(sidecar, where=HF_QUANT_CONFIG)))
+        return decl
     if detected == MODELOPT:
         doc = extra_json[HF_QUANT_CONFIG]
         return parse_modelopt(doc if isinstance(doc, dict) else {}, where=HF_QUANT_CONFIG)
     if detected is not None:
         return QuantDeclaration(detected, "config.json quantization_config", [], (), None, unsupported=[f"quant_method {detected}"])
     return None
+
+
+def _modelopt_disagreements(config_form: QuantDeclaration, sidecar: QuantDeclaration) -> list[str]:
+    """What config.json's ModelOpt declaration and hf_quant_config.json say differently: vLLM reads
+    the former, TensorRT-LLM the latter, so one checkpoint would be served two ways."""
+    def schemes(d: QuantDeclaration) -> list[tuple[str | None, tuple[str, ...]]]:
+        return sorted((g.scheme, tuple(sorted(g.targets))) for g in d.groups)
+
+    out = []
+    if schemes(config_form) != schemes(sidecar):
+        out.append(f"config.json and {HF_QUANT_CONFIG} declare different schemes "
+                   f"({[g.description for g in config_form.groups]} vs {[g.description for g in sidecar.groups]}); "
+                   "vLLM reads config.json, TensorRT-LLM the sidecar")
+    if set(config_form.ignore) != set(sidecar.ignore):
+        only = sorted(set(config_form.ignore) ^ set(sidecar.ignore))
+        out.append(f"config.json's ignore and {HF_QUANT_CONFIG}'s exclude_modules differ ({len(only)} entries, e.g. {only[:3]})")
+    if (config_form.kv.algo if config_form.kv else None) != (sidecar.kv.algo if sidecar.kv else None):
+        out.append(f"config.json and {HF_QUANT_CONFIG} declare different KV caches "
+                   f"({config_form.kv.algo if config_form.kv else 'none'} vs {sidecar.kv.algo if sidecar.kv else 'none'})")
+    return out
 
 
 # -- resolution per module ------------------------------------------------------------------------
