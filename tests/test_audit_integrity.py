@@ -37,7 +37,13 @@ LAGUNA_BASELINE = {"serving-blind-spot"}
 
 # -- helpers shared by the audit tests ----------------------------------------------------------
 def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A private copy to plant one defect in. Files are made readable by all: llm-compressor writes
+    its exports owner-only (its own finding, tested once on the raw export), which would otherwise
+    add a warning to every planted-defect test built on them."""
     shutil.copytree(src, dst)
+    for path in dst.rglob("*"):
+        if path.is_file():
+            path.chmod(path.stat().st_mode | 0o444)
     return dst
 
 
@@ -105,6 +111,23 @@ def test_clean_testbed_passes(lc_source_dir: Path) -> None:
     report = audit(lc_source_dir)
     assert report.exit_code == 0 and rules(report, "error") == set()
     assert rules(report) <= LAGUNA_BASELINE | {"names-not-checked"}
+
+
+def test_owner_only_files_are_a_warning(tiny: Path) -> None:
+    shard = tiny / shard_names(tiny)[0]
+    shard.chmod(0o600)
+    report = audit(tiny)
+    assert_exactly(report, warnings={"file-not-world-readable"})
+    owner_only = finding(report, "file-not-world-readable")
+    assert owner_only.count == 1 and owner_only.file == shard.name and "(mode 0600)" in owner_only.message
+
+
+def test_llm_compressor_export_is_owner_only(lc_nvfp4_kv_dir: Path) -> None:
+    # measured: llm-compressor writes its shards with mode 0600; a server running as another user
+    # cannot read the checkpoint once a mode-preserving copy brings it there
+    shards = [p for p in lc_nvfp4_kv_dir.iterdir() if p.suffix == ".safetensors"]
+    assert shards and all(p.stat().st_mode & 0o777 == 0o600 for p in shards)
+    assert "file-not-world-readable" in rules(audit(lc_nvfp4_kv_dir), "warning")
 
 
 # -- shards ------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ reader's error propagates (exit code 2).
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
 import statistics
 
 from fp4forge.audit.context import AuditContext, issue, modules_noun
@@ -56,7 +59,7 @@ def unsafe_index_issues(rejected: list[RejectedIndexEntry]) -> list[Issue]:
 
 # -- files and index ------------------------------------------------------------------------------
 def run(ctx: AuditContext) -> list[Issue]:
-    issues = shard_issues(ctx.ckpt) + index_issues(ctx.ckpt) + stray_shard_issues(ctx.ckpt)
+    issues = shard_issues(ctx.ckpt) + index_issues(ctx.ckpt) + stray_shard_issues(ctx.ckpt) + permission_issues(ctx.ckpt)
     issues += config_issues(ctx)
     if ctx.deep:
         issues += value_issues(ctx)
@@ -148,6 +151,23 @@ def stray_shard_issues(ckpt: Checkpoint) -> list[Issue]:
         for name in listed
         if name.endswith(".safetensors") and "/" not in name and name not in loaded
     ]
+
+
+def permission_issues(ckpt: Checkpoint) -> list[Issue]:
+    """Files of a local checkpoint that only their owner may read (modes travel with many copies)."""
+    root = getattr(ckpt.source, "root", None)
+    listed = ckpt.source.list_files()
+    if root is None or listed is None:
+        return []
+    issues = []
+    for name in sorted(listed):
+        try:
+            mode = (Path(root) / name).stat().st_mode
+        except OSError:
+            continue
+        if not mode & stat.S_IROTH:
+            issues.append(issue("file-not-world-readable", "files only their owner can read", name, file=name, detail=f"mode {stat.S_IMODE(mode):04o}"))
+    return issues
 
 
 def config_issues(ctx: AuditContext) -> list[Issue]:
