@@ -259,10 +259,20 @@ def _scale_name(ctx: AuditContext, module: str, kinds: tuple[str, ...]) -> str |
 
 
 # -- scale values ---------------------------------------------------------------------------------
+# A per-tensor NVFP4 weight scale implies the weight's amax: 2688 / weight_global_scale (CT) or
+# weight_scale_2 * 2688 (ModelOpt). An amax above 2688 (the value 1 on either side) is no LLM
+# weight's, so a value past 1 on the wrong side was written in the other convention.
+IMPLAUSIBLE_SCALE_SIDE = {"weight_global_scale": "below", "weight_scale_2": "above"}
+
+
 def scale_value_issues(ctx: AuditContext) -> list[Issue]:
     issues = []
     for name, values in ctx.values(ctx.small_scales).items():
         if is_finite_positive(values):
+            suffix = ctx.roles[name][1]
+            side = IMPLAUSIBLE_SCALE_SIDE.get(suffix)
+            if side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+                issues.append(issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
             continue
         module, suffix, kind = ctx.roles[name]
         if kind in INPUT_SCALE_KINDS and ctx.component(module) == EXPERTS:
