@@ -11,6 +11,10 @@
   the other numerics (``w4a16`` vs ``w4a4``): a mismatch from the first position.
 * The same checkpoint without the plugin fails with vLLM's kernel error; ``serve doctor`` says why.
 
+On a CPU without AVX-512/AMX vLLM cannot keep the FP8 KV cache: the FP8-KV checkpoints are served
+with their KV declaration overridden (an fp32 cache) and held against the reference without KV
+quantization; everything else above holds unchanged.
+
 Servers come from tests/fixtures_vllm_plugin.py (shared with test_reasoning_parser.py).
 """
 
@@ -36,7 +40,7 @@ from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.serve import VllmServer
 from fp4forge.serve.doctor import diagnose, iter_lines
 from fp4forge.fidelity.reference import TeacherForcedCheck, greedy_tokens, load_reference, teacher_forced_check
-from tests.fixtures_vllm_plugin import Registry, plugin_bf16_moe, plugin_modelopt_w4a16, server_log, servers  # noqa: F401 (shared fixtures)
+from tests.fixtures_vllm_plugin import CPU_FP8_KV, Registry, plugin_bf16_moe, plugin_modelopt_w4a16, server_log, servers  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -257,7 +261,10 @@ def served_continuations(server: VllmServer, servers: Registry, server_name: str
 
 def reference_checks(servers: Registry, server_name: str, numerics: str, served: Served) -> dict[str, TeacherForcedCheck]:
     """Every served continuation against the reference under ``numerics``, teacher-forced."""
-    model = load_reference(servers.models.get({**CHECKPOINT_OF_SERVER, **COMPILED_SERVERS}[server_name][0]), numerics, kv_rounding=KV_ROUNDING)
+    # Without AVX-512/AMX the FP8-KV checkpoints are served with an unquantized cache
+    # (fixtures_vllm_plugin.CPU_FP8_KV): their reference then quantizes no K/V either.
+    model = load_reference(servers.models.get({**CHECKPOINT_OF_SERVER, **COMPILED_SERVERS}[server_name][0]), numerics,
+                           kv_rounding=KV_ROUNDING, fp8_kv=CPU_FP8_KV)
     checks = {}
     with torch_threads(1):
         for label, (prompt, choice) in served.items():
