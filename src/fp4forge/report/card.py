@@ -255,7 +255,7 @@ def serve_section(ctx: CardContext) -> list[str]:
     else:
         fallback = served.get("kv_fallback")
         if fallback:
-            ctx.non_claims.append(f"The checkpoint declares a {fallback['declared'].upper()} KV cache, but it was served here with "
+            ctx.non_claims.append(f"The checkpoint declares an {fallback['declared'].upper()} KV cache, but it was served here with "
                                   f"an unquantized {fallback['served_dtype']} cache (`{' '.join(fallback['argv'])}`): this CPU "
                                   "cannot run vLLM's FP8 KV cache (it needs AVX-512 or AMX), so the calibrated k/v scales "
                                   "were not exercised by the serving, performance or quality results on this card.")
