@@ -71,6 +71,7 @@ TESTBED_THINKING_LINE = (
     "{%- set thinking_on = (enable_thinking is defined and enable_thinking) "
     "or (thinking is defined and thinking) -%}"
 )
+TESTBED_THINKING_DEFAULT_ON = "{%- set thinking_on = not thinking_off -%}"
 THINKING_BY_DEFAULT_LINE = (
     "{%- set thinking_on = not ((enable_thinking is defined and not enable_thinking) "
     "or (thinking is defined and not thinking)) -%}"
@@ -117,6 +118,9 @@ def quantize(src: Path, stats: Path, out: Path, layout: str, recipe: str = RECIP
 def thinking_template(model_dir: Path, out: Path) -> Path:
     """The testbed's chat template with thinking on unless a request turns it off."""
     text = (model_dir / "chat_template.jinja").read_text()
+    if TESTBED_THINKING_DEFAULT_ON in text:  # the testbed's template already thinks by default (as Laguna's)
+        out.write_text(text)
+        return out
     assert TESTBED_THINKING_LINE in text, "testbed chat template changed: update THINKING lines"
     out.write_text(text.replace(TESTBED_THINKING_LINE, THINKING_BY_DEFAULT_LINE))
     return out

@@ -289,7 +289,22 @@ def test_quantized_continuations_match_reference(request: pytest.FixtureRequest,
     numerics = CHECKPOINT_OF_SERVER[server_name][1]
     checks = reference_checks(servers, server_name, numerics, served_continuations(server, servers, server_name))
     print(summary(server_name, checks))  # the near-ties and exact prefixes, shown with -s / on failure
+    if not CPU_FP8_KV:
+        # Served with an unquantized cache (no AVX-512/AMX), the continuations are the BF16-KV
+        # export's (measured on AVX2: the same 43, 51, 32, 33 exact positions and the same "long"
+        # token 0.155 behind the reference's max as plugin_ct_nokv_compiled), whose post-flip drift
+        # the FP8-KV envelope (TIE_MARGIN) does not cover: hold the exact prefix, as that test does.
+        assert_exact_prefix(summary(server_name, checks), checks)
+        return
     assert all(check.verdict in ("exact", "near_tie") for check in checks.values()), summary(server_name, checks)
+
+
+def assert_exact_prefix(report: str, checks: dict[str, TeacherForcedCheck]) -> None:
+    """Every prompt equals the reference to EXACT_LOGPROB until the first flipped rounding, over at
+    least 30 scored positions (an unquantized KV cache; measured 32..51)."""
+    for check in checks.values():
+        assert (check.exact_prefix or 0) >= 30, report
+        assert max(check.logprob_deltas[: check.exact_prefix]) <= EXACT_LOGPROB, report
 
 
 def test_compiled_server_computes_the_plugins_numerics(plugin_ct_nokv_compiled: VllmServer, servers: Registry) -> None:
@@ -306,9 +321,7 @@ def test_compiled_server_computes_the_plugins_numerics(plugin_ct_nokv_compiled: 
     checks = reference_checks(servers, name, "w4a4", served_continuations(server, servers, name))
     report = summary(name, checks)
     print(report)
-    for check in checks.values():
-        assert (check.exact_prefix or 0) >= 30, report
-        assert max(check.logprob_deltas[: check.exact_prefix]) <= EXACT_LOGPROB, report
+    assert_exact_prefix(report, checks)
 
 
 @pytest.mark.parametrize("server_name", list(CHECKPOINT_OF_SERVER))
