@@ -28,6 +28,7 @@ The parser servers use a chat template that thinks unless told not to (as Laguna
 from __future__ import annotations
 
 import atexit
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,14 @@ from pathlib import Path
 import pytest
 
 from fp4forge.serve import VllmServer, launch_vllm
+from fp4forge.serve.recommend import cpu_has_fp8_kv
+
+# Whether vLLM's CPU attention can keep an FP8 KV cache here (AVX-512 or AMX; the one home of that
+# rule is fp4forge.serve.recommend). Where it cannot, the servers of checkpoints that declare FP8 KV
+# run with their KV declaration overridden (`kv_declaration_removed`): an unquantized cache in the
+# model dtype, and the tests compare against the reference without KV quantization.
+CPU_FP8_KV = cpu_has_fp8_kv()
+NO_FP8_KV_REASON = "this CPU has no AVX-512/AMX: vLLM's CPU attention cannot keep an FP8 KV cache here"
 
 VLLM_COMMON_ARGS = ("--enforce-eager", "--max-model-len", "2048", "--dtype", "float32", "--max-logprobs", "20")
 ENV = {"HF_HUB_OFFLINE": "1"}
@@ -62,6 +71,7 @@ TESTBED_THINKING_LINE = (
     "{%- set thinking_on = (enable_thinking is defined and enable_thinking) "
     "or (thinking is defined and thinking) -%}"
 )
+TESTBED_THINKING_DEFAULT_ON = "{%- set thinking_on = not thinking_off -%}"
 THINKING_BY_DEFAULT_LINE = (
     "{%- set thinking_on = not ((enable_thinking is defined and not enable_thinking) "
     "or (thinking is defined and not thinking)) -%}"
@@ -108,6 +118,9 @@ def quantize(src: Path, stats: Path, out: Path, layout: str, recipe: str = RECIP
 def thinking_template(model_dir: Path, out: Path) -> Path:
     """The testbed's chat template with thinking on unless a request turns it off."""
     text = (model_dir / "chat_template.jinja").read_text()
+    if TESTBED_THINKING_DEFAULT_ON in text:  # the testbed's template already thinks by default (as Laguna's)
+        out.write_text(text)
+        return out
     assert TESTBED_THINKING_LINE in text, "testbed chat template changed: update THINKING lines"
     out.write_text(text.replace(TESTBED_THINKING_LINE, THINKING_BY_DEFAULT_LINE))
     return out
@@ -163,6 +176,24 @@ SERVER_SPECS: dict[str, ServerSpec] = {
 }
 
 
+def kv_declaration_removed(model_dir: Path) -> tuple[str, ...]:
+    """``--hf-overrides`` that serve ``model_dir`` as if its config declared no KV quantization
+    (compressed-tensors' kv_cache_scheme, ModelOpt's kv_cache_quant_algo): vLLM then keeps the
+    cache in the model dtype. Not the serve line's `--dtype bfloat16 --kv-cache-dtype bfloat16`
+    (vLLM has no float32 cache dtype, and on CPU the cache dtype must equal the model's): these
+    servers compute in float32 so that they can be held to an fp32 reference."""
+    quant = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    quant.pop("kv_cache_scheme", None)
+    if "kv_cache_quant_algo" in quant:
+        quant["kv_cache_quant_algo"] = None
+    return ("--hf-overrides", json.dumps({"quantization_config": quant}))
+
+
+def declares_kv(model_dir: Path) -> bool:
+    quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    return bool(quant.get("kv_cache_scheme") or quant.get("kv_cache_quant_algo"))
+
+
 class Registry:
     def __init__(self, venv: Path, root: Path) -> None:
         self.venv = venv
@@ -176,8 +207,11 @@ class Registry:
             args = [a for a in VLLM_COMMON_ARGS if spec.eager or a != "--enforce-eager"] + list(spec.args)
             if spec.chat_template:
                 args += ["--chat-template", str(self.models.get("thinking_template"))]
+            model_dir = self.models.get(spec.model)
+            if not CPU_FP8_KV and declares_kv(model_dir):
+                args += kv_declaration_removed(model_dir)
             self.servers[name] = launch_vllm(
-                self.models.get(spec.model),
+                model_dir,
                 venv=self.venv,
                 served_model_name=name,
                 log_path=self.log_dir / f"{name}.log",

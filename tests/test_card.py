@@ -262,6 +262,21 @@ def test_non_claims_follow_from_the_artifacts(ckpt: Path) -> None:
     assert "missing" not in text
 
 
+def test_an_fp8_kv_cache_served_unquantized_is_a_non_claim(ckpt: Path) -> None:
+    """serve.json of a CPU without AVX-512/AMX (the pipeline's run_serve writes kv_fallback)."""
+    from fp4forge.serve.recommend import CheckpointFacts, cpu_kv_fallback
+
+    assert "served here with an unquantized" not in sections(render_card(ckpt).markdown)["What this card does not claim"]
+    facts = CheckpointFacts("LagunaForCausalLM", "compressed-tensors", ("nvfp4",), ("fp8",), "fp8", 8, 4)
+    fallback = cpu_kv_fallback(facts, "cpu", fp8_kv=False)
+    assert fallback is not None
+    served = load(ckpt, "serve.json")
+    (ckpt / "reports" / "serve.json").write_text(json.dumps({**served, "kv_fallback": fallback.to_json()}))
+    text = sections(render_card(ckpt).markdown)["What this card does not claim"]
+    assert "declares an FP8 KV cache, but it was served here with an unquantized bfloat16 cache" in text
+    assert "`--dtype bfloat16 --kv-cache-dtype bfloat16`" in text and "not exercised" in text
+
+
 @pytest.mark.parametrize("artifact", ARTIFACTS)
 def test_a_deleted_artifact_is_named_as_missing(ckpt: Path, artifact: str) -> None:
     (ckpt / "reports" / artifact).unlink()

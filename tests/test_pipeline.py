@@ -23,6 +23,7 @@ from safetensors import safe_open
 from fp4forge.errors import ConfigError
 from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
 from fp4forge.pipeline.steps import STEPS
+from fp4forge.serve.recommend import cpu_has_fp8_kv
 
 RECIPE = "nvfp4-experts-fp8-attn"
 SMALL = PipelineOptions(recipe=RECIPE, calib_samples=4, calib_seq_len=64, fidelity_samples=2, fidelity_seq_len=64)
@@ -227,6 +228,16 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     card = (out / "README.md").read_text()
     assert "_Not measured" not in card and "is missing" not in card
     assert "### Against the BF16 teacher (paired)" in card
+    # The recipe declares an FP8 KV cache: kept where this CPU can (AVX-512/AMX), else served
+    # unquantized with the serve line's override, and the card says so.
+    fallback = served["kv_fallback"]
+    if cpu_has_fp8_kv():
+        assert fallback is None
+        assert served["command"][served["command"].index("--kv-cache-dtype") + 1] == "auto"  # the declaration's FP8
+    else:
+        assert fallback["declared"] == "fp8" and fallback["served_dtype"] == "bfloat16"
+        assert all(part in served["command"] for part in fallback["argv"])
+        assert "served here with an unquantized bfloat16 cache" in card
     assert not (out / ".fp4forge-staging").exists()
     # The server is gone: nothing listens any more on the recorded port.
     import httpx

@@ -96,7 +96,12 @@ def test_facts_of_fp4forge_checkpoints(checkpoints: dict[str, Path], w4a4_facts:
 # -- snapshots ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("hardware", HARDWARE)
 def test_snapshot_w4a4_per_hardware(w4a4_facts: CheckpointFacts, hardware: str) -> None:
-    check_snapshot(f"w4a4-{hardware}", recommend(MODEL_LABEL, w4a4_facts, hardware, VLLM).render())
+    # cpu: a CPU that keeps the declared FP8 KV cache (AVX-512/AMX); the other kind below
+    check_snapshot(f"w4a4-{hardware}", recommend(MODEL_LABEL, w4a4_facts, hardware, VLLM, cpu_fp8_kv=True).render())
+
+
+def test_snapshot_w4a4_cpu_without_avx512(w4a4_facts: CheckpointFacts) -> None:
+    check_snapshot("w4a4-cpu-avx2", recommend(MODEL_LABEL, w4a4_facts, "cpu", VLLM, cpu_fp8_kv=False).render())
 
 
 @pytest.mark.parametrize("hardware", ["gb10", "cpu"])
@@ -147,6 +152,39 @@ def test_w4a16_checkpoint_is_marlin_on_blackwell(checkpoints: dict[str, Path]) -
     rec = recommend(MODEL_LABEL, read_checkpoint_facts(str(checkpoints["w4a16"])), "gb10", VLLM)
     argv = flags(rec)
     assert argv[argv.index("--moe-backend") + 1] == "marlin"
+
+
+CPUINFO_AVX2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma bmi2\n"
+CPUINFO_AVX512 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw avx512vl\n"
+CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu avx2 amx_bf16 amx_tile amx_int8\n"
+CPUINFO_ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve\n"
+
+
+def test_cpu_fp8_kv_needs_avx512_or_amx() -> None:
+    from fp4forge.serve.recommend import cpu_flags, cpu_has_fp8_kv
+
+    assert cpu_flags(CPUINFO_AVX2) == {"fpu", "sse2", "avx", "avx2", "fma", "bmi2"}
+    assert [cpu_has_fp8_kv(cpu_flags(t)) for t in (CPUINFO_AVX2, CPUINFO_AVX512, CPUINFO_AMX, CPUINFO_ARM, "")] == [
+        False, True, True, False, False]
+    # this machine's answer is its /proc/cpuinfo flags'
+    local = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    assert cpu_has_fp8_kv() == bool({"avx512f", "amx_tile"} & set(cpu_flags(local)))
+
+
+def test_cpu_without_avx512_serves_the_declared_fp8_kv_unquantized(w4a4_facts: CheckpointFacts, checkpoints: dict[str, Path]) -> None:
+    rec = recommend(MODEL_LABEL, w4a4_facts, "cpu", VLLM, cpu_fp8_kv=False)
+    argv = flags(rec)
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "bfloat16" and argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert argv.count("--kv-cache-dtype") == 1
+    assert any("not exercised" in w for w in rec.warnings)
+    doc = rec.to_json()
+    assert doc["kv_fallback"]["served_dtype"] == "bfloat16" and doc["kv_fallback"]["declared"] == "fp8"
+    assert any("AVX-512 or AMX" in note["why"] for note in doc["notes"])
+    # where the CPU keeps FP8 KV, or the checkpoint declares none, or the target is a GPU: no override
+    assert recommend(MODEL_LABEL, w4a4_facts, "cpu", VLLM, cpu_fp8_kv=True).kv_fallback is None
+    w4a16 = read_checkpoint_facts(str(checkpoints["w4a16"]))
+    assert recommend(MODEL_LABEL, w4a16, "cpu", VLLM, cpu_fp8_kv=False).kv_fallback is None
+    assert recommend(MODEL_LABEL, w4a4_facts, "gb10", VLLM, cpu_fp8_kv=False).kv_fallback is None
 
 
 def test_cpu_uses_the_plugin(w4a4_facts: CheckpointFacts) -> None:

@@ -412,8 +412,23 @@ def test_doctor_and_serve_cmd_share_the_kv_rule(kv_checkpoints: dict[str, Path])
     path = str(kv_checkpoints["ct-kv-scales-removed"])
     text = (LOGS / "cpu-avx2-plugin-ct-kv-scales-removed.log").read_text()
     doctor = next(f for f in diagnose(iter_lines(text), checkpoint=path).findings if f.id == "kv-cache-scales")
-    rec = recommend(path, read_checkpoint_facts(path), "cpu", "0.32.0")
+    # the scale rule speaks where the FP8 cache runs: a CPU with AVX-512/AMX
+    rec = recommend(path, read_checkpoint_facts(path), "cpu", "0.32.0", cpu_fp8_kv=True)
     assert any(doctor.message in w for w in rec.warnings)
+
+
+def test_doctor_fix_for_avx2_names_the_serve_lines_override(kv_checkpoints: dict[str, Path]) -> None:
+    """On a CPU without AVX-512/AMX the doctor's fix and serve cmd give the same override."""
+    from fp4forge.serve.recommend import read_checkpoint_facts, recommend
+
+    text = (LOGS / "cpu-avx2-plugin-ct-w4a4-compiled.log").read_text()
+    fix = next(f for f in diagnose(iter_lines(text)).findings if f.id == "cpu-fp8-kv-needs-avx512").fix or ""
+    path = str(kv_checkpoints["ct"])
+    rec = recommend(path, read_checkpoint_facts(path), "cpu", "0.32.0", cpu_fp8_kv=False)
+    assert rec.kv_fallback is not None
+    override = " ".join(rec.kv_fallback.to_json()["argv"])
+    assert override == "--dtype bfloat16 --kv-cache-dtype bfloat16"  # checked with a real vLLM 0.32 start on AVX2
+    assert f"`{override}`" in fix
 
 
 def test_cli_doctor_takes_the_checkpoint(app: typer.Typer, kv_checkpoints: dict[str, Path]) -> None:

@@ -11,6 +11,10 @@
   the other numerics (``w4a16`` vs ``w4a4``): a mismatch from the first position.
 * The same checkpoint without the plugin fails with vLLM's kernel error; ``serve doctor`` says why.
 
+On a CPU without AVX-512/AMX vLLM cannot keep the FP8 KV cache: the FP8-KV checkpoints are served
+with their KV declaration overridden (an fp32 cache) and held against the reference without KV
+quantization; everything else above holds unchanged.
+
 Servers come from tests/fixtures_vllm_plugin.py (shared with test_reasoning_parser.py).
 """
 
@@ -36,7 +40,7 @@ from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.serve import VllmServer
 from fp4forge.serve.doctor import diagnose, iter_lines
 from fp4forge.fidelity.reference import TeacherForcedCheck, greedy_tokens, load_reference, teacher_forced_check
-from tests.fixtures_vllm_plugin import Registry, plugin_bf16_moe, plugin_modelopt_w4a16, server_log, servers  # noqa: F401 (shared fixtures)
+from tests.fixtures_vllm_plugin import CPU_FP8_KV, Registry, plugin_bf16_moe, plugin_modelopt_w4a16, server_log, servers  # noqa: F401 (shared fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -257,7 +261,10 @@ def served_continuations(server: VllmServer, servers: Registry, server_name: str
 
 def reference_checks(servers: Registry, server_name: str, numerics: str, served: Served) -> dict[str, TeacherForcedCheck]:
     """Every served continuation against the reference under ``numerics``, teacher-forced."""
-    model = load_reference(servers.models.get({**CHECKPOINT_OF_SERVER, **COMPILED_SERVERS}[server_name][0]), numerics, kv_rounding=KV_ROUNDING)
+    # Without AVX-512/AMX the FP8-KV checkpoints are served with an unquantized cache
+    # (fixtures_vllm_plugin.CPU_FP8_KV): their reference then quantizes no K/V either.
+    model = load_reference(servers.models.get({**CHECKPOINT_OF_SERVER, **COMPILED_SERVERS}[server_name][0]), numerics,
+                           kv_rounding=KV_ROUNDING, fp8_kv=CPU_FP8_KV)
     checks = {}
     with torch_threads(1):
         for label, (prompt, choice) in served.items():
@@ -282,7 +289,24 @@ def test_quantized_continuations_match_reference(request: pytest.FixtureRequest,
     numerics = CHECKPOINT_OF_SERVER[server_name][1]
     checks = reference_checks(servers, server_name, numerics, served_continuations(server, servers, server_name))
     print(summary(server_name, checks))  # the near-ties and exact prefixes, shown with -s / on failure
+    if not CPU_FP8_KV:
+        # Served with an unquantized cache (no AVX-512/AMX), the continuations are the BF16-KV
+        # export's (measured on AVX2, plugin_ct_w4a4: the same 43, 51, 32, 33 exact positions and the
+        # same "long" token 0.155 behind the reference's max as plugin_ct_nokv_compiled), whose
+        # post-flip drift the FP8-KV envelope (TIE_MARGIN) does not cover: hold every prompt's exact
+        # prefix instead, what tells the numerics apart (0 against the other numerics, below;
+        # measured 8..51 here, plugin_modelopt_w4a16: 27, 51, 8, 29).
+        assert_exact_prefix(summary(server_name, checks), checks, MIN_EXACT_PREFIX)
+        return
     assert all(check.verdict in ("exact", "near_tie") for check in checks.values()), summary(server_name, checks)
+
+
+def assert_exact_prefix(report: str, checks: dict[str, TeacherForcedCheck], min_prefix: int) -> None:
+    """Every prompt equals the reference to EXACT_LOGPROB until the first flipped rounding, over at
+    least ``min_prefix`` scored positions."""
+    for check in checks.values():
+        assert (check.exact_prefix or 0) >= min_prefix, report
+        assert max(check.logprob_deltas[: check.exact_prefix]) <= EXACT_LOGPROB, report
 
 
 def test_compiled_server_computes_the_plugins_numerics(plugin_ct_nokv_compiled: VllmServer, servers: Registry) -> None:
@@ -299,9 +323,7 @@ def test_compiled_server_computes_the_plugins_numerics(plugin_ct_nokv_compiled: 
     checks = reference_checks(servers, name, "w4a4", served_continuations(server, servers, name))
     report = summary(name, checks)
     print(report)
-    for check in checks.values():
-        assert (check.exact_prefix or 0) >= 30, report
-        assert max(check.logprob_deltas[: check.exact_prefix]) <= EXACT_LOGPROB, report
+    assert_exact_prefix(report, checks, 30)
 
 
 @pytest.mark.parametrize("server_name", list(CHECKPOINT_OF_SERVER))

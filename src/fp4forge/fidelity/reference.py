@@ -194,8 +194,11 @@ def load_reference(
     moe_input_scale: MoeInputScale = "per_expert",
     kv_rounding: KvRounding = "nearest",
     dtype: torch.dtype = torch.float32,
+    fp8_kv: bool = True,
 ) -> torch.nn.Module:
-    """A transformers Laguna model that computes the quantized checkpoint with ``numerics``."""
+    """A transformers Laguna model that computes the quantized checkpoint with ``numerics``.
+    ``fp8_kv=False``: K/V stay unquantized even where the checkpoint ships FP8 KV scales (what a
+    server computes when it serves the declared FP8 KV cache unquantized)."""
     from transformers import AutoModelForCausalLM
 
     if numerics not in NUMERICS:
@@ -206,7 +209,7 @@ def load_reference(
     kv = _kv_scales(view, config["num_hidden_layers"])
     if kv_rounding not in E4M3_ROUNDINGS:
         raise ConfigError(f"kv_rounding {kv_rounding!r} is not one of {', '.join(E4M3_ROUNDINGS)}")
-    attn = _register_fp8_kv_attention(kv, "sdpa", kv_rounding) if kv else "sdpa"
+    attn = _register_fp8_kv_attention(kv, "sdpa", kv_rounding) if kv and fp8_kv else "sdpa"
     with tempfile.TemporaryDirectory(prefix="fp4forge-ref-") as tmp:
         _write_dense_copy(ckpt_dir, view, Path(tmp))
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=attn).eval()

@@ -309,14 +309,20 @@ def run_serve_cmd(ctx: Context) -> dict[str, Any]:
 
 
 def run_serve(ctx: Context) -> dict[str, Any]:
+    from fp4forge.serve.recommend import cpu_kv_fallback, read_checkpoint_facts
+
     slot = ctx.slot("student")
     record = slot.get()
     diagnosis = slot.doctor.diagnosis()  # fed the startup log line by line until readiness
     shutil.copyfile(record.log, ctx.report("serve.log"))
+    # the same decision serve_up's serve line made (recommend): a declared FP8 KV cache this CPU
+    # cannot keep is served unquantized, and the card must say so
+    fallback = cpu_kv_fallback(read_checkpoint_facts(str(slot.model)), ctx.options.serve_hardware)
     write_json(ctx.report("serve.json"), {
         "hardware": ctx.options.serve_hardware,
         "vllm_version": diagnosis.vllm_version,
         "command": record.command,
+        "kv_fallback": None if fallback is None else fallback.to_json(),
         "ready_seconds": slot.ready_seconds,
         "log": "serve.log",
         **{k: v for k, v in diagnosis.to_json().items() if k != "vllm_version"},

@@ -253,6 +253,12 @@ def serve_section(ctx: CardContext) -> list[str]:
         lines += _missing(ctx, "serve.json")
         ctx.non_claims.append("The checkpoint was not served here: nothing on this card shows that vLLM loads it.")
     else:
+        fallback = served.get("kv_fallback")
+        if fallback:
+            ctx.non_claims.append(f"The checkpoint declares an {fallback['declared'].upper()} KV cache, but it was served here with "
+                                  f"an unquantized {fallback['served_dtype']} cache (`{' '.join(fallback['argv'])}`): this CPU "
+                                  "cannot run vLLM's FP8 KV cache (it needs AVX-512 or AMX), so the calibrated k/v scales "
+                                  "were not exercised by the serving, performance or quality results on this card.")
         lines += [f"vLLM {served['vllm_version']} on `{served['hardware']}`, ready after {_num(served['ready_seconds'], 3)} s; "
                   f"the log doctor's findings (`fp4forge serve doctor reports/{served['log']}`):", ""]
         lines += table(["finding", "severity", "message"], [

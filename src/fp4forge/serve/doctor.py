@@ -197,6 +197,17 @@ def _parse_version(version: str | None) -> Version | None:
         return None
 
 
+@lru_cache(maxsize=1)
+def _knowledge_values() -> dict[str, str]:
+    """Placeholders a pattern's message or fix may use, from the knowledge ``serve cmd`` uses:
+    ``{cpu_kv_override}`` is the flags that serve a declared FP8 KV cache unquantized on a CPU
+    without AVX-512/AMX."""
+    from fp4forge.serve.recommend import knowledge
+
+    override = knowledge()["cpu_fp8_kv"]["override"]
+    return {"cpu_kv_override": " ".join(part for flag in override for part in flag)}
+
+
 def _finding(pattern: Pattern, match: re.Match[str], number: int, text: str, after_seen: bool) -> Finding:
     groups = {k: v for k, v in match.groupdict().items() if v is not None}
     severity, message, fix = pattern.severity, pattern.message, pattern.fix
@@ -208,7 +219,7 @@ def _finding(pattern: Pattern, match: re.Match[str], number: int, text: str, aft
             severity = case.get("severity", severity)
             message = case.get("message", message)
             fix = case.get("fix", fix)
-    values = _Missing(groups)
+    values = _Missing({**_knowledge_values(), **groups})
     return Finding(
         id=pattern.id,
         severity=severity,

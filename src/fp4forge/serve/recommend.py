@@ -221,6 +221,67 @@ def kv_cache_verdict(
     return None
 
 
+# -- the local CPU and a quantized KV cache ----------------------------------------------------------
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU feature flags of this machine (``/proc/cpuinfo``'s ``flags`` line; ``Features`` on
+    ARM), or of ``cpuinfo`` text. Empty when there is no cpuinfo to read."""
+    if cpuinfo is None:
+        try:
+            with open(CPUINFO, encoding="utf-8", errors="replace") as handle:
+                cpuinfo = handle.read()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_has_fp8_kv(flags: frozenset[str] | None = None) -> bool:
+    """Whether vLLM's CPU attention can keep an FP8 KV cache on this CPU (``flags``: default, the
+    local CPU's): it needs one of ``[cpu_fp8_kv].cpuinfo_flags`` (AVX-512 or AMX)."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & set(knowledge()["cpu_fp8_kv"]["cpuinfo_flags"]))
+
+
+@dataclass(frozen=True)
+class KvFallback:
+    """A quantized-KV checkpoint served with an unquantized cache because the CPU cannot run it."""
+
+    declared: str  # the checkpoint's KV declaration ("fp8")
+    served_dtype: str  # the cache dtype the line serves instead
+    args: tuple[tuple[str, ...], ...]  # the flags that do it
+    why: str  # the why-comment for the flags
+    warning: str  # what is not exercised
+
+    def to_json(self) -> dict[str, Any]:
+        return {"declared": self.declared, "served_dtype": self.served_dtype, "argv": [p for a in self.args for p in a],
+                "why": self.why, "warning": self.warning}
+
+
+def cpu_kv_fallback(facts: CheckpointFacts, hardware: str, *, fp8_kv: bool | None = None) -> KvFallback | None:
+    """For ``--hardware cpu``: the unquantized-cache override where the checkpoint declares a
+    quantized KV cache and the CPU (``fp8_kv``: default, the local one) cannot keep it; else None."""
+    if hardware != "cpu" or facts.kv_declared is None:
+        return None
+    if cpu_has_fp8_kv() if fp8_kv is None else fp8_kv:
+        return None
+    table = knowledge()["cpu_fp8_kv"]
+    flags = "/".join(table["cpuinfo_flags"])
+    dtype = table["cache_dtype"]
+    return KvFallback(
+        declared=facts.kv_declared,
+        served_dtype=dtype,
+        args=tuple(tuple(flag) for flag in table["override"]),
+        why=table["why"].format(flags=flags),
+        warning=table["warning"].format(declared=facts.kv_declared.upper(), flags=flags, dtype=dtype),
+    )
+
+
 # -- the recommendation ---------------------------------------------------------------------------
 @dataclass
 class Recommendation:
@@ -234,6 +295,7 @@ class Recommendation:
     notes: list[dict[str, str]] = field(default_factory=list)  # {"flag", "why"}
     warnings: list[str] = field(default_factory=list)
     numerics: MoeNumerics | None = None  # the MoE numerics this line serves (None: no NVFP4 experts)
+    kv_fallback: KvFallback | None = None  # the declared quantized KV cache is served unquantized here
 
     def add(self, flag: list[str], why: str) -> None:
         self.args.append(flag)
@@ -273,6 +335,7 @@ class Recommendation:
             "notes": self.notes,
             "warnings": self.warnings,
             "numerics": None if self.numerics is None else self.numerics.to_json(),
+            "kv_fallback": None if self.kv_fallback is None else self.kv_fallback.to_json(),
         }
 
 
@@ -361,8 +424,13 @@ def _engine_quirks(rec: Recommendation) -> None:
             )
 
 
-def _kv_choice(rec: Recommendation) -> None:
+def _kv_choice(rec: Recommendation, fp8_kv: bool | None) -> None:
     facts = rec.checkpoint
+    rec.kv_fallback = cpu_kv_fallback(facts, rec.hardware, fp8_kv=fp8_kv)
+    if rec.kv_fallback is not None:
+        rec.add([part for flag in rec.kv_fallback.args for part in flag], rec.kv_fallback.why)
+        rec.warnings.append(rec.kv_fallback.warning)
+        return  # the declared scales are not used: their verdict does not apply to this cache
     if facts.kv_declared is None:
         rec.add(["--kv-cache-dtype", "auto"], "no KV declaration: a BF16/model-dtype cache. `--kv-cache-dtype fp8` would run FP8 at scale 1.0 (uncalibrated).")
     elif facts.kv_scales_shipped >= facts.kv_scales_expected > 0:
@@ -414,7 +482,11 @@ def _weights_track(rec: Recommendation, ver: dict[str, Any]) -> None:
         rec.warnings.append("weight tracking (enable_weights_track) is not known for this vLLM version: audit the names with `fp4forge audit`.")
 
 
-def recommend(model: str, facts: CheckpointFacts, hardware: str, vllm_version: str) -> Recommendation:
+def recommend(
+    model: str, facts: CheckpointFacts, hardware: str, vllm_version: str, *, cpu_fp8_kv: bool | None = None
+) -> Recommendation:
+    """``cpu_fp8_kv``: whether the CPU that runs ``--hardware cpu`` can keep an FP8 KV cache
+    (default: this machine's, :func:`cpu_has_fp8_kv`)."""
     ver = version_entry(vllm_version)
     hw = hardware_entry(hardware)
     rec = Recommendation(model, hardware, vllm_version, ver["label"], facts, env=dict(hw.get("env", {})))
@@ -424,7 +496,7 @@ def recommend(model: str, facts: CheckpointFacts, hardware: str, vllm_version: s
     if rec.checkpoint.expert_schemes and set(rec.checkpoint.expert_schemes) & {"nvfp4", "nvfp4a16"}:
         rec.numerics = target_numerics(hardware, weight_only="nvfp4" not in rec.checkpoint.expert_schemes)
     _engine_quirks(rec)
-    _kv_choice(rec)
+    _kv_choice(rec, cpu_fp8_kv)
     _attention_choice(rec, ver, hw)
     _parsers(rec, ver)
     _weights_track(rec, ver)
