@@ -225,6 +225,19 @@ def mutate_shard(rng: random.Random, data: bytes) -> tuple[bytes, str]:
 
 
 # -- index mutations -------------------------------------------------------------------------------
+def _damaged_text(rng: random.Random, text: str, kind: str) -> bytes | None:
+    """The byte-level damages every JSON file gets alike (None: ``kind`` is not one of them)."""
+    if kind == "garbage":
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))
+    if kind == "truncated":
+        return text.encode()[: rng.randrange(len(text))]
+    if kind == "bad-utf8":
+        raw = text.encode()
+        at = rng.randrange(len(raw) + 1)
+        return raw[:at] + rng.choice(BAD_UTF8) + raw[at:]
+    return None
+
+
 def mutate_index(rng: random.Random, text: str) -> tuple[bytes, str]:
     """A damaged or hostile copy of a valid ``model.safetensors.index.json``."""
     doc = json.loads(text)
@@ -235,14 +248,9 @@ def mutate_index(rng: random.Random, text: str) -> tuple[bytes, str]:
         "weight-map-missing", "weight-map-wrong-type", "value-not-string", "traversal", "traversal", "missing-shard",
         "metadata-wrong-type", "total-size-bad", "total-size-odd", "misrouted", "extra-keys", "lone-surrogate",
     ])
-    if kind == "garbage":
-        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 200))), kind
-    if kind == "truncated":
-        return text.encode()[: rng.randrange(len(text))], kind
-    if kind == "bad-utf8":
-        raw = text.encode()
-        at = rng.randrange(len(raw) + 1)
-        return raw[:at] + rng.choice(BAD_UTF8) + raw[at:], kind
+    damaged = _damaged_text(rng, text, kind)
+    if damaged is not None:
+        return damaged, kind
     if kind == "empty":
         return b"", kind
     if kind == "lfs-pointer":
@@ -304,14 +312,9 @@ def mutate_config(rng: random.Random, text: str) -> tuple[bytes, str]:
         "garbage", "truncated", "bad-utf8", "deep-nesting", "huge-int-text", "not-object", "architectures-wrong",
         "model-type-wrong", "count-wrong", "count-wrong", "quantization-config-wrong", "dtype-wrong", "lone-surrogate",
     ])
-    if kind == "garbage":
-        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 200))), kind
-    if kind == "truncated":
-        return text.encode()[: rng.randrange(len(text))], kind
-    if kind == "bad-utf8":
-        raw = text.encode()
-        at = rng.randrange(len(raw) + 1)
-        return raw[:at] + rng.choice(BAD_UTF8) + raw[at:], kind
+    damaged = _damaged_text(rng, text, kind)
+    if damaged is not None:
+        return damaged, kind
     if kind == "deep-nesting":
         depth = rng.choice([1000, 100_000])
         return (text.rstrip()[:-1] + ',"x":' + "[" * depth + "]" * depth + "}").encode(), kind
