@@ -114,6 +114,12 @@ class NumericsError(Fp4forgeError):
     """A tensor that cannot be quantized as asked (shape, non-finite values, bad option)."""
 
 
+class DistributedError(Fp4forgeError):
+    """Several processes (``torchrun``) could not work together: a launcher environment that is
+    incomplete, a process group that did not form, a rank that failed while the others waited, or
+    ranks that disagree about what they computed (model/distributed.py)."""
+
+
 # -- serving and measuring -------------------------------------------------------------------------
 class StatsFileError(ConfigError):
     """A calibration-statistics file that cannot be read or does not follow its schema

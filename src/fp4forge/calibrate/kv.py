@@ -42,6 +42,7 @@ from fp4forge.checkpoint.schemes import kv_role_names, scheme_table
 from fp4forge.checkpoint.tensor_file import write_tensors
 from fp4forge.checkpoint.stats import KV_ROLES, kv_amax_name, read_stats
 from fp4forge.errors import ConfigError, WriteError, require_choice
+from fp4forge.model.distributed import current as current_ranks
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 from fp4forge.quantize.qconfig import declare_kv
 
@@ -136,12 +137,17 @@ def calibrate_kv(
 
         stats_path = into.parent / f".{into.name}.kv-stats.safetensors"
         calibrate_to_file(source, stats_path, calibration or CalibrationOptions(), progress=progress)
-    try:
-        scales = scales_from_stats(stats_path, layers, per_head=per_head)
-    finally:
-        if stats_path != source:
-            stats_path.unlink(missing_ok=True)
-    return install_kv_scales(into, scales, layout_format)
+
+    def install() -> dict[str, Any]:
+        try:
+            scales = scales_from_stats(stats_path, layers, per_head=per_head)
+        finally:
+            if stats_path != source:
+                stats_path.unlink(missing_ok=True)
+        return install_kv_scales(into, scales, layout_format)
+
+    # Under a launcher every rank calibrated its share; rank 0 alone writes into the checkpoint.
+    return current_ranks().on_main(install, "installing the KV scales")
 
 
 # -- scales -> tensors in a layout ---------------------------------------------------------------

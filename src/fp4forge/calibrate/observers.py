@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from fp4forge.checkpoint.stats import input_amax_name, kv_amax_name
 from fp4forge.model.hooks import KVCacheTap, apply_gate, check_fused_experts, install_experts_forward, install_kv_tap, is_fused_experts
+from fp4forge.model.distributed import Ranks
 from fp4forge.model.streaming import WeightPlan
 from fp4forge.errors import ConfigError
 
@@ -153,6 +154,21 @@ class CalibrationObserver:
 
     def observe_head_input(self, disk_module: str, x: Tensor) -> None:
         self.amax.update(input_amax_name(disk_module), x)
+
+    def reduce(self, ranks: Ranks) -> None:
+        """Combine every rank's running statistics (each saw its share of the batches): amax by
+        MAX, routed token counts by SUM. Before :meth:`statistics`, so an expert is "without
+        tokens" only when no rank routed it any."""
+        if not ranks.distributed:
+            return
+        amax = {f"linear:{n}": v for n, v in self.amax.values.items()}
+        for name, stats in self.experts.items():
+            amax[f"gate_up:{name}"], amax[f"down:{name}"] = stats.gate_up_amax, stats.down_amax
+        amax = ranks.reduce_tensors(amax, "max")
+        tokens = ranks.reduce_tensors({name: stats.tokens for name, stats in self.experts.items()}, "sum")
+        self.amax.values = {n.removeprefix("linear:"): v for n, v in amax.items() if n.startswith("linear:")}
+        for name, stats in self.experts.items():
+            stats.gate_up_amax, stats.down_amax, stats.tokens = amax[f"gate_up:{name}"], amax[f"down:{name}"], tokens[name]
 
     def statistics(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """(F32 tensors for the statistics file, metadata about experts)."""

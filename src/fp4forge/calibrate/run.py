@@ -21,6 +21,7 @@ import torch
 from fp4forge import __version__
 from fp4forge.model.samples import Samples, load_samples, load_tokenizer
 from fp4forge.calibrate.observers import POLICIES, CalibrationObserver
+from fp4forge.model import distributed
 from fp4forge.model.streaming import (
     DEFAULT_RAM_BUDGET_BYTES,
     ActivationStore,
@@ -95,6 +96,7 @@ class CalibrationResult:
             "activation_peak_bytes": self.activation_peak_bytes,
             "experts_without_tokens": self.metadata.get("experts_without_tokens", []),
             "moe_policy": self.metadata.get("moe_policy"),
+            "ranks": distributed.current().world_size,
         }
 
 
@@ -140,8 +142,13 @@ def calibrate_checkpoint(
     samples = samples or calibration_samples(ckpt, options)
     streamed = StreamedModel.from_checkpoint(ckpt)
     observer = CalibrationObserver(streamed.plan, options.policy)
+    # Under a launcher each rank runs its block of the batches; the statistics are reduced below.
+    ranks = distributed.current()
+    all_batches = samples.batches(options.batch_size)
+    ranks.require_share(len(all_batches), "calibration batches", option="samples")
+    batches = ranks.share(all_batches)
+    progress = progress if ranks.is_main else None
     space = SpillSpace(options.ram_budget_bytes, options.spill_dir)
-    batches = samples.batches(options.batch_size)
     timings: dict[str, float] = {}
     total = streamed.num_layers + 2
     try:
@@ -168,8 +175,13 @@ def calibrate_checkpoint(
                 observer.observe_head_input(head, norm(store.get(number)))
                 store.drop(number)
         timings["head"] = time.perf_counter() - mark
+    except BaseException:
+        ranks.fail("calibration")
+        raise
     finally:
         space.close()
+    ranks.agree(True, "calibration")
+    observer.reduce(ranks)
     tensors, observed = observer.statistics()
     if progress:
         progress(total, total, "done")
@@ -195,7 +207,7 @@ def calibrate_to_file(
     from fp4forge.checkpoint.stats import write_stats
 
     result = calibrate_checkpoint(src, options, progress=progress)
-    write_stats(stats_out, result.tensors, result.metadata)
+    distributed.current().on_main(lambda: write_stats(stats_out, result.tensors, result.metadata), "writing the statistics")
     return {"statistics": str(stats_out), **result.summary()}
 
 

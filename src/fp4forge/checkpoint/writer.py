@@ -86,6 +86,7 @@ class CheckpointWriter:
         sparse: bool = False,
         index_metadata: dict[str, Any] | None = None,
         resume_key: str | None = None,
+        part: int = 0,
     ):
         self.out_dir = Path(out_dir)
         names = [s.name for s in specs]
@@ -107,6 +108,12 @@ class CheckpointWriter:
         self.completed_units: set[str] = set()
         self.completed_payloads: dict[str, Any] = {}
         self._journal: Any = None
+        # Several processes writing one output (model/distributed.py): part 0 creates the resumable
+        # staging dir and alone finishes it; part N > 0 joins it after part 0 has entered, writes
+        # its own units at their planned offsets and journals them in its own file.
+        self.part = part
+        if part and resume_key is None:
+            raise WriteError("only a resumable writer (resume_key) can be written in parts")
 
     # -- lifecycle -----------------------------------------------------------------
     def __enter__(self) -> CheckpointWriter:
@@ -141,6 +148,16 @@ class CheckpointWriter:
             return False
         self._tmp = self.out_dir.parent / f".{self.out_dir.name}.partial"
         journal = self._tmp / JOURNAL_FILE
+        if self.part:
+            if not (journal.is_file() and journal.read_text().split("\n", 1)[0] == self.resume_key):
+                raise WriteError(f"part {self.part} found no staging directory of this run at {self._tmp}")
+            own = self._tmp / f"{JOURNAL_FILE}.{self.part}"
+            fresh = not own.is_file() or own.read_text().split("\n", 1)[0] != self.resume_key
+            self._journal = open(own, "w" if fresh else "a")
+            if fresh:
+                self._journal.write(self.resume_key + "\n")
+                self._journal.flush()
+            return True
         if journal.is_file() and journal.read_text().split("\n", 1)[0] == self.resume_key:
             self._journal = open(journal, "a")
             return True
@@ -151,8 +168,16 @@ class CheckpointWriter:
         self._journal.flush()
         return False
 
+    def _journals(self) -> list[Path]:
+        assert self._tmp is not None
+        return [self._tmp / JOURNAL_FILE, *sorted(self._tmp.glob(f"{JOURNAL_FILE}.*"))]
+
     def _replay_journal(self) -> None:
-        lines = (self._tmp / JOURNAL_FILE).read_text().split("\n")[1:]
+        lines = []
+        for journal in self._journals():  # every part's (a part's from another run was replaced on entry)
+            text = journal.read_text().split("\n")
+            if text[0] == self.resume_key:
+                lines += text[1:]
         for line in lines:
             if not line.endswith("\t."):  # a line cut by a kill is not a finished unit
                 continue
@@ -162,6 +187,20 @@ class CheckpointWriter:
             for name in filter(None, names.split(",")):
                 shard_no = self._placement[name][0]
                 self._pending[shard_no].discard(name)
+
+    def refresh(self) -> None:
+        """Take in the units the other parts journaled since entry (part 0, before finishing)."""
+        self._replay_journal()
+
+    def sync(self) -> None:
+        """Everything written so far reaches the disk (a part, before part 0 finishes: on a
+        shared filesystem another node renames the directory)."""
+        for handle in self._handles:
+            handle.flush()
+            os.fsync(handle.fileno())
+        if self._journal is not None:
+            self._journal.flush()
+            os.fsync(self._journal.fileno())
 
     def commit_unit(self, unit: str, names: list[str], payload: Any = None) -> None:
         """Record a finished work unit whose tensors were all written (resumable writers).
@@ -181,10 +220,10 @@ class CheckpointWriter:
                 handle.close()
             if self._journal is not None:
                 self._journal.close()
-            if exc_type is None:
+            if exc_type is None and not self.part:
                 self._finish()
         finally:
-            if self._tmp is not None and self._tmp.exists() and not keep_for_resume:
+            if self._tmp is not None and self._tmp.exists() and not keep_for_resume and not self.part:
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- writing ---------------------------------------------------------------------
@@ -240,7 +279,8 @@ class CheckpointWriter:
             if not self.sparse:
                 with open(shard_file, "rb+") as fh:
                     os.fsync(fh.fileno())
-        (self._tmp / JOURNAL_FILE).unlink(missing_ok=True)
+        for journal in self._journals():
+            journal.unlink(missing_ok=True)
         if self.out_dir.exists():
             self.out_dir.rmdir()  # empty (checked on enter)
         os.replace(self._tmp, self.out_dir)

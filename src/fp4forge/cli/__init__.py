@@ -10,6 +10,8 @@ benchmark stack or torch.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 import click
@@ -63,6 +65,15 @@ class LazyCommands(TyperGroup):
 app = typer.Typer(cls=LazyCommands, no_args_is_help=True, add_completion=False, help="Make, prove and measure NVFP4 / FP8 MoE checkpoints.")
 
 
+def _quiet_unless_rank0() -> None:
+    """Under torchrun every rank runs the command; rank 0 alone prints its result
+    (docs/distributed.md). Errors still reach stderr from every rank."""
+    from fp4forge.model.distributed import speaks
+
+    if not speaks():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
 @app.callback()
 def _root() -> None:
     """Make, prove and measure NVFP4 / FP8 MoE checkpoints."""
@@ -71,6 +82,7 @@ def _root() -> None:
 def main() -> None:
     err = console(stderr=True)
     try:
+        _quiet_unless_rank0()
         # With standalone_mode=False, typer turns Ctrl-C into a returned 130 and click returns
         # other `Exit` codes instead of raising them.
         code: Any = app(standalone_mode=False)

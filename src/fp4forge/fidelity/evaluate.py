@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp4forge import __version__
+from fp4forge.model import distributed
 from fp4forge.model.samples import Samples, load_samples, load_tokenizer
 from fp4forge.model.hooks import (
     KVCacheTap,
@@ -281,6 +282,16 @@ class PositionMetrics:
             out["kl_cache_estimate"] = _distribution(estimate)
         return out
 
+    def gathered(self, ranks: distributed.Ranks) -> PositionMetrics:
+        """Every rank's positions, in batch order (the ranks hold contiguous blocks of batches),
+        so medians and quantiles are those of one process."""
+        if not ranks.distributed:
+            return self
+        names = ("kl", "kl_estimate", "agree", "teacher_nll", "student_nll")
+        mine = {name: self._cat(getattr(self, name)) for name in names}
+        every = ranks.all_gather_object(mine)
+        return PositionMetrics(**{name: [part[name] for part in every if part[name].numel()] for name in names})
+
 
 def _distribution(values: Tensor) -> dict[str, float]:
     values = values.to(torch.float64)
@@ -455,7 +466,13 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     cached = options.teacher_cache is not None and options.teacher_cache.is_file()
     tokenizer = load_tokenizer(options.tokenizer or getattr(teacher_ckpt.source, "root", None) or getattr(student_ckpt.source, "root"))
     samples = load_samples(tokenizer, samples=options.samples, seq_len=options.seq_len, text_files=options.text_files, split="heldout", builtin=options.builtin_corpus)
-    batches = samples.batches(options.batch_size)
+    # Under a launcher each rank evaluates one contiguous block of the batches (from ``first``).
+    ranks = distributed.current()
+    all_batches = samples.batches(options.batch_size)
+    ranks.require_share(len(all_batches), "fidelity batches", option="samples")
+    first = ranks.share_range(len(all_batches)).start
+    batches = ranks.share(all_batches)
+    progress = progress if ranks.is_main else None
 
     teacher = None if cached else StreamedModel.from_checkpoint(teacher_ckpt)
     view = QuantizedCheckpoint(student_ckpt, layout)
@@ -487,9 +504,20 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
                     if teacher:
                         t_store.drop(number)
             s_store, t_store = s_out, t_out
-        metrics, cache_info = _head(teacher, student, numerics, batches, s_store, t_store, samples, options, teacher_ckpt)
+        positions, entries, cache_info = _head(teacher, student, numerics, batches, first, s_store, t_store, samples, options, teacher_ckpt)
+    except BaseException:
+        ranks.fail("fidelity")
+        raise
     finally:
         space.close()
+    ranks.agree(True, "fidelity")
+    metrics = positions.gathered(ranks).summary()
+    if teacher and ranks.distributed:  # squared-error sums: SUM over the ranks' batches
+        sums = ranks.all_reduce_sum(torch.tensor([[e.err_sq, e.ref_sq, e.local_err_sq] for e in errors], dtype=torch.float64))
+        errors = [_LayerError(*map(float, row)) for row in sums.tolist()]
+    if teacher is not None and options.teacher_cache is not None:
+        every = [e for part in ranks.all_gather_object(entries) for e in part]
+        cache_info = ranks.on_main(lambda: _save_cache(options.teacher_cache, every, samples, teacher_ckpt, options), "writing the teacher cache")
     if progress:
         progress(total, total, "done")
     return FidelityReport(
@@ -526,15 +554,17 @@ def _head(
     student: StreamedModel,
     numerics: StudentNumerics,
     batches: list[Tensor],
+    first: int,
     s_store: ActivationStore,
     t_store: ActivationStore | None,
     samples: Samples,
     options: FidelityOptions,
     teacher_ckpt: Checkpoint,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Logits of both, per batch, with the teacher either live or from the cache."""
+) -> tuple[PositionMetrics, list[TeacherEntry], dict[str, Any] | None]:
+    """Logits of both, per batch (``batches`` are numbers ``first``, ``first + 1``, ... of the
+    run), with the teacher either live or from the cache; returns the positions' metrics and the
+    teacher entries to cache."""
     metrics = PositionMetrics()
-    generator = torch.Generator().manual_seed(options.seed)
     entries: list[TeacherEntry] = []
     cache_info: dict[str, Any] | None = None
     if teacher is None:
@@ -555,22 +585,30 @@ def _head(
             student_logp = log_probs(s_head(s_norm(s_store.get(number))))
             if teacher is not None:
                 teacher_logp = log_probs(t_head(t_norm(t_store.get(number))))
-                entry = teacher_entry(teacher_logp, targets, options.top_k, options.tail_samples, generator)
+                entry = teacher_entry(teacher_logp, targets, options.top_k, options.tail_samples, _tail_generator(options.seed, first + number))
                 metrics.kl.append(exact_kl(teacher_logp, student_logp))
                 if options.teacher_cache is not None:
                     entries.append(entry)
             else:
-                entry = entries[number]
+                entry = entries[first + number]
             if teacher is None or options.teacher_cache is not None:
                 metrics.kl_estimate.append(estimated_kl(entry, student_logp))
             metrics.agree.append(entry.argmax == student_logp.argmax(-1))
             metrics.teacher_nll.append(-entry.target_logp)
             metrics.student_nll.append(-student_logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
-    if teacher is not None and options.teacher_cache is not None:
-        meta = {"teacher": teacher_ckpt.display, "teacher_digest": _digest(teacher_ckpt), "top_k": options.top_k, "tail_samples": options.tail_samples, "seed": options.seed, "fp4forge_version": __version__}
-        save_teacher_cache(options.teacher_cache, entries, samples, meta)
-        cache_info = {"path": str(options.teacher_cache), "used": False, "written": True, **meta}
-    return metrics.summary(), cache_info
+    return metrics, entries if teacher is not None else [], cache_info
+
+
+def _tail_generator(seed: int, batch: int) -> torch.Generator:
+    """The tail sample's generator, seeded per batch so the draws do not depend on how many
+    ranks share the batches."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + batch)
+
+
+def _save_cache(path: Path, entries: list[TeacherEntry], samples: Samples, teacher_ckpt: Checkpoint, options: FidelityOptions) -> dict[str, Any]:
+    meta = {"teacher": teacher_ckpt.display, "teacher_digest": _digest(teacher_ckpt), "top_k": options.top_k, "tail_samples": options.tail_samples, "seed": options.seed, "fp4forge_version": __version__}
+    save_teacher_cache(path, entries, samples, meta)
+    return {"path": str(path), "used": False, "written": True, **meta}
 
 
 def _digest(ckpt: Checkpoint) -> str:

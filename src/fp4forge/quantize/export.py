@@ -9,6 +9,7 @@ command continues from there and produces the same bytes as an uninterrupted run
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError, require_choice
+from fp4forge.model import distributed
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
 from fp4forge.numerics.nvfp4 import nvfp4_global_scale, nvfp4_scale_2
 from fp4forge.numerics.scale_search import relative_error, search_nvfp4
@@ -275,9 +277,12 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
     quantizer = UnitQuantizer(options)
     bytes_read = 0
     total_units = len(plan.units) + (1 if plan.kv_layers else 0)
-    with CheckpointWriter(out, plan.output_specs, max_shard_bytes=options.max_shard_bytes, resume_key=key) as writer:
+    ranks = distributed.current()  # several processes: each quantizes its block of the units
+    progress = progress if ranks.is_main else None
+    writer = CheckpointWriter(out, plan.output_specs, max_shard_bytes=options.max_shard_bytes, resume_key=key, part=ranks.rank)
+    with _shared_writer(writer, ranks):
         resumed = len(writer.completed_units)
-        pending = [u for u in plan.units if u.key not in writer.completed_units]
+        pending = ranks.share([u for u in plan.units if u.key not in writer.completed_units])
         finished: dict[str, list[LinearError]] = {
             u.key: [LinearError(**e) for e in writer.completed_payloads.get(u.key) or []] for u in plan.units if u.key in writer.completed_units
         }
@@ -291,15 +296,17 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             done += 1
             if progress:
                 progress(done, total_units, f"{unit.key} · {bytes_read / 1e9 / max(time.perf_counter() - started, 1e-9):.3f} GB/s")
+        bytes_read = _gather_parts(writer, ranks, finished, bytes_read)
         errors = [e for u in plan.units for e in finished.get(u.key, [])]  # plan order, resumed or not
-        if plan.kv_layers and "kv_scales" not in writer.completed_units:
+        if ranks.is_main and plan.kv_layers and "kv_scales" not in writer.completed_units:
             kv = {}
             for prefix in plan.kv_layers:
                 kv.update(quantizer.kv_scales(prefix))
             for name, tensor in kv.items():
                 writer.write(name, tensor)
             writer.commit_unit("kv_scales", list(kv))
-        _write_companions(writer, ckpt, plan, options, all_linears, errors, source_digest)
+        if ranks.is_main:
+            _write_companions(writer, ckpt, plan, options, all_linears, errors, source_digest)
     summary = ExportSummary(
         output=str(out),
         layout_format=options.layout_format,
@@ -312,6 +319,58 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
         weight_error=summarize_errors(errors) if errors else {},
     )
     return summary
+
+
+# -- several processes (torchrun): one output, the same bytes as one process ---------------------------
+@contextlib.contextmanager
+def _shared_writer(writer: CheckpointWriter, ranks: distributed.Ranks):
+    """Enter ``writer`` as one part of a shared output. One process: the plain writer. Several:
+    rank 0 creates (or reopens, to resume) the staging directory, then the others join it; each
+    writes its units at their planned offsets; rank 0 alone finishes (renames) the output, after
+    every part's units are on disk (:func:`_gather_parts`). A rank's failure stops them all."""
+    if not ranks.distributed:
+        with writer:
+            yield writer
+        return
+    for step, mine in (("creating the output", ranks.is_main), ("joining the output", not ranks.is_main)):
+        if mine:
+            try:
+                writer.__enter__()
+            except BaseException:
+                ranks.fail(step)
+                raise
+        ranks.agree(True, step)
+    try:
+        yield writer
+    except BaseException as exc:
+        ranks.fail("quantize")
+        writer.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    try:
+        writer.__exit__(None, None, None)
+    except BaseException:
+        ranks.fail("finishing the output")
+        raise
+    ranks.agree(True, "finishing the output")
+
+
+def _gather_parts(writer: CheckpointWriter, ranks: distributed.Ranks, finished: dict[str, list[LinearError]], bytes_read: int) -> int:
+    """After every rank's units: rank 0 reads the parts' journals (their units count as written),
+    and every rank gets every unit's weight errors; returns the bytes all ranks read."""
+    if not ranks.distributed:
+        return bytes_read
+    if not ranks.is_main:
+        writer.sync()
+    ranks.agree(True, "quantizing the work units")
+
+    def payloads() -> dict[str, Any]:
+        writer.refresh()
+        return {unit: writer.completed_payloads.get(unit) or [] for unit in writer.completed_units}
+
+    mine = {unit: [e.__dict__ for e in errors] for unit, errors in finished.items()}
+    every = ranks.on_main(lambda: {**payloads(), **mine}, "reading the parts' journals")
+    finished.update({unit: [LinearError(**e) for e in errors] for unit, errors in every.items() if unit != "kv_scales"})
+    return ranks.sum_int(bytes_read)
 
 
 def _write_companions(

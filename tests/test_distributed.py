@@ -1,0 +1,128 @@
+"""Two ranks through torch.distributed (gloo, CPU) against one process on the tiny Laguna:
+the same calibration statistics (bit for bit, the same file bytes), the same exported checkpoint
+bytes (sha256 of every file), fidelity's per-position metrics and KL equal within float tolerance,
+and every rank holding the same result."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
+from fp4forge.checkpoint.stats import read_stats, write_stats
+from fp4forge.errors import DistributedError
+from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
+from fp4forge.model.distributed import Ranks, current
+from fp4forge.quantize.act_scales import StatsAmax
+from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+from fp4forge.quantize.recipe import load_recipe
+from tests.calibration_fixtures import laguna, one_thread  # noqa: F401 (shared fixtures)
+
+WORLD = 2
+# 3 batches: the ranks get 1 and 2 of them, so the split is uneven on purpose
+CALIBRATION = CalibrationOptions(samples=6, seq_len=96, batch_size=2)
+FIDELITY = FidelityOptions(samples=6, seq_len=96, batch_size=2)
+RECIPE = "nvfp4-experts-fp8-attn"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pipeline(source: Path, out: Path) -> dict:
+    """Calibrate -> statistics file -> quantize -> fidelity; the same calls in both arms."""
+    from fp4forge.calibrate.run import calibrate_to_file
+
+    stats = out / "stats" / "stats.safetensors"  # same file name in both arms: provenance names it
+    stats.parent.mkdir(parents=True, exist_ok=True)
+    result = calibrate_checkpoint(source, CALIBRATION)
+    calibrate_to_file(source, stats, CALIBRATION)
+    options = QuantizeOptions(recipe=load_recipe(RECIPE), act_amax=StatsAmax(stats), workers=1)
+    summary = quantize_checkpoint(source, out / "q" / "model", options)
+    report = evaluate(source, out / "q" / "model", FIDELITY)
+    return {"tensors": result.tensors, "tokens_per_expert": result.metadata["tokens_per_expert"],
+            "bytes_read": summary.bytes_read, "weight_error": summary.weight_error,
+            "metrics": report.metrics, "layers": report.layers}
+
+
+def _rank_main(rank: int, port: int, source: str, out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank), "FP4FORGE_DIST_BACKEND": "gloo"})
+    torch.set_num_threads(1)
+    ranks = current()
+    assert (ranks.rank, ranks.world_size, ranks.backend) == (rank, WORLD, "gloo")
+    torch.save(_pipeline(Path(source), Path(out)), Path(out) / f"rank{rank}.pt")
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_two_gloo_ranks_equal_one_process(laguna: Path, tmp_path: Path) -> None:
+    single_dir, multi_dir = tmp_path / "one", tmp_path / "two"
+    single_dir.mkdir()
+    multi_dir.mkdir()
+    single = _pipeline(laguna, single_dir)
+    torch.multiprocessing.spawn(_rank_main, args=(_free_port(), str(laguna), str(multi_dir)), nprocs=WORLD, join=True)
+    ranks = [torch.load(multi_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    # calibration: every statistic identical (MAX is order-free), the file byte for byte
+    assert (single_dir / "stats" / "stats.safetensors").read_bytes() == (multi_dir / "stats" / "stats.safetensors").read_bytes()
+    on_disk = read_stats(multi_dir / "stats" / "stats.safetensors")
+    for result in ranks:
+        assert result["tensors"].keys() == single["tensors"].keys()
+        assert all(torch.equal(result["tensors"][n], single["tensors"][n]) for n in single["tensors"])
+        assert result["tokens_per_expert"] == single["tokens_per_expert"]  # SUM of the ranks' routed counts
+    assert all(torch.equal(on_disk.tensor(n), t) for n, t in single["tensors"].items())
+    assert sum(sum(counts) for counts in single["tokens_per_expert"].values()) > 0
+
+    # export: the same files, the same bytes; every rank reports the whole run
+    assert _digests(single_dir / "q") == _digests(multi_dir / "q")
+    assert not any(p.name.startswith(".") for p in (multi_dir / "q").iterdir())  # no staging or journal left
+    for result in ranks:
+        assert result["bytes_read"] == single["bytes_read"]
+        assert json.dumps(result["weight_error"], sort_keys=True) == json.dumps(single["weight_error"], sort_keys=True)
+
+    # fidelity: the same positions; per-position values computed on the same batches
+    for result in ranks:
+        metrics, expected = result["metrics"], single["metrics"]
+        assert metrics["positions"] == expected["positions"] == 6 * 95
+        assert metrics["top1_agreement"] == expected["top1_agreement"]
+        for key in ("mean", "median", "p99"):
+            assert metrics["kl"][key] == pytest.approx(expected["kl"][key], rel=1e-6, abs=1e-9)
+        assert metrics["kl"]["mean"] > 0
+        for ours, theirs in zip(result["layers"], single["layers"], strict=True):
+            assert ours["relative_error"] == pytest.approx(theirs["relative_error"], rel=1e-9)  # SUM order differs
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+
+
+def test_blocks_of_work_cover_everything_once_and_too_few_are_refused() -> None:
+    items = list(range(7))
+    blocks = [Ranks(rank=r, world_size=3).share(items) for r in range(3)]
+    assert blocks == [[0, 1], [2, 3], [4, 5, 6]]  # contiguous, in order, sizes differ by at most one
+    with pytest.raises(DistributedError, match="2 calibration batches cannot be shared by 3 ranks"):
+        Ranks(rank=1, world_size=3).require_share(2, "calibration batches")
+    Ranks().require_share(1, "calibration batches")  # one process: anything goes
+
+
+def test_a_launcher_environment_without_rendezvous_is_a_named_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fp4forge.model.distributed as distributed
+
+    monkeypatch.setattr(distributed, "_current", None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(DistributedError, match="MASTER_ADDR"):
+        distributed.current()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(DistributedError, match="not an integer"):
+        distributed.current()
+    assert distributed._current is None
