@@ -243,9 +243,8 @@ def current() -> Ranks:
     global _current
     if _current is not None:
         return _current
-    if not launched():
-        _current = SINGLE
-        return _current
+    if not launched():  # not cached: a forked child may be launched where its parent was not
+        return SINGLE
     import torch.distributed as dist
 
     world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
