@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4forge.checkpoint.names import CONFIG_JSON
+from fp4forge.model.distributed import launched
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed
 from fp4forge.pipeline.state import (
     DONE, FAILED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
@@ -90,6 +91,8 @@ def validate(src: Path, out: Path, options: PipelineOptions) -> None:
     """What depends on the file system (the options checked themselves when constructed)."""
     if not (src / CONFIG_JSON).is_file():
         raise ConfigError(f"{src} is not a checkpoint directory (no config.json)")
+    if launched():  # its audit, serve and card steps are one process's work
+        raise ConfigError("the pipeline runs as one process; under torchrun launch `fp4forge calibrate`, `quantize` and `fidelity` one by one (docs/distributed.md#the-pipeline)")
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
         raise ConfigError("OUT must not be SRC or inside it")
     if options.serve and (options.vllm_venv is None or not (options.vllm_venv / "bin" / "vllm").exists()):
