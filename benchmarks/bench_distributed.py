@@ -67,6 +67,18 @@ def digests(directory: Path) -> dict[str, str]:
 
 
 # -- worker ---------------------------------------------------------------------------------------
+def on_this_gpu(options_class: type) -> dict:
+    """``device="cuda:LOCAL_RANK"`` for a step whose options take a device, on a GPU host (the
+    steps compute on the CPU where they take none)."""
+    import dataclasses
+
+    import torch
+
+    if torch.cuda.is_available() and "device" in {f.name for f in dataclasses.fields(options_class)}:
+        return {"device": f"cuda:{torch.cuda.current_device()}"}
+    return {}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -84,14 +96,17 @@ def worker(args: argparse.Namespace) -> None:
     ranks.barrier()
     started = time.perf_counter()
     if args.step == "calibrate":
-        options = CalibrationOptions(samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=args.tokenizer)
+        options = CalibrationOptions(samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=args.tokenizer,
+                                     **on_this_gpu(CalibrationOptions))
         summary = calibrate_to_file(args.source, stats, options)
         work, unit = summary["tokens"], "tokens/s"
     elif args.step == "export":
-        options = QuantizeOptions(recipe=load_recipe(RECIPE), act_amax=StatsAmax(stats), workers=args.threads_per_rank)
+        options = QuantizeOptions(recipe=load_recipe(RECIPE), act_amax=StatsAmax(stats), workers=args.threads_per_rank,
+                                  **on_this_gpu(QuantizeOptions))
         work, unit = quantize_checkpoint(args.source, export, options).bytes_read / 1e9, "GB/s"
     else:
-        options = FidelityOptions(samples=args.fidelity_samples, seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=args.tokenizer)
+        options = FidelityOptions(samples=args.fidelity_samples, seq_len=args.seq_len, batch_size=args.batch_size, tokenizer=args.tokenizer,
+                                  **on_this_gpu(FidelityOptions))
         report = evaluate(args.source, export, options)
         work, unit = report.metrics["positions"], "positions/s"
         if ranks.is_main:

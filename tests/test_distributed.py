@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-from fp4forge.checkpoint.stats import read_stats, write_stats
+from fp4forge.checkpoint.stats import read_stats
 from fp4forge.errors import DistributedError
 from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
 from fp4forge.model.distributed import Ranks, current
