@@ -288,7 +288,7 @@ class PositionMetrics:
         if not ranks.distributed:
             return self
         names = ("kl", "kl_estimate", "agree", "teacher_nll", "student_nll")
-        mine = {name: self._cat(getattr(self, name)) for name in names}
+        mine = {name: self._cat(getattr(self, name)).cpu() for name in names}  # objects travel via the host
         every = ranks.all_gather_object(mine)
         return PositionMetrics(**{name: [part[name] for part in every if part[name].numel()] for name in names})
 
@@ -516,7 +516,8 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
         sums = ranks.all_reduce_sum(torch.tensor([[e.err_sq, e.ref_sq, e.local_err_sq] for e in errors], dtype=torch.float64))
         errors = [_LayerError(*map(float, row)) for row in sums.tolist()]
     if teacher is not None and options.teacher_cache is not None:
-        every = [e for part in ranks.all_gather_object(entries) for e in part]
+        on_host = [TeacherEntry(**{name: getattr(e, name).cpu() for name in CACHE_FIELDS}) for e in entries]
+        every = [e for part in ranks.all_gather_object(on_host) for e in part]
         cache_info = ranks.on_main(lambda: _save_cache(options.teacher_cache, every, samples, teacher_ckpt, options), "writing the teacher cache")
     if progress:
         progress(total, total, "done")
