@@ -60,6 +60,7 @@ from fp4forge.model.hooks import (
     install_kv_tap,
     is_fused_experts,
 )
+from fp4forge.model.device import resolve_device
 from fp4forge.model.streaming import (
     DEFAULT_RAM_BUDGET_BYTES,
     ActivationStore,
@@ -98,8 +99,11 @@ class FidelityOptions:
     moe_input_scale: str = "global-max"
     ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
     spill_dir: Path | None = None
+    device: str | None = None  # None/"auto": CUDA when available, else CPU
+    activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
 
     def check(self) -> None:
+        resolve_device(self.device)
         if self.numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}", option="numerics")
         if self.moe_input_scale not in MOE_INPUT_SCALES:
@@ -177,7 +181,7 @@ class StudentNumerics:
         self.streamed = streamed
         self.view = view
         self.options = options
-        self.kv_scales = _student_kv_scales(view)
+        self.kv_scales = _student_kv_scales(view, streamed.device)
         self.activation_quantized = 0
 
     def _scale(self, disk_module: str) -> ActivationScale | None:
@@ -233,7 +237,7 @@ def _fp8_kv_transform(k_scale: Tensor, v_scale: Tensor) -> Callable[[Tensor, Ten
     return lambda key, value: (fp8_fake_quantize(key, k), fp8_fake_quantize(value, v))
 
 
-def _student_kv_scales(view: QuantizedCheckpoint) -> dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]]:
+def _student_kv_scales(view: QuantizedCheckpoint, device: torch.device | str = "cpu") -> dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]]:
     """Per layer prefix, the FP8 KV fake-quant (absent scales of a declared cache -> 1.0, as vLLM)."""
     ckpt = view.ckpt
     declaration = read_declaration(ckpt.config, ckpt.extra_json)
@@ -248,7 +252,7 @@ def _student_kv_scales(view: QuantizedCheckpoint) -> dict[str, Callable[[Tensor,
     for layer in layers:
         stored = found.get(layer, {})
         scales = [stored.get(r, one) for r in ("k_scale", "v_scale")]
-        out[layer] = _fp8_kv_transform(*[s.reshape(()) if s.numel() == 1 else s for s in scales])
+        out[layer] = _fp8_kv_transform(*[(s.reshape(()) if s.numel() == 1 else s).to(device) for s in scales])
     return out
 
 
@@ -265,7 +269,7 @@ class PositionMetrics:
 
     @staticmethod
     def _cat(parts: list[Tensor]) -> Tensor:
-        return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0)
+        return torch.cat([p.reshape(-1).cpu() for p in parts]) if parts else torch.empty(0)
 
     def summary(self) -> dict[str, Any]:
         exact = self._cat(self.kl)
@@ -307,7 +311,7 @@ def teacher_entry(logp: Tensor, targets: Tensor, top_k: int, tail_samples: int, 
     tail_mass = tail.sum(-1)
     flat = tail.reshape(-1, tail.shape[-1])
     rows_with_tail = flat.sum(-1) > 0
-    draws = torch.zeros(flat.shape[0], tail_samples, dtype=torch.int64)
+    draws = torch.zeros(flat.shape[0], tail_samples, dtype=torch.int64, device=logp.device)
     if bool(rows_with_tail.any()):
         draws[rows_with_tail] = torch.multinomial(flat[rows_with_tail], tail_samples, replacement=True, generator=generator)
     tail_ids = draws.reshape(*logp.shape[:-1], tail_samples)
@@ -344,7 +348,7 @@ CACHE_FIELDS = ("topk_ids", "topk_logp", "tail_ids", "tail_logp", "tail_mass", "
 
 
 def save_teacher_cache(path: Path, entries: list[TeacherEntry], samples: Samples, meta: dict[str, Any]) -> None:
-    tensors = {name: torch.cat([getattr(e, name) for e in entries]) for name in CACHE_FIELDS}
+    tensors = {name: torch.cat([getattr(e, name).cpu() for e in entries]) for name in CACHE_FIELDS}
     tensors["input_ids"] = samples.input_ids
     save_tensors(path, tensors, metadata={TEACHER_CACHE_MARKER: "1", "meta": json.dumps(meta, sort_keys=True)})
 
@@ -457,12 +461,13 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     samples = load_samples(tokenizer, samples=options.samples, seq_len=options.seq_len, text_files=options.text_files, split="heldout", builtin=options.builtin_corpus)
     batches = samples.batches(options.batch_size)
 
-    teacher = None if cached else StreamedModel.from_checkpoint(teacher_ckpt)
+    device = resolve_device(options.device)
+    teacher = None if cached else StreamedModel.from_checkpoint(teacher_ckpt, device=device)
     view = QuantizedCheckpoint(student_ckpt, layout)
     # vLLM's emulation formula, both layouts, in the teacher's dtype
-    student = StreamedModel(student_ckpt.config, view.dequantized(_model_dtype(teacher_ckpt), formula="multiply"))
+    student = StreamedModel(student_ckpt.config, view.dequantized(_model_dtype(teacher_ckpt), formula="multiply"), device=device)
     numerics = StudentNumerics(student, view, options)
-    space = SpillSpace(options.ram_budget_bytes, options.spill_dir)
+    space = SpillSpace(options.ram_budget_bytes, options.spill_dir, device=device, activation_budget_bytes=options.activation_budget_bytes)
     errors = [_LayerError() for _ in range(student.num_layers)]
     total = student.num_layers + 2
     try:
@@ -489,6 +494,9 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
             s_store, t_store = s_out, t_out
         metrics, cache_info = _head(teacher, student, numerics, batches, s_store, t_store, samples, options, teacher_ckpt)
     finally:
+        student.close()
+        if teacher is not None:
+            teacher.close()
         space.close()
     if progress:
         progress(total, total, "done")
@@ -534,7 +542,8 @@ def _head(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Logits of both, per batch, with the teacher either live or from the cache."""
     metrics = PositionMetrics()
-    generator = torch.Generator().manual_seed(options.seed)
+    device = student.device
+    generator = torch.Generator(device=device).manual_seed(options.seed)
     entries: list[TeacherEntry] = []
     cache_info: dict[str, Any] | None = None
     if teacher is None:
@@ -551,7 +560,7 @@ def _head(
         if teacher is not None:
             t_norm, t_head = stack.enter_context(teacher.final_norm()), stack.enter_context(teacher.lm_head())
         for number, ids in enumerate(batches):
-            targets = ids[:, 1:]
+            targets = ids[:, 1:].to(device)
             student_logp = log_probs(s_head(s_norm(s_store.get(number))))
             if teacher is not None:
                 teacher_logp = log_probs(t_head(t_norm(t_store.get(number))))
@@ -560,7 +569,7 @@ def _head(
                 if options.teacher_cache is not None:
                     entries.append(entry)
             else:
-                entry = entries[number]
+                entry = TeacherEntry(**{name: getattr(entries[number], name).to(device) for name in CACHE_FIELDS})
             if teacher is None or options.teacher_cache is not None:
                 metrics.kl_estimate.append(estimated_kl(entry, student_logp))
             metrics.agree.append(entry.argmax == student_logp.argmax(-1))

@@ -28,6 +28,7 @@ from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
+from fp4forge.model.device import resolve_device
 from fp4forge.errors import ConfigError, require_choice
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
 from fp4forge.numerics.nvfp4 import nvfp4_global_scale, nvfp4_scale_2
@@ -56,8 +57,10 @@ class QuantizeOptions:
     act_amax: ConstantAmax | StatsAmax | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     workers: int = max(1, os.cpu_count() or 1)  # units quantized concurrently (bytes do not depend on it)
+    device: str | None = None  # where the numerics run; None/"auto": CUDA when available (bytes do not depend on it)
 
     def __post_init__(self) -> None:
+        resolve_device(self.device)
         require_choice(self.layout_format, LAYOUT_FORMATS, "layout_format")
         require_choice(self.block_scales, BLOCK_SCALES, "block_scales")
 
@@ -136,6 +139,7 @@ class UnitQuantizer:
     def __init__(self, options: QuantizeOptions):
         self.options = options
         self.convention = CONVENTION[options.layout_format]
+        self.device = resolve_device(options.device)
 
     def _input_amax(self, modules: list[str]) -> float:
         act = self.options.act_amax
@@ -208,10 +212,10 @@ def _process_unit(unit: WorkUnit, ckpt: Checkpoint, quantizer: UnitQuantizer) ->
         unit_bytes += len(tensors[name])
     errors: list[LinearError] = []
     if unit.linears:
-        weights = {t.module: ckpt.read_tensor(f"{t.module}.weight") for t in unit.linears}
+        weights = {t.module: ckpt.read_tensor(f"{t.module}.weight").to(quantizer.device) for t in unit.linears}
         unit_bytes += sum(w.numel() * w.element_size() for w in weights.values())
         quantized, errors = quantizer.quantize(unit, weights)
-        tensors.update(quantized)
+        tensors.update({name: value.cpu() for name, value in quantized.items()})  # the writer takes host tensors
     return unit, tensors, errors, unit_bytes
 
 
