@@ -75,7 +75,7 @@ from fp4forge.checkpoint.tensor_file import load_tensors, save_tensors
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.errors import ConfigError
 from fp4forge.numerics.fp8 import fp8_activation_fake_quantizer, fp8_dynamic_fake_quantize, fp8_fake_quantize
-from fp4forge.numerics.nvfp4 import nvfp4_activation_fake_quantizer
+from fp4forge.numerics.nvfp4 import ct_global_scale_from_amax, nvfp4_activation_fake_quantizer, nvfp4_fake_quantize_activation
 
 NUMERICS = ("w4a4", "w4a16")
 MOE_INPUT_SCALES = ("global-max", "per-expert")
@@ -122,14 +122,22 @@ class ActivationScale:
     kind: str
     amax: float
 
-    def quantizer(self) -> ActQuant:
-        return ACTIVATION_QUANTIZERS[self.kind](self.amax)
+    def quantizer(self, device: torch.device | str = "cpu") -> ActQuant:
+        return ACTIVATION_QUANTIZERS[self.kind](self.amax, torch.device(device))
 
 
-ACTIVATION_QUANTIZERS: dict[str, Callable[[float], ActQuant]] = {
-    "nvfp4": nvfp4_activation_fake_quantizer,
-    "fp8": fp8_activation_fake_quantizer,
-    "fp8_dynamic": lambda _amax: fp8_dynamic_fake_quantize,
+def _nvfp4_activation_on(amax: float, device: torch.device) -> ActQuant:
+    """nvfp4_activation_fake_quantizer with its [1] global scale moved to ``device`` once."""
+    if device.type == "cpu":
+        return nvfp4_activation_fake_quantizer(amax)
+    gs = ct_global_scale_from_amax(amax).to(device)
+    return lambda x: nvfp4_fake_quantize_activation(x, gs)
+
+
+ACTIVATION_QUANTIZERS: dict[str, Callable[[float, torch.device], ActQuant]] = {
+    "nvfp4": _nvfp4_activation_on,
+    "fp8": lambda amax, _device: fp8_activation_fake_quantizer(amax),  # a 0-dim scale goes with any device
+    "fp8_dynamic": lambda _amax, _device: fp8_dynamic_fake_quantize,
 }
 
 
@@ -200,7 +208,7 @@ class StudentNumerics:
             if isinstance(module, nn.Linear):
                 scale = self._fused_scale(self.streamed.plan.disk_module(full))
                 if scale is not None:
-                    undo.append(_quantize_input(module, scale.quantizer()))
+                    undo.append(_quantize_input(module, scale.quantizer(self.streamed.device)))
                     self.activation_quantized += 1
             elif is_fused_experts(module):
                 check_fused_experts(module, full)
@@ -215,11 +223,12 @@ class StudentNumerics:
             gate_up = [_group_scale(gate_up)] * count
             down = [_group_scale(down)] * count
         self.activation_quantized += sum(s is not None for s in gate_up + down)
-        return ExpertFakeQuant([s and s.quantizer() for s in gate_up], [s and s.quantizer() for s in down])
+        device = self.streamed.device
+        return ExpertFakeQuant([s and s.quantizer(device) for s in gate_up], [s and s.quantizer(device) for s in down])
 
     def attach_head(self, head: nn.Module) -> Callable[[], None]:
         scale = self._scale(self.streamed.plan.disk_module(self.streamed.head_name))
-        return _quantize_input(head, scale.quantizer()) if scale is not None else (lambda: None)
+        return _quantize_input(head, scale.quantizer(self.streamed.device)) if scale is not None else (lambda: None)
 
 
 def _quantize_input(module: nn.Module, quant: ActQuant) -> Callable[[], None]:

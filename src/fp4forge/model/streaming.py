@@ -61,9 +61,9 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from fp4forge.checkpoint.reader import Checkpoint
+from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint
 from fp4forge.checkpoint.skeleton import config_dtype, model_config_dict, to_transformers_config
-from fp4forge.errors import ConfigError
+from fp4forge.errors import CheckpointError, ConfigError
 from fp4forge.model.device import is_cuda, resolve_device
 
 DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30
@@ -95,6 +95,27 @@ class CheckpointTensors:
 
     def read(self, name: str) -> torch.Tensor:
         return self.ckpt.read_tensor(name)
+
+    def read_host(self, name: str, pin: bool) -> torch.Tensor:
+        """``read``, but a local file is read straight into the (page-locked with ``pin``) tensor:
+        one copy from the page cache, the GIL released while the kernel copies."""
+        shard, info = self.ckpt.locate(name)
+        local_path = getattr(self.ckpt.source, "path", None)
+        dtype = getattr(torch, TORCH_DTYPES.get(info.dtype, ""), None)
+        if local_path is None or dtype is None or info.dtype == "F4":
+            value = self.read(name)
+            return value.pin_memory() if pin else value
+        out = torch.empty(tuple(info.shape), dtype=dtype, pin_memory=pin)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
+        got = 0
+        with open(local_path(shard), "rb", buffering=0) as fh:
+            fh.seek(self.ckpt.headers[shard].data_start + info.begin)
+            while got < info.nbytes:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise CheckpointError(f"file ends {info.nbytes - got} bytes before the tensor does", file=self.ckpt.display, tensor=name)
+                got += n
+        return out
 
 
 # -- the model skeleton --------------------------------------------------------------------------
@@ -259,13 +280,23 @@ def disk_names(module: nn.Module, prefix: str, plan: WeightPlan) -> list[str]:
     return names
 
 
-def read_tensors(reader: TensorReader, names: list[str], pin: bool = False) -> dict[str, torch.Tensor]:
-    """``names`` read from ``reader`` (into page-locked memory with ``pin``)."""
-    out = {}
-    for name in names:
-        value = reader.read(name)
-        out[name] = value.pin_memory() if pin else value
-    return out
+READ_THREADS = 4  # tensors of one layer read at once: a disk (NVMe, network) wants several requests in flight
+
+
+def _read_one(reader: TensorReader, name: str, pin: bool) -> torch.Tensor:
+    read_host = getattr(reader, "read_host", None)
+    if read_host is not None:
+        return read_host(name, pin)
+    value = reader.read(name)
+    return value.pin_memory() if pin else value
+
+
+def read_tensors(reader: TensorReader, names: list[str], pin: bool = False, pool: ThreadPoolExecutor | None = None) -> dict[str, torch.Tensor]:
+    """``names`` read from ``reader`` (into page-locked memory with ``pin``; on ``pool``'s threads if given)."""
+    if pool is None:
+        return {name: _read_one(reader, name, pin) for name in names}
+    futures = {name: pool.submit(_read_one, reader, name, pin) for name in names}
+    return {name: future.result() for name, future in futures.items()}
 
 
 @torch.no_grad()
@@ -302,7 +333,7 @@ def release(module: nn.Module) -> None:
 
 
 class LayerPrefetcher:
-    """Reads decoder layers' checkpoint tensors on one background thread, one layer ahead.
+    """Reads decoder layers' checkpoint tensors in the background (``READ_THREADS`` at once), one layer ahead.
 
     ``request(i)`` starts reading layer i (if not already); ``take(i)`` waits for it and hands
     the tensors over. Pinned host memory when the device is CUDA. At most the requested layers
@@ -313,11 +344,12 @@ class LayerPrefetcher:
         self.names_of = names_of  # index -> list of disk names
         self.pin = pin
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-prefetch")
+        self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="fp4forge-read")
         self._pending: dict[int, Future] = {}
 
     def request(self, index: int) -> None:
         if index not in self._pending:
-            self._pending[index] = self._pool.submit(read_tensors, self.reader, self.names_of(index), self.pin)
+            self._pending[index] = self._pool.submit(read_tensors, self.reader, self.names_of(index), self.pin, self._readers)
 
     def take(self, index: int) -> dict[str, torch.Tensor]:
         self.request(index)
@@ -328,6 +360,7 @@ class LayerPrefetcher:
             future.cancel()
         self._pending.clear()
         self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
 
 
 # -- activations between layers ------------------------------------------------------------------
