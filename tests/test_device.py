@@ -135,3 +135,22 @@ def test_device_cpu_runs_each_command(laguna: Path, tmp_path: Path) -> None:
     result = runner.invoke(_app(), ["fidelity", str(laguna), str(out), *small, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["metrics"]["positions"] == 2 * 63
+
+
+def test_device_export_path_writes_the_same_bytes(laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU export path's structure (reads ahead on two threads, numerics on the caller's), run
+    on the CPU: the same bytes as the CPU worker pool."""
+    import hashlib
+
+    from fp4forge.quantize import export
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.recipe import load_recipe
+
+    def digests(out: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.safetensors"))}
+
+    options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu", workers=2)
+    export.quantize_checkpoint(laguna, tmp_path / "pool", options)
+    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, read_ahead=2))
+    export.quantize_checkpoint(laguna, tmp_path / "device-path", options)
+    assert digests(tmp_path / "pool") == digests(tmp_path / "device-path") and digests(tmp_path / "pool")
