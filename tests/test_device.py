@@ -36,12 +36,8 @@ def test_read_ahead_and_activation_tiers_leave_statistics_unchanged(laguna: Path
     reference = calibrate_checkpoint(ckpt, plain, samples=samples)
     assert reference.device == "cpu" and reference.host_batches == 0 and reference.spilled_batches == 0
 
-    read_ahead = calibrate_checkpoint(ckpt, CalibrationOptions(**SMALL, device="cpu", prefetch=True), samples=samples)
-    _equal_stats(read_ahead, reference)
-
-    # One batch of activations is 2 x 96 x hidden bf16: a budget of one byte keeps none on the
-    # device tier, a RAM budget of one byte sends them on to files.
-    tiers = calibrate_checkpoint(ckpt, CalibrationOptions(**SMALL, device="cpu", activation_budget_bytes=1), samples=samples)
+    # Read ahead, and a device budget of one byte: every batch of activations goes on to RAM.
+    tiers = calibrate_checkpoint(ckpt, CalibrationOptions(**SMALL, device="cpu", prefetch=True, activation_budget_bytes=1), samples=samples)
     assert tiers.host_batches > 0 and tiers.spilled_batches == 0
     _equal_stats(tiers, reference)
     to_disk = calibrate_checkpoint(ckpt, CalibrationOptions(**SMALL, device="cpu", activation_budget_bytes=1, ram_budget_bytes=1), samples=samples)
@@ -73,6 +69,13 @@ def test_device_names(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="sees none") as caught:
         resolve_device("cuda")
     assert caught.value.option == "device"
+    from fp4forge.pipeline import PipelineOptions
+
+    options = PipelineOptions(recipe="nvfp4-experts", device="cpu", activation_budget_bytes=5)
+    assert (options.calibration().device, options.calibration().activation_budget_bytes) == ("cpu", 5)
+    with pytest.raises(ConfigError) as caught:
+        PipelineOptions(recipe="nvfp4-experts", device="cuda")
+    assert caught.value.option in ("device", "calib_device")
 
 
 def _app() -> typer.Typer:
@@ -107,16 +110,18 @@ def test_cuda_without_a_gpu_is_a_named_error_per_command(laguna: Path, tmp_path:
     assert not (tmp_path / "s.safetensors").exists() and not (tmp_path / "q").exists() and not (tmp_path / "p").exists()
 
 
-def test_cuda_without_a_gpu_exits_2_with_one_line(laguna: Path, tmp_path: Path) -> None:
-    import os
-    import subprocess
+def test_cuda_without_a_gpu_exits_2_with_one_line(laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     import sys
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, also on a machine that has one
-    proc = subprocess.run([sys.executable, "-m", "fp4forge.cli", "quantize", str(laguna), str(tmp_path / "q"), "--recipe", "nvfp4-experts", "--device", "cuda"],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == ExitCode.UNUSABLE, proc.stderr
-    assert "--device" in proc.stderr and "Traceback" not in proc.stderr and not (tmp_path / "q").exists()
+    from fp4forge.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["fp4forge", "quantize", str(laguna), str(tmp_path / "q"), "--recipe", "nvfp4-experts", "--device", "cuda"])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    err = capsys.readouterr().err
+    assert exited.value.code == ExitCode.UNUSABLE, err
+    assert "--device" in err and "sees none" in err and "Traceback" not in err and not (tmp_path / "q").exists()
 
 
 def test_device_cpu_runs_each_command(laguna: Path, tmp_path: Path) -> None:
