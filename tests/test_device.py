@@ -17,7 +17,12 @@ from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.errors import ConfigError, ExitCode
 from fp4forge.model.device import resolve_device
 from fp4forge.model.streaming import ActivationStore, SpillSpace
-from tests.calibration_fixtures import laguna, one_thread  # noqa: F401 (shared fixtures)
+from tests.calibration_fixtures import one_thread, tiny  # noqa: F401 (shared fixtures)
+
+
+@pytest.fixture(scope="module")
+def tiny_laguna(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny(tmp_path_factory, "laguna")  # the session's one tiny Laguna, shared with the calibration tests
 
 SMALL = dict(samples=6, seq_len=96, batch_size=2)
 
@@ -29,8 +34,8 @@ def _equal_stats(a, b) -> None:
         assert a.metadata[key] == b.metadata[key]
 
 
-def test_read_ahead_and_activation_tiers_leave_statistics_unchanged(laguna: Path) -> None:
-    ckpt = open_checkpoint(laguna)
+def test_read_ahead_and_activation_tiers_leave_statistics_unchanged(tiny_laguna: Path) -> None:
+    ckpt = open_checkpoint(tiny_laguna)
     plain = CalibrationOptions(**SMALL, device="cpu", prefetch=False)
     samples = calibration_samples(ckpt, plain)
     reference = calibrate_checkpoint(ckpt, plain, samples=samples)
@@ -92,31 +97,31 @@ def _named_error(result, option: str) -> bool:
     return result.exit_code == ExitCode.UNUSABLE and "--" + option.split("_bytes")[0].replace("_", "-") in result.output
 
 
-def test_cuda_without_a_gpu_is_a_named_error_per_command(laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_without_a_gpu_is_a_named_error_per_command(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     runner = CliRunner()
     commands = [
-        ["calibrate", str(laguna), "--out", str(tmp_path / "s.safetensors")],
-        ["kv", "calibrate", str(laguna), "--into", str(tmp_path / "none")],
-        ["quantize", str(laguna), str(tmp_path / "q"), "--recipe", "nvfp4-experts"],
-        ["fidelity", str(laguna), str(laguna)],
-        ["pipeline", str(laguna), str(tmp_path / "p"), "--recipe", "nvfp4-experts"],
+        ["calibrate", str(tiny_laguna), "--out", str(tmp_path / "s.safetensors")],
+        ["kv", "calibrate", str(tiny_laguna), "--into", str(tmp_path / "none")],
+        ["quantize", str(tiny_laguna), str(tmp_path / "q"), "--recipe", "nvfp4-experts"],
+        ["fidelity", str(tiny_laguna), str(tiny_laguna)],
+        ["pipeline", str(tiny_laguna), str(tmp_path / "p"), "--recipe", "nvfp4-experts"],
     ]
     for args in commands:
         result = runner.invoke(_app(), [*args, "--device", "cuda"])
         assert _named_error(result, "device"), (args, result.output, result.exception)
-    bad_budget = runner.invoke(_app(), ["calibrate", str(laguna), "--out", str(tmp_path / "s.safetensors"), "--device", "cpu", "--activation-budget", "lots"])
+    bad_budget = runner.invoke(_app(), ["calibrate", str(tiny_laguna), "--out", str(tmp_path / "s.safetensors"), "--device", "cpu", "--activation-budget", "lots"])
     assert _named_error(bad_budget, "activation_budget_bytes"), bad_budget.output
     assert not (tmp_path / "s.safetensors").exists() and not (tmp_path / "q").exists() and not (tmp_path / "p").exists()
 
 
-def test_cuda_without_a_gpu_exits_2_with_one_line(laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_cuda_without_a_gpu_exits_2_with_one_line(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     import sys
 
     from fp4forge.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["fp4forge", "quantize", str(laguna), str(tmp_path / "q"), "--recipe", "nvfp4-experts", "--device", "cuda"])
+    monkeypatch.setattr(sys, "argv", ["fp4forge", "quantize", str(tiny_laguna), str(tmp_path / "q"), "--recipe", "nvfp4-experts", "--device", "cuda"])
     with pytest.raises(SystemExit) as exited:
         main()
     err = capsys.readouterr().err
@@ -124,25 +129,25 @@ def test_cuda_without_a_gpu_exits_2_with_one_line(laguna: Path, tmp_path: Path, 
     assert "--device" in err and "sees none" in err and "Traceback" not in err and not (tmp_path / "q").exists()
 
 
-def test_device_cpu_runs_each_command(laguna: Path, tmp_path: Path) -> None:
+def test_device_cpu_runs_each_command(tiny_laguna: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     stats = tmp_path / "stats.safetensors"
     small = ["--samples", "2", "--seq-len", "64", "--device", "cpu"]
-    result = runner.invoke(_app(), ["calibrate", str(laguna), "--out", str(stats), *small, "--activation-budget", "1KiB", "--json"])
+    result = runner.invoke(_app(), ["calibrate", str(tiny_laguna), "--out", str(stats), *small, "--activation-budget", "1KiB", "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert summary["device"] == "cpu" and summary["host_batches"] > 0 and summary["tokens"] == 128
     out = tmp_path / "q"
-    result = runner.invoke(_app(), ["quantize", str(laguna), str(out), "--recipe", "nvfp4-experts", "--stats", str(stats), "--device", "cpu", "--json"])
+    result = runner.invoke(_app(), ["quantize", str(tiny_laguna), str(out), "--recipe", "nvfp4-experts", "--stats", str(stats), "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
     result = runner.invoke(_app(), ["kv", "calibrate", str(stats), "--into", str(out), "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(_app(), ["fidelity", str(laguna), str(out), *small, "--json"])
+    result = runner.invoke(_app(), ["fidelity", str(tiny_laguna), str(out), *small, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["metrics"]["positions"] == 2 * 63
 
 
-def test_device_export_path_writes_the_same_bytes(laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU export path's structure (reads ahead on two threads, numerics on the caller's), run
     on the CPU: the same bytes as the CPU worker pool."""
     import hashlib
@@ -155,7 +160,7 @@ def test_device_export_path_writes_the_same_bytes(laguna: Path, tmp_path: Path, 
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.safetensors"))}
 
     options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu", workers=2)
-    export.quantize_checkpoint(laguna, tmp_path / "pool", options)
+    export.quantize_checkpoint(tiny_laguna, tmp_path / "pool", options)
     monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, read_ahead=2))
-    export.quantize_checkpoint(laguna, tmp_path / "device-path", options)
+    export.quantize_checkpoint(tiny_laguna, tmp_path / "device-path", options)
     assert digests(tmp_path / "pool") == digests(tmp_path / "device-path") and digests(tmp_path / "pool")
