@@ -21,6 +21,13 @@ limit keeps what it measured; optional phases are skipped when ``--budget-s`` ru
 
     python3 benchmarks/bench_gpu.py --out $OUT --layers 4 --samples 128 --seq-len 2048   # on the H200
     python benchmarks/bench_gpu.py --tiny --out /tmp/bench-gpu                            # CPU smoke test
+
+The llm-compressor arm runs ``FP4FORGE_LC_PYTHON`` (default: this interpreter) with
+llm-compressor importable: on a machine without it, install its wheels first (llmcompressor
+0.14.0.1, compressed-tensors 0.19.0, auto-round 0.15.1, loguru, pydantic + pydantic-core +
+annotated-types + typing-inspection, datasets + dill + multiprocess) with
+``pip install --no-deps --target DIR`` and put DIR on ``PYTHONPATH``; ``--skip lc`` leaves it out.
+Results of the recorded runs: benchmarks/RESULTS.md ("fp4forge on one GPU").
 """
 
 from __future__ import annotations
