@@ -59,14 +59,20 @@ class ExpertStats:
     """Per-expert running statistics of one fused experts module."""
 
     num_experts: int
+    device: torch.device | str = "cpu"  # where the layer runs: updates stay there, no sync per expert
     gate_up_amax: Tensor = field(init=False)
     down_amax: Tensor = field(init=False)
     tokens: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.gate_up_amax = torch.zeros(self.num_experts, dtype=torch.float32)
-        self.down_amax = torch.zeros(self.num_experts, dtype=torch.float32)
-        self.tokens = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.gate_up_amax = torch.zeros(self.num_experts, dtype=torch.float32, device=self.device)
+        self.down_amax = torch.zeros(self.num_experts, dtype=torch.float32, device=self.device)
+        self.tokens = torch.zeros(self.num_experts, dtype=torch.int64, device=self.device)
+
+    def to_cpu(self) -> ExpertStats:
+        out = ExpertStats(self.num_experts)
+        out.gate_up_amax, out.down_amax, out.tokens = self.gate_up_amax.cpu(), self.down_amax.cpu(), self.tokens.cpu()
+        return out
 
 
 class ExpertObserver:
@@ -118,11 +124,12 @@ def kv_amax_recorder(table: AmaxTable, layer_prefix: str) -> Callable[[Tensor, T
 class CalibrationObserver:
     """Everything calibration records, over all layers (attached one layer at a time)."""
 
-    def __init__(self, plan: WeightPlan, policy: str = "routed"):
+    def __init__(self, plan: WeightPlan, policy: str = "routed", device: torch.device | str = "cpu"):
         if policy not in POLICIES:
             raise ConfigError(f"MoE coverage policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.plan = plan
         self.policy = policy
+        self.device = device
         self.amax = AmaxTable()
         self.experts: dict[str, ExpertStats] = {}  # in-memory experts module name -> stats
 
@@ -135,7 +142,7 @@ class CalibrationObserver:
                 undo.append(self._hook_linear(module, self.plan.disk_module(full)))
             elif is_fused_experts(module):
                 check_fused_experts(module, full)
-                stats = self.experts.setdefault(full, ExpertStats(module.num_experts))
+                stats = self.experts.setdefault(full, ExpertStats(module.num_experts, self.device))
                 undo.append(install_experts_forward(module, ExpertObserver(stats, self.policy)))
 
         def detach() -> None:
@@ -172,10 +179,11 @@ class CalibrationObserver:
 
     def statistics(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """(F32 tensors for the statistics file, metadata about experts)."""
-        tensors = {name: value.reshape(-1) for name, value in self.amax.values.items()}
+        tensors = {name: value.reshape(-1).cpu() for name, value in self.amax.values.items()}
         tokens: dict[str, list[int]] = {}
         unseen: list[str] = []
-        for experts_name, stats in self.experts.items():
+        for experts_name, on_device in self.experts.items():
+            stats = on_device.to_cpu()
             disk_gate_up = [self.plan.expert_modules(f"{experts_name}.gate_up_proj", e) for e in range(stats.num_experts)]
             disk_down = [self.plan.expert_modules(f"{experts_name}.down_proj", e) for e in range(stats.num_experts)]
             seen = stats.tokens > 0 if self.policy == "routed" else torch.ones_like(stats.tokens, dtype=torch.bool)

@@ -22,6 +22,7 @@ from fp4forge import __version__
 from fp4forge.model.samples import Samples, load_samples, load_tokenizer
 from fp4forge.calibrate.observers import POLICIES, CalibrationObserver
 from fp4forge.model import distributed
+from fp4forge.model.device import is_cuda, resolve_device
 from fp4forge.model.streaming import (
     DEFAULT_RAM_BUDGET_BYTES,
     ActivationStore,
@@ -61,9 +62,15 @@ class CalibrationOptions:
     tokenizer: Path | None = None  # default: the checkpoint directory
     ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
     spill_dir: Path | None = None
+    device: str | None = None  # None/"auto": CUDA when available, else CPU (model.device)
+    activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
+    prefetch: bool = True  # read the next layer on a background thread (same results)
 
     def __post_init__(self) -> None:
         require_choice(self.policy, POLICIES, "policy")
+        resolve_device(self.device)  # a bad or unavailable device fails here, by name
+        if self.activation_budget_bytes is not None and self.activation_budget_bytes < 0:
+            raise ConfigError(f"must be at least 0, got {self.activation_budget_bytes}", option="activation_budget_bytes")
         for option, least in (("samples", 1), ("seq_len", 2), ("batch_size", 1)):
             if getattr(self, option) < least:
                 raise ConfigError(f"must be at least {least}, got {getattr(self, option)}", option=option)
@@ -77,6 +84,10 @@ class CalibrationResult:
     spilled_batches: int = 0
     activation_peak_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
+    host_batches: int = 0  # activations that did not fit the device budget
+    device_activation_peak_bytes: int = 0
+    device_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated over the run (CUDA only)
 
     @property
     def tokens(self) -> int:
@@ -94,6 +105,10 @@ class CalibrationResult:
             "tokens_per_s": self.tokens_per_s,
             "spilled_batches": self.spilled_batches,
             "activation_peak_bytes": self.activation_peak_bytes,
+            "device": self.device,
+            "host_batches": self.host_batches,
+            "device_activation_peak_bytes": self.device_activation_peak_bytes,
+            "device_peak_bytes": self.device_peak_bytes,
             "experts_without_tokens": self.metadata.get("experts_without_tokens", []),
             "moe_policy": self.metadata.get("moe_policy"),
             "ranks": distributed.current().world_size,
@@ -140,15 +155,18 @@ def calibrate_checkpoint(
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
     _check_source(ckpt)
     samples = samples or calibration_samples(ckpt, options)
-    streamed = StreamedModel.from_checkpoint(ckpt)
-    observer = CalibrationObserver(streamed.plan, options.policy)
+    device = resolve_device(options.device)
+    if is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+    streamed = StreamedModel.from_checkpoint(ckpt, device=device, prefetch=options.prefetch)
+    observer = CalibrationObserver(streamed.plan, options.policy, device)
+    space = SpillSpace(options.ram_budget_bytes, options.spill_dir, device=device, activation_budget_bytes=options.activation_budget_bytes)
     # Under a launcher each rank runs its block of the batches; the statistics are reduced below.
     ranks = distributed.current()
     all_batches = samples.batches(options.batch_size)
     ranks.require_share(len(all_batches), "calibration batches", option="samples")
     batches = ranks.share(all_batches)
     progress = progress if ranks.is_main else None
-    space = SpillSpace(options.ram_budget_bytes, options.spill_dir)
     timings: dict[str, float] = {}
     total = streamed.num_layers + 2
     try:
@@ -179,6 +197,7 @@ def calibrate_checkpoint(
         ranks.fail("calibration")
         raise
     finally:
+        streamed.close()
         space.close()
     ranks.agree(True, "calibration")
     observer.reduce(ranks)
@@ -192,6 +211,10 @@ def calibrate_checkpoint(
         spilled_batches=space.spilled_batches,
         activation_peak_bytes=space.peak_bytes,
         timings=timings,
+        device=str(device),
+        host_batches=space.host_batches,
+        device_activation_peak_bytes=space.device_peak_bytes,
+        device_peak_bytes=torch.cuda.max_memory_allocated(device) if is_cuda(device) else None,
     )
 
 

@@ -18,9 +18,11 @@ from fp4forge.errors import ExitCode
 CALIBRATION_DEFAULTS = {"samples": 64, "seq_len": 512, "batch_size": 4}
 
 
-def _calibration_options(samples: int, seq_len: int, batch_size: int, policy: str, text: list[Path], no_builtin: bool, tokenizer: Optional[Path], ram_budget_gb: float, spill_dir: Optional[Path]):
+def _calibration_options(samples: int, seq_len: int, batch_size: int, policy: str, text: list[Path], no_builtin: bool, tokenizer: Optional[Path], ram_budget_gb: float, spill_dir: Optional[Path],
+                         device: Optional[str] = None, activation_budget: Optional[str] = None):
     """The flags as the library's options (which validate themselves)."""
     from fp4forge.calibrate.run import CalibrationOptions
+    from fp4forge.cli.common import parse_bytes
 
     return CalibrationOptions(
         samples=samples,
@@ -32,6 +34,8 @@ def _calibration_options(samples: int, seq_len: int, batch_size: int, policy: st
         tokenizer=tokenizer,
         ram_budget_bytes=int(ram_budget_gb * 2**30),
         spill_dir=spill_dir,
+        device=device,
+        activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"),
     )
 
 
@@ -54,6 +58,8 @@ def register(app: typer.Typer) -> None:
     tokenizer_opt = typer.Option(None, "--tokenizer", help="Tokenizer directory (default: the checkpoint's).")
     ram_opt = typer.Option(4.0, "--ram-budget-gb", help="Activations kept in RAM up to this; the rest spills to disk.")
     spill_opt = typer.Option(None, "--spill-dir", help="Where spilled activations go (default: the temp dir).")
+    device_opt = typer.Option(None, "--device", help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N.")
+    activation_opt = typer.Option(None, "--activation-budget", help="Activations kept on the device, e.g. 8GiB (default: 8GiB on CUDA, 0 on CPU); the rest moves to RAM.")
 
     @app.command("calibrate")
     def calibrate_command(
@@ -68,6 +74,8 @@ def register(app: typer.Typer) -> None:
         tokenizer: Optional[Path] = tokenizer_opt,
         ram_budget_gb: float = ram_opt,
         spill_dir: Optional[Path] = spill_opt,
+        device: Optional[str] = device_opt,
+        activation_budget: Optional[str] = activation_opt,
         as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     ) -> None:
         """Activation and KV amax from data, one decoder layer in memory at a time (for quantize --stats)."""
@@ -75,7 +83,7 @@ def register(app: typer.Typer) -> None:
         from fp4forge.calibrate.run import calibrate_to_file
         from fp4forge.report.calibrate_tables import calibration_rich
 
-        options = _calibration_options(samples, seq_len, batch_size, policy, text, no_builtin, tokenizer, ram_budget_gb, spill_dir)
+        options = _calibration_options(samples, seq_len, batch_size, policy, text, no_builtin, tokenizer, ram_budget_gb, spill_dir, device, activation_budget)
         with progress_bar("calibrating", not as_json) as progress:
             summary = calibrate_to_file(src, stats_out, options, progress=progress)
         if as_json:
@@ -95,13 +103,15 @@ def register(app: typer.Typer) -> None:
         text: list[Path] = text_opt,
         no_builtin: bool = no_builtin_opt,
         tokenizer: Optional[Path] = tokenizer_opt,
+        device: Optional[str] = device_opt,
+        activation_budget: Optional[str] = activation_opt,
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
         """k_scale = k_amax / 448, v_scale = v_amax / 448, written into a checkpoint with its declaration."""
         emit_json, out, progress_bar = _ui()
         from fp4forge.calibrate import kv
 
-        calibration = _calibration_options(samples, seq_len, batch_size, "routed", text, no_builtin, tokenizer, 4.0, None)
+        calibration = _calibration_options(samples, seq_len, batch_size, "routed", text, no_builtin, tokenizer, 4.0, None, device, activation_budget)
         with progress_bar("calibrating", not as_json and not kv.is_stats_file(source)) as progress:
             provenance = kv.calibrate_kv(source, into, layout_format=layout_format, per_head=per_head, calibration=calibration, progress=progress)
         if as_json:
@@ -160,10 +170,13 @@ def register(app: typer.Typer) -> None:
         top_k: int = typer.Option(32, "--top-k", min=1, help="Teacher log-probs kept exactly per position in the cache."),
         tail_samples: int = typer.Option(32, "--tail-samples", min=1, help="Tail tokens sampled per position in the cache."),
         moe_input_scale: str = typer.Option("global-max", "--moe-input-scale", help="global-max (FlashInfer / emulation MoE) | per-expert (VLLM_CUTLASS)."),
+        device: Optional[str] = device_opt,
+        activation_budget: Optional[str] = activation_opt,
         as_json: bool = typer.Option(False, "--json"),
     ) -> None:
         """KL, top-1 agreement, perplexity and per-layer error of a quantized student against its teacher, layer-streamed."""
         emit_json, out, progress_bar = _ui()
+        from fp4forge.cli.common import parse_bytes
         from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
         from fp4forge.report.calibrate_tables import fidelity_rich
 
@@ -179,6 +192,8 @@ def register(app: typer.Typer) -> None:
             top_k=top_k,
             tail_samples=tail_samples,
             moe_input_scale=moe_input_scale,
+            device=device,
+            activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"),
         )
         with progress_bar("evaluating", not as_json) as progress:
             report = evaluate(teacher, student, options, progress=progress).to_json()

@@ -21,7 +21,27 @@ FLAG_SPELLING = {
     "layout_format": "--format",
     "fmt": "--format",
     "ready_timeout_s": "--timeout",
+    "activation_budget_bytes": "--activation-budget",
 }
+
+BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | None, option: str) -> int | None:
+    """``"8GiB"``, ``"512MB"``, ``"1.5G"``, ``"1000"`` -> bytes (``None`` stays ``None``); a bad
+    value is a ConfigError about ``option``."""
+    if text is None:
+        return None
+    import re
+
+    from fp4forge.errors import ConfigError
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in BYTE_UNITS:
+        raise ConfigError(f"{text!r} is not a size (e.g. 512MiB, 8GiB, 2GB, 1000000)", option=option)
+    return int(float(match.group(1)) * BYTE_UNITS[unit])
 
 
 def flag_for(option: str) -> str:

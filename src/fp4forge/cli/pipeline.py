@@ -20,7 +20,7 @@ import typer
 
 from fp4forge.cli.common import console as _console
 from fp4forge.cli.common import emit_json as _emit
-from fp4forge.cli.common import error_text, fail
+from fp4forge.cli.common import error_text, fail, parse_bytes
 from fp4forge.errors import ExitCode, Fp4forgeError
 
 DEFAULT_VLLM_VENV = Path(".venv-vllm")
@@ -113,6 +113,8 @@ def pipeline_command(
     fidelity_samples: int = typer.Option(16, "--fidelity-samples", min=1),
     fidelity_seq_len: int = typer.Option(256, "--fidelity-seq-len", min=2),
     fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),
+    device: Optional[str] = typer.Option(None, "--device", help="Calibrate, quantize and fidelity on: auto (CUDA when available, else CPU) | cpu | cuda | cuda:N."),
+    activation_budget: Optional[str] = typer.Option(None, "--activation-budget", help="Activations kept on the device, e.g. 8GiB (default: 8GiB on CUDA, 0 on CPU)."),
     hardware: str = typer.Option("gb10", "--hardware", help="Target of the card's serve line: gb10 | b200 | h100 | h200 | cpu."),
     vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM version of the serve line and audit."),
     sibling: Optional[Path] = typer.Option(None, "--sibling", help="Another checkpoint of the same model to diff against."),
@@ -135,7 +137,7 @@ def pipeline_command(
         options = PipelineOptions(
             recipe=recipe, layout_format=layout_format, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
             calib_text=tuple(calib_text), fidelity_samples=fidelity_samples, fidelity_seq_len=fidelity_seq_len,
-            fidelity_text=tuple(fidelity_text), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
+            fidelity_text=tuple(fidelity_text), device=device, activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
             serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
             quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
         )

@@ -61,6 +61,7 @@ from fp4forge.model.hooks import (
     install_kv_tap,
     is_fused_experts,
 )
+from fp4forge.model.device import resolve_device
 from fp4forge.model.streaming import (
     DEFAULT_RAM_BUDGET_BYTES,
     ActivationStore,
@@ -75,7 +76,7 @@ from fp4forge.checkpoint.tensor_file import load_tensors, save_tensors
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.errors import ConfigError
 from fp4forge.numerics.fp8 import fp8_activation_fake_quantizer, fp8_dynamic_fake_quantize, fp8_fake_quantize
-from fp4forge.numerics.nvfp4 import nvfp4_activation_fake_quantizer
+from fp4forge.numerics.nvfp4 import ct_global_scale_from_amax, nvfp4_activation_fake_quantizer, nvfp4_fake_quantize_activation
 
 NUMERICS = ("w4a4", "w4a16")
 MOE_INPUT_SCALES = ("global-max", "per-expert")
@@ -99,8 +100,11 @@ class FidelityOptions:
     moe_input_scale: str = "global-max"
     ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
     spill_dir: Path | None = None
+    device: str | None = None  # None/"auto": CUDA when available, else CPU
+    activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
 
     def check(self) -> None:
+        resolve_device(self.device)
         if self.numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}", option="numerics")
         if self.moe_input_scale not in MOE_INPUT_SCALES:
@@ -119,14 +123,22 @@ class ActivationScale:
     kind: str
     amax: float
 
-    def quantizer(self) -> ActQuant:
-        return ACTIVATION_QUANTIZERS[self.kind](self.amax)
+    def quantizer(self, device: torch.device | str = "cpu") -> ActQuant:
+        return ACTIVATION_QUANTIZERS[self.kind](self.amax, torch.device(device))
 
 
-ACTIVATION_QUANTIZERS: dict[str, Callable[[float], ActQuant]] = {
-    "nvfp4": nvfp4_activation_fake_quantizer,
-    "fp8": fp8_activation_fake_quantizer,
-    "fp8_dynamic": lambda _amax: fp8_dynamic_fake_quantize,
+def _nvfp4_activation_on(amax: float, device: torch.device) -> ActQuant:
+    """nvfp4_activation_fake_quantizer with its [1] global scale moved to ``device`` once."""
+    if device.type == "cpu":
+        return nvfp4_activation_fake_quantizer(amax)
+    gs = ct_global_scale_from_amax(amax).to(device)
+    return lambda x: nvfp4_fake_quantize_activation(x, gs)
+
+
+ACTIVATION_QUANTIZERS: dict[str, Callable[[float, torch.device], ActQuant]] = {
+    "nvfp4": _nvfp4_activation_on,
+    "fp8": lambda amax, _device: fp8_activation_fake_quantizer(amax),  # a 0-dim scale goes with any device
+    "fp8_dynamic": lambda _amax, _device: fp8_dynamic_fake_quantize,
 }
 
 
@@ -178,7 +190,7 @@ class StudentNumerics:
         self.streamed = streamed
         self.view = view
         self.options = options
-        self.kv_scales = _student_kv_scales(view)
+        self.kv_scales = _student_kv_scales(view, streamed.device)
         self.activation_quantized = 0
 
     def _scale(self, disk_module: str) -> ActivationScale | None:
@@ -197,7 +209,7 @@ class StudentNumerics:
             if isinstance(module, nn.Linear):
                 scale = self._fused_scale(self.streamed.plan.disk_module(full))
                 if scale is not None:
-                    undo.append(_quantize_input(module, scale.quantizer()))
+                    undo.append(_quantize_input(module, scale.quantizer(self.streamed.device)))
                     self.activation_quantized += 1
             elif is_fused_experts(module):
                 check_fused_experts(module, full)
@@ -212,11 +224,12 @@ class StudentNumerics:
             gate_up = [_group_scale(gate_up)] * count
             down = [_group_scale(down)] * count
         self.activation_quantized += sum(s is not None for s in gate_up + down)
-        return ExpertFakeQuant([s and s.quantizer() for s in gate_up], [s and s.quantizer() for s in down])
+        device = self.streamed.device
+        return ExpertFakeQuant([s and s.quantizer(device) for s in gate_up], [s and s.quantizer(device) for s in down])
 
     def attach_head(self, head: nn.Module) -> Callable[[], None]:
         scale = self._scale(self.streamed.plan.disk_module(self.streamed.head_name))
-        return _quantize_input(head, scale.quantizer()) if scale is not None else (lambda: None)
+        return _quantize_input(head, scale.quantizer(self.streamed.device)) if scale is not None else (lambda: None)
 
 
 def _quantize_input(module: nn.Module, quant: ActQuant) -> Callable[[], None]:
@@ -234,7 +247,7 @@ def _fp8_kv_transform(k_scale: Tensor, v_scale: Tensor) -> Callable[[Tensor, Ten
     return lambda key, value: (fp8_fake_quantize(key, k), fp8_fake_quantize(value, v))
 
 
-def _student_kv_scales(view: QuantizedCheckpoint) -> dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]]:
+def _student_kv_scales(view: QuantizedCheckpoint, device: torch.device | str = "cpu") -> dict[str, Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]]:
     """Per layer prefix, the FP8 KV fake-quant (absent scales of a declared cache -> 1.0, as vLLM)."""
     ckpt = view.ckpt
     declaration = read_declaration(ckpt.config, ckpt.extra_json)
@@ -249,7 +262,7 @@ def _student_kv_scales(view: QuantizedCheckpoint) -> dict[str, Callable[[Tensor,
     for layer in layers:
         stored = found.get(layer, {})
         scales = [stored.get(r, one) for r in ("k_scale", "v_scale")]
-        out[layer] = _fp8_kv_transform(*[s.reshape(()) if s.numel() == 1 else s for s in scales])
+        out[layer] = _fp8_kv_transform(*[(s.reshape(()) if s.numel() == 1 else s).to(device) for s in scales])
     return out
 
 
@@ -266,7 +279,7 @@ class PositionMetrics:
 
     @staticmethod
     def _cat(parts: list[Tensor]) -> Tensor:
-        return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0)
+        return torch.cat([p.reshape(-1).cpu() for p in parts]) if parts else torch.empty(0)
 
     def summary(self) -> dict[str, Any]:
         exact = self._cat(self.kl)
@@ -318,7 +331,7 @@ def teacher_entry(logp: Tensor, targets: Tensor, top_k: int, tail_samples: int, 
     tail_mass = tail.sum(-1)
     flat = tail.reshape(-1, tail.shape[-1])
     rows_with_tail = flat.sum(-1) > 0
-    draws = torch.zeros(flat.shape[0], tail_samples, dtype=torch.int64)
+    draws = torch.zeros(flat.shape[0], tail_samples, dtype=torch.int64, device=logp.device)
     if bool(rows_with_tail.any()):
         draws[rows_with_tail] = torch.multinomial(flat[rows_with_tail], tail_samples, replacement=True, generator=generator)
     tail_ids = draws.reshape(*logp.shape[:-1], tail_samples)
@@ -355,7 +368,7 @@ CACHE_FIELDS = ("topk_ids", "topk_logp", "tail_ids", "tail_logp", "tail_mass", "
 
 
 def save_teacher_cache(path: Path, entries: list[TeacherEntry], samples: Samples, meta: dict[str, Any]) -> None:
-    tensors = {name: torch.cat([getattr(e, name) for e in entries]) for name in CACHE_FIELDS}
+    tensors = {name: torch.cat([getattr(e, name).cpu() for e in entries]) for name in CACHE_FIELDS}
     tensors["input_ids"] = samples.input_ids
     save_tensors(path, tensors, metadata={TEACHER_CACHE_MARKER: "1", "meta": json.dumps(meta, sort_keys=True)})
 
@@ -474,12 +487,13 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     batches = ranks.share(all_batches)
     progress = progress if ranks.is_main else None
 
-    teacher = None if cached else StreamedModel.from_checkpoint(teacher_ckpt)
+    device = resolve_device(options.device)
+    teacher = None if cached else StreamedModel.from_checkpoint(teacher_ckpt, device=device)
     view = QuantizedCheckpoint(student_ckpt, layout)
     # vLLM's emulation formula, both layouts, in the teacher's dtype
-    student = StreamedModel(student_ckpt.config, view.dequantized(_model_dtype(teacher_ckpt), formula="multiply"))
+    student = StreamedModel(student_ckpt.config, view.dequantized(_model_dtype(teacher_ckpt), formula="multiply"), device=device)
     numerics = StudentNumerics(student, view, options)
-    space = SpillSpace(options.ram_budget_bytes, options.spill_dir)
+    space = SpillSpace(options.ram_budget_bytes, options.spill_dir, device=device, activation_budget_bytes=options.activation_budget_bytes)
     errors = [_LayerError() for _ in range(student.num_layers)]
     total = student.num_layers + 2
     try:
@@ -509,6 +523,9 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
         ranks.fail("fidelity")
         raise
     finally:
+        student.close()
+        if teacher is not None:
+            teacher.close()
         space.close()
     ranks.agree(True, "fidelity")
     metrics = positions.gathered(ranks).summary()
@@ -566,6 +583,7 @@ def _head(
     run), with the teacher either live or from the cache; returns the positions' metrics and the
     teacher entries to cache."""
     metrics = PositionMetrics()
+    device = student.device
     entries: list[TeacherEntry] = []
     cache_info: dict[str, Any] | None = None
     if teacher is None:
@@ -582,16 +600,16 @@ def _head(
         if teacher is not None:
             t_norm, t_head = stack.enter_context(teacher.final_norm()), stack.enter_context(teacher.lm_head())
         for number, ids in enumerate(batches):
-            targets = ids[:, 1:]
+            targets = ids[:, 1:].to(device)
             student_logp = log_probs(s_head(s_norm(s_store.get(number))))
             if teacher is not None:
                 teacher_logp = log_probs(t_head(t_norm(t_store.get(number))))
-                entry = teacher_entry(teacher_logp, targets, options.top_k, options.tail_samples, _tail_generator(options.seed, first + number))
+                entry = teacher_entry(teacher_logp, targets, options.top_k, options.tail_samples, _tail_generator(options.seed, first + number, device))
                 metrics.kl.append(exact_kl(teacher_logp, student_logp))
                 if options.teacher_cache is not None:
                     entries.append(entry)
             else:
-                entry = entries[first + number]
+                entry = TeacherEntry(**{name: getattr(entries[first + number], name).to(device) for name in CACHE_FIELDS})
             if teacher is None or options.teacher_cache is not None:
                 metrics.kl_estimate.append(estimated_kl(entry, student_logp))
             metrics.agree.append(entry.argmax == student_logp.argmax(-1))
@@ -600,10 +618,10 @@ def _head(
     return metrics, entries if teacher is not None else [], cache_info
 
 
-def _tail_generator(seed: int, batch: int) -> torch.Generator:
-    """The tail sample's generator, seeded per batch so the draws do not depend on how many
-    ranks share the batches."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + batch)
+def _tail_generator(seed: int, batch: int, device: torch.device) -> torch.Generator:
+    """The tail sample's generator (on the compute device), seeded per batch so the draws do not
+    depend on how many ranks share the batches."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + batch)
 
 
 def _save_cache(path: Path, entries: list[TeacherEntry], samples: Samples, teacher_ckpt: Checkpoint, options: FidelityOptions) -> dict[str, Any]:

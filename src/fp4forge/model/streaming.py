@@ -19,8 +19,21 @@ converters) and turns it into "disk tensor -> (parameter, expert, offset)" place
 expert is copied in place instead of stacked (no 2x transient at 256 experts). Anything in that
 table this module does not understand is refused, never guessed.
 
-Peak memory: one decoder layer, the embedding table while embedding, and the activations, which
-live in RAM up to a budget and spill to disk beyond it (:class:`ActivationStore`).
+**Devices.** Everything above runs on one ``torch.device`` (``device=``; CPU or CUDA). While
+layer i is materialised and run on the device, a background reader thread (:class:`LayerPrefetcher`)
+already reads layer i+1's tensors from the checkpoint into host memory (page-locked when the
+device is CUDA, so the host-to-device copy is a plain DMA): disk and compute overlap. Results do
+not depend on the prefetch: the same tensors are copied into the same slots.
+
+**Memory.** Host: at most two decoder layers' tensors (the one being materialised and the one
+read ahead), the embedding table while embedding, and the activations that do not fit on the
+device. Device: one decoder layer's parameters, the layer's transient working set (one batch
+through it), and the activations kept on the device, up to ``activation_budget_bytes``; so the
+peak device memory is about one to two layers plus the activation budget (two while the
+caching allocator still holds the previous layer's blocks). Activations beyond the device budget
+move to host RAM (up to ``ram_budget_bytes``) and beyond that spill to files
+(:class:`ActivationStore`). On the CPU the device tier is RAM too; its budget defaults to 0 there,
+so the CPU behaviour is the RAM budget alone.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,11 +61,18 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from fp4forge.checkpoint.reader import Checkpoint
+from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint
 from fp4forge.checkpoint.skeleton import config_dtype, model_config_dict, to_transformers_config
-from fp4forge.errors import ConfigError
+from fp4forge.errors import CheckpointError, ConfigError
+from fp4forge.model.device import is_cuda, resolve_device
 
 DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30
+# Activations kept on a CUDA device before they move to host RAM (the CPU default is 0: RAM alone).
+DEFAULT_DEVICE_ACTIVATION_BYTES = 8 * 2**30
+
+
+def default_activation_budget(device: torch.device) -> int:
+    return DEFAULT_DEVICE_ACTIVATION_BYTES if is_cuda(device) else 0
 
 
 # -- where tensors come from ---------------------------------------------------------------------
@@ -74,6 +95,27 @@ class CheckpointTensors:
 
     def read(self, name: str) -> torch.Tensor:
         return self.ckpt.read_tensor(name)
+
+    def read_host(self, name: str, pin: bool) -> torch.Tensor:
+        """``read``, but a local file is read straight into the (page-locked with ``pin``) tensor:
+        one copy from the page cache, the GIL released while the kernel copies."""
+        shard, info = self.ckpt.locate(name)
+        local_path = getattr(self.ckpt.source, "path", None)
+        dtype = getattr(torch, TORCH_DTYPES.get(info.dtype, ""), None)
+        if local_path is None or dtype is None or info.dtype == "F4":
+            value = self.read(name)
+            return value.pin_memory() if pin else value
+        out = torch.empty(tuple(info.shape), dtype=dtype, pin_memory=pin)
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
+        got = 0
+        with open(local_path(shard), "rb", buffering=0) as fh:
+            fh.seek(self.ckpt.headers[shard].data_start + info.begin)
+            while got < info.nbytes:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise CheckpointError(f"file ends {info.nbytes - got} bytes before the tensor does", file=self.ckpt.display, tensor=name)
+                got += n
+        return out
 
 
 # -- the model skeleton --------------------------------------------------------------------------
@@ -229,20 +271,56 @@ def _check_no_volatile_buffers(module: nn.Module, prefix: str) -> None:
             raise ConfigError(f"{prefix}.{name} has non-persistent buffers the checkpoint cannot fill; the streamer does not support it")
 
 
+def disk_names(module: nn.Module, prefix: str, plan: WeightPlan) -> list[str]:
+    """The checkpoint tensors that fill ``module`` (in-memory name ``prefix``), in fill order."""
+    names: list[str] = []
+    for name, _ in [*module.named_parameters(), *module.named_buffers()]:
+        full = f"{prefix}.{name}" if prefix else name
+        names.extend(p.disk_name for p in plan.for_param(full))
+    return names
+
+
+READ_THREADS = 4  # tensors of one layer read at once: a disk (NVMe, network) wants several requests in flight
+
+
+def _read_one(reader: TensorReader, name: str, pin: bool) -> torch.Tensor:
+    read_host = getattr(reader, "read_host", None)
+    if read_host is not None:
+        return read_host(name, pin)
+    value = reader.read(name)
+    return value.pin_memory() if pin else value
+
+
+def read_tensors(reader: TensorReader, names: list[str], pin: bool = False, pool: ThreadPoolExecutor | None = None) -> dict[str, torch.Tensor]:
+    """``names`` read from ``reader`` (into page-locked memory with ``pin``; on ``pool``'s threads if given)."""
+    if pool is None:
+        return {name: _read_one(reader, name, pin) for name in names}
+    futures = {name: pool.submit(_read_one, reader, name, pin) for name in names}
+    return {name: future.result() for name, future in futures.items()}
+
+
 @torch.no_grad()
-def materialize(module: nn.Module, prefix: str, plan: WeightPlan, reader: TensorReader) -> nn.Module:
-    """Allocate ``module``'s parameters on the CPU and fill every element from the checkpoint."""
+def materialize(
+    module: nn.Module,
+    prefix: str,
+    plan: WeightPlan,
+    reader: TensorReader,
+    device: torch.device | str = "cpu",
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> nn.Module:
+    """Allocate ``module``'s parameters on ``device`` and fill every element from the checkpoint
+    (from ``tensors`` when already read ahead, else from ``reader``)."""
     _check_no_volatile_buffers(module, prefix)
-    module.to_empty(device="cpu")
+    module.to_empty(device=device)
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         full = f"{prefix}.{name}" if prefix else name
         written = 0
         for placement in plan.for_param(full):
             target = placement.target(tensor)
-            value = reader.read(placement.disk_name)
+            value = tensors.pop(placement.disk_name) if tensors and placement.disk_name in tensors else reader.read(placement.disk_name)
             if tuple(value.shape) != tuple(target.shape):
                 raise ConfigError(f"{placement.disk_name}: shape {list(value.shape)} does not fit {full} slot {list(target.shape)}", tensor=placement.disk_name)
-            target.copy_(value)
+            target.copy_(value, non_blocking=value.is_pinned())
             written += target.numel()
         if written != tensor.numel():  # a partial fill would leave to_empty's garbage in place
             raise ConfigError(f"{full}: checkpoint tensors cover {written} of {tensor.numel()} elements", tensor=full)
@@ -254,33 +332,75 @@ def release(module: nn.Module) -> None:
     module.to("meta")
 
 
+class LayerPrefetcher:
+    """Reads decoder layers' checkpoint tensors in the background (``READ_THREADS`` at once), one layer ahead.
+
+    ``request(i)`` starts reading layer i (if not already); ``take(i)`` waits for it and hands
+    the tensors over. Pinned host memory when the device is CUDA. At most the requested layers
+    are held, so with "take i, request i+1" the host holds two layers at most."""
+
+    def __init__(self, reader: TensorReader, names_of: Any, pin: bool):
+        self.reader = reader
+        self.names_of = names_of  # index -> list of disk names
+        self.pin = pin
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-prefetch")
+        self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="fp4forge-read")
+        self._pending: dict[int, Future] = {}
+
+    def request(self, index: int) -> None:
+        if index not in self._pending:
+            self._pending[index] = self._pool.submit(read_tensors, self.reader, self.names_of(index), self.pin, self._readers)
+
+    def take(self, index: int) -> dict[str, torch.Tensor]:
+        self.request(index)
+        return self._pending.pop(index).result()
+
+    def close(self) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+
+
 # -- activations between layers ------------------------------------------------------------------
 class ActivationStore:
-    """Per-batch activations: in RAM up to ``ram_budget_bytes`` (shared by every store of one
-    ``SpillSpace``), spilled to files beyond it."""
+    """Per-batch activations in three tiers shared by every store of one ``SpillSpace``: on the
+    compute device up to its ``activation_budget_bytes``, in host RAM up to ``ram_budget_bytes``,
+    in files beyond. ``get`` always returns the tensor on the compute device."""
 
     def __init__(self, space: SpillSpace, name: str):
         self.space = space
         self.name = name
+        self._device: dict[int, torch.Tensor] = {}
         self._ram: dict[int, torch.Tensor] = {}
         self._files: dict[int, Path] = {}
 
     def put(self, index: int, tensor: torch.Tensor) -> None:
         self.drop(index)
         nbytes = tensor.numel() * tensor.element_size()
+        if self.space.reserve_device(nbytes):
+            self._device[index] = tensor
+            return
+        host = tensor.to("cpu")
         if self.space.reserve(nbytes):
-            self._ram[index] = tensor
+            self._ram[index] = host
             return
         path = self.space.path_for(self.name, index)
-        torch.save(tensor.contiguous(), path)
+        torch.save(host.contiguous(), path)
         self._files[index] = path
 
     def get(self, index: int) -> torch.Tensor:
+        if index in self._device:
+            return self._device[index]
         if index in self._ram:
-            return self._ram[index]
-        return torch.load(self._files[index], weights_only=True)
+            return self._ram[index].to(self.space.device)
+        return torch.load(self._files[index], weights_only=True).to(self.space.device)
 
     def drop(self, index: int) -> None:
+        if index in self._device:
+            tensor = self._device.pop(index)
+            self.space.release_device(tensor.numel() * tensor.element_size())
         if index in self._ram:
             tensor = self._ram.pop(index)
             self.space.release(tensor.numel() * tensor.element_size())
@@ -289,7 +409,7 @@ class ActivationStore:
             path.unlink(missing_ok=True)
 
     def clear(self) -> None:
-        for index in [*self._ram, *self._files]:
+        for index in [*self._device, *self._ram, *self._files]:
             self.drop(index)
 
     @property
@@ -298,15 +418,40 @@ class ActivationStore:
 
 
 class SpillSpace:
-    """The RAM budget and the spill directory that a run's activation stores share."""
+    """The device budget, the RAM budget and the spill directory that a run's activation stores
+    share. ``activation_budget_bytes=None``: the device's default (:func:`default_activation_budget`)."""
 
-    def __init__(self, ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES, spill_dir: Path | None = None):
+    def __init__(
+        self,
+        ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES,
+        spill_dir: Path | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        activation_budget_bytes: int | None = None,
+    ):
+        self.device = torch.device(device)
         self.ram_budget_bytes = ram_budget_bytes
+        self.activation_budget_bytes = default_activation_budget(self.device) if activation_budget_bytes is None else activation_budget_bytes
         self.used_bytes = 0
         self.peak_bytes = 0
-        self.spilled_batches = 0
+        self.spilled_batches = 0  # batches written to files
+        self.device_used_bytes = 0
+        self.device_peak_bytes = 0
+        self.host_batches = 0  # batches that did not fit the device budget
         self._parent = spill_dir
         self._dir: Path | None = None
+
+    def reserve_device(self, nbytes: int) -> bool:
+        if self.device_used_bytes + nbytes > self.activation_budget_bytes:
+            if self.activation_budget_bytes:  # a zero budget (the CPU default) is no spill
+                self.host_batches += 1
+            return False
+        self.device_used_bytes += nbytes
+        self.device_peak_bytes = max(self.device_peak_bytes, self.device_used_bytes)
+        return True
+
+    def release_device(self, nbytes: int) -> None:
+        self.device_used_bytes -= nbytes
 
     def reserve(self, nbytes: int) -> bool:
         if self.used_bytes + nbytes > self.ram_budget_bytes:
@@ -393,13 +538,19 @@ def _real_rotary(model: PreTrainedModel) -> None:
 
 # -- the streamed model ----------------------------------------------------------------------------
 class StreamedModel:
-    """A causal LM whose parts are materialised one at a time from a checkpoint."""
+    """A causal LM whose parts are materialised one at a time from a checkpoint, on ``device``
+    (default: CUDA when available, else CPU), the next decoder layer read ahead on a background
+    thread unless ``prefetch=False`` (the results are the same either way)."""
 
-    def __init__(self, config: dict[str, Any], reader: TensorReader):
+    def __init__(self, config: dict[str, Any], reader: TensorReader, *, device: torch.device | str | None = None, prefetch: bool = True):
+        self.device = resolve_device(device)
         self.model = build_meta_model(config)
         self.reader = reader
         self.plan = build_weight_plan(self.model, reader.shapes())
         _real_rotary(self.model)
+        rotary = getattr(base_model(self.model), "rotary_emb", None)
+        if rotary is not None:
+            rotary.to(self.device)
         self.layers = decoder_layers(self.model)
         self.layers_prefix = module_name(self.model, self.layers)
         self._embedding = self.model.get_input_embeddings()
@@ -408,12 +559,30 @@ class StreamedModel:
         self._norm_name = module_name(self.model, self._norm)
         self._head = self.model.get_output_embeddings()
         self._head_name = module_name(self.model, self._head)
+        self.prefetcher: LayerPrefetcher | None = None
+        if prefetch:
+            self.prefetcher = LayerPrefetcher(reader, self._layer_disk_names, pin=is_cuda(self.device))
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint) -> StreamedModel:
+    def from_checkpoint(cls, ckpt: Checkpoint, *, device: torch.device | str | None = None, prefetch: bool = True) -> StreamedModel:
         if ckpt.config is None:
             raise ConfigError("checkpoint has no config.json", file=ckpt.display)
-        return cls(ckpt.config, CheckpointTensors(ckpt))
+        return cls(ckpt.config, CheckpointTensors(ckpt), device=device, prefetch=prefetch)
+
+    def _layer_disk_names(self, index: int) -> list[str]:
+        return disk_names(self.layers[index], self.layer_prefix(index), self.plan)
+
+    def close(self) -> None:
+        """Stop the background reader (idempotent)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+
+    def __enter__(self) -> StreamedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def num_layers(self) -> int:
@@ -427,8 +596,8 @@ class StreamedModel:
         return f"{self.layers_prefix}.{index}"
 
     @contextlib.contextmanager
-    def _materialized(self, module: nn.Module, prefix: str) -> Iterator[nn.Module]:
-        materialize(module, prefix, self.plan, self.reader)
+    def _materialized(self, module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor] | None = None) -> Iterator[nn.Module]:
+        materialize(module, prefix, self.plan, self.reader, self.device, tensors)
         try:
             yield module
         finally:
@@ -436,15 +605,24 @@ class StreamedModel:
 
     @contextlib.contextmanager
     def embedding(self) -> Iterator[None]:
-        """Materialise the embedding table for the prologue(s) inside the block."""
+        """Materialise the embedding table for the prologue(s) inside the block (layer 0 is
+        read ahead meanwhile)."""
+        if self.prefetcher is not None and self.num_layers:
+            self.prefetcher.request(0)
         with self._materialized(self._embedding, self._embedding_name):
             yield
 
     def prologue(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
-        return run_prologue(self.model, input_ids)
+        return run_prologue(self.model, input_ids.to(self.device))
 
     def layer(self, index: int) -> contextlib.AbstractContextManager[nn.Module]:
-        return self._materialized(self.layers[index], self.layer_prefix(index))
+        """Decoder layer ``index`` on the device inside the block; the next one is read ahead."""
+        tensors = None
+        if self.prefetcher is not None:
+            tensors = self.prefetcher.take(index)
+            if index + 1 < self.num_layers:
+                self.prefetcher.request(index + 1)
+        return self._materialized(self.layers[index], self.layer_prefix(index), tensors)
 
     def final_norm(self) -> contextlib.AbstractContextManager[nn.Module]:
         return self._materialized(self._norm, self._norm_name)

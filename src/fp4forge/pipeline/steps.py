@@ -57,6 +57,8 @@ class PipelineOptions:
     calib_batch_size: int = 4
     calib_policy: str = "routed"
     calib_text: tuple[Path, ...] = ()
+    device: str | None = None  # calibrate, quantize, fidelity: None/"auto" = CUDA when available, else CPU
+    activation_budget_bytes: int | None = None  # activations kept on the device (None: its default)
     fidelity_samples: int = 16
     fidelity_seq_len: int = 256
     fidelity_numerics: str = "w4a4"
@@ -102,7 +104,8 @@ class PipelineOptions:
 
         with pipeline_option_names(CALIBRATION_FIELDS):
             return CalibrationOptions(samples=self.calib_samples, seq_len=self.calib_seq_len, batch_size=self.calib_batch_size,
-                                      policy=self.calib_policy, text_files=tuple(self.calib_text), spill_dir=spill_dir)
+                                      policy=self.calib_policy, text_files=tuple(self.calib_text), spill_dir=spill_dir,
+                                      device=self.device, activation_budget_bytes=self.activation_budget_bytes)
 
     def to_json(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -208,7 +211,7 @@ def run_quantize(ctx: Context) -> dict[str, Any]:
     o = ctx.options
     options = QuantizeOptions(recipe=o.recipe_spec, layout_format=o.layout_format, block_scales=o.block_scales,
                               act_amax=parse_act_scales(None, ctx.report("calibration-stats.safetensors")),
-                              max_shard_bytes=int(o.max_shard_gb * 2**30))
+                              max_shard_bytes=int(o.max_shard_gb * 2**30), device=o.device)
     # The writer builds (and on a re-run resumes) beside its destination, then renames it into
     # place; the staged files then replace the previous checkpoint's, one rename each.
     staged = ctx.out / STAGING / "quantize" / "checkpoint"
@@ -290,7 +293,8 @@ def run_fidelity(ctx: Context) -> dict[str, Any]:
     # fidelity measures the numerics the serve line will run, and says which.
     served = target_numerics(o.hardware, weight_only=o.fidelity_numerics == "w4a16")
     options = FidelityOptions(numerics=o.fidelity_numerics, samples=o.fidelity_samples, seq_len=o.fidelity_seq_len,
-                              text_files=o.fidelity_text, moe_input_scale=served.fidelity_options()["moe_input_scale"])
+                              text_files=o.fidelity_text, moe_input_scale=served.fidelity_options()["moe_input_scale"],
+                              device=o.device, activation_budget_bytes=o.activation_budget_bytes)
     doc = evaluate(ctx.src, ctx.out, options, progress=ctx.progress).to_json()
     doc["student"] = "."
     doc["served_numerics"] = {**served.to_json(), "describe": served.describe()}
