@@ -128,3 +128,27 @@ def test_a_launcher_environment_without_rendezvous_is_a_named_error(monkeypatch:
     with pytest.raises(DistributedError, match="not an integer"):
         distributed.current()
     assert distributed._current is None
+
+
+def _failing_rank_main(rank: int, port: int, out: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank), "FP4FORGE_DIST_BACKEND": "gloo"})
+    from fp4forge.errors import WriteError
+
+    ranks = current()
+
+    def write() -> str:
+        raise WriteError("disk full")
+
+    try:
+        ranks.on_main(write, "writing the statistics")
+        outcome = "returned"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test reads
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(out, f"rank{rank}.txt").write_text(outcome)
+
+
+def test_a_rank_that_fails_stops_the_others_with_a_named_error(tmp_path: Path) -> None:
+    torch.multiprocessing.start_processes(_failing_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
+    assert (tmp_path / "rank0.txt").read_text() == "WriteError: disk full"
+    assert (tmp_path / "rank1.txt").read_text().startswith("DistributedError: rank 0 failed during writing the statistics")
