@@ -152,3 +152,50 @@ def test_a_rank_that_fails_stops_the_others_with_a_named_error(tmp_path: Path) -
     torch.multiprocessing.start_processes(_failing_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
     assert (tmp_path / "rank0.txt").read_text() == "WriteError: disk full"
     assert (tmp_path / "rank1.txt").read_text().startswith("DistributedError: rank 0 failed during writing the statistics")
+
+
+def _export_options() -> QuantizeOptions:
+    from fp4forge.quantize.act_scales import parse_act_scales
+
+    return QuantizeOptions(recipe=load_recipe(RECIPE), act_amax=parse_act_scales("constant:8.0", None), workers=1)
+
+
+def _export_rank_that_dies(rank: int, port: int, source: str, out: str) -> None:
+    """Rank 1 fails at its third unit; both ranks record how they stopped."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank), "FP4FORGE_DIST_BACKEND": "gloo"})
+    from fp4forge.quantize import export
+
+    if rank == 1:
+        real, calls = export.UnitQuantizer.quantize, []
+
+        def dying(self, unit, weights):  # type: ignore[no-untyped-def]
+            calls.append(unit.key)
+            if len(calls) == 3:
+                raise RuntimeError("killed")
+            return real(self, unit, weights)
+
+        export.UnitQuantizer.quantize = dying
+    try:
+        quantize_checkpoint(source, Path(out) / "model", _export_options())
+        outcome = "finished"
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test reads
+        outcome = type(exc).__name__
+    Path(out, f"rank{rank}.txt").write_text(outcome)
+
+
+def test_a_failed_two_rank_export_resumes_in_one_process_to_the_same_bytes(laguna: Path, tmp_path: Path) -> None:
+    reference = quantize_checkpoint(laguna, tmp_path / "reference" / "model", _export_options())
+    out = tmp_path / "resumed"
+    out.mkdir()
+    torch.multiprocessing.start_processes(_export_rank_that_dies, args=(_free_port(), str(laguna), str(out)), nprocs=WORLD, join=True, start_method="fork")
+    assert [(out / f"rank{r}.txt").read_text() for r in range(WORLD)] == ["DistributedError", "RuntimeError"]
+    partial = out / ".model.partial"
+    assert not (out / "model").exists() and partial.is_dir()
+    assert sorted(p.name for p in partial.glob(".fp4forge-journal*")) == [".fp4forge-journal", ".fp4forge-journal.1"]
+    finished = {p.name: sum(line.endswith("\t.") for line in p.read_text().splitlines()) for p in partial.glob(".fp4forge-journal*")}
+    assert finished[".fp4forge-journal.1"] == 2 and finished[".fp4forge-journal"] > 0  # rank 1 died at its third unit
+    resumed = quantize_checkpoint(laguna, out / "model", _export_options())
+    assert resumed.resumed_units == sum(finished.values())  # both ranks' units are taken, not redone
+    assert _digests(out / "model") == _digests(tmp_path / "reference" / "model")
+    assert not partial.exists()

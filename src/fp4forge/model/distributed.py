@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -172,15 +173,27 @@ class Ranks:
         failed = self.all_gather_object(None if ok else self.rank)
         others = [rank for rank in failed if rank is not None and rank != self.rank]
         if ok and others:
-            raise DistributedError(f"rank {others[0]} failed during {step}; this rank ({self.rank}) stopped with it (that rank's error says why)")
+            error = DistributedError(f"rank {others[0]} failed during {step}; this rank ({self.rank}) stopped with it (that rank's error says why)")
+            error.reported_to_ranks = True  # the others know already: telling them again would wait forever
+            raise error
 
     def fail(self, step: str) -> None:
         """Call from an ``except`` block: tells the other ranks that this one failed (best effort;
-        the caller re-raises its own error)."""
-        if self.distributed:
+        the caller re-raises its own error). Once per error: an error the ranks already agreed
+        on (raised by :meth:`agree`, or reported by an inner ``fail``) is not reported again."""
+        if not self.distributed:
+            return
+        error = sys.exc_info()[1]
+        if error is not None and getattr(error, "reported_to_ranks", False):
+            return
+        try:
+            self.agree(False, step)
+        except Exception:  # the group itself may be what broke; the caller's error matters
+            pass
+        if error is not None:
             try:
-                self.agree(False, step)
-            except Exception:  # the group itself may be what broke; the caller's error matters
+                error.reported_to_ranks = True  # type: ignore[attr-defined]
+            except AttributeError:  # an exception type without a __dict__
                 pass
 
     def on_main(self, work: Callable[[], T], step: str) -> T:
