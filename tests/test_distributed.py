@@ -185,7 +185,7 @@ def _export_rank_that_dies(rank: int, port: int, source: str, out: str) -> None:
 
 
 def test_a_failed_two_rank_export_resumes_in_one_process_to_the_same_bytes(laguna: Path, tmp_path: Path) -> None:
-    reference = quantize_checkpoint(laguna, tmp_path / "reference" / "model", _export_options())
+    quantize_checkpoint(laguna, tmp_path / "reference" / "model", _export_options())
     out = tmp_path / "resumed"
     out.mkdir()
     torch.multiprocessing.start_processes(_export_rank_that_dies, args=(_free_port(), str(laguna), str(out)), nprocs=WORLD, join=True, start_method="fork")
