@@ -16,7 +16,7 @@ from importlib import resources
 
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.findings import Issue, natural_key
-from fp4forge.checkpoint.declarations import QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.declarations import MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import split_suffix
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
@@ -39,8 +39,10 @@ def run(ctx: AuditContext) -> list[Issue]:
     else:
         issues += [issue("quant-config-invalid", f"problems in {decl.where}", problem) for problem in decl.problems]
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
-        if ctx.layout is not None and ctx.tensor_format is not None:
-            resolution = resolve(decl, list(ctx.linear_modules))
+        if ctx.layout is not None and ctx.tensor_format == MXFP4:
+            issues += mxfp4_issues(ctx, decl)
+        elif ctx.layout is not None and ctx.tensor_format is not None:
+            resolution = resolve(decl, list(ctx.linear_modules), engine_unquantized=ctx.engine_unquantized)
             issues += target_issues(ctx, decl, resolution)
             issues += fused_ignore_issues(ctx, resolution)
             issues += scheme_issues(ctx, resolution)
@@ -85,9 +87,11 @@ def target_issues(ctx: AuditContext, decl: QuantDeclaration, resolution: Resolut
     # An ignore entry may name any real module, not only a Linear: llm-compressor's data-free path
     # lists `model.embed_tokens`, ModelOpt's exclude_modules lists norms. Only names that match no
     # module of the checkpoint at all are noise worth a warning.
-    modules = {name.rpartition(".")[0] for name in ctx.tensors}
-    exact = {p for p in resolution.unmatched_ignores if p in modules}
-    nowhere = [p for p in resolution.unmatched_ignores if p not in exact and not any(decl.matcher(p, m) for m in modules)]
+    if not resolution.unmatched_ignores:
+        return issues
+    modules = {module for module, _, _ in ctx.roles.values()} | {name.rpartition(".")[0] for name in ctx.tensors}
+    names = NameSet(sorted(modules))
+    nowhere = [p for p in resolution.unmatched_ignores if p not in modules and not names.matching(p, decl.matcher)]
     issues += [issue("target-matches-nothing", "ignore entries that match no module", pattern) for pattern in nowhere]
     return issues
 
@@ -166,7 +170,7 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
     shape = ctx.linear_shape(module)
     issues: list[Issue] = []
     try:
-        expected = scheme_template(fmt, scheme, *shape) if shape else {}
+        expected = scheme_template(fmt, scheme, *shape, group.block) if shape else {}
     except ConfigError as exc:
         return [issue("scheme-tensor-shape", f"{scheme} Linears whose shape the scheme cannot hold", module, detail=exc.message.partition(": ")[2], file=file)]
     for suffix, (dtype, expected_shape) in expected.items():
@@ -190,10 +194,45 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
 
 
 @lru_cache(maxsize=None)
-def scheme_template(fmt: str, scheme: str, out_features: int, in_features: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def scheme_template(fmt: str, scheme: str, out_features: int, in_features: int, block: tuple[int, int] | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """suffix -> (dtype, shape) a [out, in] Linear stores under ``scheme`` (the same for every
     module of that shape, so computed once per shape, not per module)."""
-    return {spec.name.rpartition(".")[2]: (spec.dtype, tuple(spec.shape)) for spec in linear_tensor_specs(fmt, scheme, "m", out_features, in_features)}
+    return {spec.name.rpartition(".")[2]: (spec.dtype, tuple(spec.shape)) for spec in linear_tensor_specs(fmt, scheme, "m", out_features, in_features, block)}
+
+
+# -- MXFP4 experts (GPT-OSS) ------------------------------------------------------------------------
+MXFP4_BLOCK = 32  # values per E8M0 exponent
+MXFP4_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def mxfp4_issues(ctx: AuditContext, decl: QuantDeclaration) -> list[Issue]:
+    """GPT-OSS as released: each fused expert parameter `<p>` (transformers [E, in, out]) is stored
+    as `<p>_blocks` U8 [E, out, in/32, 16] (two E2M1 codes per byte) and `<p>_scales` U8
+    [E, out, in/32] (E8M0); vLLM's Mxfp4Config quantizes nothing else."""
+    issues: list[Issue] = []
+    experts = {n: s for n, s in ctx.expected_shapes.items() if n.endswith(MXFP4_EXPERT_PARAMS) and len(s) == 3}
+    for module, (count, rows_in, cols_out) in sorted(experts.items()):
+        params = ctx.modules.get(module, {})
+        stored = ctx.tensors.get(module)
+        if stored is not None and not params:
+            issues.append(issue("module-not-quantized", f"routed-expert parameters declared mxfp4, stored {stored[1].dtype}", module, tensors=[module], file=stored[0]))
+            continue
+        if rows_in % MXFP4_BLOCK:
+            issues.append(issue("scheme-tensor-shape", "mxfp4 experts whose input size is not a multiple of 32", module, detail=f"input size {rows_in}"))
+            continue
+        blocks = rows_in // MXFP4_BLOCK
+        for suffix, shape in (("blocks", (count, cols_out, blocks, MXFP4_BLOCK // 2)), ("scales", (count, cols_out, blocks))):
+            name = f"{module}_{suffix}"
+            info = params.get(suffix)
+            if info is None:
+                issues.append(issue("scheme-tensor-missing", f"mxfp4 experts lacking _{suffix}", module, tensors=[name]))
+            elif info.dtype != "U8":
+                issues.append(issue("scheme-tensor-dtype", f"mxfp4 _{suffix} tensors stored as {info.dtype} instead of U8", name, tensors=[name], file=ctx.file_of(name)))
+            elif tuple(info.shape) != shape:
+                issues.append(issue("scheme-tensor-shape", f"mxfp4 _{suffix} tensors with the wrong shape", name, tensors=[name], detail=f"{list(info.shape)}, expected {list(shape)}", file=ctx.file_of(name)))
+    for module in ctx.linear_modules:  # Linears stay unquantized under mxfp4
+        issues += unexpected_quantization(ctx, module, "untargeted")
+    return issues
 
 
 def _stored_unquantized(params: dict, table: dict) -> bool:
