@@ -48,6 +48,8 @@ def run(ctx: AuditContext) -> list[Issue]:
             issues += scheme_issues(ctx, resolution)
             issues += fused_scale_issues(ctx, resolution)
     issues += scale_value_issues(ctx)
+    if ctx.deep:
+        issues += scale_magnitude_issues(ctx)
     issues += kv_issues(ctx)
     issues += provenance_issues(ctx)
     return issues
@@ -318,6 +320,104 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
             issues.append(issue("moe-input-scale-invalid", f"routed experts whose {suffix} is not finite and positive", module, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
         else:
             issues.append(issue("scale-invalid", f"{suffix} tensors that are NaN, Inf, zero or negative", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
+    return issues
+
+
+# -- scale magnitude against the weights (--deep) ------------------------------------------------------
+# The largest dequantized value of a quantized weight must reach the amax its scales imply: NVFP4
+# codes x E4M3 block scale x the per-tensor multiplier (1/weight_global_scale or weight_scale_2)
+# against 6 x 448 x that multiplier; FP8 codes x scale against 448 x scale. An exporter that
+# scales correctly puts the weight's largest value on the top code of the top block (ratio 1,
+# up to F32 rounding); E4M3's 448 and E2M1's 6 cap it at 1. Below MAGNITUDE_MIN_RATIO the block
+# scales or codes were written for another scale (no global scale applied, the other layout's
+# convention): served, the weights come out that many times too small. The tolerance is wide on
+# purpose: shards of one fused GEMM share a global scale (judged together, the largest shard
+# reaches 1) and clipping exporters lower the top block a little; the defects are off by 10^2+.
+MAGNITUDE_MIN_RATIO = 0.25
+MAGNITUDE_MAX_RATIO = 1.0 + 2.0**-10
+
+
+def _e4m3_table():
+    """All 256 F8_E4M3 (fn) byte values as float64 (NaN for 0x7F / 0xFF)."""
+    import numpy as np
+
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    values = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    values = sign * values
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+def _magnitude_of(ctx: AuditContext, module: str) -> tuple[float, float, str] | None:
+    """(largest dequantized |value|, the amax the scales imply, family) of one quantized Linear,
+    or None when it is not NVFP4 / FP8 with readable scales."""
+    import numpy as np
+
+    from fp4forge.numerics.e2m1 import E2M1_VALUES
+    from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+
+    params = ctx.modules.get(module, {})
+    e4m3 = _e4m3_table()
+    packed = params.get("weight_packed") or (params.get("weight") if params.get("weight") is not None and params["weight"].dtype == "U8" else None)
+    block = params.get("weight_scale")
+    if packed is not None and block is not None and block.dtype == "F8_E4M3":
+        per_tensor = params.get("weight_global_scale") or params.get("weight_scale_2")
+        if per_tensor is None or per_tensor.numel != 1:
+            return None
+        value = float(ctx.values([f"{module}.{_suffix_of(params, per_tensor)}"]).popitem()[1][0])
+        multiplier = 1.0 / value if "weight_global_scale" in params else value
+        raw = np.frombuffer(ctx.ckpt.read_raw(f"{module}.{_suffix_of(params, packed)}"), dtype=np.uint8)
+        mags = np.asarray(E2M1_VALUES)
+        top = np.maximum(mags[raw & 7], mags[(raw >> 4) & 7]).reshape(-1, NVFP4_BLOCK // 2).max(axis=1)
+        scales = np.abs(e4m3[np.frombuffer(ctx.ckpt.read_raw(f"{module}.weight_scale"), dtype=np.uint8)])
+        if top.size != scales.size:
+            return None  # a shape finding elsewhere
+        if not top.any():
+            return None  # all-zero codes: weight-all-zero's business, no range to reach
+        return float(np.nanmax(top * scales)) * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, "nvfp4"
+    weight = params.get("weight")
+    if weight is not None and weight.dtype == "F8_E4M3":
+        codes = np.abs(e4m3[np.frombuffer(ctx.ckpt.read_raw(f"{module}.weight"), dtype=np.uint8)])
+        if not codes.size or not np.nanmax(codes) > 0:
+            return None
+        # the scale multiplies both sides; the ratio is the codes' reach of E4M3's top
+        return float(np.nanmax(codes)), FP8_E4M3_MAX, "fp8"
+    return None
+
+
+def _suffix_of(params: dict, info) -> str:
+    return next(s for s, i in params.items() if i is info)
+
+
+def scale_magnitude_issues(ctx: AuditContext) -> list[Issue]:
+    if ctx.layout is None:
+        return []
+    measured: dict[str, tuple[float, float, str]] = {}
+    for module in ctx.modules:
+        found = _magnitude_of(ctx, module)
+        if found is not None:
+            measured[module] = found
+    # shards vLLM serves as one GEMM (gate/up, q/k/v, ...) are judged together
+    leaf_group = {leaf: members for members in ctx.layout.fused.values() for leaf in members}
+    judged: set[str] = set()
+    issues = []
+    for module in sorted(measured, key=natural_key):
+        if module in judged:
+            continue
+        parent, _, leaf = module.rpartition(".")
+        shards = [s for s in (f"{parent}.{m}" for m in leaf_group.get(leaf, (leaf,))) if s in measured] or [module]
+        judged.update(shards)
+        dequantized = max(measured[s][0] for s in shards)
+        implied = max(measured[s][1] for s in shards)
+        ratio = dequantized / implied if implied > 0 else float("nan")
+        if not (MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO):
+            family = measured[module][2]
+            names = [f"{s}.{suffix}" for s in shards for suffix in ctx.modules[s] if _kind(suffix) in ("weight_scale", "weight_global_scale", "packed_fp4") or suffix == "weight"]
+            detail = f"largest dequantized value {dequantized:.4g}, implied amax {implied:.4g}, ratio {ratio:.3g}"
+            issues.append(issue("scale-magnitude", f"{family.upper()} weights whose scales imply a range their values do not reach", ", ".join(shards) if len(shards) > 1 else module, tensors=names, detail=detail, file=ctx.file_of(names[0]) if names else None))
     return issues
 
 
