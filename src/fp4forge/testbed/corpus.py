@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4forge.checkpoint.skeleton import checkpoint_specs
+from fp4forge.numerics.nvfp4 import NVFP4_GLOBAL_NUMERATOR
 from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
@@ -303,7 +304,7 @@ def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
 # placeholder is amax/(6*448) for an amax of 1.0 (ModelOpt's convention); nothing checks it
 # against the (absent) weights.
 PER_TENSOR_SCALES = (".weight_scale_2", ".input_scale")
-PLACEHOLDER_SCALE = struct.pack("<f", 1.0 / 2688.0)
+PLACEHOLDER_SCALE = struct.pack("<f", 1.0 / NVFP4_GLOBAL_NUMERATOR)
 
 
 def build_header_only(entry: CorpusEntry | str | Path, out: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
