@@ -307,12 +307,23 @@ IMPLAUSIBLE_SCALE_SIDE = {"weight_global_scale": "below", "weight_scale_2": "abo
 
 
 def scale_value_issues(ctx: AuditContext) -> list[Issue]:
+    import numpy as np
+
     issues = []
-    for name, values in ctx.values(ctx.small_scales).items():
-        if is_finite_positive(values):
+    loaded = ctx.values(ctx.small_scales)
+    # one vectorised pass over the 10^5 one-element scales; only the others and the failures loop
+    scalars = [n for n, v in loaded.items() if v.size == 1]
+    stacked = np.array([loaded[n][0] for n in scalars], dtype=np.float64)
+    ok = ((stacked > 0) & np.isfinite(stacked)).tolist()
+    fine = {n: v for n, v, good in zip(scalars, stacked.tolist(), ok) if good}
+    for name, values in loaded.items():
+        if name in fine or is_finite_positive(values):
             suffix = ctx.roles[name][1]
             side = IMPLAUSIBLE_SCALE_SIDE.get(suffix)
-            if side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+            if side is None:
+                continue
+            high, low = (fine[name], fine[name]) if name in fine else (float(values.max()), float(values.min()))
+            if (side == "below" and high < 1.0) or (side == "above" and low > 1.0):
                 issues.append(issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
             continue
         module, suffix, kind = ctx.roles[name]
