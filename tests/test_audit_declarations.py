@@ -67,6 +67,15 @@ def test_clean_export_deep_reports_scale_statistics(lc_nvfp4_kv_dir: Path) -> No
     assert any("routed-expert Linears" in f.message and "input_global_scale" in f.message for f in stats)
 
 
+@pytest.mark.parametrize("fixture", ["lc_nvfp4_kv_dir", "lc_fp8_dynamic_dir", "modelopt_nvfp4_kv_dir"])
+def test_clean_exports_deep_reach_their_scales(fixture: str, request: pytest.FixtureRequest) -> None:
+    """The raw llm-compressor exports (and fp4forge's ModelOpt conversion of one): every weight's
+    largest dequantized value reaches the amax its scales imply (no scale-magnitude finding)."""
+    report = audit(request.getfixturevalue(fixture), deep=True)
+    assert_exactly(report, warnings=LC_OWNER_ONLY if fixture.startswith("lc_") else set())
+    assert not [f for f in report.findings if f.rule == "scale-magnitude"]
+
+
 # -- the declaration itself -------------------------------------------------------------------------
 def test_kv_cache_scheme_without_strategy(ct: Path) -> None:
     patch_json(ct / "config.json", lambda d: qc(d)["kv_cache_scheme"].pop("strategy"))

@@ -119,3 +119,25 @@ def test_quantized_shared_expert_under_the_hy3_name(lc_nvfp4_kv_dir: Path, tmp_p
     found = finding(report, "tensor-misnamed")
     assert "`mlp.shared_mlp.*` present where `mlp.shared_expert.*` is expected" in found.message
     assert len(found.tensors) == 9 * 4  # packed weight, block scale, global scale, input scale each
+
+
+def test_wrapper_prefix_is_one_rename(tiny: Path, tmp_path: Path) -> None:
+    """A text model's tensors stored under a vision-language wrapper's `model.language_model.`:
+    one finding for the prefix, not one per name pattern."""
+    report = audit(renamed(tiny, tmp_path / "wrapped", "model.", "model.language_model."))
+    assert_exactly(report, "tensor-misnamed")
+    found = finding(report, "tensor-misnamed")
+    assert found.count == 1
+    assert "`model.language_model.*` present where `model.*` is expected" in found.message
+    assert not [f for f in report.findings if f.rule in ("tensor-unexpected", "parameter-missing")]
+
+
+def test_prefix_rename_needs_most_names() -> None:
+    from fp4forge.audit.checks_names import find_prefix_rename
+
+    missing = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)] + ["model.norm.weight"]
+    stored = ["model.language_model." + n[len("model."):] for n in missing]
+    old, new, mapping = find_prefix_rename(stored, missing)
+    assert (old, new) == ("model.language_model", "model") and len(mapping) == 5
+    # two unrelated names sharing a tail are not a prefix change of the checkpoint
+    assert find_prefix_rename(["a.x.weight"] + [f"u{i}.q" for i in range(9)], ["b.x.weight"]) is None

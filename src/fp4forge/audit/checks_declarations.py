@@ -16,7 +16,7 @@ from importlib import resources
 
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.findings import Issue, natural_key
-from fp4forge.checkpoint.declarations import QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.declarations import MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import split_suffix
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
@@ -39,13 +39,17 @@ def run(ctx: AuditContext) -> list[Issue]:
     else:
         issues += [issue("quant-config-invalid", f"problems in {decl.where}", problem) for problem in decl.problems]
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
-        if ctx.layout is not None and ctx.tensor_format is not None:
-            resolution = resolve(decl, list(ctx.linear_modules))
+        if ctx.layout is not None and ctx.tensor_format == MXFP4:
+            issues += mxfp4_issues(ctx, decl)
+        elif ctx.layout is not None and ctx.tensor_format is not None:
+            resolution = resolve(decl, list(ctx.linear_modules), engine_unquantized=ctx.engine_unquantized)
             issues += target_issues(ctx, decl, resolution)
             issues += fused_ignore_issues(ctx, resolution)
             issues += scheme_issues(ctx, resolution)
             issues += fused_scale_issues(ctx, resolution)
     issues += scale_value_issues(ctx)
+    if ctx.deep:
+        issues += scale_magnitude_issues(ctx)
     issues += kv_issues(ctx)
     issues += provenance_issues(ctx)
     return issues
@@ -85,9 +89,11 @@ def target_issues(ctx: AuditContext, decl: QuantDeclaration, resolution: Resolut
     # An ignore entry may name any real module, not only a Linear: llm-compressor's data-free path
     # lists `model.embed_tokens`, ModelOpt's exclude_modules lists norms. Only names that match no
     # module of the checkpoint at all are noise worth a warning.
-    modules = {name.rpartition(".")[0] for name in ctx.tensors}
-    exact = {p for p in resolution.unmatched_ignores if p in modules}
-    nowhere = [p for p in resolution.unmatched_ignores if p not in exact and not any(decl.matcher(p, m) for m in modules)]
+    if not resolution.unmatched_ignores:
+        return issues
+    modules = {module for module, _, _ in ctx.roles.values()} | {name.rpartition(".")[0] for name in ctx.tensors}
+    names = NameSet(sorted(modules))
+    nowhere = [p for p in resolution.unmatched_ignores if p not in modules and not names.matching(p, decl.matcher)]
     issues += [issue("target-matches-nothing", "ignore entries that match no module", pattern) for pattern in nowhere]
     return issues
 
@@ -166,7 +172,7 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
     shape = ctx.linear_shape(module)
     issues: list[Issue] = []
     try:
-        expected = scheme_template(fmt, scheme, *shape) if shape else {}
+        expected = scheme_template(fmt, scheme, *shape, group.block) if shape else {}
     except ConfigError as exc:
         return [issue("scheme-tensor-shape", f"{scheme} Linears whose shape the scheme cannot hold", module, detail=exc.message.partition(": ")[2], file=file)]
     for suffix, (dtype, expected_shape) in expected.items():
@@ -190,10 +196,45 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
 
 
 @lru_cache(maxsize=None)
-def scheme_template(fmt: str, scheme: str, out_features: int, in_features: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def scheme_template(fmt: str, scheme: str, out_features: int, in_features: int, block: tuple[int, int] | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """suffix -> (dtype, shape) a [out, in] Linear stores under ``scheme`` (the same for every
     module of that shape, so computed once per shape, not per module)."""
-    return {spec.name.rpartition(".")[2]: (spec.dtype, tuple(spec.shape)) for spec in linear_tensor_specs(fmt, scheme, "m", out_features, in_features)}
+    return {spec.name.rpartition(".")[2]: (spec.dtype, tuple(spec.shape)) for spec in linear_tensor_specs(fmt, scheme, "m", out_features, in_features, block)}
+
+
+# -- MXFP4 experts (GPT-OSS) ------------------------------------------------------------------------
+MXFP4_BLOCK = 32  # values per E8M0 exponent
+MXFP4_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def mxfp4_issues(ctx: AuditContext, decl: QuantDeclaration) -> list[Issue]:
+    """GPT-OSS as released: each fused expert parameter `<p>` (transformers [E, in, out]) is stored
+    as `<p>_blocks` U8 [E, out, in/32, 16] (two E2M1 codes per byte) and `<p>_scales` U8
+    [E, out, in/32] (E8M0); vLLM's Mxfp4Config quantizes nothing else."""
+    issues: list[Issue] = []
+    experts = {n: s for n, s in ctx.expected_shapes.items() if n.endswith(MXFP4_EXPERT_PARAMS) and len(s) == 3}
+    for module, (count, rows_in, cols_out) in sorted(experts.items()):
+        params = ctx.modules.get(module, {})
+        stored = ctx.tensors.get(module)
+        if stored is not None and not params:
+            issues.append(issue("module-not-quantized", f"routed-expert parameters declared mxfp4, stored {stored[1].dtype}", module, tensors=[module], file=stored[0]))
+            continue
+        if rows_in % MXFP4_BLOCK:
+            issues.append(issue("scheme-tensor-shape", "mxfp4 experts whose input size is not a multiple of 32", module, detail=f"input size {rows_in}"))
+            continue
+        blocks = rows_in // MXFP4_BLOCK
+        for suffix, shape in (("blocks", (count, cols_out, blocks, MXFP4_BLOCK // 2)), ("scales", (count, cols_out, blocks))):
+            name = f"{module}_{suffix}"
+            info = params.get(suffix)
+            if info is None:
+                issues.append(issue("scheme-tensor-missing", f"mxfp4 experts lacking _{suffix}", module, tensors=[name]))
+            elif info.dtype != "U8":
+                issues.append(issue("scheme-tensor-dtype", f"mxfp4 _{suffix} tensors stored as {info.dtype} instead of U8", name, tensors=[name], file=ctx.file_of(name)))
+            elif tuple(info.shape) != shape:
+                issues.append(issue("scheme-tensor-shape", f"mxfp4 _{suffix} tensors with the wrong shape", name, tensors=[name], detail=f"{list(info.shape)}, expected {list(shape)}", file=ctx.file_of(name)))
+    for module in ctx.linear_modules:  # Linears stay unquantized under mxfp4
+        issues += unexpected_quantization(ctx, module, "untargeted")
+    return issues
 
 
 def _stored_unquantized(params: dict, table: dict) -> bool:
@@ -266,12 +307,23 @@ IMPLAUSIBLE_SCALE_SIDE = {"weight_global_scale": "below", "weight_scale_2": "abo
 
 
 def scale_value_issues(ctx: AuditContext) -> list[Issue]:
+    import numpy as np
+
     issues = []
-    for name, values in ctx.values(ctx.small_scales).items():
-        if is_finite_positive(values):
+    loaded = ctx.values(ctx.small_scales)
+    # one vectorised pass over the 10^5 one-element scales; only the others and the failures loop
+    scalars = [n for n, v in loaded.items() if v.size == 1]
+    stacked = np.array([loaded[n][0] for n in scalars], dtype=np.float64)
+    ok = ((stacked > 0) & np.isfinite(stacked)).tolist()
+    fine = {n: v for n, v, good in zip(scalars, stacked.tolist(), ok) if good}
+    for name, values in loaded.items():
+        if name in fine or is_finite_positive(values):
             suffix = ctx.roles[name][1]
             side = IMPLAUSIBLE_SCALE_SIDE.get(suffix)
-            if side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+            if side is None:
+                continue
+            high, low = (fine[name], fine[name]) if name in fine else (float(values.max()), float(values.min()))
+            if (side == "below" and high < 1.0) or (side == "above" and low > 1.0):
                 issues.append(issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
             continue
         module, suffix, kind = ctx.roles[name]
@@ -279,6 +331,104 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
             issues.append(issue("moe-input-scale-invalid", f"routed experts whose {suffix} is not finite and positive", module, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
         else:
             issues.append(issue("scale-invalid", f"{suffix} tensors that are NaN, Inf, zero or negative", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
+    return issues
+
+
+# -- scale magnitude against the weights (--deep) ------------------------------------------------------
+# The largest dequantized value of a quantized weight must reach the amax its scales imply: NVFP4
+# codes x E4M3 block scale x the per-tensor multiplier (1/weight_global_scale or weight_scale_2)
+# against 6 x 448 x that multiplier; FP8 codes x scale against 448 x scale. An exporter that
+# scales correctly puts the weight's largest value on the top code of the top block (ratio 1,
+# up to F32 rounding); E4M3's 448 and E2M1's 6 cap it at 1. Below MAGNITUDE_MIN_RATIO the block
+# scales or codes were written for another scale (no global scale applied, the other layout's
+# convention): served, the weights come out that many times too small. The tolerance is wide on
+# purpose: shards of one fused GEMM share a global scale (judged together, the largest shard
+# reaches 1) and clipping exporters lower the top block a little; the defects are off by 10^2+.
+MAGNITUDE_MIN_RATIO = 0.25
+MAGNITUDE_MAX_RATIO = 1.0 + 2.0**-10
+
+
+def _e4m3_table():
+    """All 256 F8_E4M3 (fn) byte values as float64 (NaN for 0x7F / 0xFF)."""
+    import numpy as np
+
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
+    values = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    values = sign * values
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+def _magnitude_of(ctx: AuditContext, module: str) -> tuple[float, float, str] | None:
+    """(largest dequantized |value|, the amax the scales imply, family) of one quantized Linear,
+    or None when it is not NVFP4 / FP8 with readable scales."""
+    import numpy as np
+
+    from fp4forge.numerics.e2m1 import E2M1_VALUES
+    from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+
+    params = ctx.modules.get(module, {})
+    e4m3 = _e4m3_table()
+    packed = params.get("weight_packed") or (params.get("weight") if params.get("weight") is not None and params["weight"].dtype == "U8" else None)
+    block = params.get("weight_scale")
+    if packed is not None and block is not None and block.dtype == "F8_E4M3":
+        per_tensor = params.get("weight_global_scale") or params.get("weight_scale_2")
+        if per_tensor is None or per_tensor.numel != 1:
+            return None
+        value = float(ctx.values([f"{module}.{_suffix_of(params, per_tensor)}"]).popitem()[1][0])
+        multiplier = 1.0 / value if "weight_global_scale" in params else value
+        raw = np.frombuffer(ctx.ckpt.read_raw(f"{module}.{_suffix_of(params, packed)}"), dtype=np.uint8)
+        mags = np.asarray(E2M1_VALUES)
+        top = np.maximum(mags[raw & 7], mags[(raw >> 4) & 7]).reshape(-1, NVFP4_BLOCK // 2).max(axis=1)
+        scales = np.abs(e4m3[np.frombuffer(ctx.ckpt.read_raw(f"{module}.weight_scale"), dtype=np.uint8)])
+        if top.size != scales.size:
+            return None  # a shape finding elsewhere
+        if not top.any():
+            return None  # all-zero codes: weight-all-zero's business, no range to reach
+        return float(np.nanmax(top * scales)) * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, "nvfp4"
+    weight = params.get("weight")
+    if weight is not None and weight.dtype == "F8_E4M3":
+        codes = np.abs(e4m3[np.frombuffer(ctx.ckpt.read_raw(f"{module}.weight"), dtype=np.uint8)])
+        if not codes.size or not np.nanmax(codes) > 0:
+            return None
+        # the scale multiplies both sides; the ratio is the codes' reach of E4M3's top
+        return float(np.nanmax(codes)), FP8_E4M3_MAX, "fp8"
+    return None
+
+
+def _suffix_of(params: dict, info) -> str:
+    return next(s for s, i in params.items() if i is info)
+
+
+def scale_magnitude_issues(ctx: AuditContext) -> list[Issue]:
+    if ctx.layout is None:
+        return []
+    measured: dict[str, tuple[float, float, str]] = {}
+    for module in ctx.modules:
+        found = _magnitude_of(ctx, module)
+        if found is not None:
+            measured[module] = found
+    # shards vLLM serves as one GEMM (gate/up, q/k/v, ...) are judged together
+    leaf_group = {leaf: members for members in ctx.layout.fused.values() for leaf in members}
+    judged: set[str] = set()
+    issues = []
+    for module in sorted(measured, key=natural_key):
+        if module in judged:
+            continue
+        parent, _, leaf = module.rpartition(".")
+        shards = [s for s in (f"{parent}.{m}" for m in leaf_group.get(leaf, (leaf,))) if s in measured] or [module]
+        judged.update(shards)
+        dequantized = max(measured[s][0] for s in shards)
+        implied = max(measured[s][1] for s in shards)
+        ratio = dequantized / implied if implied > 0 else float("nan")
+        if not (MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO):
+            family = measured[module][2]
+            names = [f"{s}.{suffix}" for s in shards for suffix in ctx.modules[s] if _kind(suffix) in ("weight_scale", "weight_global_scale", "packed_fp4") or suffix == "weight"]
+            detail = f"largest dequantized value {dequantized:.4g}, implied amax {implied:.4g}, ratio {ratio:.3g}"
+            issues.append(issue("scale-magnitude", f"{family.upper()} weights whose scales imply a range their values do not reach", ", ".join(shards) if len(shards) > 1 else module, tensors=names, detail=detail, file=ctx.file_of(names[0]) if names else None))
     return issues
 
 

@@ -41,14 +41,20 @@ class NameComparison:
     wrong_shape: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
 
+MTP = "mtp"
+
+
 def compare(ctx: AuditContext, expected: dict[str, tuple[int, ...]]) -> NameComparison:
     result = NameComparison()
     found: set[str] = set()
     for name, (_, info) in ctx.tensors.items():
         module, _, kind = ctx.roles[name]
-        if kind == "kv_scale":
+        if kind == "kv_scale" or name in ctx.mtp_tensors:
             continue
-        parameter = f"{module}.weight" if kind in WEIGHT_METADATA_KINDS else name
+        parameter = name
+        if kind in WEIGHT_METADATA_KINDS:
+            # `<m>.weight_scale` belongs to `<m>.weight`; MXFP4's `<p>_blocks` to the suffix-less `<p>`
+            parameter = module if f"{module}.weight" not in expected and module in expected else f"{module}.weight"
         if parameter not in expected:
             result.unexpected.setdefault(parameter, []).append(name)
             continue
@@ -104,8 +110,56 @@ def _layers(names: list[str]) -> set[str]:
     return {m.group(1) for n in names if (m := LAYER_INDEX.search(n))}
 
 
+MAX_PREFIX_PARTS = 3  # wrapper prefixes are short: `model.language_model.`, `language_model.model.`
+
+
+def find_prefix_rename(unexpected: list[str], missing: list[str]) -> tuple[str, str, dict[str, str]] | None:
+    """(stored prefix, expected prefix, {unexpected: missing}) when one prefix change explains
+    most names: a wrapper's `model.language_model.` stored for a text model's `model.` or the
+    reverse. Tried by dropping up to three leading parts on each side; the best mapping wins."""
+    if not unexpected or not missing:
+        return None
+    best: tuple[str, str, dict[str, str]] | None = None
+    for drop_missing in range(MAX_PREFIX_PARTS + 1):
+        tails: dict[str, str] = {}
+        for name in missing:
+            parts = name.split(".")
+            if len(parts) > drop_missing + 1:
+                tails.setdefault(".".join(parts[drop_missing:]), name)
+        for drop_stored in range(MAX_PREFIX_PARTS + 1):
+            if drop_stored == drop_missing == 0:
+                continue
+            pairs: dict[tuple[str, str], dict[str, str]] = {}
+            for name in unexpected:
+                parts = name.split(".")
+                if len(parts) <= drop_stored + 1:
+                    continue
+                target = tails.get(".".join(parts[drop_stored:]))
+                if target is not None:
+                    key = (".".join(parts[:drop_stored]), ".".join(target.split(".")[:drop_missing]))
+                    pairs.setdefault(key, {})[name] = target
+            for (old, new), mapping in pairs.items():
+                if old != new and (best is None or len(mapping) > len(best[2])):
+                    best = (old, new, mapping)
+    if best is None or len(best[2]) < max(2, len(unexpected) // 2):
+        return None
+    return best
+
+
+def _dotted(prefix: str) -> str:
+    return f"{prefix}." if prefix else "(no prefix)"
+
+
 def name_issues(ctx: AuditContext, comparison: NameComparison, architecture: str) -> list[Issue]:
     issues: list[Issue] = []
+    prefix = find_prefix_rename(list(comparison.unexpected), comparison.missing)
+    if prefix is not None:
+        old, new, mapping = prefix
+        stored = [t for n in mapping for t in comparison.unexpected[n]]
+        # One finding for the whole prefix: a wrapper/text-model mismatch, not dozens of renames.
+        issues.append(issue("tensor-misnamed", "a name prefix that differs from the model class's", f"`{_dotted(old)}*` present where `{_dotted(new)}*` is expected", tensors=stored, detail=_count(len(mapping), "parameter"), file=ctx.file_of(stored[0]), note=f"{architecture} would load none of them under this prefix; rename the tensors, or name the model class that stores them so"))
+        taken = set(mapping.values())
+        comparison = NameComparison({n: t for n, t in comparison.unexpected.items() if n not in mapping}, [n for n in comparison.missing if n not in taken], comparison.wrong_shape)
     renames = find_renames(list(comparison.unexpected), comparison.missing)
     by_phrase: dict[str, list[tuple[str, str]]] = {}
     for old, (new, position) in renames.items():
@@ -219,4 +273,15 @@ def run(ctx: AuditContext) -> list[Issue]:
         hint = "" if ctx.trust_remote_code else " (a remote-code model needs --trust-remote-code)"
         return issues + [issue("names-not-checked", "expected names", architecture, detail=(reason or "unknown reason") + hint)]
     expected = {spec.name: tuple(spec.shape) for spec in specs}
-    return issues + name_issues(ctx, compare(ctx, expected), architecture)
+    issues += name_issues(ctx, compare(ctx, expected), architecture)
+    return issues + mtp_issues(ctx)
+
+
+def mtp_issues(ctx: AuditContext) -> list[Issue]:
+    """Next-n (multi-token-prediction) layers: their own component, not part of the model's
+    forward pass; named here once rather than checked against the trunk's skeleton."""
+    if not ctx.mtp_tensors:
+        return []
+    names = sorted(ctx.mtp_tensors)
+    layers = sorted({m.group(1) for n in names if (m := LAYER_INDEX.search(n))}, key=int) or ["mtp"]
+    return [issue("mtp-layers", "next-n (MTP) layers", ", ".join(f"layer {x}" if x.isdigit() else x for x in layers), tensors=names, detail=_count(len(names), "tensor"), file=ctx.file_of(names[0]))]

@@ -11,7 +11,7 @@ from functools import cached_property
 from typing import Any
 
 from fp4forge.audit.findings import Issue
-from fp4forge.checkpoint.declarations import FORMATS, QuantDeclaration
+from fp4forge.checkpoint.declarations import READ_FORMATS, QuantDeclaration
 from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffix
 from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.checkpoint.raw import decode_all, read_coalesced, tensor_index
@@ -73,6 +73,14 @@ class AuditContext:
         """name -> (module, suffix, kind), split once (10^5 names)."""
         return {name: split_suffix(name) for name in self.tensors}
 
+    @cached_property
+    def mtp_tensors(self) -> frozenset[str]:
+        """Tensors of next-n (MTP) layers, by the layout's `mtp` component."""
+        patterns = dict(self.layout.components).get("mtp", ()) if self.layout else ()
+        if not patterns:
+            return frozenset()
+        return frozenset(n for n, (module, _, _) in self.roles.items() if any(p.match(module) for p in patterns))
+
     def kind(self, name: str) -> str:
         return self.roles[name][2]
 
@@ -88,8 +96,8 @@ class AuditContext:
 
     @property
     def tensor_format(self) -> str | None:
-        """compressed-tensors or modelopt: whose tensor names the declaration implies."""
-        return self.declaration.format if self.declaration and self.declaration.format in FORMATS else None
+        """compressed-tensors, modelopt, fp8 (block-wise) or mxfp4: whose tensor names the declaration implies."""
+        return self.declaration.format if self.declaration and self.declaration.format in READ_FORMATS else None
 
     def file_of(self, name: str) -> str | None:
         entry = self.tensors.get(name)
@@ -131,6 +139,14 @@ class AuditContext:
                     out[module] = component
         return dict(sorted(out.items()))
 
+    @cached_property
+    def engine_unquantized(self) -> set[str]:
+        """Linears vLLM builds without a quantization method whatever is declared: routers and
+        lm_head, and the modules the layout lists (``unquantized``)."""
+        if self.layout is None:
+            return set()
+        return {m for m, c in self.linear_modules.items() if c in ("router", "lm_head") or self.layout.is_engine_unquantized(m)}
+
     def linear_shape(self, module: str) -> tuple[int, int] | None:
         """[out, in] of a Linear: from the architecture, else from the stored weight."""
         expected = self.expected_shapes.get(f"{module}.weight")
@@ -150,11 +166,13 @@ class AuditContext:
     # -- values -------------------------------------------------------------------------------
     @cached_property
     def small_scales(self) -> list[str]:
-        """Per-tensor and per-channel scales: read even without --deep (FP8 block scales are not)."""
+        """Per-tensor and per-channel scales: read even without --deep. Block scales (NVFP4's F8
+        per 16 values, MXFP4's U8 exponents, block-wise FP8's 2-D weight_scale_inv) are not:
+        together they are megabytes, read with the weights by --deep."""
         names = []
         for name, (_, info) in self.tensors.items():
             kind = self.roles[name][2]
-            if kind in SCALE_KINDS and info.numel <= SMALL_SCALE_MAX_ELEMENTS and not (kind == "weight_scale" and info.dtype == "F8_E4M3"):
+            if kind in SCALE_KINDS and info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info):
                 names.append(name)
         return names
 
@@ -164,6 +182,15 @@ class AuditContext:
         if wanted:
             self._values.update(decode_all(read_coalesced(self.ckpt, [self.tensors[n] for n in wanted])))
         return {n: self._values[n] for n in names if n in self._values}
+
+
+def is_block_scale(kind: str, info: TensorInfo) -> bool:
+    """One scale per block of weights, not per tensor or per output channel."""
+    if kind != "weight_scale":
+        return False
+    if info.dtype in ("F8_E4M3", "U8"):
+        return True
+    return len(info.shape) == 2 and info.shape[1] > 1  # per-channel scales are [out, 1]
 
 
 def is_finite_positive(values) -> bool:

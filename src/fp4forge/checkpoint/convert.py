@@ -22,10 +22,11 @@ written (docs/formats.md#modelopt-declaration); tokenizer, chat-template and gen
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
+from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from fp4forge.checkpoint.declarations import CT, MODELOPT, MODELOPT_ALGOS, MODELOPT_FP8_KV_SCHEME
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
@@ -239,3 +240,93 @@ def ct_nvfp4_to_modelopt(src_dir: str | Path, out_dir: str | Path, *, max_shard_
             if path.is_file() and path.name not in _NOT_COPIED and not path.name.endswith(".safetensors"):
                 writer.copy_file(path)
     return out_dir
+
+
+# -- block-wise FP8 as a source: the release seen as the BF16 model it was made from ---------------
+BLOCK_FP8_SCALE_SUFFIX = ".weight_scale_inv"
+
+
+@dataclass
+class BlockFp8Source(Checkpoint):
+    """A block-wise FP8 release (DeepSeek-V3/R1, Qwen *-FP8: ``quant_method: fp8`` with
+    ``weight_block_size``; ``<m>.weight`` F8_E4M3 and ``<m>.weight_scale_inv`` F32, one scale per
+    [block_out, block_in] block) read as BF16: each FP8 weight dequantized the way DeepSeek's own
+    ``fp8_cast_bf16`` does it, ``float32(code) * float32(scale_inv)`` per block then rounded once to
+    BF16; its scale tensor hidden; ``quantization_config`` dropped from the config. Every other
+    tensor reads as stored."""
+
+    block: tuple[int, int] = (128, 128)
+    fp8_weights: dict[str, str] = field(default_factory=dict)  # weight name -> its scale_inv name
+    stored_config: dict[str, Any] | None = None
+
+    @property
+    def dequantized_from(self) -> dict[str, Any]:
+        return {"format": "fp8 block-wise", "weight_block_size": list(self.block), "weights": len(self.fp8_weights), "dequantized_to": "BF16"}
+
+    def tensors(self):
+        hidden = set(self.fp8_weights.values())
+        for shard, info in super().tensors():
+            if info.name in hidden:
+                continue
+            if info.name in self.fp8_weights:
+                info = info._replace(dtype="BF16", end=info.begin + 2 * info.numel)
+            yield shard, info
+
+    def read_tensor(self, name: str):
+        if name not in self.fp8_weights:
+            return super().read_tensor(name)
+        import torch
+
+        from fp4forge.numerics.fp8 import Fp8Weight, fp8_dequantize_weight
+
+        weight = self._stored(name)
+        scale = self._stored(self.fp8_weights[name]).to(torch.float32)
+        return fp8_dequantize_weight(Fp8Weight(weight, scale, "block", self.block), torch.bfloat16)
+
+    def _stored(self, name: str):
+        """A tensor as stored (the base reader's read_tensor would come back through read_raw)."""
+        import torch
+
+        _, info = self.locate(name)
+        dtype = getattr(torch, TORCH_DTYPES[info.dtype])
+        return torch.frombuffer(bytearray(Checkpoint.read_raw(self, name)), dtype=dtype).reshape(list(info.shape))
+
+    def read_raw(self, name: str) -> bytes:
+        if name not in self.fp8_weights:
+            return super().read_raw(name)
+        import torch
+
+        return self.read_tensor(name).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def dequantized_source(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` itself, unless it declares block-wise FP8: then a :class:`BlockFp8Source` over it.
+    Refuses (named error) a block-FP8 declaration whose tensors do not fit it."""
+    qc = (ckpt.config or {}).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is None:
+        return ckpt
+    block = qc["weight_block_size"]
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ConfigError(f"weight_block_size is {block!r}, not two positive integers", file=ckpt.display)
+    infos = {info.name: info for _, info in ckpt.tensors()}
+    pairs: dict[str, str] = {}
+    for name, info in infos.items():
+        if not name.endswith(BLOCK_FP8_SCALE_SUFFIX):
+            continue
+        weight = name[: -len(BLOCK_FP8_SCALE_SUFFIX)] + ".weight"
+        stored = infos.get(weight)
+        if stored is None or stored.dtype != "F8_E4M3" or len(stored.shape) != 2:
+            raise ConfigError(f"{name} scales no F8_E4M3 2-D weight ({weight})", file=ckpt.display, tensor=name)
+        expected = (-(-stored.shape[0] // block[0]), -(-stored.shape[1] // block[1]))
+        if tuple(info.shape) != expected or info.dtype not in ("F32", "BF16"):
+            raise ConfigError(f"{name} is {info.dtype}{list(info.shape)}; weight_block_size {block} needs F32{list(expected)}", file=ckpt.display, tensor=name)
+        pairs[weight] = name
+    unscaled = [n for n, i in infos.items() if i.dtype == "F8_E4M3" and n not in pairs]
+    if unscaled:
+        raise ConfigError(f"{len(unscaled)} F8_E4M3 tensors have no weight_scale_inv, e.g. {unscaled[0]}", file=ckpt.display, tensor=unscaled[0])
+    config = {k: v for k, v in (ckpt.config or {}).items() if k != "quantization_config"}
+    return BlockFp8Source(
+        source=ckpt.source, shard_names=ckpt.shard_names, headers=ckpt.headers, index=ckpt.index, config=config,
+        extra_json=ckpt.extra_json, shard_errors=ckpt.shard_errors,
+        block=(block[0], block[1]), fp8_weights=pairs, stored_config=ckpt.config,
+    )

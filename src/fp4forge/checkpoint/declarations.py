@@ -12,6 +12,7 @@ misread are collected as plain messages in ``QuantDeclaration.problems``.
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -21,7 +22,13 @@ from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 
 CT = "compressed-tensors"
 MODELOPT = "modelopt"
-FORMATS = (CT, MODELOPT)
+FORMATS = (CT, MODELOPT)  # the layouts fp4forge writes
+# Formats the world ships that fp4forge reads and audits but does not write: block-wise FP8 as
+# DeepSeek-V3/R1 and Qwen's *-FP8 releases declare it (quant_method fp8 + weight_block_size,
+# `<m>.weight_scale_inv`), and MXFP4 as GPT-OSS ships it (`<experts>.<proj>_blocks/_scales`).
+FP8_BLOCK = "fp8"
+MXFP4 = "mxfp4"
+READ_FORMATS = FORMATS + (FP8_BLOCK, MXFP4)
 LINEAR_CLASS_TARGET = "Linear"
 
 # compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'
@@ -34,9 +41,11 @@ CT_SCHEMES: tuple[tuple[tuple[int, str, str], str | None, str], ...] = (
     ((8, "float", "tensor"), "static-tensor", "fp8"),
     ((8, "float", "channel"), "dynamic", "fp8_dynamic"),
     ((8, "float", "channel"), None, "fp8_dynamic"),
+    ((8, "float", "block"), "dynamic", "fp8_block"),
+    ((8, "float", "block"), None, "fp8_block"),
 )
 # compressed-tensors `format` of a config group holding each scheme.
-CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized", "fp8": "float-quantized", "fp8_dynamic": "float-quantized"}
+CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "nvfp4a16": "nvfp4-pack-quantized", "fp8": "float-quantized", "fp8_dynamic": "float-quantized", "fp8_block": "float-quantized"}
 # scheme key -> the ModelOpt quant_algo that spells it (what fp4forge writes); the one table.
 MODELOPT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4", "fp8": "FP8"}
 # ModelOpt quant_algo -> scheme key, for reading: the inverse, plus the alias ModelOpt also accepts.
@@ -58,6 +67,7 @@ class SchemeGroup:
     scheme: str | None  # key in _schemes.toml; None: a scheme fp4forge has no tensor table for
     targets: tuple[str, ...]
     description: str  # how the declaration spells it, for messages
+    block: tuple[int, int] | None = None  # FP8 block-wise: [out, in] values per weight scale
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,7 @@ class QuantDeclaration:
 
     @property
     def matcher(self) -> Callable[[str, str], bool]:
-        return match_ct if self.format == CT else match_modelopt
+        return {CT: match_ct, MODELOPT: match_modelopt}.get(self.format, match_skip_list)
 
 
 # -- matching -------------------------------------------------------------------------------------
@@ -93,9 +103,24 @@ def match_ct(pattern: str, module: str) -> bool:
 
 
 def match_modelopt(pattern: str, module: str) -> bool:
-    """ModelOpt exclude_modules / quantized_layers: fnmatch wildcards over the module or a parent."""
-    parts = module.split(".")
-    return any(fnmatch.fnmatchcase(".".join(parts[:i]), pattern) for i in range(len(parts), 0, -1))
+    """ModelOpt exclude_modules / quantized_layers as vLLM's ModelOpt config matches them: the
+    exact name, then any substring of the module name (also with a leading `language_model.`
+    dropped), then an fnmatch wildcard over the whole name. A substring match is wider than a
+    dotted ancestor: `model.layers.1` also excludes `model.layers.12.*`, as it does in vLLM."""
+    if pattern == module or pattern in module:
+        return True
+    if module.startswith("language_model.") and pattern in module.removeprefix("language_model."):
+        return True
+    return fnmatch.fnmatchcase(module, pattern)
+
+
+def match_skip_list(pattern: str, module: str) -> bool:
+    """`modules_to_not_convert` / `ignored_layers` of an fp8 or mxfp4 declaration: the exact module
+    or an ancestor of it (vLLM's is_layer_skipped), or an fnmatch wildcard (transformers' own
+    loader, e.g. GPT-OSS's `model.layers.*.self_attn`)."""
+    if module == pattern or module.startswith(pattern + "."):
+        return True
+    return any(c in pattern for c in "*?[") and any(fnmatch.fnmatchcase(p, pattern) for p in _self_and_parents(module))
 
 
 def is_class_name(target: str) -> bool:
@@ -171,7 +196,8 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
         description = f"{name} ({fmt or 'format?'})"
         if scheme is None:
             unsupported.append(description)
-        groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description))
+        block = _block_size(group["weights"].get("block_structure"), problems, f"config group {name!r} block_structure") if scheme == "fp8_block" else None
+        groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description, block=block))
     ignore = qc.get("ignore") or []
     kv = _ct_kv(qc.get("kv_cache_scheme"), problems)
     if qc.get("sparsity_config"):
@@ -280,6 +306,38 @@ def _modelopt_kv(quant: dict[str, Any], where: str, problems: list[str]) -> KvDe
     return KvDeclaration(kv, "tensor", False, f"{where} kv_cache_quant_algo")
 
 
+def _block_size(value: Any, problems: list[str], where: str) -> tuple[int, int] | None:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int and v > 0 for v in value):
+        return int(value[0]), int(value[1])
+    problems.append(f"{where} is {value!r}, not two positive integers [out, in]")
+    return None
+
+
+def parse_fp8(qc: dict[str, Any]) -> QuantDeclaration:
+    """`quant_method: fp8` (transformers' FineGrainedFP8, vLLM's Fp8Config): every Linear but the
+    ignored ones stores an F8_E4M3 weight; with `weight_block_size` one F32 `weight_scale_inv` per
+    [out, in] block (DeepSeek-V3/R1, Qwen *-FP8). vLLM reads `ignored_layers`, else
+    `modules_to_not_convert`."""
+    where = "config.json quantization_config"
+    problems: list[str] = []
+    ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
+    if qc.get("weight_block_size") is None:
+        return QuantDeclaration(FP8_BLOCK, where, [], tuple(ignore), None, problems, ["quant_method fp8 without weight_block_size (per-tensor)"])
+    block = _block_size(qc["weight_block_size"], problems, "weight_block_size")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        problems.append(f"block-wise FP8 with activation_scheme {qc.get('activation_scheme')!r}; vLLM supports only dynamic activations with weight_block_size")
+    groups = [SchemeGroup("quant_method fp8", "fp8_block", (LINEAR_CLASS_TARGET,), f"fp8 block {block[0]}x{block[1]}" if block else "fp8 block", block=block)] if block else []
+    return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems)
+
+
+def parse_mxfp4(qc: dict[str, Any]) -> QuantDeclaration:
+    """`quant_method: mxfp4` (GPT-OSS): only the routed experts are MXFP4 (`<proj>_blocks` codes and
+    `<proj>_scales` E8M0 exponents); vLLM runs every Linear unquantized."""
+    ignore = qc.get("modules_to_not_convert") or []
+    groups = [SchemeGroup("quant_method mxfp4", "mxfp4", ("experts",), "mxfp4 experts")]
+    return QuantDeclaration(MXFP4, "config.json quantization_config", groups, tuple(ignore), None)
+
+
 def stored_quantization_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
     """config.json's ``quantization_config`` as stored (None when absent): for code that rebuilds
     what a declaration describes rather than auditing it."""
@@ -328,6 +386,10 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
     if detected == MODELOPT:
         doc = extra_json[HF_QUANT_CONFIG]
         return parse_modelopt(doc if isinstance(doc, dict) else {}, where=HF_QUANT_CONFIG)
+    if detected == FP8_BLOCK:
+        return parse_fp8(qc)
+    if detected == MXFP4:
+        return parse_mxfp4(qc)
     if detected is not None:
         return QuantDeclaration(detected, "config.json quantization_config", [], (), None, unsupported=[f"quant_method {detected}"])
     return None
@@ -365,16 +427,19 @@ class Resolution:
     unmatched_ignores: list[str]
 
 
-def resolve(decl: QuantDeclaration, linears: list[str]) -> Resolution:
+def resolve(decl: QuantDeclaration, linears: list[str], *, engine_unquantized: set[str] = frozenset()) -> Resolution:
     """Apply targets and ignore to every Linear module name.
 
     Precedence as vLLM's compressed-tensors `find_matched_target`: an exact name beats a
-    regex, which beats the class target `Linear`; ignore always wins."""
-    by_name = _by_ancestor(linears)
-    ignored: set[str] = set()
+    regex, which beats the class target `Linear`; ignore always wins. ``engine_unquantized``:
+    Linears the serving engine builds without a quantization method whatever the declaration
+    says (routers, DeepSeek-V3.2's indexer weights_proj; the layout's data), counted as ignored
+    for the formats whose class-wide target would otherwise reach them (fp8, mxfp4)."""
+    names = NameSet(linears)
+    ignored: set[str] = set(engine_unquantized) & set(linears) if decl.format in (FP8_BLOCK, MXFP4) else set()
     unmatched_ignores = []
     for pattern in decl.ignore:
-        hits = _hits(pattern, linears, by_name, decl.matcher)
+        hits = names.matching(pattern, decl.matcher)
         ignored.update(hits)
         if not hits:
             unmatched_ignores.append(pattern)
@@ -383,7 +448,7 @@ def resolve(decl: QuantDeclaration, linears: list[str]) -> Resolution:
     for group in decl.groups:
         for target in group.targets:
             rank = _target_rank(target)
-            hits = _hits(target, linears, by_name, decl.matcher)
+            hits = names.matching(target, decl.matcher)
             if not hits and not target.endswith("Attention"):  # vLLM drops attention targets: KV only
                 unmatched_targets.append((group.name, target))
             for module in hits:
@@ -398,6 +463,63 @@ def resolve(decl: QuantDeclaration, linears: list[str]) -> Resolution:
     )
 
 
+class NameSet:
+    """Module names, indexed for the three ways declarations name modules: exact or dotted
+    ancestor, substring (ModelOpt in vLLM), pattern. Built once per audit: real declarations hold
+    hundreds of entries and checkpoints 10^5 modules, so no pattern is tried name by name unless
+    it is a wildcard or regex."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self._by_ancestor: dict[str, list[str]] | None = None
+        self._joined: str | None = None
+        self._starts: list[int] = []
+
+    @property
+    def by_ancestor(self) -> dict[str, list[str]]:
+        if self._by_ancestor is None:
+            self._by_ancestor = _by_ancestor(self.names)
+        return self._by_ancestor
+
+    def containing(self, text: str) -> list[str]:
+        """Names holding ``text`` as a substring, by one scan of all names joined."""
+        if self._joined is None:
+            self._joined = "\n".join(self.names)
+            position = 0
+            for name in self.names:
+                self._starts.append(position)
+                position += len(name) + 1
+        out: list[str] = []
+        at = self._joined.find(text)
+        while at >= 0:
+            index = bisect.bisect_right(self._starts, at) - 1
+            out.append(self.names[index])
+            at = self._joined.find(text, self._starts[index + 1] if index + 1 < len(self._starts) else len(self._joined))
+        return out
+
+    def matching(self, pattern: str, match: Callable[[str, str], bool]) -> list[str]:
+        if pattern in (LINEAR_CLASS_TARGET, "*"):
+            return list(self.names)  # callers pass Linear modules only
+        if is_class_name(pattern) and match is not match_skip_list:
+            return []  # other class names cannot be resolved from headers
+        if match is match_modelopt:
+            hits = self.containing(pattern)
+            if _is_pattern(pattern):
+                wildcard = re.compile(fnmatch.translate(pattern))
+                seen = set(hits)
+                hits += [m for m in self.names if m not in seen and wildcard.match(m)]
+            return hits
+        if not _is_pattern(pattern):
+            return list(self.by_ancestor.get(pattern, []))  # an exact name, or an ancestor such as an expert stack
+        if match is match_ct and pattern.startswith("re:"):
+            regex = re.compile(pattern[3:])
+            return [m for m in self.names if regex.match(m)]
+        if match is match_skip_list:
+            wildcard = re.compile(fnmatch.translate(pattern))
+            return [m for m in self.names if any(wildcard.match(prefix) for prefix in _self_and_parents(m))]
+        return [m for m in self.names if match(pattern, m)]
+
+
 def _by_ancestor(linears: list[str]) -> dict[str, list[str]]:
     """Every module and each of its ancestors -> the Linears at or below it."""
     index: dict[str, list[str]] = {}
@@ -410,23 +532,6 @@ def _by_ancestor(linears: list[str]) -> dict[str, list[str]]:
 
 def _is_pattern(text: str) -> bool:
     return text.startswith("re:") or any(c in text for c in "*?[")
-
-
-def _hits(pattern: str, linears: list[str], by_name: dict[str, list[str]], match: Callable[[str, str], bool]) -> list[str]:
-    if pattern in (LINEAR_CLASS_TARGET, "*"):
-        return list(linears)  # callers pass Linear modules only
-    if is_class_name(pattern):
-        return []  # other class names cannot be resolved from headers
-    if not _is_pattern(pattern):
-        return by_name.get(pattern, [])  # an exact name, or an ancestor such as an expert stack
-    # Compiled once, for 10^4-10^5 modules.
-    if match is match_ct and pattern.startswith("re:"):
-        regex = re.compile(pattern[3:])
-        return [m for m in linears if regex.match(m)]
-    if match is match_modelopt:
-        wildcard = re.compile(fnmatch.translate(pattern))
-        return [m for m in linears if any(wildcard.match(prefix) for prefix in _self_and_parents(m))]
-    return [m for m in linears if match(pattern, m)]
 
 
 def _self_and_parents(module: str) -> list[str]:

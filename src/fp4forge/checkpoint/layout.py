@@ -51,6 +51,10 @@ class Layout:
     components: tuple[tuple[str, tuple[re.Pattern[str], ...]], ...]
     fused: dict[str, tuple[str, ...]]
     inferred: bool = False  # components guessed from name patterns, not an architecture's table
+    unquantized: tuple[re.Pattern[str], ...] = ()  # Linears vLLM builds without a quant method
+
+    def is_engine_unquantized(self, module: str) -> bool:
+        return any(p.match(module) for p in self.unquantized)
 
     def component_of(self, module: str) -> str:
         match = self._combined.match(module)
@@ -137,6 +141,7 @@ def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False) -> 
         ),
         fused={k: tuple(v) for k, v in doc.get("fused", {}).items()},
         inferred=inferred,
+        unquantized=tuple(re.compile(p.replace("{mtp_layer}", mtp)) for p in doc.get("unquantized", ())),
     )
 
 

@@ -48,7 +48,7 @@ from fp4forge.numerics.nvfp4 import (
 Scheme = Literal["nvfp4", "nvfp4a16", "fp8", "fp8_dynamic", "unquantized"]
 UNQUANTIZED = "unquantized"
 # The weight format each scheme stores: what vLLM picks its kernel by.
-SCHEME_FAMILY = {"nvfp4": "nvfp4", "nvfp4a16": "nvfp4", "fp8": "fp8", "fp8_dynamic": "fp8"}
+SCHEME_FAMILY = {"nvfp4": "nvfp4", "nvfp4a16": "nvfp4", "fp8": "fp8", "fp8_dynamic": "fp8", "fp8_block": "fp8"}
 # Attention scale tensors that live beside a Linear's own (ModelOpt puts k_scale on k_proj).
 KV_SUFFIXES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 
@@ -90,8 +90,22 @@ class ServedExperts:
     down_amax: Tensor | None  # [E]
 
 
-def _scheme_signatures(layout: str) -> dict[frozenset[str], str]:
-    return {frozenset(entries): scheme for scheme, entries in scheme_table()[layout].items() if scheme != "kv"}
+def _scheme_signatures(layout: str) -> dict[frozenset[str], list[str]]:
+    """Tensor-suffix set -> the schemes storing exactly that set (FP8 per-channel and block-wise
+    share theirs; their weight_scale's shape tells them apart)."""
+    out: dict[frozenset[str], list[str]] = {}
+    for scheme, entries in scheme_table()[layout].items():
+        if scheme != "kv":
+            out.setdefault(frozenset(entries), []).append(scheme)
+    return out
+
+
+def _pick_scheme(candidates: list[str], tensors: dict) -> str:
+    if len(candidates) == 1:
+        return candidates[0]
+    scale = tensors.get("weight_scale")
+    per_channel = scale is not None and len(scale.shape) == 2 and scale.shape[1] == 1
+    return next(c for c in candidates if (c == "fp8_dynamic") == per_channel)
 
 
 class QuantizedCheckpoint:
@@ -121,7 +135,8 @@ class QuantizedCheckpoint:
                 continue
             by_module.setdefault(module, {})[suffix] = info
         for module, tensors in by_module.items():
-            scheme = signatures.get(frozenset(tensors))
+            candidates = signatures.get(frozenset(tensors))
+            scheme = _pick_scheme(candidates, tensors) if candidates else None
             if scheme is None:
                 for suffix, info in tensors.items():
                     self._plain[f"{module}.{suffix}"] = tuple(info.shape)

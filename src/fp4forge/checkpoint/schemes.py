@@ -10,7 +10,7 @@ from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError
 
 NVFP4_BLOCK = 16
-LAYOUTS = ("compressed-tensors", "modelopt")
+LAYOUTS = ("compressed-tensors", "modelopt")  # the layouts fp4forge writes; _schemes.toml also describes formats it only reads
 
 
 @lru_cache(maxsize=1)
@@ -19,14 +19,19 @@ def scheme_table() -> dict[str, dict[str, dict[str, dict]]]:
     return tomllib.loads(text)
 
 
-def _resolve_dim(symbol: int | str, out_features: int, in_features: int) -> int:
+def _resolve_dim(symbol: int | str, out_features: int, in_features: int, block: tuple[int, int] | None = None) -> int:
     if isinstance(symbol, int):
         return symbol
+    if symbol in ("out_wblocks", "in_wblocks"):
+        if block is None:
+            raise ConfigError("a block-wise scheme needs its block size (weight_block_size / block_structure)")
+        return -(-out_features // block[0]) if symbol == "out_wblocks" else -(-in_features // block[1])
     return {"out": out_features, "in": in_features, "in_half": in_features // 2, "in_blocks": in_features // NVFP4_BLOCK}[symbol]
 
 
-def linear_tensor_specs(layout: str, scheme: str, module: str, out_features: int, in_features: int) -> list[TensorSpec]:
-    """The tensors `<module>.*` that `scheme` stores in `layout` for a Linear [out, in]."""
+def linear_tensor_specs(layout: str, scheme: str, module: str, out_features: int, in_features: int, block: tuple[int, int] | None = None) -> list[TensorSpec]:
+    """The tensors `<module>.*` that `scheme` stores in `layout` for a Linear [out, in]
+    (``block``: [out, in] values per scale of a block-wise scheme)."""
     try:
         entries = scheme_table()[layout][scheme]
     except KeyError:
@@ -34,7 +39,7 @@ def linear_tensor_specs(layout: str, scheme: str, module: str, out_features: int
     if scheme.startswith("nvfp4") and in_features % NVFP4_BLOCK:
         raise ConfigError(f"{module}: input size {in_features} is not a multiple of {NVFP4_BLOCK} (NVFP4 block)")
     return [
-        TensorSpec(f"{module}.{suffix}", entry["dtype"], tuple(_resolve_dim(d, out_features, in_features) for d in entry["shape"]))
+        TensorSpec(f"{module}.{suffix}", entry["dtype"], tuple(_resolve_dim(d, out_features, in_features, block) for d in entry["shape"]))
         for suffix, entry in entries.items()
     ]
 

@@ -68,13 +68,41 @@ def config_dtype(config: PreTrainedConfig) -> torch.dtype:
     return dtype
 
 
+WRAPPER_SUFFIX = "ForConditionalGeneration"
+TEXT_PREFIX, WRAPPED_TEXT_PREFIX = "model.", "model.language_model."
+
+
+def _named_class(config: dict[str, Any] | PreTrainedConfig, hf_config: PreTrainedConfig) -> tuple[type | None, str | None]:
+    """(the transformers class config.json's `architectures` names, when it takes this config;
+    else None) and that name. The skeleton follows the named class, wrappers included: a
+    vision-language release stores its text model under `model.language_model.`."""
+    architectures = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
+    name = architectures[0] if isinstance(architectures, list) and architectures and isinstance(architectures[0], str) else None
+    if name is None:
+        return None, None
+    import transformers
+    from transformers import PreTrainedModel
+
+    try:
+        cls = getattr(transformers, name, None)
+    except Exception:  # noqa: BLE001 - transformers' lazy module raises its own errors for broken optional imports
+        cls = None
+    if isinstance(cls, type) and issubclass(cls, PreTrainedModel) and isinstance(hf_config, cls.config_class):
+        return cls, name
+    return None, name
+
+
 def checkpoint_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSpec]:
-    """Every tensor ``save_pretrained`` writes for this config, in its natural layer order."""
+    """Every tensor ``save_pretrained`` writes for this config, in its natural layer order: of the
+    model class config.json names when transformers has it, else of its causal LM (a wrapper's
+    name over a text-only config keeps the wrapper's `model.language_model.` prefix)."""
     hf_config = to_transformers_config(config)
     dtype = config_dtype(hf_config)
+    cls, class_name = _named_class(config, hf_config)
+    prefix = WRAPPED_TEXT_PREFIX if cls is None and class_name and class_name.endswith(WRAPPER_SUFFIX) else None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            model = cls._from_config(hf_config, dtype=dtype) if cls is not None else AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         # The same steps as PreTrainedModel.save_pretrained, minus the data.
         state_dict = model.state_dict()
         for key in model._keys_to_ignore_on_save or []:
@@ -88,6 +116,8 @@ def checkpoint_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSp
     for name, tensor in state_dict.items():
         if tensor.dtype not in TORCH_TO_SAFETENSORS:
             raise ConfigError(f"tensor {name} has dtype {tensor.dtype}, which fp4forge cannot describe", tensor=name)
+        if prefix is not None and name.startswith(TEXT_PREFIX):
+            name = prefix + name[len(TEXT_PREFIX):]
         specs.append(TensorSpec(name, TORCH_TO_SAFETENSORS[tensor.dtype], tuple(tensor.shape)))
     return specs
 

@@ -25,6 +25,7 @@ import torch
 
 from fp4forge import __version__
 from fp4forge.checkpoint.layout import Layout, layout_for_config
+from fp4forge.checkpoint.convert import BlockFp8Source, dequantized_source
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON
@@ -301,7 +302,7 @@ def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
 
 def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptions, progress: Progress | None = None) -> ExportSummary:
     started = time.perf_counter()
-    ckpt = open_checkpoint(src)
+    ckpt = dequantized_source(open_checkpoint(src))  # a block-FP8 release reads as the BF16 model
     _check_source(ckpt)
     layout = layout_for_config(ckpt.config)
     specs = _source_specs(ckpt)
@@ -446,7 +447,8 @@ def _write_companions(
         "layout": options.layout_format,
         "options": {"block_scales": options.block_scales, "max_shard_bytes": options.max_shard_bytes},
         "activation_scales": options.act_amax.provenance() if options.act_amax else None,
-        "source": {"location": ckpt.display, "header_digest": source_digest, "shards": ckpt.shard_names},
+        "source": {"location": ckpt.display, "header_digest": source_digest, "shards": ckpt.shard_names}
+        | ({"dequantized_from": ckpt.dequantized_from} if isinstance(ckpt, BlockFp8Source) else {}),
         "fused_groups": {"count": len(plan.fused_groups), "rule": "one weight global scale per group, from the group's max amax"},
         "ignored_modules": plan.ignored,
         "kv_cache": {"scheme": options.recipe.kv_cache_scheme, "layers": len(plan.kv_layers)} if plan.kv_layers else None,

@@ -21,11 +21,13 @@ import gzip
 import json
 import math
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fp4forge.checkpoint.skeleton import checkpoint_specs
+from fp4forge.numerics.nvfp4 import NVFP4_GLOBAL_NUMERATOR
 from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
@@ -121,7 +123,8 @@ def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[Te
     for i, kind in enumerate(kinds):
         first_of.setdefault(kind, i)
     built = max(first_of.values()) + 1
-    specs = checkpoint_specs(truncated_config(text, built))
+    # The text model alone, named as its causal LM (`model.`); the wrapper's prefix is applied after.
+    specs = checkpoint_specs({k: v for k, v in truncated_config(text, built).items() if k != "architectures"})
     per_layer: dict[int, list[TensorSpec]] = {}
     globals_: list[TensorSpec] = []
     for spec in specs:
@@ -158,6 +161,17 @@ def _prefixed(name: str, prefix: str) -> str:
     return prefix + name[len("model.") :] if name.startswith("model.") else name
 
 
+def _vision_specs(config: dict[str, Any]) -> list[TensorSpec]:
+    """A vision-language wrapper's vision tower (`model.visual.*`), from the wrapper class built
+    with a one-layer text model: the tower does not depend on the text model's depth."""
+    if not isinstance(config.get("vision_config"), dict) or not isinstance(config.get("text_config"), dict):
+        return []
+    small = copy.deepcopy(config)
+    small["text_config"] = truncated_config(_with_derived_layer_lists(small["text_config"]), 1)
+    small.pop("quantization_config", None)
+    return [s for s in checkpoint_specs(small) if s.name.startswith("model.visual.")]
+
+
 def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
     """Every tensor of the release before any declared quantization, with real or reconstructed names."""
     text, prefix = _text_config(entry.config)
@@ -166,7 +180,7 @@ def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
         specs = [TensorSpec(_prefixed(s.name, prefix), s.dtype, s.shape) for s in globals_]
         for i, j in enumerate(copy_of):
             specs += [TensorSpec(_prefixed(f"model.layers.{i}.{s.name}", prefix), s.dtype, s.shape) for s in per_layer[j]]
-        return specs + _mtp_specs(text, per_layer, copy_of)
+        return specs + _vision_specs(entry.config) + _mtp_specs(text, per_layer, copy_of)
     # Real names: look each up in the built template (same layer kind, same suffix).
     by_suffix = {j: {s.name: s for s in layer} for j, layer in per_layer.items()}
     global_by_name = {_prefixed(s.name, prefix): s for s in globals_}
@@ -215,15 +229,24 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
     out = []
     for spec in specs:
         module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
-        # Block-FP8 releases quantize every projection Linear (attention, MLPs, experts) and keep
-        # embeddings, norms, routers and lm_head in BF16.
-        if module and len(spec.shape) == 2 and module.rpartition(".")[2].endswith("_proj") and not skip.match(module):
+        # Block-FP8 releases quantize every Linear (attention incl. kv_a_proj_with_mqa, MLPs,
+        # experts, MTP eh_proj) and keep embeddings, norms, routers and heads in BF16.
+        if module and _quantizable(module, spec) and not skip.match(module):
             rows, cols = spec.shape
             out.append(TensorSpec(spec.name, "F8_E4M3", spec.shape))
             out.append(TensorSpec(module + ".weight_scale_inv", "F32", (math.ceil(rows / block_out), math.ceil(cols / block_in))))
         else:
             out.append(spec)
     return out
+
+
+# Leaves of 2-D weights no released FP8/NVFP4 checkpoint quantizes: embeddings, routers, heads
+# (incl. DeepSeek's MTP shared_head.head) and DeepSeek-V3.2's indexer weights_proj.
+UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj"})
+
+
+def _quantizable(module: str, spec: TensorSpec) -> bool:
+    return len(spec.shape) == 2 and module.rpartition(".")[2] not in UNQUANTIZED_LEAVES
 
 
 MXFP4_BLOCK = 32  # values per E8M0 scale
@@ -243,7 +266,7 @@ def _modelopt_specs(entry: CorpusEntry, sidecar: dict[str, Any], specs: list[Ten
     out = []
     for spec in specs:
         module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
-        if module and len(spec.shape) == 2 and module.rpartition(".")[2].endswith("_proj") and not skip.match(module):
+        if module and _quantizable(module, spec) and not skip.match(module):
             rows, cols = spec.shape
             out += [
                 TensorSpec(spec.name, "U8", (rows, cols // 2)),
@@ -276,6 +299,14 @@ def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
     return quantized_specs(entry, bf16_specs(entry))
 
 
+# Per-tensor scales are written with a value, everything else is a hole: the real values are not
+# in the metadata, and a hole reads as 0.0, which the audit rightly calls an invalid scale. The
+# placeholder is amax/(6*448) for an amax of 1.0 (ModelOpt's convention); nothing checks it
+# against the (absent) weights.
+PER_TENSOR_SCALES = (".weight_scale_2", ".input_scale")
+PLACEHOLDER_SCALE = struct.pack("<f", 1.0 / NVFP4_GLOBAL_NUMERATOR)
+
+
 def build_header_only(entry: CorpusEntry | str | Path, out: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``entry`` as a header-only checkpoint (data regions are file holes) to ``out``."""
     entry = entry if isinstance(entry, CorpusEntry) else load_entry(entry)
@@ -283,6 +314,9 @@ def build_header_only(entry: CorpusEntry | str | Path, out: str | Path, *, max_s
     ensure_fresh_output(out)
     specs = entry_specs(entry)
     with CheckpointWriter(out, specs, max_shard_bytes=max_shard_bytes, sparse=True) as writer:
+        for spec in specs:
+            if spec.name.endswith(PER_TENSOR_SCALES) and spec.dtype == "F32" and math.prod(spec.shape) == 1:
+                writer.write(spec.name, PLACEHOLDER_SCALE)
         writer.write_text("config.json", json.dumps(entry.config, indent=2) + "\n")
         if (entry.directory / QUANT_SIDECAR).is_file():
             writer.copy_file(entry.directory / QUANT_SIDECAR, QUANT_SIDECAR)

@@ -1,0 +1,107 @@
+"""`fp4forge bytes` and `fp4forge audit` at real-release scale: DeepSeek-R1 in ModelOpt NVFP4
+(the corpus entry `deepseek-r1-nvfp4-modelopt`, tests/corpus), rebuilt header-only as
+**180,730 tensors in 163 shards** (DeepSeek's own release ships 163 shards), beside a bare
+header-parsing loop run in the same process and as a fresh interpreter.
+
+Each tool runs as a fresh process (imports included): `bytes --json`; `audit --json` warm (the
+expected-name skeleton cached, the page cache warm) and cold (an empty skeleton cache and the
+shards evicted from the page cache first). The bare loop reads each shard's 8-byte length and
+its JSON header and json-parses it: the floor any header tool pays. Ratios to it are printed.
+
+    .venv/bin/python benchmarks/bench_corpus_scale.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._util import OUT, drop_page_cache, run_measured, summarize  # noqa: E402
+
+ENTRY = "deepseek-r1-nvfp4-modelopt"
+SHARDS = 163
+BARE_LOOP = """
+import json, struct, sys, pathlib
+n = 0
+for shard in sorted(pathlib.Path(sys.argv[1]).glob("*.safetensors")):
+    with open(shard, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        n += len(json.loads(f.read(length))) - 1
+print(n)
+"""
+
+
+def build(out: Path) -> Path:
+    from fp4forge.testbed.corpus import build_header_only, entry_specs, load_entry
+
+    if (out / "config.json").exists():
+        return out
+    from fp4forge.checkpoint.writer import plan_shards
+
+    entry = load_entry(Path(__file__).resolve().parent.parent / "tests" / "corpus" / ENTRY)
+    specs = entry_specs(entry)
+    # the smallest shard size the writer's greedy packing fits into SHARDS shards
+    low, high = math.ceil(sum(s.nbytes for s in specs) / SHARDS), 2**40
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if len(plan_shards(specs, middle)) <= SHARDS else (middle + 1, high)
+    return build_header_only(entry, out, max_shard_bytes=low)
+
+
+def bare_in_process(ckpt: Path) -> tuple[float, int]:
+    start = time.perf_counter()
+    n = 0
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            n += len(json.loads(f.read(length))) - 1
+    return time.perf_counter() - start, n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    ckpt = build(OUT / f"{ENTRY}-{SHARDS}")
+    shards = sorted(ckpt.glob("*.safetensors"))
+    fp4forge = str(Path(sys.executable).parent / "fp4forge")
+    print(f"{ckpt.name}: {len(shards)} shards, load average {os.getloadavg()[0]:.1f}")
+
+    bare = [bare_in_process(ckpt) for _ in range(args.runs)]
+    tensors = bare[0][1]
+    bare_proc = [run_measured([sys.executable, "-c", BARE_LOOP, str(ckpt)]) for _ in range(args.runs)]
+    rows = {"bare loop, in process": [b[0] for b in bare], "bare loop, fresh python": [r.wall_s for r in bare_proc]}
+
+    bytes_runs = [run_measured([fp4forge, "bytes", str(ckpt), "--json"]) for _ in range(args.runs)]
+    assert bytes_runs[0].returncode == 0, bytes_runs[0].stdout[:500]
+    rows["fp4forge bytes --json"] = [r.wall_s for r in bytes_runs]
+    run_measured([fp4forge, "audit", str(ckpt), "--json"])  # prime the skeleton cache
+    warm = [run_measured([fp4forge, "audit", str(ckpt), "--json"]) for _ in range(args.runs)]
+    rows["fp4forge audit --json, warm"] = [r.wall_s for r in warm]
+    cold = []
+    for _ in range(args.runs):
+        evicted = all(drop_page_cache(p) for p in shards)
+        env = {**os.environ, "FP4FORGE_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")}
+        cold.append(run_measured([fp4forge, "audit", str(ckpt), "--json"], env=env))
+    rows["fp4forge audit --json, cold" + ("" if evicted else " (page cache not evicted)")] = [r.wall_s for r in cold]
+    doc = json.loads(warm[0].stdout)
+    print(f"{tensors:,} tensors; audit summary {doc['summary']}, rules {sorted({f['rule'] for f in doc['findings']})}")
+    floor = statistics.median(rows["bare loop, fresh python"])
+    for label, walls in rows.items():
+        print(f"  {label:42s} {summarize(walls)} s   x{statistics.median(walls) / floor:.1f} the fresh bare loop")
+    rss = {"bytes": max(r.peak_rss_mib for r in bytes_runs), "audit warm": max(r.peak_rss_mib for r in warm), "audit cold": max(r.peak_rss_mib for r in cold)}
+    print("  peak RSS MiB " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
+
+
+if __name__ == "__main__":
+    main()
