@@ -11,11 +11,7 @@ how they show progress and what they do with the result. Errors name the option 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
-import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +19,6 @@ from typing import Any
 
 from fp4forge.bench.analyze import SummaryPresenter, analyze_dir
 from fp4forge.bench.runner import (
-    RUN_FILE,
     SAMPLES_FILE,
     BenchAborted,
     BenchConfig,
@@ -34,7 +29,6 @@ from fp4forge.bench.runner import (
     load_workloads,
     run_bench,
 )
-from fp4forge.checkpoint.atomic import PARTIAL_SUFFIX, apply_umask_modes, write_text_atomic
 from fp4forge.errors import ConfigError, Fp4forgeError
 
 
@@ -137,50 +131,37 @@ def run_perf(options: PerfOptions, *, on_event: EventCallback | None = None, pre
 
     Raises the run's error when it could not start (bad options, no server, model not served, a
     workload too long for the server, ``out_dir`` already holds samples): nothing is analysed then,
-    an old run is never summarised as if it were this one, and ``out_dir`` is left as it was (the
-    run writes into a directory beside it, moved into place once it holds a sample).
+    an old run is never summarised as if it were this one, and no ``out_dir`` is left behind when
+    the run made it. Samples stream into ``out_dir`` as they finish (a killed run keeps them), so
+    the directory is made only after the server's checks passed, not staged and renamed.
     """
     config = options.bench_config
     out_dir = Path(config.out_dir)
-    if (out_dir / SAMPLES_FILE).is_file() and (out_dir / SAMPLES_FILE).stat().st_size > 0:
-        raise ConfigError(f"{out_dir / SAMPLES_FILE} already holds samples; choose a new output directory (runs are never mixed)",
-                          option="out")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}{PARTIAL_SUFFIX}-", dir=out_dir.parent))
+    samples_path = out_dir / SAMPLES_FILE
+    had_samples = samples_path.exists()  # then the run refuses to start
+    created = not out_dir.exists()  # the runner makes it only once the server checks passed
     outcome: RunOutcome | None = None
     stopped: Fp4forgeError | None = None
     interrupted = False
     try:
-        try:
-            outcome = asyncio.run(run_bench(dataclasses.replace(config, out_dir=staging), on_event))
-        except BenchAborted as error:
-            stopped = error
-        except KeyboardInterrupt:
-            interrupted = True
-        except Fp4forgeError as error:
-            if not (staging / SAMPLES_FILE).is_file():
-                raise
-            stopped = error
-        if not (staging / SAMPLES_FILE).is_file():
-            return PerfResult(out_dir, None, outcome, stopped, interrupted)
-        _publish(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    summary = analyze_dir(out_dir, plots=plots, presenter=presenter)
+        outcome = asyncio.run(run_bench(config, on_event))
+    except BenchAborted as error:
+        stopped = error
+    except KeyboardInterrupt:
+        interrupted = True
+    except Fp4forgeError as error:
+        if had_samples or not samples_path.is_file():
+            _remove_if_unused(out_dir, created)
+            raise
+        stopped = error
+    if not samples_path.is_file() or samples_path.stat().st_size == 0:
+        _remove_if_unused(out_dir, created)
+    summary = analyze_dir(out_dir, plots=plots, presenter=presenter) if samples_path.is_file() else None
     return PerfResult(out_dir, summary, outcome, stopped, interrupted)
 
 
-def _publish(staging: Path, out_dir: Path) -> None:
-    """Move a run's files into ``out_dir`` (a rename of the whole directory when it is new); its
-    run.json then names ``out_dir``, not the staging directory."""
-    run_file = staging / RUN_FILE
-    if run_file.is_file():
-        doc = json.loads(run_file.read_text(encoding="utf-8"))
-        doc.setdefault("config", {})["out_dir"] = str(out_dir)
-        write_text_atomic(run_file, json.dumps(doc, indent=2) + "\n")
-    apply_umask_modes(staging)
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    for path in staging.iterdir():
-        os.replace(path, out_dir / path.name)
+def _remove_if_unused(out_dir: Path, created: bool) -> None:
+    """A run that ended before its first sample leaves no directory it made (only its own files
+    can be in it: run.json, an empty samples file)."""
+    if created and out_dir.is_dir() and not any(p.stat().st_size for p in (out_dir / SAMPLES_FILE,) if p.exists()):
+        shutil.rmtree(out_dir, ignore_errors=True)

@@ -325,11 +325,15 @@ class BenchRun:
         self.server_info: dict[str, Any] = {}
 
     # -- setup ----------------------------------------------------------------------------------
-    def prepare_out_dir(self) -> Path:
+    def check_out_dir(self) -> Path:
         out = Path(self.config.out_dir)
         samples = out / SAMPLES_FILE
         if samples.exists() and samples.stat().st_size > 0:
             raise ConfigError(f"{samples} already holds samples; choose a new output directory (runs are never mixed)", option="out")
+        return out
+
+    def prepare_out_dir(self) -> Path:
+        out = self.check_out_dir()
         out.mkdir(parents=True, exist_ok=True)
         return out
 
@@ -369,8 +373,9 @@ class BenchRun:
 
     # -- main -----------------------------------------------------------------------------------
     async def run(self) -> RunOutcome:
+        self.check_out_dir()
+        self.server_info = self.probe_server()  # a server that cannot run the shapes: refused before --out exists
         out = self.prepare_out_dir()
-        self.server_info = self.probe_server()
         self._tokenizer = self.make_tokenizer()
         self._prompts = PromptFactory(
             self._tokenizer,
