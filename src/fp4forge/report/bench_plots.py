@@ -156,7 +156,8 @@ def _plot_decode_vs_context(plt: Any, cells: dict, summary: dict[str, Any]) -> A
                 lows.append(block["median"] - block["median_ci"][0])
                 highs.append(block["median_ci"][1] - block["median"])
         if xs:
-            axis.errorbar(xs, medians, yerr=[lows, highs], color=colour, marker="s", capsize=3, label=f"{load}: median, 95% CI")
+            # no line joining the medians: the tested trend is the least-squares line below
+            axis.errorbar(xs, medians, yerr=[lows, highs], color=colour, marker="s", linestyle="none", capsize=3, label=f"{load}: median, 95% CI")
         flat = next((f for f in summary.get("decode_flatness", []) if f["load"] == load), None)
         if flat and flat.get("change_per_1k_prompt_tokens") is not None and flat.get("context_range"):
             first, last = flat["context_range"]
