@@ -252,10 +252,13 @@ def _findings_table(findings: list[dict[str, Any]]) -> list[str]:
 
 
 def _env_lines(env: dict[str, str] | None) -> list[str]:
-    if not env:
+    from fp4forge.serve.launcher import LAUNCHER_ONLY_ENV
+
+    shown = {k: v for k, v in (env or {}).items() if k not in LAUNCHER_ONLY_ENV}
+    if not shown:
         return []
     return ["", "The environment it ran with (set by fp4forge, part of the command above): "
-            + ", ".join(f"`{k}={v}`" for k, v in env.items()) + "."]
+            + ", ".join(f"`{k}={v}`" for k, v in shown.items()) + "."]
 
 
 def serve_section(ctx: CardContext) -> list[str]:
@@ -324,7 +327,7 @@ def _server_lives(ctx: CardContext, lives: dict[str, dict[str, Any] | None], ser
         errors = [f for f in after if f["severity"] == "error"]
         rows.append([f"{role} ({what})", f"vLLM {life.get('vllm_version') or '–'}", _num(life.get("ready_seconds"), 3),
                      ", ".join(life.get("served_steps", [])) or "–", _int(life.get("log_lines")),
-                     f"{len(errors)} error(s), {len(after) - len(errors)} other" if after else "none",
+                     f"{_count(len(errors), 'error')}" + "".join(f"; `{f['id']}` ({f['severity']})" for f in after if f["severity"] != "error"),
                      f"[`servers/{life['log']}`](reports/servers/{life['log']})"])
     lines += table(["server", "version", "ready after s", "served steps", "log lines", "findings after ready", "log"], rows)
     for role, what in SERVER_ROLES:
