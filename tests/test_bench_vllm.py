@@ -174,3 +174,18 @@ def test_killed_server_keeps_finished_samples_and_exits_nonzero(tmp_path: Path) 
     summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["run"]["status"] == "aborted"
     assert summary["totals"]["kept_ok"] == sum(s["ok"] for s in samples)
+
+
+def test_default_workload_on_a_short_server_names_what_fits_and_writes_nothing(vllm_laguna_dense: VllmServer, tmp_path: Path) -> None:
+    """Issue 19: the default ladder (up to 9,325 + 128 tokens) against the real 2,048-token server."""
+    out = tmp_path / "default"
+    result = CliRunner().invoke(
+        bench_app(),
+        ["bench", "perf", "--url", vllm_laguna_dense.base_url, "--model", vllm_laguna_dense.served_model_name, "--out", str(out)],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "max_model_len 2048" in text and "Workloads that fit: cpu-small, cpu-tiny, decode" in text
+    assert "--workload" in text
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no empty directory, no staging left behind

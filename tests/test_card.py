@@ -154,7 +154,11 @@ def test_verification_tables(ckpt: Path) -> None:
 def test_serving_section(ckpt: Path) -> None:
     rec, served = load(ckpt, "serve-cmd.json"), load(ckpt, "serve.json")
     text = sections(render_card(ckpt).markdown)["Serving"]
-    assert rec["command"].rstrip() in text
+    # the recommended line, with this machine's checkpoint path replaced by $MODEL
+    assert rec["command"].rstrip().replace(rec["model"], '"$MODEL"') in text
+    assert f"serve {rec['model']}" not in text
+    # the fixture's serve.json predates the reproducible command: its machine-specific one is not shown
+    assert "/bin/vllm" not in text and "--port" not in text.split("### Served on this machine")[1]
     for note in rec["notes"]:
         assert f"- `{note['flag']}`: {note['why']}" in text
     (findings,) = tables(text)

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,10 +211,27 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     out = tmp_path / "served"
     options = replace(SMALL, serve=True, vllm_venv=vllm_venv, bench=("perf", "quality"), quality_teacher=True,
                       quality_categories=("restraint", "missing_tool"), quality_max_tokens=32)
-    manifest = run_pipeline(model, out, options)
+    events = []
+    manifest = run_pipeline(model, out, options, on_event=events.append)
     assert manifest.status == "complete"
     assert [n for n, s in statuses(out).items() if s == "done"] == [
         *LOCAL_STEPS[:-1], "serve", "perf", "quality", "quality-teacher", "card"]
+    # Issue 19: a live start-up status from the vLLM log while each server starts, per step.
+    starting = [e.detail for e in events if e.status == "running" and "starting vLLM" in e.detail]
+    assert any(d.startswith("starting vLLM (student: served), ") and " s: " in d for d in starting)
+    assert any(d.startswith("starting vLLM (teacher: ") for d in starting)
+    # Each server's whole life is kept, with what it served; the card's commands carry no path.
+    lives = {role: json.loads((out / "reports" / "servers" / f"{role}.json").read_text()) for role in ("student", "teacher")}
+    assert lives["student"]["served_steps"] == ["serve", "perf", "quality"]
+    assert lives["teacher"]["served_steps"] == ["quality-teacher"]
+    for life in lives.values():
+        assert life["log_lines"] > life["ready_line"] > 0  # kept past readiness: every request's line
+        assert not [f for f in life["findings_after_ready"] if f["severity"] == "error"]
+        assert 'vllm serve "$MODEL"' in life["command"] and "VLLM_CPU_KVCACHE_SPACE=" in life["command"]
+    card_text = (out / "README.md").read_text()
+    assert str(vllm_venv) not in card_text and str(tmp_path) not in card_text
+    assert "--served-model-name served" in card_text and "--port 8000" in card_text
+    assert "FP4FORGE_VLLM_NUMERICS=" in card_text
     compare = json.loads((out / "reports" / "quality-teacher" / "compare.json").read_text())
     assert (compare["arms"]["A"]["label"], compare["arms"]["B"]["label"]) == ("quantized", "bf16-teacher")
     assert compare["runs"] == {"A": 2, "B": 2}
@@ -259,7 +277,7 @@ def test_one_server_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         assert not running, f"{name} started while {running} still runs"
         running.add(name)
         events.append(f"up {Path(model).name}")
-        return ServeRecord(name, 1, 1, str(model), "log", ["vllm"], 0.0), object()
+        return ServeRecord(name, 1, 1, str(model), "log", ["vllm", "serve", str(model)], 0.0), SimpleNamespace(line_count=0)
 
     def fake_down(names: list[str], **kwargs: object) -> list[ServeRecord]:
         running.difference_update(names)

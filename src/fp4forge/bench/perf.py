@@ -11,6 +11,7 @@ how they show progress and what they do with the result. Errors name the option 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +100,7 @@ class PerfOptions:
             extra_body=dict(self.extra_body),
             tokenizer_path=self.tokenizer,
             workload=chosen.name,
+            workloads_file=self.workloads_file,
         )
 
 
@@ -127,14 +129,17 @@ def run_perf(options: PerfOptions, *, on_event: EventCallback | None = None, pre
     """Run the benchmark into ``options.out_dir`` and analyse it there (``summary.json``; with a
     ``presenter`` also ``summary.md`` and plots).
 
-    Raises the run's error when it could not start (bad options, no server, model not served,
-    ``out_dir`` already holds samples): nothing is analysed then, and an old run is never
-    summarised as if it were this one.
+    Raises the run's error when it could not start (bad options, no server, model not served, a
+    workload too long for the server, ``out_dir`` already holds samples): nothing is analysed then,
+    an old run is never summarised as if it were this one, and no ``out_dir`` is left behind when
+    the run made it. Samples stream into ``out_dir`` as they finish (a killed run keeps them), so
+    the directory is made only after the server's checks passed, not staged and renamed.
     """
     config = options.bench_config
     out_dir = Path(config.out_dir)
     samples_path = out_dir / SAMPLES_FILE
     had_samples = samples_path.exists()  # then the run refuses to start
+    created = not out_dir.exists()  # the runner makes it only once the server checks passed
     outcome: RunOutcome | None = None
     stopped: Fp4forgeError | None = None
     interrupted = False
@@ -146,7 +151,17 @@ def run_perf(options: PerfOptions, *, on_event: EventCallback | None = None, pre
         interrupted = True
     except Fp4forgeError as error:
         if had_samples or not samples_path.is_file():
+            _remove_if_unused(out_dir, created)
             raise
         stopped = error
+    if not samples_path.is_file() or samples_path.stat().st_size == 0:
+        _remove_if_unused(out_dir, created)
     summary = analyze_dir(out_dir, plots=plots, presenter=presenter) if samples_path.is_file() else None
     return PerfResult(out_dir, summary, outcome, stopped, interrupted)
+
+
+def _remove_if_unused(out_dir: Path, created: bool) -> None:
+    """A run that ended before its first sample leaves no directory it made (only its own files
+    can be in it: run.json, an empty samples file)."""
+    if created and out_dir.is_dir() and not any(p.stat().st_size for p in (out_dir / SAMPLES_FILE,) if p.exists()):
+        shutil.rmtree(out_dir, ignore_errors=True)

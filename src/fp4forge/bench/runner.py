@@ -157,6 +157,7 @@ class BenchConfig:
     tokenizer_path: str | None = None
     max_in_flight: int = 256  # open-loop cap; waiting for it shows up as schedule_lag_s
     workload: str | None = None
+    workloads_file: Path | None = None  # where ``workload`` came from (None: the built-in workloads.toml)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_KINDS:
@@ -173,9 +174,29 @@ class BenchConfig:
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["out_dir"] = str(self.out_dir)
+        doc["workloads_file"] = None if self.workloads_file is None else str(self.workloads_file)
         doc["shapes"] = [{"name": s.name, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens} for s in self.shapes]
         doc["points"] = [{"label": p.label, **asdict(p)} for p in self.points]
         return doc
+
+
+def workloads_that_fit(max_model_len: int, path: Path | None = None) -> list[str]:
+    """Names of the workloads every shape of which fits a server of ``max_model_len`` (prompt + output)."""
+    return sorted(name for name, w in load_workloads(path).items()
+                  if all(s.prompt_tokens + s.output_tokens <= max_model_len for s in w.shapes))
+
+
+def shapes_do_not_fit_message(config: BenchConfig, too_long: Sequence[str], max_model_len: int) -> str:
+    """Why the run cannot start, and what would fit: the workloads, or this ladder cut short."""
+    fitting = workloads_that_fit(max_model_len, config.workloads_file)
+    short = [s.prompt_tokens for s in config.shapes if s.prompt_tokens + s.output_tokens <= max_model_len]
+    what = f"workload {config.workload!r}" if config.workload else "the requested shapes"
+    text = (f"{what} does not fit this server: shapes {list(too_long)} need more than its max_model_len "
+            f"{max_model_len} (prompt + output tokens). ")
+    text += (f"Workloads that fit: {', '.join(fitting)}" if fitting else "No workload fits")
+    if short:
+        text += f"; or keep this ladder's shapes that fit (prompt tokens {','.join(str(p) for p in short)})"
+    return text + "; or serve with a larger --max-model-len."
 
 
 # -- events for a live display ------------------------------------------------------------------
@@ -304,11 +325,15 @@ class BenchRun:
         self.server_info: dict[str, Any] = {}
 
     # -- setup ----------------------------------------------------------------------------------
-    def prepare_out_dir(self) -> Path:
+    def check_out_dir(self) -> Path:
         out = Path(self.config.out_dir)
         samples = out / SAMPLES_FILE
         if samples.exists() and samples.stat().st_size > 0:
             raise ConfigError(f"{samples} already holds samples; choose a new output directory (runs are never mixed)", option="out")
+        return out
+
+    def prepare_out_dir(self) -> Path:
+        out = self.check_out_dir()
         out.mkdir(parents=True, exist_ok=True)
         return out
 
@@ -339,7 +364,7 @@ class BenchRun:
             return
         too_long = [s.name for s in self.config.shapes if s.prompt_tokens + s.output_tokens > max_model_len]
         if too_long:
-            raise ConfigError(f"shapes {too_long} exceed the server's max_model_len {max_model_len} (prompt + output)")
+            raise ConfigError(shapes_do_not_fit_message(self.config, too_long, max_model_len), option="workload")
 
     def make_tokenizer(self) -> PromptTokenizer:
         if self.config.tokenizer_path:
@@ -348,8 +373,9 @@ class BenchRun:
 
     # -- main -----------------------------------------------------------------------------------
     async def run(self) -> RunOutcome:
+        self.check_out_dir()
+        self.server_info = self.probe_server()  # a server that cannot run the shapes: refused before --out exists
         out = self.prepare_out_dir()
-        self.server_info = self.probe_server()
         self._tokenizer = self.make_tokenizer()
         self._prompts = PromptFactory(
             self._tokenizer,

@@ -285,6 +285,7 @@ class PrefillFit:
     regimes: dict[float, str]  # prompt_tokens -> COMPUTE_LABEL | OVERHEAD_LABEL
     fit_prompt_tokens: list[float]
     reason: str
+    goodness: dict[str, object] | None = None  # see fit_goodness: R², residuals, curvature, verdict
 
     def to_json(self) -> dict[str, object]:
         doc = asdict(self)
@@ -332,14 +333,157 @@ def prefill_fit(
         if regimes[p.prompt_tokens] == COMPUTE_LABEL and p.prompt_tokens not in exclude_from_fit
     ]
     fit_tokens = [p.prompt_tokens for p, _ in fit_points]
+    curve_points = [p for p in usable if p.prompt_tokens not in exclude_from_fit]
     if len(fit_points) < MIN_FIT_SHAPES:
         reason = f"{len(fit_points)} usable shape(s) above the knee; a rate needs {MIN_FIT_SHAPES}"
-        return PrefillFit(None, None, None, None, floor, KNEE_RULE_TEXT, regimes, fit_tokens, reason)
+        goodness = fit_goodness(curve_points, None, None, fit_tokens, floor, resamples=resamples, seed=seed)
+        return PrefillFit(None, None, None, None, floor, KNEE_RULE_TEXT, regimes, fit_tokens, reason, goodness)
     slope, intercept = line_fit(fit_tokens, [m for _, m in fit_points])
     rate_ci = _bootstrap_rate_ci([p for p, _ in fit_points], resamples=resamples, seed=seed)
     rate = 1.0 / slope if slope > 0 else None
     reason = f"fit over {len(fit_points)} compute-dominated shapes" if rate else "non-positive slope"
-    return PrefillFit(rate, rate_ci, slope, intercept, floor, KNEE_RULE_TEXT, regimes, fit_tokens, reason)
+    goodness = fit_goodness(curve_points, slope, intercept, fit_tokens, floor, resamples=resamples, seed=seed)
+    return PrefillFit(rate, rate_ci, slope, intercept, floor, KNEE_RULE_TEXT, regimes, fit_tokens, reason, goodness)
+
+
+# -- goodness of fit ----------------------------------------------------------------------------
+# A line through the medians always looks like a rate; whether TTFT is a line is a separate
+# question, answered on every sample:
+#   residuals   each shape's median against the line (extrapolated to the shapes below the knee);
+#               the line "misses" a fitted shape when it is off by more than LINE_MISS_SHARE;
+#   intercept   a fixed overhead above the shortest prompt's measured TTFT is not an overhead;
+#   curvature   TTFT = a + b*x + c*x^2 by least squares over every sample of every shape (bimodal
+#               ones left out, at least 3 prompt lengths); "curved" when the 95 % case-resampling
+#               bootstrap CI of c excludes 0 AND the x^2 term is at least CURVATURE_SHARE of the
+#               fitted TTFT at the longest prompt (a significant but negligible bend is a line).
+LINE_MISS_SHARE = 0.10
+CURVATURE_SHARE = 0.05
+CURVATURE_TEST_TEXT = (
+    f"least squares TTFT = a + b*x + c*x^2 over every sample; curved when the 95 % case-resampling bootstrap "
+    f"CI of c excludes 0 and c*x_max^2 >= {CURVATURE_SHARE:.0%} of the fitted TTFT at x_max"
+)
+
+
+def r_squared(x: np.ndarray, y: np.ndarray, coefficients: Sequence[float]) -> float | None:
+    """1 - SS_res / SS_tot of a polynomial (``numpy.polyfit`` order) over the points."""
+    total = float(np.sum((y - y.mean()) ** 2))
+    if total <= 0:
+        return None
+    residual = float(np.sum((y - np.polyval(coefficients, x)) ** 2))
+    return 1.0 - residual / total
+
+
+def _all_samples(points: Sequence[ShapePoint]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.concatenate([np.full(len(p.values), float(p.prompt_tokens)) for p in points]) if points else np.zeros(0)
+    y = np.concatenate([np.asarray(p.values, dtype=float) for p in points]) if points else np.zeros(0)
+    return x, y
+
+
+def _case_bootstrap_coefficients(x: np.ndarray, y: np.ndarray, degree: int, *, resamples: int, seed: int) -> np.ndarray:
+    """Polynomial coefficients (``polyfit`` order) of case-resampled (x, y) pairs, all resamples
+    solved at once; resamples with fewer distinct x than the polynomial needs are skipped."""
+    rng = np.random.default_rng(seed)
+    index = rng.integers(0, len(x), (resamples, len(x)))
+    scale = float(np.max(np.abs(x))) or 1.0  # x / scale keeps x^2 well conditioned
+    xs, ys = x[index] / scale, y[index]
+    powers = np.stack([xs**k for k in range(degree, -1, -1)], axis=-1)  # (resamples, n, degree + 1)
+    normal = np.einsum("rnk,rnl->rkl", powers, powers)
+    rhs = np.einsum("rnk,rn->rk", powers, ys)
+    distinct = 1 + np.sum(np.diff(np.sort(xs, axis=1), axis=1) > 0, axis=1)
+    keep = distinct > degree
+    coefficients = np.linalg.solve(normal[keep], rhs[keep][..., None])[..., 0]
+    return coefficients / np.asarray([scale**k for k in range(degree, -1, -1)])
+
+
+def fit_goodness(
+    points: Sequence[ShapePoint],
+    slope: float | None,
+    intercept: float | None,
+    fit_tokens: Sequence[float],
+    floor: float | None,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> dict[str, object]:
+    """How well the prefill line describes TTFT (see the comment above); ``verdict`` says it in words."""
+    x, y = _all_samples(points)
+    fitted = set(fit_tokens)
+    doc: dict[str, object] = {"n_samples": int(len(x)), "shapes": len(points), "line_miss_share": LINE_MISS_SHARE,
+                              "curvature_test": CURVATURE_TEST_TEXT}
+    residuals, misses = [], []
+    if slope is not None and intercept is not None:
+        fx, fy = _all_samples([p for p in points if p.prompt_tokens in fitted])
+        doc["r2_line"] = r_squared(fx, fy, [slope, intercept]) if len(fx) else None
+        for p in points:
+            median = float(np.median(p.values))
+            predicted = intercept + slope * float(p.prompt_tokens)
+            relative = (median - predicted) / predicted if predicted > 0 else None
+            residuals.append({"prompt_tokens": p.prompt_tokens, "median_s": median, "line_s": predicted,
+                              "relative": relative, "in_fit": p.prompt_tokens in fitted})
+            if p.prompt_tokens in fitted and (relative is None or abs(relative) > LINE_MISS_SHARE):
+                misses.append(p.prompt_tokens)
+        doc["intercept_over_floor"] = intercept / floor if floor else None
+    doc["residuals"] = residuals
+    doc["line_misses"] = misses
+    doc["curvature"] = _curvature(x, y, resamples=resamples, seed=seed)
+    doc["verdict"] = _goodness_verdict(doc, slope, intercept, floor, fit_tokens)
+    return doc
+
+
+def _curvature(x: np.ndarray, y: np.ndarray, *, resamples: int, seed: int) -> dict[str, object] | None:
+    distinct = np.unique(x)
+    if len(distinct) < 3:
+        return None
+    c, b, a = (float(v) for v in np.polyfit(x, y, 2))
+    boot = _case_bootstrap_coefficients(x, y, 2, resamples=resamples, seed=seed)
+    tail = (1.0 - CI_CONFIDENCE) / 2.0
+    c_ci = (float(np.quantile(boot[:, 0], tail)), float(np.quantile(boot[:, 0], 1.0 - tail))) if len(boot) else None
+    x_max, x_min = float(distinct.max()), float(distinct.min())
+    at_max = a + b * x_max + c * x_max * x_max
+    share = abs(c) * x_max * x_max / at_max if at_max > 0 else None
+    curved = bool(c_ci is not None and (c_ci[0] > 0 or c_ci[1] < 0) and share is not None and share >= CURVATURE_SHARE)
+
+    def marginal_rate(at: float) -> float | None:
+        derivative = b + 2.0 * c * at
+        return 1.0 / derivative if derivative > 0 else None
+
+    line_slope, line_intercept = np.polyfit(x, y, 1)
+    return {
+        "a_s": a, "b_s_per_tok": b, "c_s_per_tok2": c, "c_ci": list(c_ci) if c_ci else None,
+        "share_at_longest": share, "curved": curved,
+        "r2_quadratic": r_squared(x, y, [c, b, a]), "r2_line_all_shapes": r_squared(x, y, [line_slope, line_intercept]),
+        "marginal_rate_tok_s": {"prompt_tokens": [x_min, x_max], "rate_tok_s": [marginal_rate(x_min), marginal_rate(x_max)]},
+    }
+
+
+def _goodness_verdict(doc: dict[str, object], slope: float | None, intercept: float | None, floor: float | None,
+                      fit_tokens: Sequence[float]) -> str:
+    curvature = doc["curvature"]
+    parts = []
+    if isinstance(curvature, dict) and curvature["curved"]:
+        lo, hi = curvature["c_ci"]
+        rates = curvature["marginal_rate_tok_s"]
+        ends = ", ".join(f"{r:,.0f} tok/s at {t:,.0f}" if r else f"– at {t:,.0f}"
+                         for t, r in zip(rates["prompt_tokens"], rates["rate_tok_s"]))
+        parts.append(f"TTFT is curved, not a line (x² coefficient 95 % CI [{lo:.3g}, {hi:.3g}] excludes 0; the x² term is "
+                     f"{curvature['share_at_longest']:.0%} of TTFT at the longest prompt; R² quadratic "
+                     f"{curvature['r2_quadratic']:.3f} vs line {curvature['r2_line_all_shapes']:.3f}): no single prefill rate; "
+                     f"marginal rate {ends}")
+    if slope is None or intercept is None:
+        return "; ".join(parts) or "no line fitted"
+    if len(fit_tokens) < 3:
+        parts.append(f"the line passes through its {len(fit_tokens)} fitted medians by construction: its fit is not tested by them")
+    elif doc["line_misses"]:
+        parts.append(f"the line misses its fitted points at {doc['line_misses']} prompt tokens by more than {LINE_MISS_SHARE:.0%}")
+    if floor and intercept > floor:
+        parts.append(f"its intercept ({intercept * 1000:,.1f} ms) is {intercept / floor:.1f}× the shortest prompt's measured "
+                     f"TTFT ({floor * 1000:,.1f} ms): it is not a fixed overhead")
+    elif intercept < 0:
+        parts.append(f"its intercept is negative ({intercept * 1000:,.1f} ms): it is not a fixed overhead")
+    if not parts:
+        r2 = doc.get("r2_line")
+        return f"the line fits (every fitted median within {LINE_MISS_SHARE:.0%}" + (f", R² {r2:.3f} over every sample)" if r2 is not None else ")")
+    return "; ".join(parts)
 
 
 def _bootstrap_rate_ci(points: Sequence[ShapePoint], *, resamples: int, seed: int) -> tuple[float, float | None] | None:
@@ -360,38 +504,86 @@ def _bootstrap_rate_ci(points: Sequence[ShapePoint], *, resamples: int, seed: in
 
 
 # -- decode flatness ----------------------------------------------------------------------------
-# Flat when the per-shape median decode rates stay within DECODE_FLAT_TOLERANCE of their own
-# median: (max - min) / median <= 5 % (a published card's "flat" was 1.8 %: 27.51-28.00 tok/s,
-# docs/laguna-card.md#decode-and-ttft).
+# The test: an ordinary least-squares line of decode rate against prompt length over EVERY kept
+# sample, its slope's 95 % CI by case-resampling bootstrap (BOOTSTRAP_RESAMPLES, seed 0). The
+# change across the measured context is slope * (longest - shortest prompt) / median rate.
+#   flat           the whole CI of that change lies within +-DECODE_FLAT_TOLERANCE (an equivalence
+#                  test: the data rule out a change larger than the tolerance);
+#   falls / rises  the slope's CI excludes 0 (and the change is not shown to be within tolerance);
+#   cannot tell    neither: the samples cannot tell a flat rate from a changing one (more samples
+#                  would).
+# 5 %: a published card's "flat" was 1.8 % (27.51-28.00 tok/s, docs/laguna-card.md#decode-and-ttft).
 DECODE_FLAT_TOLERANCE = 0.05
+FLAT = "flat"
+FALLS = "falls with context"
+RISES = "rises with context"
+CANNOT_TELL = "cannot tell apart"
+DECODE_FLAT_TEST_TEXT = (
+    "least-squares slope of decode rate vs prompt tokens over every kept sample, 95 % case-resampling bootstrap CI; "
+    f"flat when the CI of the change across the measured context lies within ±{DECODE_FLAT_TOLERANCE:.0%}, "
+    "falls/rises when the slope CI excludes 0, else cannot tell apart"
+)
 
 
 @dataclass(frozen=True)
 class DecodeFlatness:
-    flat: bool | None
-    relative_spread: float | None
+    flat: bool | None  # True flat, False falls/rises, None untested or cannot tell
+    relative_spread: float | None  # (max - min) / median of the per-shape medians (descriptive only)
     median_tok_s: float | None
     min_shape_median_tok_s: float | None
     max_shape_median_tok_s: float | None
     change_per_1k_prompt_tokens: float | None  # relative change of decode rate per 1,000 prompt tokens
     tolerance: float
     shapes: int
+    verdict: str | None = None  # FLAT | FALLS | RISES | CANNOT_TELL
+    n: int = 0  # samples in the regression
+    change_per_1k_ci: tuple[float, float] | None = None
+    change_across_context: float | None = None  # relative, shortest -> longest prompt
+    change_across_context_ci: tuple[float, float] | None = None
+    context_range: tuple[float, float] | None = None
+    r2: float | None = None
+    residual_sd_tok_s: float | None = None
+    test: str = DECODE_FLAT_TEST_TEXT
 
     def to_json(self) -> dict[str, object]:
-        return asdict(self)
+        doc = asdict(self)
+        for key in ("change_per_1k_ci", "change_across_context_ci", "context_range"):
+            doc[key] = list(doc[key]) if doc[key] is not None else None
+        return doc
 
 
-def decode_flatness(points: Sequence[ShapePoint]) -> DecodeFlatness:
+def decode_flatness(points: Sequence[ShapePoint], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> DecodeFlatness:
     usable = sorted((p for p in points if len(p.values) > 0), key=lambda p: p.prompt_tokens)
     if len(usable) < 2:
         return DecodeFlatness(None, None, None, None, None, None, DECODE_FLAT_TOLERANCE, len(usable))
     medians = np.asarray([np.median(p.values) for p in usable], dtype=float)
     centre = float(np.median(medians))
     relative = float((medians.max() - medians.min()) / centre) if centre > 0 else None
-    slope, _ = line_fit([p.prompt_tokens for p in usable], medians)
-    per_1k = slope * 1000.0 / centre if centre > 0 else None
-    flat = relative is not None and relative <= DECODE_FLAT_TOLERANCE
-    return DecodeFlatness(flat, relative, centre, float(medians.min()), float(medians.max()), per_1k, DECODE_FLAT_TOLERANCE, len(usable))
+    x, y = _all_samples(usable)
+    slope, intercept = line_fit(x, y)
+    boot = _case_bootstrap_coefficients(x, y, 1, resamples=resamples, seed=seed)
+    tail = (1.0 - CI_CONFIDENCE) / 2.0
+    span = float(x.max() - x.min())
+    slope_ci = (float(np.quantile(boot[:, 0], tail)), float(np.quantile(boot[:, 0], 1.0 - tail))) if len(boot) else None
+    residual_sd = float(np.sqrt(np.sum((y - (intercept + slope * x)) ** 2) / (len(x) - 2))) if len(x) > 2 else None
+    if centre <= 0 or slope_ci is None:
+        return DecodeFlatness(None, relative, centre, float(medians.min()), float(medians.max()), None, DECODE_FLAT_TOLERANCE,
+                              len(usable), CANNOT_TELL, len(x))
+    per_1k = slope * 1000.0 / centre
+    per_1k_ci = (slope_ci[0] * 1000.0 / centre, slope_ci[1] * 1000.0 / centre)
+    change = slope * span / centre
+    change_ci = (slope_ci[0] * span / centre, slope_ci[1] * span / centre)
+    if -DECODE_FLAT_TOLERANCE <= change_ci[0] and change_ci[1] <= DECODE_FLAT_TOLERANCE:
+        verdict, flat = FLAT, True
+    elif slope_ci[0] > 0 or slope_ci[1] < 0:
+        verdict, flat = (RISES if slope_ci[0] > 0 else FALLS), False
+    else:
+        verdict, flat = CANNOT_TELL, None
+    return DecodeFlatness(
+        flat, relative, centre, float(medians.min()), float(medians.max()), per_1k, DECODE_FLAT_TOLERANCE, len(usable),
+        verdict, len(x), per_1k_ci, change, change_ci, (float(x.min()), float(x.max())),
+        r_squared(x, y, [slope, intercept]), residual_sd,
+    )
 
 
 # -- comparing two runs -------------------------------------------------------------------------

@@ -156,16 +156,25 @@ def _print_summary(summary: dict[str, Any] | None, as_json: bool) -> None:
 
 
 class LiveCells:
-    """A rich progress line per cell on stderr: phase, done/total, last and median TTFT, failures."""
+    """A rich progress line per cell on stderr: phase, done/total, last and median TTFT, failures.
+    Off a terminal: a plain line per finished cell and a heartbeat during a long one."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, live: bool | None = None) -> None:
+        from fp4forge.cli.common import interactive
+
         self.enabled = enabled
+        self.live = interactive() if live is None else live
         self._progress: Any = None
+        self._plain: Any = None
         self._tasks: dict[tuple[str, str], Any] = {}
         self._ttfts: dict[tuple[str, str], list[float]] = {}
 
     def __enter__(self) -> LiveCells:
-        if self.enabled:
+        if self.enabled and not self.live:
+            from fp4forge.cli.common import PlainProgress
+
+            self._plain = PlainProgress("bench perf").__enter__()
+        elif self.enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
@@ -176,10 +185,14 @@ class LiveCells:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._plain is not None:
+            self._plain.__exit__(*exc)
         if self._progress is not None:
             self._progress.__exit__(*exc)
 
     def update(self, event: Any) -> None:
+        if self._plain is not None:
+            self._plain_update(event)
         if self._progress is None:
             return
         import statistics
@@ -199,6 +212,24 @@ class LiveCells:
             self._progress.update(task, description=f"{event.load} {event.shape} done", detail=detail)
         else:
             self._progress.update(task, description=description, completed=event.done, total=event.total or None, detail=detail)
+
+
+    def _plain_update(self, event: Any) -> None:
+        import statistics
+
+        key = (event.load, event.shape)
+        cell = f"{event.load} {event.shape}"
+        ttfts = self._ttfts.setdefault(key, [])
+        if key not in self._tasks:
+            self._tasks[key] = cell
+            self._plain.begin(cell, f"{cell}: {event.phase}, {event.total} request(s)")
+        if event.phase == "measure" and event.sample and event.sample.get("ttft_s") is not None and event.sample["ok"]:
+            ttfts.append(event.sample["ttft_s"])
+        median = f", median TTFT {statistics.median(ttfts) * 1000:,.1f} ms" if ttfts else ""
+        if event.phase == "done":
+            self._plain.end(f"{cell}: done in {self._plain.task_elapsed():.1f} s, failed {event.failed}{median}")
+        else:
+            self._plain.update(event.done, event.total, f"{event.phase}{median}")
 
 
 # -- analyze / compare --------------------------------------------------------------------------

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TextIO
 
 from fp4forge.errors import Fp4forgeError
 
@@ -75,12 +77,127 @@ def fail(message: object, code: int, as_json: bool = False, **context: object) -
     return SystemExit(code)
 
 
+# -- progress -----------------------------------------------------------------------------------
+# Live bars only where a person watches both streams; anywhere else (CI, `| tee`, a log file) a
+# bar either prints nothing until it ends or floods the log with redraws, so progress becomes plain
+# lines: one per change of step, and a heartbeat every HEARTBEAT_S during a long one.
+HEARTBEAT_S = 10.0
+
+
+def interactive() -> bool:
+    """True when stdout and stderr are both terminals (a pipe or a file on either: plain lines)."""
+    return _isatty(sys.stdout) and _isatty(sys.stderr)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def plain_stream() -> TextIO:
+    """Where plain progress lines go: stdout when it is captured (so `| tee` keeps them), else stderr."""
+    return sys.stderr if _isatty(sys.stdout) else sys.stdout
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class PlainProgress:
+    """Progress as lines of text: ``line(text)`` prints at once; while a task runs (``begin``),
+    ``update`` records what it is doing and a background thread prints it every ``heartbeat_s``
+    with the task's own elapsed time and done/total (both start again at every ``begin``)."""
+
+    def __init__(self, name: str, stream: TextIO | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name, self.stream, self.heartbeat_s, self.clock = name, stream or plain_stream(), heartbeat_s, clock
+        self.started = clock()
+        self._lock = threading.Lock()
+        self._task: str | None = None
+        self._task_started = self.started
+        self._last_line = self.started
+        self._done, self._total, self._detail = 0, 0, ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PlainProgress:
+        if self.heartbeat_s > 0:
+            self._thread = threading.Thread(target=self._beat, name="fp4forge-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            self._write(text)
+
+    def begin(self, task: str, text: str | None = None) -> None:
+        with self._lock:
+            self._task, self._task_started = task, self.clock()
+            self._done, self._total, self._detail = 0, 0, ""
+            self._write(text or f"{task}: started")
+
+    def update(self, done: int, total: int, detail: str = "") -> None:
+        with self._lock:
+            self._done, self._total, self._detail = done, total, detail or self._detail
+
+    def end(self, text: str) -> None:
+        with self._lock:
+            self._task = None
+            self._write(text)
+
+    def task_elapsed(self) -> float:
+        """Seconds since the running (or last) task began."""
+        return self.clock() - self._task_started
+
+    def heartbeat_text(self) -> str | None:
+        """The line a heartbeat prints now (None when no task runs)."""
+        if self._task is None:
+            return None
+        parts = [f"{self._task}: running {_duration(self.clock() - self._task_started)}"]
+        if self._total:
+            parts.append(f"{self._done}/{self._total} ({self._done / self._total:.0%})")
+        if self._detail:
+            parts.append(self._detail)
+        return ", ".join(parts)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(1.0, self.heartbeat_s)):
+            with self._lock:
+                if self._task is not None and self.clock() - self._last_line >= self.heartbeat_s:
+                    self._write(self.heartbeat_text() or "")
+
+    def _write(self, text: str) -> None:
+        now = self.clock()
+        self._last_line = now
+        self.stream.write(f"[{self.name} {_duration(now - self.started):>6}] {text}\n")
+        self.stream.flush()
+
+
 @contextmanager
 def progress_bar(description: str, enabled: bool = True) -> Iterator:
-    """Yields a `progress(done, total, desc)` callback drawing a rich bar on stderr (None when
-    not ``enabled``, e.g. under --json)."""
+    """Yields a `progress(done, total, desc)` callback drawing a rich bar on stderr, or plain
+    heartbeat lines off a terminal (None when not ``enabled``, e.g. under --json)."""
     if not enabled:
         yield None
+        return
+    if not interactive():
+        with PlainProgress("fp4forge") as plain:
+            plain.begin(description)
+            plain.update(0, 0)
+
+            def plain_update(done: int, total: int, desc: str = description) -> None:
+                plain.update(done, total, desc)
+
+            yield plain_update
+            plain.end(f"{description}: finished in {_duration(plain.task_elapsed())}")
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

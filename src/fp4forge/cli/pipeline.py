@@ -37,20 +37,32 @@ _fail = fail
 
 class StepsView:
     """One live table for the whole run: every step's status, time and headline, and a bar for
-    the running step's own progress."""
+    the running step's own progress (a new bar per step: counts and clock start again). Off a
+    terminal (CI, ``| tee``), plain lines instead: one per step, a heartbeat during long ones."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, live: bool | None = None) -> None:
+        from fp4forge.cli.common import interactive
+
         self.enabled = enabled
+        self.live = interactive() if live is None else live
         self.rows: dict[str, list[str]] = {}
         self._live: Any = None
         self._bar: Any = None
         self._task: Any = None
+        self._plain: Any = None
+        self._running: str | None = None
 
     def __enter__(self) -> StepsView:
         return self
 
     def _start(self) -> None:
         """On the first event: options that fail validation print one error line, no table."""
+        if not self.live:
+            if self._plain is None:
+                from fp4forge.cli.common import PlainProgress
+
+                self._plain = PlainProgress("pipeline").__enter__()
+            return
         if self._live is None:
             from rich.live import Live
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -64,6 +76,8 @@ class StepsView:
             self._live.__enter__()
 
     def __exit__(self, *exc: object) -> None:
+        if self._plain is not None:
+            self._plain.__exit__(*exc)
         if self._live is not None:
             self._bar.update(self._task, visible=False)
             self._live.update(self._render())
@@ -86,16 +100,38 @@ class StepsView:
         if not self.enabled:
             return
         self._start()
+        if not self.live:
+            self._plain_update(event)
+            return
         row = self.rows.setdefault(event.step, [event.step, "", ""])
         row[1] = event.status
         if event.status == "running":
+            if event.step != self._running:  # a new step: its own bar, from 0 and 0 s
+                self._running = event.step
+                self._bar.remove_task(self._task)
+                self._task = self._bar.add_task("", total=None)
             self._bar.update(self._task, visible=True, description=f"{event.step}: {event.detail}",
                              completed=event.done, total=event.total or None)
         elif event.detail:
             row[2] = event.detail
         if event.status != "running":
+            self._running = None
             self._bar.update(self._task, visible=False, completed=0, total=None)
         self._live.update(self._render())
+
+    def _plain_update(self, event: Any) -> None:
+        plain = self._plain
+        if event.status == "running":
+            if event.step != self._running:
+                self._running = event.step
+                plain.begin(event.step, f"{event.step}: running" + (f" ({event.detail})" if event.detail else ""))
+            plain.update(event.done, event.total, event.detail)
+            return
+        took = ""
+        if event.step == self._running:
+            took = f" in {plain.task_elapsed():.1f} s"
+            self._running = None
+        plain.end(f"{event.step}: {event.status}{took}" + (f" — {event.detail}" if event.detail else ""))
 
 
 def _csv(text: Optional[str]) -> tuple[str, ...]:

@@ -104,6 +104,53 @@ def _print_finding(out, f) -> None:  # type: ignore[no-untyped-def]
         out.print(f"                    fix: {f.fix}")
 
 
+class _StartupStatus:
+    """While vLLM starts: on a terminal a spinner with the seconds so far and the log's latest
+    meaningful line; off one, a heartbeat line every few seconds with the same."""
+
+    def __init__(self, console, what: str, enabled: bool) -> None:  # type: ignore[no-untyped-def]
+        import time
+
+        from fp4forge.cli.common import interactive
+
+        self.console, self.what, self.enabled = console, what, enabled
+        self.live = interactive()
+        self.started = time.monotonic()
+        self.latest = ""
+        self._status = None
+        self._plain = None
+
+    def __enter__(self) -> _StartupStatus:
+        if self.enabled and self.live:
+            self._status = self.console.status(self.what)
+            self._status.__enter__()
+        elif self.enabled:
+            from fp4forge.cli.common import PlainProgress
+
+            self._plain = PlainProgress("serve up").__enter__()
+            self._plain.begin(self.what)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)
+        if self._plain is not None:
+            self._plain.__exit__(*exc)
+
+    def line(self, line: str) -> None:
+        import time
+
+        from fp4forge.serve.process import startup_status
+
+        text = startup_status(line)
+        if not text:
+            return
+        if self._status is not None:
+            self._status.update(f"{self.what}, {time.monotonic() - self.started:.0f} s: {text}")
+        elif self._plain is not None:
+            self._plain.update(0, 0, text)
+
+
 @serve_app.command("up", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def up_command(
     ctx: typer.Context,
@@ -122,10 +169,11 @@ def up_command(
 
     err = _console(stderr=True)
     try:
-        record, doctor = serve_up(
-            model, venv=venv, name=name, port=port, hardware=hardware, extra_args=list(ctx.args),
-            ready_timeout_s=timeout, directory=state, on_finding=lambda f: _print_finding(err, f),
-        )
+        with _StartupStatus(err, f"starting vLLM ({name or model.name})", enabled=not as_json) as status:
+            record, doctor = serve_up(
+                model, venv=venv, name=name, port=port, hardware=hardware, extra_args=list(ctx.args),
+                ready_timeout_s=timeout, directory=state, on_finding=lambda f: _print_finding(err, f), on_line=status.line,
+            )
     except Fp4forgeError as error:
         raise _fail(error, as_json) from None
     if as_json:

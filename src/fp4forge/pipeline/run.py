@@ -128,6 +128,8 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
     ctx.progress = progress
     try:
         for step in steps:
+            if step is CARD_STEP:
+                ctx.stop_servers()  # the card reads each server's whole log, kept when it stops
             record = manifest.steps[step.name]
             reason = step.off(options)
             if reason is not None:
@@ -142,7 +144,7 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
                 on_event(StepEvent(step.name, SKIPPED, detail="unchanged"))
                 manifest.save()
                 continue
-            current[0] = step.name
+            current[0] = ctx.step = step.name
             record.status, record.key = "running", key
             manifest.save()
             on_event(StepEvent(step.name, "running"))

@@ -119,9 +119,18 @@ class PipelineOptions:
         return doc
 
 
+SERVERS = "servers"  # reports/servers/<role>.log and .json: each server's whole life
+
+
 class ServerSlot:
     """A vLLM server the serving steps share (the export, or the BF16 teacher): started by the
-    first step that needs it, stopped when the run ends or another model needs the machine."""
+    first step that needs it, stopped when the run ends or another model needs the machine.
+
+    While it starts, each log line goes to the step's progress as a live status. When it stops,
+    its whole log (not only the start-up) is kept as ``reports/servers/<role>.log`` and the log
+    doctor's findings before and after readiness, the steps it served and a path-free command
+    (with the environment it ran with) go to ``reports/servers/<role>.json``.
+    """
 
     def __init__(self, ctx: Context, model: Path, role: str) -> None:
         self.ctx = ctx
@@ -130,30 +139,93 @@ class ServerSlot:
         self.record = None
         self.doctor = None
         self.ready_seconds: float | None = None
+        self.ready_line: int | None = None  # log lines up to readiness
+        self.steps: list[str] = []
         self._directory = ctx.out / STAGING / "serve-state"
+
+    @property
+    def served_name(self) -> str:
+        """The name the portable command serves the model under (the directory's name, not this run's random one)."""
+        return self.model.resolve().name
+
+    def portable_command(self) -> str | None:
+        from fp4forge.serve.launcher import portable_command
+
+        if self.record is None:
+            return None
+        return portable_command(self.record.command, self.record.env, served_model_name=self.served_name)
 
     def get(self):  # type: ignore[no-untyped-def]
         if self.record is None:
-            from fp4forge.serve.process import serve_up
+            from fp4forge.serve.process import serve_up, startup_status
 
             venv = self.ctx.options.vllm_venv
             if venv is None:
                 raise ServeError("serving needs a vLLM venv", option="vllm_venv")
             self._directory.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
+            what = f"starting vLLM ({self.role}: {self.served_name})"
+            self.ctx.progress(0, 0, what)
+
+            def on_line(line: str) -> None:
+                status = startup_status(line)
+                if status:
+                    self.ctx.progress(0, 0, f"{what}, {time.monotonic() - started:.0f} s: {status}")
+
             self.record, self.doctor = serve_up(
                 self.model, venv=venv, name=f"fp4forge-{self.role}-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
-                ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory,
+                ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory, on_line=on_line,
             )
             self.ready_seconds = time.monotonic() - started
+            self.ready_line = self.doctor.line_count
+            self.ctx.progress(0, 0, f"vLLM ({self.role}) ready after {self.ready_seconds:.0f} s")
+        if self.ctx.step and self.ctx.step not in self.steps:
+            self.steps.append(self.ctx.step)
         return self.record
 
     def stop(self) -> None:
         if self.record is not None:
             from fp4forge.serve.process import serve_down
 
-            serve_down([self.record.name], directory=self._directory)
+            record = self.record
+            serve_down([record.name], directory=self._directory)
             self.record = None
+            self._keep_life(record)
+
+    def _keep_life(self, record: Any) -> None:
+        """The whole log and what the doctor finds in it, before and after readiness."""
+        from fp4forge.serve.doctor import diagnose, iter_lines
+        from fp4forge.serve.launcher import portable_command
+
+        directory = self.ctx.reports / SERVERS
+        directory.mkdir(parents=True, exist_ok=True)
+        log = directory / f"{self.role}.log"
+        try:
+            shutil.copyfile(record.log, log)
+            text = log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = ""
+        try:
+            diagnosis = diagnose(iter_lines(text), checkpoint=str(self.model))
+        except Fp4forgeError:  # the checkpoint no longer reads: the log alone still says what happened
+            diagnosis = diagnose(iter_lines(text), find_checkpoint=False)
+        ready = self.ready_line or 0
+        findings = [f.to_json() for f in diagnosis.findings]
+        write_json(directory / f"{self.role}.json", {
+            "role": self.role,
+            "model": "." if self.role == "student" else self.served_name,
+            "hardware": self.ctx.options.serve_hardware,
+            "vllm_version": diagnosis.vllm_version,
+            "command": portable_command(record.command, record.env, served_model_name=self.served_name),
+            "env": {k: v for k, v in record.env.items()},
+            "ready_seconds": self.ready_seconds,
+            "ready_line": ready,
+            "log_lines": len(text.splitlines()),
+            "served_steps": self.steps,
+            "log": f"{self.role}.log",
+            "startup_findings": [f for f in findings if f["line"] <= ready],
+            "findings_after_ready": [f for f in findings if f["line"] > ready],
+        })
 
 
 @dataclass
@@ -163,6 +235,7 @@ class Context:
     options: PipelineOptions
     progress: Progress = lambda done, total, desc: None
     servers: dict[str, ServerSlot] = field(default_factory=dict)
+    step: str = ""  # the running step (a server records which steps it served)
 
     @property
     def reports(self) -> Path:
@@ -325,7 +398,9 @@ def run_serve(ctx: Context) -> dict[str, Any]:
     write_json(ctx.report("serve.json"), {
         "hardware": ctx.options.serve_hardware,
         "vllm_version": diagnosis.vllm_version,
-        "command": record.command,
+        "command": record.command,  # as run here (this machine's paths, a free port)
+        "reproducible_command": slot.portable_command(),  # what the card shows
+        "env": dict(record.env),
         "kv_fallback": None if fallback is None else fallback.to_json(),
         "ready_seconds": slot.ready_seconds,
         "log": "serve.log",
@@ -488,7 +563,7 @@ STEPS: tuple[Step, ...] = (
     Step("serve-cmd", "the serve line for the target hardware", run_serve_cmd, ("reports/serve-cmd.json",), ("checkpoint",),
          ("hardware", "vllm_version")),
     Step("serve", "serve it here (vLLM) and read the log", run_serve, ("reports/serve.json", "reports/serve.log"),
-         ("checkpoint", "vllm"), ("serve_hardware",), off=_needs_serve),
+         ("checkpoint", "vllm"), ("serve_hardware",), off=_needs_serve, version=2),  # 2: a reproducible command, the env
     Step("perf", "bench perf", run_perf, ("reports/bench",), ("checkpoint", "vllm"), ("perf_workload", "perf_mode"),
          off=_needs_bench("perf")),
     Step("quality", "bench quality (agentic tool use)", run_quality, ("reports/quality",), ("checkpoint", "vllm"),

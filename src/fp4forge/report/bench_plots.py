@@ -78,10 +78,13 @@ def _plot_ttft_distribution(plt: Any, cells: dict, summary: dict[str, Any]) -> A
                     axis.annotate(f"{mode['share']:.0%}", (index + 0.32, mode["centre"] * 1000.0), fontsize=7, color="tab:red", va="center")
             elif entry["median_ttft_s"] is not None:
                 axis.hlines(entry["median_ttft_s"] * 1000.0, index - 0.3, index + 0.3, color="black", linewidth=1.5)
+                ci = entry.get("median_ttft_ci_s")
+                if ci:
+                    axis.vlines(index + 0.34, ci[0] * 1000.0, ci[1] * 1000.0, color="black", linewidth=1.0)
         axis.set_xticks(range(len(entries)), [e["shape"] for e in entries], rotation=30, ha="right", fontsize=8)
         axis.set_yscale("log")
-        axis.set_ylabel("TTFT (ms)")
-        axis.set_title(f"TTFT per shape, load {load} (black: median; red: modes of a bimodal shape)", fontsize=9)
+        axis.set_ylabel("TTFT (ms, log scale)")
+        axis.set_title(f"TTFT per shape, load {load} (black: median, bar: its 95% CI; red: modes of a bimodal shape)", fontsize=9)
     figure.tight_layout()
     return figure
 
@@ -99,19 +102,33 @@ def _plot_ttft_vs_prompt(plt: Any, cells: dict, summary: dict[str, Any]) -> Any:
                 drew = True
                 marker = "o" if entry["prefill_regime"] == stats.COMPUTE_LABEL else "x"
                 axis.scatter([entry["prompt_tokens"]] * len(ttft_ms), ttft_ms, s=12, alpha=0.6, color=colour, marker=marker)
+        goodness = fit.get("goodness") or {}
+        longest = max((e["prompt_tokens"] for e in entries if e["prompt_tokens"] is not None), default=0)
         if fit.get("slope_s_per_tok") is not None and fit["fit_prompt_tokens"]:
-            xs = np.linspace(0, max(fit["fit_prompt_tokens"]), 50)
+            xs = np.linspace(0, longest, 80)
             ys = (fit["intercept_s"] + fit["slope_s_per_tok"] * xs) * 1000.0
             rate = fit["rate_tok_s"]
-            label = f"{load}: {rate:,.0f} tok/s, intercept {fit['intercept_s'] * 1000:.1f} ms" if rate else f"{load}: fit"
+            r2 = goodness.get("r2_line")
+            label = (f"{load}: line {rate:,.0f} tok/s, intercept {fit['intercept_s'] * 1000:.1f} ms"
+                     + (f", R² {r2:.2f}" if r2 is not None else "")) if rate else f"{load}: line"
+            if goodness.get("line_misses") or (goodness.get("intercept_over_floor") or 0) > 1:
+                label += " (misses its points)"
             axis.plot(xs, ys, color=colour, linewidth=1.2, label=label)
         else:
             axis.plot([], [], color=colour, label=f"{load}: no rate ({fit.get('reason')})")
+        curvature = goodness.get("curvature")
+        if curvature and curvature.get("curved"):
+            xs = np.linspace(0, longest, 80)
+            ys = (curvature["a_s"] + curvature["b_s_per_tok"] * xs + curvature["c_s_per_tok2"] * xs * xs) * 1000.0
+            axis.plot(xs, ys, color=colour, linewidth=1.2, linestyle="--",
+                      label=f"{load}: quadratic (curved), R² {curvature['r2_quadratic']:.2f}")
     if not drew:
         plt.close(figure)
         return None
     axis.set_xlabel("prompt tokens")
     axis.set_ylabel("TTFT (ms)")
+    axis.set_xlim(left=0)
+    axis.set_ylim(bottom=0)  # from zero: a gap between two shapes reads at its true size
     axis.set_title("TTFT vs prompt length (o: compute-dominated, x: overhead, not throughput)", fontsize=9)
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -139,16 +156,41 @@ def _plot_decode_vs_context(plt: Any, cells: dict, summary: dict[str, Any]) -> A
                 lows.append(block["median"] - block["median_ci"][0])
                 highs.append(block["median_ci"][1] - block["median"])
         if xs:
-            axis.errorbar(xs, medians, yerr=[lows, highs], color=colour, marker="s", capsize=3, label=f"{load}: median, 95% CI")
+            # no line joining the medians: the tested trend is the least-squares line below
+            axis.errorbar(xs, medians, yerr=[lows, highs], color=colour, marker="s", linestyle="none", capsize=3, label=f"{load}: median, 95% CI")
+        flat = next((f for f in summary.get("decode_flatness", []) if f["load"] == load), None)
+        if flat and flat.get("change_per_1k_prompt_tokens") is not None and flat.get("context_range"):
+            first, last = flat["context_range"]
+            line = _decode_line(cells, load, entries)
+            if line is not None:
+                slope, intercept = line
+                grid = np.linspace(first, last, 40)
+                lo, hi = flat["change_per_1k_ci"]
+                axis.plot(grid, intercept + slope * grid, color=colour, linestyle="--", linewidth=1.0,
+                          label=f"{load}: least-squares line, {flat['change_per_1k_prompt_tokens']:+.1%}/1k tok "
+                                f"(95% CI {lo:+.1%} to {hi:+.1%}): {flat['verdict']}")
     if not drew:
         plt.close(figure)
         return None
     axis.set_xlabel("prompt tokens (context at the start of decode)")
     axis.set_ylabel("decode tok/s per request")
-    axis.set_title("Decode rate vs context", fontsize=9)
+    axis.set_ylim(bottom=0)  # from zero: a few per cent of wobble must not look like a V
+    axis.set_title("Decode rate vs context (y from zero)", fontsize=9)
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def _decode_line(cells: dict, load: str, entries: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """The least-squares line over every kept sample, as the flatness test fitted it."""
+    x, y = [], []
+    for entry in entries:
+        decode = values_of(kept_ok(cells[(load, entry["shape"])]), "decode_tok_s")
+        x += [entry["prompt_tokens"]] * len(decode)
+        y += decode
+    if len(set(x)) < 2:
+        return None
+    return stats.line_fit(x, y)
 
 
 def _max_shapes(summary: dict[str, Any]) -> int:

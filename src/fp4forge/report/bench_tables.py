@@ -58,31 +58,49 @@ def failures_cell(entry: dict[str, Any]) -> str:
 
 
 def prefill_line(fit: dict[str, Any]) -> str:
+    goodness = fit.get("goodness") or {}
+    verdict = goodness.get("verdict")
     if fit.get("rate_tok_s") is None:
-        return f"load {fit['load']}: no prefill rate — {fit.get('reason')}"
+        text = f"load {fit['load']}: no prefill rate — {fit.get('reason')}"
+        return text + (f"; {verdict}" if verdict and verdict != "no line fitted" else "")
     ci = fit.get("rate_ci_tok_s")
     ci_text = ""
     if ci:
         upper = "∞" if ci[1] is None else f"{ci[1]:,.0f}"
         ci_text = f" (95% CI {ci[0]:,.0f}–{upper})"
     overhead = [r["prompt_tokens"] for r in fit["regimes"] if r["regime"] != "compute-dominated"]
-    return (
-        f"load {fit['load']}: prefill {fit['rate_tok_s']:,.0f} tok/s{ci_text}, fixed overhead (intercept) "
-        f"{fit['intercept_s'] * 1000:,.1f} ms, fitted over {fit['fit_prompt_tokens']} prompt tokens; "
+    text = (
+        f"load {fit['load']}: prefill line {fit['rate_tok_s']:,.0f} tok/s{ci_text}, intercept "
+        f"{fit['intercept_s'] * 1000:,.1f} ms, fitted over the medians at {fit['fit_prompt_tokens']} prompt tokens; "
         f"below the knee (overhead, not throughput): {overhead}"
     )
+    return text + (f". Goodness of fit: {verdict}" if verdict else "")
 
 
 def flatness_line(flat: dict[str, Any]) -> str:
-    if flat.get("flat") is None:
+    if flat.get("flat") is None and flat.get("verdict") is None:
         return f"load {flat['load']}: decode flatness needs >= 2 shapes"
-    verdict = "flat" if flat["flat"] else "NOT flat"
-    return (
-        f"load {flat['load']}: decode {verdict} across context — per-shape medians "
-        f"{flat['min_shape_median_tok_s']:,.2f}–{flat['max_shape_median_tok_s']:,.2f} tok/s "
-        f"({flat['relative_spread']:.1%} of {flat['median_tok_s']:,.2f}; tolerance {flat['tolerance']:.0%}), "
-        f"{flat['change_per_1k_prompt_tokens']:+.2%} per 1k prompt tokens"
-    )
+    spread = (f"per-shape medians {flat['min_shape_median_tok_s']:,.2f}–{flat['max_shape_median_tok_s']:,.2f} tok/s "
+              f"({flat['relative_spread']:.1%} of {flat['median_tok_s']:,.2f})")
+    if "verdict" not in flat or flat.get("change_across_context_ci") is None:  # a summary from before the regression test
+        return f"load {flat['load']}: decode across context — {spread}; no regression test recorded"
+    lo, hi = flat["change_across_context_ci"]
+    first, last = flat["context_range"]
+    tested = (f"slope over all n={flat['n']} samples: {flat['change_across_context']:+.1%} from {first:,.0f} to {last:,.0f} "
+              f"prompt tokens (95% CI {lo:+.1%} to {hi:+.1%}; R² {_r2(flat.get('r2'))})")
+    verdict = flat["verdict"]
+    if verdict == "flat":
+        head = f"decode flat across context (the change's CI lies within ±{flat['tolerance']:.0%})"
+    elif verdict == "cannot tell apart":
+        head = (f"decode across context: cannot tell flat from changing (n={flat['n']}; the CI covers 0 and reaches past "
+                f"±{flat['tolerance']:.0%})")
+    else:
+        head = f"decode {verdict} (the slope's CI excludes 0)"
+    return f"load {flat['load']}: {head} — {tested}; {spread}"
+
+
+def _r2(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 SUMMARY_COLUMNS = (

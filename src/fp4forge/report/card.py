@@ -230,6 +230,37 @@ def _first(value: float | list[float] | None) -> float | None:
     return max(value) if isinstance(value, list) else value
 
 
+SERVER_ROLES = (("student", "this checkpoint"), ("teacher", "the BF16 teacher"))
+MODEL_NOTE = "`$MODEL` is the model's directory (or Hugging Face repo id); port and served name are fixed defaults."
+
+
+def _portable_target_line(rec: dict[str, Any]) -> str:
+    """The recommended line with the checkpoint's path (this machine's) replaced by ``$MODEL``."""
+    import shlex
+
+    command = rec["command"].rstrip()
+    model = rec.get("model")
+    if model:
+        command = command.replace(shlex.quote(model), '"$MODEL"').replace(model, "$MODEL")
+    return command
+
+
+def _findings_table(findings: list[dict[str, Any]]) -> list[str]:
+    return table(["finding", "severity", "line", "message"], [
+        [f"`{f['id']}`", f["severity"], str(f.get("line", "–")), f["message"].replace("|", "\\|")] for f in findings
+    ])
+
+
+def _env_lines(env: dict[str, str] | None) -> list[str]:
+    from fp4forge.serve.launcher import LAUNCHER_ONLY_ENV
+
+    shown = {k: v for k, v in (env or {}).items() if k not in LAUNCHER_ONLY_ENV}
+    if not shown:
+        return []
+    return ["", "The environment it ran with (set by fp4forge, part of the command above): "
+            + ", ".join(f"`{k}={v}`" for k, v in shown.items()) + "."]
+
+
 def serve_section(ctx: CardContext) -> list[str]:
     rec = ctx.art.json("serve-cmd.json")
     lines: list[str] = []
@@ -237,7 +268,7 @@ def serve_section(ctx: CardContext) -> list[str]:
         lines += _missing(ctx, "serve-cmd.json")
     else:
         lines += [f"For **{rec['hardware']}** with vLLM {rec['vllm_version']} (`fp4forge serve cmd --hardware {rec['hardware']}`):", "",
-                  "```bash", rec["command"].rstrip(), "```", ""]
+                  "```bash", _portable_target_line(rec), "```", "", MODEL_NOTE, ""]
         numerics = rec.get("numerics")
         if numerics:
             lines += [f"MoE numerics of this line: **{numerics['activations'].upper()}**, MoE input scale "
@@ -249,6 +280,7 @@ def serve_section(ctx: CardContext) -> list[str]:
         ctx.non_claims.append(f"The serve line for {rec['hardware']} comes from fp4forge's knowledge table for vLLM "
                               f"{rec['vllm_version']}; it was not run on {rec['hardware']} for this card.")
     lines += ["", "### Served on this machine", ""]
+    lives = {role: ctx.art.json(f"servers/{role}.json") for role, _ in SERVER_ROLES if ctx.art.exists(f"servers/{role}.json")}
     if served is None:
         lines += _missing(ctx, "serve.json")
         ctx.non_claims.append("The checkpoint was not served here: nothing on this card shows that vLLM loads it.")
@@ -260,15 +292,63 @@ def serve_section(ctx: CardContext) -> list[str]:
                                   "cannot run vLLM's FP8 KV cache (it needs AVX-512 or AMX), so the calibrated k/v scales "
                                   "were not exercised by the serving, performance or quality results on this card.")
         lines += [f"vLLM {served['vllm_version']} on `{served['hardware']}`, ready after {_num(served['ready_seconds'], 3)} s; "
-                  f"the log doctor's findings (`fp4forge serve doctor reports/{served['log']}`):", ""]
+                  f"the log doctor's findings at start-up (`fp4forge serve doctor reports/{served['log']}`):", ""]
         lines += table(["finding", "severity", "message"], [
             [f"`{f['id']}`", f["severity"], f["message"].replace("|", "\\|")] for f in served["findings"]
         ])
-        command = served.get("command")
-        if isinstance(command, list):
-            import shlex
+        student_life = lives.get("student") or {}
+        command = served.get("reproducible_command") or student_life.get("command")
+        if command:
+            lines += ["", "The command that was run (reproducible: the same flags and environment):", "", "```bash", command, "```", "",
+                      MODEL_NOTE]
+            lines += _env_lines(served.get("env") or student_life.get("env"))
+        elif isinstance(served.get("command"), list):
+            ctx.non_claims.append("The serve command that was run was recorded by an older fp4forge, with this machine's paths "
+                                  "and without its environment: it is not shown.")
+    lines += _server_lives(ctx, lives, served is not None)
+    return lines
 
-            lines += ["", "The command that was run:", "", "```bash", " ".join(shlex.quote(part) for part in command), "```"]
+
+def _server_lives(ctx: CardContext, lives: dict[str, dict[str, Any] | None], served: bool) -> list[str]:
+    """Each server's whole life: what it served, and what its log says after it became ready."""
+    if not lives:
+        if served:
+            ctx.non_claims.append("The servers' logs after start-up were not kept (no `reports/servers/`): errors during "
+                                  "benchmarking or quality runs would not show on this card.")
+        return []
+    lines = ["", "### Each server's whole life", "",
+             "Every line each server logged, from start to stop, is kept in `reports/servers/`; the log doctor read all of it.", ""]
+    rows = []
+    for role, what in SERVER_ROLES:
+        life = lives.get(role)
+        if not life:
+            continue
+        after = life.get("findings_after_ready", [])
+        errors = [f for f in after if f["severity"] == "error"]
+        rows.append([f"{role} ({what})", f"vLLM {life.get('vllm_version') or '–'}", _num(life.get("ready_seconds"), 3),
+                     ", ".join(life.get("served_steps", [])) or "–", _int(life.get("log_lines")),
+                     f"{_count(len(errors), 'error')}" + "".join(f"; `{f['id']}` ({f['severity']})" for f in after if f["severity"] != "error"),
+                     f"[`servers/{life['log']}`](reports/servers/{life['log']})"])
+    lines += table(["server", "version", "ready after s", "served steps", "log lines", "findings after ready", "log"], rows)
+    for role, what in SERVER_ROLES:
+        life = lives.get(role)
+        if not life:
+            continue
+        after = life.get("findings_after_ready", [])
+        errors = [f for f in after if f["severity"] == "error"]
+        if errors:
+            steps = ", ".join(life.get("served_steps", [])) or "its steps"
+            lines += ["", f"**The {role} server logged {_count(len(errors), 'error')} after it became ready** (while serving {steps}):", ""]
+            lines += _findings_table(errors)
+            ctx.non_claims.append(f"The {role} server ({what}) logged errors while it served {steps} "
+                                  f"(reports/servers/{life['log']}): results of those steps may be affected.")
+        if role == "teacher":
+            lines += ["", f"The teacher ({life.get('model', '–')}) was served with:", "", "```bash", life["command"], "```", "",
+                      MODEL_NOTE.replace("the model's directory", "the teacher's directory")]
+            lines += _env_lines(life.get("env"))
+            startup = life.get("startup_findings", [])
+            lines += ["", "Its log doctor's findings at start-up:", ""]
+            lines += _findings_table(startup) if startup else ["none."]
     return lines
 
 

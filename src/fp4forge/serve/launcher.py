@@ -49,6 +49,7 @@ class VllmServer:
     model_dir: Path
     log_path: Path
     command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # the variables the launcher set (DEFAULT_ENV and ``env``), as the server saw them
 
     @property
     def pid(self) -> int:
@@ -172,6 +173,7 @@ def launch_vllm(
 
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = build_serve_env(env)
     with log_path.open("wb") as log_file:
         log_file.write(f"$ {' '.join(command)}\n".encode())
         log_file.flush()
@@ -180,7 +182,7 @@ def launch_vllm(
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env=build_serve_env(env),
+            env=full_env,
             start_new_session=True,  # own process group: stop() reaches EngineCore and Worker too
         )
     return VllmServer(
@@ -190,6 +192,7 @@ def launch_vllm(
         model_dir=model_dir,
         log_path=log_path,
         command=command,
+        env={key: full_env[key] for key in (*DEFAULT_ENV, *(env or {}))},
     )
 
 
@@ -216,6 +219,57 @@ def build_serve_env(overrides: Mapping[str, str] | None) -> dict[str, str]:
         env.setdefault(key, value)
     env.update(overrides or {})
     return env
+
+
+# The serve line as someone else can run it: no venv path, no port or served name picked at random
+# for this run. The model directory becomes $MODEL_VAR; paths inside it become "$MODEL_VAR/...".
+MODEL_VAR = "MODEL"
+PORTABLE_PORT = "8000"  # vLLM's own default
+LAUNCHER_ONLY_ENV = ("PYTHONUNBUFFERED",)  # set so the log file fills line by line; serving does not need it
+
+
+def portable_command(command: Sequence[str], env: Mapping[str, str], *, served_model_name: str) -> str:
+    """A ``vllm serve`` command line (bash) from a launched ``command`` and the ``env`` it ran with.
+
+    ``command`` is what ``build_serve_command`` made: ``<venv>/bin/vllm serve <model_dir> ...``.
+    """
+    import shlex
+
+    if len(command) < 3 or command[1] != "serve":
+        raise ServeError(f"not a vllm serve command: {list(command)[:3]}")
+    model_dir = command[2].rstrip("/")
+    args, parts = list(command[3:]), []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        value = args[index + 1] if index + 1 < len(args) else None
+        if arg == "--port" and value is not None:
+            parts.append(["--port", PORTABLE_PORT])
+            index += 2
+            continue
+        if arg == "--served-model-name" and value is not None:
+            parts.append(["--served-model-name", served_model_name])
+            index += 2
+            continue
+        if arg.startswith("--") and value is not None and not value.startswith("--"):
+            parts.append([arg, value])
+            index += 2
+            continue
+        parts.append([arg])
+        index += 1
+
+    def word(text: str) -> str:
+        if text == model_dir or text.startswith(model_dir + "/"):
+            return f'"${MODEL_VAR}{text[len(model_dir):]}"'
+        return shlex.quote(text)
+
+    lines = []
+    needed = {k: v for k, v in env.items() if k not in LAUNCHER_ONLY_ENV}
+    if needed:
+        lines.append(" ".join(f"{k}={shlex.quote(v)}" for k, v in needed.items()))
+    lines.append(f'vllm serve "${MODEL_VAR}"')
+    lines += ["  " + " ".join(word(w) for w in flag) for flag in parts]
+    return " \\\n".join(lines)
 
 
 def pick_free_port() -> int:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fp4forge.endpoint import Endpoint, loopback_url
 
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ServeError
-from fp4forge.serve.doctor import Finding, LogDoctor
+from fp4forge.serve.doctor import LOG_PREFIX, PROCESS_TAG, Finding, LogDoctor
 from fp4forge.serve.launcher import VllmServer, launch_vllm
 from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
 
@@ -48,6 +49,7 @@ class ServeRecord:
     log: str
     command: list[str]
     started: float
+    env: dict[str, str] = field(default_factory=dict)  # what the launcher set on top of the caller's environment
 
     @property
     def base_url(self) -> str:
@@ -115,9 +117,25 @@ def _reap(pid: int) -> None:
         pass
 
 
+STATUS_MAX_CHARS = 120
+UVICORN_PREFIX = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+")  # the HTTP server's own lines
+
+
+def startup_status(line: str) -> str | None:
+    """What a start-up log line says, for a live status ("Loading weights took 0.21 seconds"):
+    the line without vLLM's level/time/file prefix and process tag, cut to STATUS_MAX_CHARS; None
+    for a blank line, a progress-bar redraw or the command line the launcher wrote first."""
+    text = line.replace("\x00", "").split("\r")[-1].strip()
+    text = UVICORN_PREFIX.sub("", LOG_PREFIX.sub("", PROCESS_TAG.sub("", text) + " ").strip())
+    if not text or text.startswith("$ ") or not any(ch.isalpha() for ch in text):
+        return None
+    return text if len(text) <= STATUS_MAX_CHARS else text[: STATUS_MAX_CHARS - 1] + "…"
+
+
 class _LogFollower:
-    def __init__(self, path: Path, doctor: LogDoctor, on_finding: Callable[[Finding], None]) -> None:
-        self.path, self.doctor, self.on_finding = path, doctor, on_finding
+    def __init__(self, path: Path, doctor: LogDoctor, on_finding: Callable[[Finding], None],
+                 on_line: Callable[[str], None] = lambda line: None) -> None:
+        self.path, self.doctor, self.on_finding, self.on_line = path, doctor, on_finding, on_line
         self.offset = 0
         self.partial = ""
 
@@ -132,6 +150,7 @@ class _LogFollower:
         lines = (self.partial + chunk.replace("\x00", "")).split("\n")
         self.partial = lines.pop()
         for line in lines:
+            self.on_line(line)
             for finding in self.doctor.feed(line):
                 self.on_finding(finding)
 
@@ -149,7 +168,10 @@ def serve_up(
     ready_timeout_s: float = 900.0,
     directory: Path | None = None,
     on_finding: Callable[[Finding], None] = lambda finding: None,
+    on_line: Callable[[str], None] = lambda line: None,
 ) -> tuple[ServeRecord, LogDoctor]:
+    """Start the recommended server and wait until it serves; ``on_line`` sees every log line
+    while it starts (a live status: ``startup_status(line)``), ``on_finding`` each doctor finding."""
     model = Path(model)
     directory = state_dir(directory)
     name = name or model.name
@@ -162,10 +184,10 @@ def serve_up(
     server = launch_vllm(
         model, venv=venv, served_model_name=name, log_path=log_path, port=port, extra_args=args, env={**rec.env, **(env or {})}
     )
-    record = ServeRecord(name, server.pid, server.port, str(model), str(log_path), server.command, time.time())
+    record = ServeRecord(name, server.pid, server.port, str(model), str(log_path), server.command, time.time(), server.env)
     write_record(directory, record)
     doctor = LogDoctor()
-    follower = _LogFollower(log_path, doctor, on_finding)
+    follower = _LogFollower(log_path, doctor, on_finding, on_line)
     try:
         _wait_ready(server, record, follower, doctor, ready_timeout_s)
     except BaseException:  # not ready, or Ctrl-C while waiting: the server must not be orphaned
