@@ -151,7 +151,7 @@ def test_show_flags_constant_scales_and_large_amax(laguna: Path, tmp_path: Path)
 
 
 def test_kv_calibrate_refuses_a_checkpoint_with_kv_scales_before_calibrating(
-    laguna: Path, stats: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    laguna: Path, stats: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811 (the shared fixture)
 ) -> None:
     """issue 17: the refusal used to come after a whole calibration of SOURCE."""
     from fp4forge.calibrate import run as calibrate_run

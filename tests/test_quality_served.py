@@ -36,7 +36,7 @@ from fp4forge.quality.evaluate import run_and_score
 from fp4forge.quality.runner import RunConfig, read_stream
 from fp4forge.quality.suite import load_suite
 from fp4forge.serve import VllmServer
-from tests.fixtures_vllm_plugin import Registry, plugin_bf16_moe, servers  # noqa: F401 (shared fixtures)
+from tests import fixtures_vllm_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -53,8 +53,14 @@ def regex(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def markup_bias(servers: Registry) -> dict[str, int]:
-    tokenizer = AutoTokenizer.from_pretrained(servers.models.get("bf16_moe"))
+def server(request: pytest.FixtureRequest) -> VllmServer:
+    """The shared ``plugin_bf16_moe`` (one start per session with the parser and plugin tests)."""
+    return fixtures_vllm_plugin.registry(request).ready("plugin_bf16_moe")
+
+
+@pytest.fixture(scope="module")
+def markup_bias(request: pytest.FixtureRequest, server: VllmServer) -> dict[str, int]:
+    tokenizer = AutoTokenizer.from_pretrained(fixtures_vllm_plugin.registry(request).models.get("bf16_moe"))
     ids = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in MARKUP}
     assert all(tokenizer.decode([i]) == tag for tag, i in ids.items())
     return {str(i): 100 for i in ids.values()}
@@ -89,36 +95,35 @@ DENVER = [("get_weather", {"city": "Denver", "unit": "fahrenheit", "days": 5})]
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_no_closing_think_keeps_everything_in_reasoning_on_both_paths(
-    plugin_bf16_moe: VllmServer, markup_bias: dict[str, int], stream: bool
+    server: VllmServer, markup_bias: dict[str, int], stream: bool
 ) -> None:
     """Non-streaming (and streaming), no chat_template_kwargs, no </think> emitted."""
-    result = ask(plugin_bf16_moe, REASONING + CALL, markup_bias, stream=stream, closed=False)
+    result = ask(server, REASONING + CALL, markup_bias, stream=stream, closed=False)
     assert result == {"reasoning": REASONING + CALL, "content": "", "calls": []}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_a_call_after_closing_think_is_parsed_on_both_paths(
-    plugin_bf16_moe: VllmServer, markup_bias: dict[str, int], stream: bool
+    server: VllmServer, markup_bias: dict[str, int], stream: bool
 ) -> None:
-    result = ask(plugin_bf16_moe, REASONING + "</think>" + CALL, markup_bias, stream=stream, closed=False)
+    result = ask(server, REASONING + "</think>" + CALL, markup_bias, stream=stream, closed=False)
     assert result == {"reasoning": REASONING, "content": "", "calls": DENVER}
 
 
 def test_reasoning_closed_by_the_prompt_only_the_streamed_path_finds_the_call(
-    plugin_bf16_moe: VllmServer, markup_bias: dict[str, int]
+    server: VllmServer, markup_bias: dict[str, int]
 ) -> None:
-    streamed = ask(plugin_bf16_moe, CALL, markup_bias, stream=True, closed=True)
+    streamed = ask(server, CALL, markup_bias, stream=True, closed=True)
     assert streamed == {"reasoning": "", "content": "", "calls": DENVER}
-    plain = ask(plugin_bf16_moe, CALL, markup_bias, stream=False, closed=True)
+    plain = ask(server, CALL, markup_bias, stream=False, closed=True)
     assert plain == {"reasoning": CALL, "content": "", "calls": []}  # vLLM 0.32: the call hidden in reasoning
 
 
 # -- the runner ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
 def test_runner_scores_a_forced_correct_call_full_marks(
-    plugin_bf16_moe: VllmServer, markup_bias: dict[str, int], stream: bool, tmp_path: Path
+    server: VllmServer, markup_bias: dict[str, int], stream: bool, tmp_path: Path
 ) -> None:
-    server = plugin_bf16_moe
     forced = {"structured_outputs": {"regex": regex(REASONING + "</think>" + CALL)}, "logit_bias": markup_bias}
     config = RunConfig(base_url=server.base_url, model=server.served_model_name, arm="forced", max_tokens=96, stream=stream,
                        extra_body=forced)
@@ -129,8 +134,7 @@ def test_runner_scores_a_forced_correct_call_full_marks(
     assert result.header["request"]["stream"] is stream
 
 
-def test_runner_refuses_the_untrained_models_own_answers(plugin_bf16_moe: VllmServer, tmp_path: Path) -> None:
-    server = plugin_bf16_moe
+def test_runner_refuses_the_untrained_models_own_answers(server: VllmServer, tmp_path: Path) -> None:
     config = RunConfig(base_url=server.base_url, model=server.served_model_name, arm="random", max_tokens=32)
     outcome = run_and_score(config, tmp_path, only=[SCENARIO, "sel-stock-quote", "rest-general-knowledge"])
     assert outcome.refusal is not None and "cut at max_tokens" in str(outcome.refusal)
