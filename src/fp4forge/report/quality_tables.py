@@ -173,7 +173,7 @@ def answers_headline(doc: dict[str, Any]) -> list[str]:
     block = doc.get("answers") or {}
     if block.get("refused"):
         return ["**REFUSED TO SCORE: the suite could not read the answers.** " + " ".join(f"{r}." for r in block["unreadable"])
-                + " The points below measure the serving format, not the model (docs/quality.md#unreadable-answers).", ""]
+                + " The points below are evidence of that, not a score of the model (docs/quality.md#unreadable-answers).", ""]
     if block.get("allowed"):
         return ["**WARNING: scored although the answers are unreadable** (override). " + " ".join(f"{r}." for r in block["unreadable"]), ""]
     return []
