@@ -349,6 +349,10 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
         ["exact McNemar, fully correct", f"p = {doc['mcnemar_fully_correct']['exact_p']:.3f}"],
         ["discordant scenarios", f"{doc['discordant']} of {doc['scenarios']}; {doc['flips_also_within_arm']} also flip within an arm"],
     ])
+    from fp4forge.report.quality_tables import ANSWER_HEADERS, answers_rows
+
+    if answers_rows(doc):  # both arms: how many turns the suite could read
+        lines += ["", *table(ANSWER_HEADERS, answers_rows(doc))]
     lines += ["", *table(list(CATEGORY_HEADERS), category_rows(doc))]
     plot = ctx.art.reports / "quality-teacher" / "category_scores.png"
     if plot.is_file():
