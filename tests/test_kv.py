@@ -148,3 +148,24 @@ def test_show_flags_constant_scales_and_large_amax(laguna: Path, tmp_path: Path)
     bare = copy_of(laguna, tmp_path / "declared-only")
     kv.write_declaration(bare, "compressed-tensors")
     assert CliRunner().invoke(cli(), ["kv", "show", str(bare)]).exit_code == 1
+
+
+def test_kv_calibrate_refuses_a_checkpoint_with_kv_scales_before_calibrating(
+    laguna: Path, stats: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811 (the shared fixture)
+) -> None:
+    """issue 17: the refusal used to come after a whole calibration of SOURCE."""
+    from fp4forge.calibrate import run as calibrate_run
+    from fp4forge.quantize.act_scales import StatsAmax
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    exported = tmp_path / "exported"  # the recipe's FP8 KV: scales inside the exporter's shards
+    quantize_checkpoint(laguna, exported, QuantizeOptions(recipe=load_recipe("nvfp4-experts-fp8-attn"), act_amax=StatsAmax(stats)))
+    before = {p.name: p.read_bytes() for p in exported.iterdir()}
+    calls: list[Path] = []
+    monkeypatch.setattr(calibrate_run, "calibrate_to_file", lambda source, *args, **kwargs: calls.append(source))
+    with pytest.raises(ConfigError, match="already carries KV scales"):
+        kv.calibrate_kv(laguna, exported, calibration=CalibrationOptions(samples=2, seq_len=16))
+    assert calls == []  # no calibration was started
+    assert {p.name: p.read_bytes() for p in exported.iterdir()} == before  # nothing written, no stats left beside it
+    assert not list(tmp_path.glob(".*kv-stats*"))

@@ -243,7 +243,13 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     score = json.loads((out / "reports" / "quality" / "score.json").read_text())
     assert [r["run"] for r in score["runs"]] == [1, 2]
     assert all(Path(r["path"]).is_file() for r in score["runs"])  # transcripts where the score says
+    # The random testbed never closes its reasoning: every turn is cut at max_tokens, so the arm is
+    # refused (issue 19), the steps still finish, and the card says why instead of a verdict.
+    assert score["answers"]["refused"] and compare["verdict"]["label"] == "refused"
+    summary = {s["name"]: s["summary"] for s in json.loads((out / "reports" / "pipeline.json").read_text())["steps"]}
+    assert "REFUSED (not scored)" in summary["quality"] and summary["quality"]["points"].endswith(f"/ {score['runs'][1]['max']}")
     card = (out / "README.md").read_text()
+    assert "**REFUSED TO SCORE: the suite could not read the answers.**" in card
     assert "_Not measured" not in card and "is missing" not in card
     assert "### Against the BF16 teacher (paired)" in card
     # The recipe declares an FP8 KV cache: kept where this CPU can (AVX-512/AMX), else served

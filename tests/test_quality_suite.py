@@ -156,7 +156,10 @@ class FakeAgent:
             return httpx.Response(200, text="<html>not json</html>")
         bad = scenario.id in self.degrade or (scenario.id in self.flaky and self.visits[scenario.id] > 1)
         message = self.bad_message(scenario, step_index) if bad else self.good_message(scenario, step_index)
-        return httpx.Response(200, json={"choices": [{"message": message, "finish_reason": "stop"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        if body.get("stream"):
+            return httpx.Response(200, text=sse_body(message, "stop", usage), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"choices": [{"message": message, "finish_reason": "stop"}], "usage": usage})
 
     def scenario_of(self, messages: list[dict[str, Any]]) -> Scenario:
         candidates = [s for s in self.scenarios if messages[: len(s.messages)] == list(s.messages)]
@@ -183,6 +186,25 @@ class FakeAgent:
         forbidden = step.forbidden[0].name if step.forbidden else tool
         return {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c0", "type": "function", "function": {"name": forbidden, "arguments": "{\"broken\": "}}]}
+
+
+def sse_body(message: dict[str, Any], finish_reason: str, usage: dict[str, Any]) -> str:
+    """``message`` as vLLM streams it: a role delta, reasoning and content in pieces, each tool call
+    as its id and name then its arguments in fragments, the finish reason, a usage chunk, [DONE]."""
+    def piece(text: str) -> list[str]:
+        return [text[i:i + 5] for i in range(0, len(text), 5)]
+
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    deltas += [{"reasoning": part} for part in piece(message.get("reasoning") or "")]
+    deltas += [{"content": part} for part in piece(message.get("content") or "")]
+    for index, call in enumerate(message.get("tool_calls") or []):
+        deltas.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        deltas += [{"tool_calls": [{"index": index, "function": {"arguments": part}}]} for part in piece(call["function"]["arguments"])]
+    chunks = [{"choices": [{"index": 0, "delta": delta, "finish_reason": None}]} for delta in deltas]
+    chunks[-1]["choices"][0]["finish_reason"] = finish_reason
+    chunks.append({"choices": [], "usage": usage})
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
 
 
 def run_arm(suite: Suite, agent: FakeAgent, out: Path, arm: str, runs: int, **config: Any) -> list[Path]:

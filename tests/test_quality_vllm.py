@@ -3,17 +3,20 @@
 Arms for the suite: both are the session's ``vllm_laguna_dense`` server (tiny random Laguna, fp32,
 ``--tool-call-parser poolside_v1 --reasoning-parser poolside_v1``), which is the only session server
 with tool calling enabled (``vllm_qwen3_moe`` has no tool parser, so vLLM refuses ``tool_choice:
-auto`` there). They differ in request configuration only:
+auto`` there). The testbed template thinks by default (the generation prompt opens ``<think>``);
+the arms differ in request configuration only:
 
-* arm A: thinking off (the template default: the generation prompt is ``<assistant></think>``);
-* arm B: ``chat_template_kwargs={"enable_thinking": true}``: the prompt opens ``<think>`` and vLLM's
-  poolside_v1 reasoning parser moves the generated text into the ``reasoning`` field, which the
-  scorer must not score (the published card's parser defect seen from the other side).
+* arm A ("think-off"): no ``chat_template_kwargs``: vLLM's stock ``poolside_v1`` then becomes an
+  identity parser, so the generated text lands in ``content``;
+* arm B ("think-on"): ``chat_template_kwargs={"enable_thinking": true}``: the parser separates
+  reasoning, and the random model, which never writes ``</think>``, gets everything moved into the
+  ``reasoning`` field, which the scorer must not score.
 
 Arm A runs the whole suite twice (its A/A noise floor), arm B once, with ``max_tokens`` 16 (the
 budget is a few minutes on a shared 2-core CPU; the suite is 72+ requests per run). A random model
-emits garbage, so scores near zero are expected; the pipeline, transcripts and statistics are what
-is tested. The KL probe compares Laguna (A) with the session's tiny Qwen3-MoE (B), which shares the
+emits garbage cut at 16 tokens: every arm is unreadable (docs/quality.md#unreadable-answers), so
+the runs pass ``--allow-unreadable`` and the refusal itself is checked once; the pipeline,
+transcripts and statistics are what is tested. The KL probe compares Laguna (A) with the session's tiny Qwen3-MoE (B), which shares the
 testbed tokenizer; the determinism probe uses the Laguna server with ``echo`` + logprobs.
 """
 
@@ -50,15 +53,17 @@ def invoke(*args: str) -> Any:
 def arm_runs(vllm_laguna_dense: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("quality")
     server = vllm_laguna_dense
-    common = ["--url", server.base_url, "--model", server.served_model_name, "--max-tokens", MAX_TOKENS, "--json"]
+    common = ["--url", server.base_url, "--model", server.served_model_name, "--max-tokens", MAX_TOKENS, "--json",
+              "--allow-unreadable"]
     seconds = {}
     docs = {}
     for arm, extra in (("think-off", []), ("think-on", ["--chat-template-kwargs", '{"enable_thinking": true}'])):
         started = time.monotonic()
         result = invoke("run", "--out", str(out / arm), "--arm", arm, "--runs", str(RUNS[arm]), *common, *extra)
         seconds[arm] = time.monotonic() - started
-        assert result.exit_code == 0, result.output  # 0: every request succeeded
+        assert result.exit_code == 0, result.output  # 0: every request succeeded (unreadable allowed)
         docs[arm] = json.loads(result.stdout)
+        assert docs[arm]["answers"]["allowed"] and "WARNING" in result.stderr
     return {"out": out, "docs": docs, "seconds": seconds}
 
 
@@ -74,6 +79,7 @@ def test_suite_runs_end_to_end_with_the_poolside_parsers(arm_runs: dict[str, Any
             assert footer["failed_requests"] == 0
             assert header["request"]["temperature"] == 0.0 and header["request"]["max_tokens"] == int(MAX_TOKENS)
             assert header["endpoint"]["server_version"] and header["endpoint"]["max_model_len"] == 2048
+            assert header["request"]["stream"] is True
             for record in records:
                 assert record["turns"] and all(turn["message"]["role"] == "assistant" for turn in record["turns"])
                 assert all(turn["usage"]["completion_tokens"] <= int(MAX_TOKENS) for turn in record["turns"])
@@ -93,12 +99,14 @@ def test_suite_runs_end_to_end_with_the_poolside_parsers(arm_runs: dict[str, Any
 def test_compare_report_between_the_two_arms(arm_runs: dict[str, Any], tmp_path: Path) -> None:
     out = arm_runs["out"]
     report = tmp_path / "compare"
-    result = invoke("compare", str(out / "think-off"), "--out", str(report), "--json", "--", str(out / "think-on"))
+    refused = invoke("compare", str(out / "think-off"), "--json", "--", str(out / "think-on"))
+    assert refused.exit_code == 1 and json.loads(refused.stdout)["verdict"]["label"] == "refused"
+    result = invoke("compare", str(out / "think-off"), "--out", str(report), "--json", "--allow-unreadable", "--", str(out / "think-on"))
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["scenarios"] == len(load_suite().scenarios) and doc["runs"] == {"A": 2, "B": 1}
     assert doc["arms"]["B"]["request"]["chat_template_kwargs"] == {"enable_thinking": True}
-    assert doc["verdict"]["label"] in VERDICTS
+    assert doc["verdict"]["label"] in VERDICTS and doc["verdict"]["text"].startswith("UNREADABLE ANSWERS")
     assert doc["noise_floor"]["A"]["measured"] and not doc["noise_floor"]["B"]["measured"]
     assert 0.0 <= doc["sign_test"]["p"] <= 1.0
     assert doc["bootstrap_ci"][0] <= doc["mean_fraction_diff"] <= doc["bootstrap_ci"][1]

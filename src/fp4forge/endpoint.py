@@ -9,9 +9,10 @@ for an HTTP status, ``EndpointProtocolError`` for a body that is not JSON). Call
 failure means for them (bench counts it in a sample, quality records it in a transcript, serve
 keeps polling); none of them sees an ``httpx`` exception.
 
-Plain calls are synchronous (``Endpoint``); streamed calls are asynchronous (``AsyncSession``,
-one pooled connection set for many concurrent requests), because the only streaming caller, the
-benchmark, holds many requests in flight and times each chunk's arrival itself.
+Plain calls are synchronous (``Endpoint``); so is ``Endpoint.stream_lines``, the quality
+runner's streamed chat (its scenario threads read each answer whole). The benchmark's streamed
+calls are asynchronous (``AsyncSession``, one pooled connection set for many concurrent
+requests), because it holds many requests in flight and times each chunk's arrival itself.
 
 Connections never go through a proxy from the environment (``trust_env=False``): the servers
 measured here are on loopback or a lab network, and a proxy would sit inside every timing.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any, Literal
 
 import httpx
@@ -234,6 +235,24 @@ class Endpoint:
     def complete(self, body: Mapping[str, Any], *, timeout_s: float | None = None) -> Any:
         """One non-streamed ``/v1/completions`` answer (parsed JSON)."""
         return self.post_json(COMPLETIONS_PATH, body, timeout_s=timeout_s)
+
+    @contextlib.contextmanager
+    def stream_lines(self, kind: GenerationKind, body: Mapping[str, Any], *,
+                     timeout_s: float | None = None) -> Iterator[Iterator[str]]:
+        """``POST`` a streamed completion (``kind``: completions or chat); yields its body's lines.
+
+        The synchronous twin of ``AsyncSession.stream``: a status >= 400 raises
+        ``EndpointStatusError`` with the body read in full; a network failure while connecting or
+        reading raises the mapped ``EndpointError``; anything else passes through untouched.
+        """
+        url = self.url_of(GENERATION_PATHS[kind])
+        try:
+            with self.http.stream("POST", url, json=dict(body), timeout=timeout_s or self.timeout_s) as response:
+                if response.status_code >= 400:
+                    raise status_error(url, response.status_code, response.read().decode("utf-8", "replace"))
+                yield response.iter_lines()
+        except httpx.HTTPError as error:
+            raise transport_error(error, url) from error
 
     def unreachable_reason(self, *, timeout_s: float = 5.0) -> str | None:
         """None when the server answers HTTP at all (even 404 on ``/health``), else why it does not."""

@@ -150,6 +150,14 @@ class IncompleteRunError(Fp4forgeError):
     exit_code = ExitCode.ABORTED
 
 
+class UnreadableAnswersError(Fp4forgeError):
+    """An arm whose answers the suite cannot read: most of its turns ended at ``max_tokens`` or
+    held reasoning only (no content, no tool call). Its score would measure the serving format
+    (template, parser, token budget), not the model, so it is not scored."""
+
+    exit_code = ExitCode.FINDINGS
+
+
 class ProbeError(Fp4forgeError):
     """A probe request failed, or the arms cannot be compared (different tokenizers)."""
 

@@ -130,7 +130,8 @@ def calibrate_kv(
     if layout_format is not None:
         require_choice(layout_format, LAYOUTS, "layout_format")
     source, into = Path(source), Path(into)
-    layers = attention_layers(open_checkpoint(into))
+    # Everything that would refuse the install is checked before a calibration is spent on it.
+    _, _, layers = install_target(into, layout_format)
     stats_path = source
     if not is_stats_file(source):
         from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
@@ -195,12 +196,12 @@ def _json_text(doc: Any) -> str:
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
-def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | None = None) -> dict[str, Any]:
-    """Add ``scales`` to the checkpoint at ``directory`` as ``model-kvscales.safetensors`` plus the
-    re-resolved index and the KV declaration. ``layout``: needed only when the checkpoint declares
-    no quantization yet. Returns the provenance entry written to ``fp4forge.json``."""
-    directory = Path(directory)
-    ckpt = open_checkpoint(directory)
+def install_target(directory: str | Path, layout: str | None) -> tuple[Checkpoint, str, list[str]]:
+    """(checkpoint, layout, attention layers) of a checkpoint that can receive KV scales, or the
+    ``ConfigError`` that refuses it: a declared layout other than ``layout``, no layout at all, or
+    KV scales it already carries outside fp4forge's own ``model-kvscales.safetensors`` (which a
+    new install replaces). Checked first by ``calibrate_kv``, before any calibration is spent."""
+    ckpt = open_checkpoint(Path(directory))
     declared = kv_layout(ckpt)
     if declared is not None and layout is not None and layout != declared:
         raise ConfigError(f"the checkpoint declares {declared}; cannot add {layout} KV scales to it", file=ckpt.display)
@@ -208,16 +209,25 @@ def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | Non
     if layout is None:
         raise ConfigError(f"the checkpoint declares no quantization: choose the layout ({' or '.join(LAYOUTS)})", file=ckpt.display, option="layout_format")
     layers = attention_layers(ckpt)
+    _, existing = find_scale_tensors(ckpt, layers)
+    elsewhere = sorted({ckpt.locate(n)[0] for names in existing.values() for n in names.values()} - {KV_SHARD})
+    if elsewhere:
+        raise ConfigError(f"the checkpoint already carries KV scales in {elsewhere}; write a new checkpoint with `kv transplant` instead", file=ckpt.display)
+    return ckpt, layout, layers
+
+
+def install_kv_scales(directory: str | Path, scales: KvScales, layout: str | None = None) -> dict[str, Any]:
+    """Add ``scales`` to the checkpoint at ``directory`` as ``model-kvscales.safetensors`` plus the
+    re-resolved index and the KV declaration. ``layout``: needed only when the checkpoint declares
+    no quantization yet. Returns the provenance entry written to ``fp4forge.json``."""
+    directory = Path(directory)
+    ckpt, layout, layers = install_target(directory, layout)
     missing = sorted(set(layers) - set(scales.layers), key=natural_key)
     if missing:
         raise ConfigError(f"no KV scales for {len(missing)} attention layers, e.g. {missing[:3]}", file=ckpt.display)
     foreign = sorted(set(scales.layers) - set(layers), key=natural_key)
     if foreign:
         raise ConfigError(f"KV scales for layers this checkpoint does not have: {foreign[:3]}", file=ckpt.display)
-    _, existing = find_scale_tensors(ckpt, layers)
-    elsewhere = sorted({ckpt.locate(n)[0] for names in existing.values() for n in names.values()} - {KV_SHARD})
-    if elsewhere:
-        raise ConfigError(f"the checkpoint already carries KV scales in {elsewhere}; write a new checkpoint with `kv transplant` instead", file=ckpt.display)
     tensors = layout_tensors(scales, layout)
     config, hf_quant = declare_kv(ckpt, layout, per_head=scales.per_head)
     provenance = {**scales.provenance, "layout": layout, "layers": len(layers), "shard": KV_SHARD, "tensors": len(tensors)}

@@ -3,10 +3,10 @@
     fp4forge quality list [--json] [--markdown] [--category C]
     fp4forge quality run --url URL --model NAME --out DIR [--arm A] [--runs 2] [--max-tokens 512]
                          [--seed 0] [--concurrency 1] [--system-prefix TEXT] [--chat-template-kwargs JSON]
-                         [--only ID,ID] [--category C,C] [--json]
-    fp4forge quality score TRANSCRIPT.jsonl... [--out DIR] [--json] [--markdown]
+                         [--only ID,ID] [--category C,C] [--no-stream] [--allow-unreadable] [--json]
+    fp4forge quality score TRANSCRIPT.jsonl... [--out DIR] [--json] [--markdown] [--allow-unreadable]
     fp4forge quality compare RUNS_A... -- RUNS_B... [--out DIR] [--json] [--markdown] [--no-plots]
-                             [--alpha 0.05] [--bootstrap 10000] [--seed 0]
+                             [--alpha 0.05] [--bootstrap 10000] [--seed 0] [--allow-unreadable]
     fp4forge quality kl --url-a URL --model-a NAME --url-b URL --model-b NAME --out DIR
                         [--sequences 8] [--top-k 20] [--mode prompt_logprobs|echo] [--json]
     fp4forge quality determinism --url URL --model NAME --out DIR [--prompts 4] [--replicates 8]
@@ -16,9 +16,13 @@ A RUNS argument is a transcript file or a directory (its ``*.jsonl``). ``compare
 ``--b RUN`` (repeatable) instead of ``--``.
 
 Exit codes. run: 0 every request succeeded; 1 the runs finished but some requests failed (recorded
-in the transcripts and counted); 2 unusable (bad options, no server, model not served, suite
-invalid); 3 a run wrote fewer scenarios than the suite holds. score / compare / kl / determinism:
-0, or 2 when the inputs cannot be read or compared (incomplete runs, different tokenizers).
+in the transcripts and counted), or an arm's answers were unreadable and it was not scored
+(``UnreadableAnswersError``: most turns cut at max_tokens or reasoning only; the transcripts and
+the score files, which say why, are written; ``--allow-unreadable`` scores it with a warning);
+2 unusable (bad options, no server, model not served, suite invalid); 3 a run wrote fewer
+scenarios than the suite holds. score / compare: 0, 1 for unreadable answers as for run, or 2
+when the inputs cannot be read or compared (incomplete runs). kl / determinism: 0, or 2 (different
+tokenizers, failed probe).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from fp4forge.endpoint import Endpoint
 from fp4forge.quality.probes import MODES, determinism_probe, kl_probe, suite_sequences
 from fp4forge.quality.evaluate import run_and_score
 from fp4forge.quality.report import compare_document, score_document
+from fp4forge.quality.answers import refusal_error
 from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript
 from fp4forge.report.quality_files import write_compare, write_determinism, write_kl, write_score
 from fp4forge.report.quality_tables import (
@@ -70,6 +75,22 @@ def _err() -> Console:
 
 def _fail(message: object, code: int = EXIT_UNUSABLE, as_json: bool = False) -> SystemExit:
     return fail(message, code, as_json)
+
+
+ALLOW_UNREADABLE_HELP = ("Score an arm even when most of its turns were cut at max tokens or held reasoning only "
+                         "(default: refuse, exit 1); every report then carries the warning.")
+
+
+def _refuse_or_warn(doc: dict[str, Any], where: Optional[Path]) -> None:
+    """Exit 1 with the refusal (after the files are written), or print the override's warning.
+    Under --json the document already went to stdout with its ``answers`` block: stderr only."""
+    error = refusal_error(doc, file=str(where) if where is not None else None)
+    if error is not None:
+        raise _fail(error, EXIT_SOME_FAILED, False)
+    block = doc.get("answers") or {}
+    if block.get("allowed"):
+        _err().print("[bold red]WARNING[/bold red]: scored although the answers are unreadable: " + "; ".join(block["unreadable"]),
+                     highlight=False)
 
 
 def _csv(text: Optional[str]) -> Optional[list[str]]:
@@ -116,6 +137,9 @@ def run_command(
     chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help='JSON, e.g. {"enable_thinking": true}.'),
     only: Optional[str] = typer.Option(None, "--only", help="Comma-separated scenario ids (a partial run)."),
     category: Optional[str] = typer.Option(None, "--category", help="Comma-separated categories (a partial run)."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Read answers streamed (default), as agent clients do "
+                                "and as vLLM splits reasoning from answers by the rendered prompt; --no-stream for comparison."),
+    allow_unreadable: bool = typer.Option(False, "--allow-unreadable", help=ALLOW_UNREADABLE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the score document as JSON."),
 ) -> None:
     """Run the suite N times against an endpoint; transcripts are written as scenarios finish."""
@@ -134,8 +158,9 @@ def run_command(
 
     try:
         config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, concurrency=concurrency,
-                           timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs)
-        outcome = run_and_score(config, out, only=_csv(only), categories=_csv(category), on_scenario=on_scenario, write=write_score)
+                           timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs, stream=stream)
+        outcome = run_and_score(config, out, only=_csv(only), categories=_csv(category), on_scenario=on_scenario, write=write_score,
+                                allow_unreadable=allow_unreadable)
     except IncompleteRunError as error:
         raise _fail(error, EXIT_INCOMPLETE, as_json) from error
     except Fp4forgeError as error:
@@ -146,6 +171,7 @@ def run_command(
     else:
         Console().print(score_rich(doc))
         Console().print(f"transcripts: {', '.join(str(p) for p in outcome.transcripts)}; report: {out / 'score.md'}", highlight=False)
+    _refuse_or_warn(doc, out)
     if outcome.failed_requests:
         raise typer.Exit(EXIT_SOME_FAILED)
 
@@ -157,6 +183,7 @@ def score_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Also write score.json and score.md here."),
     as_json: bool = typer.Option(False, "--json"),
     markdown: bool = typer.Option(False, "--markdown"),
+    allow_unreadable: bool = typer.Option(False, "--allow-unreadable", help=ALLOW_UNREADABLE_HELP),
 ) -> None:
     """Re-score saved transcripts offline with the current suite (tool calls are replayed)."""
     try:
@@ -166,7 +193,7 @@ def score_command(
         raise _fail(str(error), as_json=as_json) from error
     if not results:
         raise _fail("no transcripts found", as_json=as_json)
-    doc = score_document(results, suite)
+    doc = score_document(results, suite, allow_unreadable=allow_unreadable)
     if out is not None:
         write_score(doc, out)
     if as_json:
@@ -175,6 +202,7 @@ def score_command(
         sys.stdout.write(score_markdown(doc))
     else:
         Console().print(score_rich(doc))
+    _refuse_or_warn(doc, out)
 
 
 # -- compare ------------------------------------------------------------------------------------
@@ -225,6 +253,7 @@ def compare_command(
     alpha: float = typer.Option(0.05, "--alpha"),
     bootstrap: int = typer.Option(10_000, "--bootstrap", min=100, help="Bootstrap resamples."),
     seed: int = typer.Option(0, "--seed", help="Bootstrap / permutation seed."),
+    allow_unreadable: bool = typer.Option(False, "--allow-unreadable", help=ALLOW_UNREADABLE_HELP),
 ) -> None:
     """Compare two arms: noise floor, paired sign test / McNemar, bootstrap CI, flips, power, verdict."""
     if not runs_b:
@@ -235,7 +264,7 @@ def compare_command(
         results_b = [rescore_transcript(p, suite) for p in expand_transcripts(runs_b)]
         if not results_a or not results_b:
             raise _fail("an arm has no transcripts", as_json=as_json)
-        doc = compare_document(results_a, results_b, suite, alpha=alpha, n_boot=bootstrap, seed=seed)
+        doc = compare_document(results_a, results_b, suite, alpha=alpha, n_boot=bootstrap, seed=seed, allow_unreadable=allow_unreadable)
     except (Fp4forgeError, OSError) as error:
         raise _fail(str(error), as_json=as_json) from error
     if out is not None:
@@ -246,6 +275,7 @@ def compare_command(
         sys.stdout.write(compare_markdown(doc))
     else:
         Console().print(compare_rich(doc))
+    _refuse_or_warn(doc, out)
 
 
 # -- probes -------------------------------------------------------------------------------------

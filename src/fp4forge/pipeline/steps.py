@@ -75,10 +75,13 @@ class PipelineOptions:
     perf_workload: str = "cpu-tiny"
     perf_mode: str = "sequential"
     quality_runs: int = 2
-    quality_max_tokens: int = 64
+    # Thinking is on by default (as Laguna's template): a turn is reasoning, </think>, then the answer.
+    # The trained testbed's longest turns are ~80 tokens; 64 cut a fifth of them (an unread turn).
+    quality_max_tokens: int = 128
     quality_concurrency: int = 4
     quality_categories: tuple[str, ...] = ()
     quality_teacher: bool = False  # also serve SRC and compare the two arms with paired tests
+    quality_allow_unreadable: bool = False  # score an arm whose answers are mostly unread (loud warning)
 
     def __post_init__(self) -> None:
         """Every option checked once, here, before any step runs; the recipe parsed once."""
@@ -445,8 +448,9 @@ QUALITY_ARMS = {"student": "quantized", "teacher": "bf16-teacher"}
 QUALITY_DIRS = {"student": "quality", "teacher": "quality-teacher"}
 
 
-def _quality_runs(ctx: Context, role: str) -> list[Any]:
-    """N runs of the (selected) suite against the ``role`` server into reports/<dir>/, scored there."""
+def _quality_runs(ctx: Context, role: str) -> Any:
+    """N runs of the (selected) suite against the ``role`` server into reports/<dir>/, scored there;
+    the ``QualityOutcome``."""
     from fp4forge.quality.evaluate import run_and_score
     from fp4forge.quality.runner import RunConfig
     from fp4forge.quality.suite import load_suite
@@ -473,15 +477,30 @@ def _quality_runs(ctx: Context, role: str) -> list[Any]:
 
     # Scored where the transcripts end up (publish), so the score document names their real paths.
     outcome = run_and_score(config, staged, categories=categories, suite=suite, on_scenario=on_scenario, publish=publish,
-                            write=write_score)
+                            write=write_score, allow_unreadable=o.quality_allow_unreadable)
     if outcome.failed_requests:
         raise PipelineStepError(f"{outcome.failed_requests} quality request(s) failed; transcripts in {final}")
-    return outcome.results
+    return outcome
+
+
+def _points(results: list[Any]) -> str:
+    """Points of max possible per run ("28 / 349, 30 / 349"), never a bare "28 / 28"."""
+    return ", ".join(f"{r.earned} / {r.max}" for r in results)
+
+
+def _answers_summary(block: dict[str, Any]) -> dict[str, str]:
+    """An unreadable arm, in the step's summary line. The step itself finishes, so that the card is
+    written and carries the refusal (a failed step would stop the pipeline before its card)."""
+    if not block.get("unreadable"):
+        return {}
+    arms = "; ".join(f"{arm}: {h['unread']} of {h['turns']} turns unread ({h['truncated']} cut at max tokens, "
+                     f"{h['reasoning_only']} reasoning only)" for arm, h in block["arms"].items() if h["unreadable"])
+    return {"REFUSED (not scored)" if block["refused"] else "WARNING (unreadable, scored anyway)": arms}
 
 
 def run_quality(ctx: Context) -> dict[str, Any]:
-    results = _quality_runs(ctx, "student")
-    return {"runs": len(results), "points": " / ".join(str(r.earned) for r in results)}
+    outcome = _quality_runs(ctx, "student")
+    return {"runs": len(outcome.results), "points": _points(outcome.results), **_answers_summary(outcome.document["answers"])}
 
 
 def run_quality_teacher(ctx: Context) -> dict[str, Any]:
@@ -491,12 +510,13 @@ def run_quality_teacher(ctx: Context) -> dict[str, Any]:
     from fp4forge.quality.suite import load_suite
     from fp4forge.report.quality_files import write_compare
 
-    teacher = _quality_runs(ctx, "teacher")
+    teacher = _quality_runs(ctx, "teacher").results
     suite = load_suite()
     student = [rescore_transcript(p, suite) for p in expand_transcripts([ctx.report(QUALITY_DIRS["student"])])]
-    doc = compare_document(student, teacher, suite)
+    doc = compare_document(student, teacher, suite, allow_unreadable=ctx.options.quality_allow_unreadable)
     write_compare(doc, ctx.report(QUALITY_DIRS["teacher"]))
-    return {"verdict": doc["verdict"]["label"], "diff_points": round(doc["points"]["diff"], 1)}
+    return {"verdict": doc["verdict"]["label"], "diff_points": round(doc["points"]["diff"], 1),
+            "teacher points": _points(teacher), **_answers_summary(doc["answers"])}
 
 
 def run_card(ctx: Context) -> dict[str, Any]:
@@ -566,13 +586,15 @@ STEPS: tuple[Step, ...] = (
          ("checkpoint", "vllm"), ("serve_hardware",), off=_needs_serve, version=2),  # 2: a reproducible command, the env
     Step("perf", "bench perf", run_perf, ("reports/bench",), ("checkpoint", "vllm"), ("perf_workload", "perf_mode"),
          off=_needs_bench("perf")),
+    # version 2: the arm is labelled "quantized"; 3: answers streamed, unreadable arms refused.
     Step("quality", "bench quality (agentic tool use)", run_quality, ("reports/quality",), ("checkpoint", "vllm"),
-         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories"),
-         off=_needs_bench("quality"), version=2),  # 2: the arm is labelled "quantized"
+         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories", "quality_allow_unreadable"),
+         off=_needs_bench("quality"), version=3),
     Step("quality-teacher", "quality of the BF16 teacher, paired tests", run_quality_teacher, ("reports/quality-teacher",),
-         ("src", "quality", "vllm"), ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories"),
+         ("src", "quality", "vllm"),
+         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories", "quality_allow_unreadable"),
          off=lambda o: _needs_bench("quality")(o) or (None if o.quality_teacher else "not requested (--quality-teacher)"),
-         ),
+         version=2),
 )
 # The card runs last, always, from whatever artifacts exist.
 CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",))

@@ -5,6 +5,9 @@ live and builds the score document; ``write`` (``fp4forge.report.quality_files.w
 renders it to files. The CLI (``fp4forge quality run``) and the pipeline's quality steps both call
 it; the pipeline also passes ``publish``, which moves the finished transcripts from its staging
 directory into place before they are scored, so the score document names their real paths.
+An arm whose answers the suite cannot read is scored and written all the same (the files are the
+evidence) but ``QualityOutcome.refusal`` holds the ``UnreadableAnswersError`` its callers raise
+or carry (``quality.answers``); ``allow_unreadable`` makes it a warning in the document instead.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fp4forge.errors import UnreadableAnswersError
+from fp4forge.quality.answers import refusal_error
 from fp4forge.quality.report import score_document
 from fp4forge.quality.runner import RunConfig, RunResult, rescore_transcript, run_suite
 from fp4forge.quality.suite import Suite, load_suite
@@ -34,6 +39,10 @@ class QualityOutcome:
     def failed_requests(self) -> int:
         return sum(r.failed_requests for r in self.results)
 
+    @property
+    def refusal(self) -> UnreadableAnswersError | None:
+        return refusal_error(self.document, file=str(self.out_dir))
+
 
 def run_and_score(
     config: RunConfig,
@@ -45,6 +54,7 @@ def run_and_score(
     on_scenario: Callable[[int, dict[str, Any]], None] | None = None,
     publish: Callable[[Path], Path] | None = None,
     write: ScoreWriter | None = None,
+    allow_unreadable: bool = False,
 ) -> QualityOutcome:
     """``config.runs`` runs of the suite (or the scenarios ``only`` / ``categories`` select) into
     ``out_dir``; ``publish(out_dir)`` (optional) returns the directory they end up in; scored there.
@@ -59,7 +69,7 @@ def run_and_score(
     final = Path(publish(Path(out_dir))) if publish is not None else Path(out_dir)
     transcripts = [final / path.name for path in paths]
     results = [rescore_transcript(path, suite) for path in transcripts]
-    document = score_document(results, suite)
+    document = score_document(results, suite, allow_unreadable=allow_unreadable)
     if write is not None:
         write(document, final)
     return QualityOutcome(final, transcripts, results, document)

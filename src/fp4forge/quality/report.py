@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fp4forge.errors import ReportError
+from fp4forge.quality.answers import arm_health, refusal_block
 from fp4forge.quality.suite import Suite
 from fp4forge.quality.runner import RunResult
 from fp4forge.quality.scorer import category_totals
@@ -52,7 +53,20 @@ def run_document(result: RunResult, suite: Suite) -> dict[str, Any]:
     }
 
 
-def score_document(results: list[RunResult], suite: Suite) -> dict[str, Any]:
+def answers_block(results: list[RunResult], allow_unreadable: bool) -> dict[str, Any]:
+    """Per arm: how many turns the suite could read, and whether the arm is refused (``answers``)."""
+    by_arm: dict[str, list[RunResult]] = {}
+    for result in results:
+        by_arm.setdefault(result.arm, []).append(result)
+    arms = [(arm, arm_health(r.answers for r in runs), _max_tokens(runs)) for arm, runs in by_arm.items()]
+    return refusal_block(arms, allow_unreadable)
+
+
+def _max_tokens(runs: list[RunResult]) -> Any:
+    return (runs[0].header.get("request") or {}).get("max_tokens")
+
+
+def score_document(results: list[RunResult], suite: Suite, *, allow_unreadable: bool = False) -> dict[str, Any]:
     categories = {s.id: s.category for s in suite.scenarios}
     by_arm: dict[str, list[RunResult]] = {}
     for result in results:
@@ -66,6 +80,7 @@ def score_document(results: list[RunResult], suite: Suite) -> dict[str, Any]:
         "suite": {"name": suite.name, "version": suite.version, "digest": suite.digest, "scenario_count": len(suite.scenarios)},
         "runs": [run_document(r, suite) for r in results],
         "noise_floor": floors,
+        "answers": answers_block(results, allow_unreadable),
         "scenarios": {
             r.path: {sid: {"earned": s.earned, "max": s.max, "errors": [e.kind for e in s.errors]} for sid, s in r.scores.items()}
             for r in results
@@ -75,7 +90,10 @@ def score_document(results: list[RunResult], suite: Suite) -> dict[str, Any]:
 
 # -- compare ------------------------------------------------------------------------------------
 def compare_document(results_a: list[RunResult], results_b: list[RunResult], suite: Suite, *, alpha: float = DEFAULT_ALPHA,
-                     n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> dict[str, Any]:
+                     n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0, allow_unreadable: bool = False) -> dict[str, Any]:
+    """The paired comparison. Its ``answers`` block says whether an arm's answers were unreadable
+    (``quality.answers``); when it ``refused``, the statistics are there but are no verdict:
+    callers raise ``answers.refusal_error(doc)`` after writing the document."""
     for result in results_a + results_b:
         if not result.complete:
             raise ReportError(f"{result.path} is an incomplete run ({len(result.scores)} scenarios scored): "
@@ -87,6 +105,17 @@ def compare_document(results_a: list[RunResult], results_b: list[RunResult], sui
     stats = compare_arms([run_points(r) for r in results_a], [run_points(r) for r in results_b], categories,
                          alpha=alpha, n_boot=n_boot, seed=seed)
     warnings = [w for r in results_a + results_b for w in r.warnings]
+    answers = refusal_block([(f"A ({results_a[0].arm})", arm_health(r.answers for r in results_a), _max_tokens(results_a)),
+                             (f"B ({results_b[0].arm})", arm_health(r.answers for r in results_b), _max_tokens(results_b))],
+                            allow_unreadable)
+    if answers["refused"]:
+        # The statistics stay in the document (the evidence); the verdict is the refusal.
+        stats["verdict"] = {"label": "refused", "text": "refused to score: " + "; ".join(answers["unreadable"]),
+                            "notes": ["docs/quality.md#unreadable-answers says what to change"]}
+    elif answers["allowed"]:
+        stats["verdict"] = {**stats["verdict"], "text": "UNREADABLE ANSWERS, scored anyway (the verdict measures the serving "
+                            "format, not the model): " + stats["verdict"]["text"]}
+        warnings += [f"UNREADABLE ANSWERS, scored anyway: {reason}" for reason in answers["unreadable"]]
     digests = {r.header["suite"]["digest"] for r in results_a + results_b}
     if len(digests) > 1:
         warnings.append("the runs were recorded with different suite versions (all re-scored with the current one)")
@@ -94,6 +123,7 @@ def compare_document(results_a: list[RunResult], results_b: list[RunResult], sui
         "suite": {"name": suite.name, "version": suite.version, "digest": suite.digest},
         "arms": {"A": arm_description(results_a, suite), "B": arm_description(results_b, suite)},
         **stats,
+        "answers": answers,
         "warnings": warnings,
     }
 

@@ -14,6 +14,20 @@ scenario's simulated world and their results fed back; a follow-up user message 
 a step has one; a turn without calls ends the conversation unless the next step brings a user
 message. Tool-call ids sent back are deterministic (``call_t<turn>_<k>``), so two runs send the same
 bytes whenever the model's outputs agree.
+
+How an answer is read: streamed (``stream: true``, the default), the deltas assembled into the
+message a non-streamed answer would carry (``read_stream``). Why streaming and not
+``chat_template_kwargs``: vLLM's streaming path asks the reasoning parser whether the *rendered
+prompt* already closed the reasoning (the template's generation prompt ends ``<think>`` or
+``</think>``), so reasoning, content and tool calls are split by what the template actually did.
+Its non-streaming path (0.32) never looks at the prompt: the parser's own belief about the
+template's default decides, and where the two disagree the whole answer, a well-formed
+``<tool_call>`` included, lands in ``reasoning`` (every turn reasoning-only: the floor score).
+Sending ``{"enable_thinking": true}`` would align them too, but only for templates and parsers
+keyed on that name, and it measures a request that a default client does not send; agent
+clients stream. ``stream=False`` keeps the non-streaming path, to compare the two. Whatever the
+path, an arm whose turns are mostly cut at ``max_tokens`` or reasoning-only is refused when it
+is scored (``quality.answers``).
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp4forge.endpoint import ERROR_BODY_CHARS, Endpoint, server_root
+from fp4forge.quality.answers import AnswerHealth
 from fp4forge.errors import ConfigError, EndpointError, EndpointProtocolError, EndpointStatusError, EndpointTimeout, IncompleteRunError, QualityRunError
 from fp4forge.quality.suite import Scenario, Suite
 from fp4forge.quality.scorer import ModelTurn, ParsedCall, ScenarioScore, score_scenario, turn_from_message
@@ -55,6 +70,7 @@ class RunConfig:
     system_prefix: str | None = None  # a request variant: prepended to (or becomes) the system prompt
     chat_template_kwargs: dict[str, Any] | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    stream: bool = True  # read answers as a streaming client does (module doc: why)
 
     def __post_init__(self) -> None:
         for option, value in (("runs", self.runs), ("max_tokens", self.max_tokens), ("concurrency", self.concurrency)):
@@ -76,6 +92,7 @@ class RunConfig:
             "chat_template_kwargs": self.chat_template_kwargs,
             "system_prefix": self.system_prefix,
             "extra_body": self.extra_body,
+            "stream": self.stream,
         }
 
 
@@ -105,6 +122,9 @@ def request_body(config: RunConfig, scenario: Scenario, messages: list[dict[str,
         body["seed"] = config.seed
     if config.chat_template_kwargs is not None:
         body["chat_template_kwargs"] = config.chat_template_kwargs
+    if config.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}  # the token counts arrive in a last chunk
     body.update(config.extra_body)
     return body
 
@@ -183,6 +203,10 @@ def make_post(endpoint: Endpoint, config: RunConfig) -> Post:
     def post(body: dict[str, Any]) -> Reply:
         started = time.monotonic()
         try:
+            if body.get("stream"):
+                with endpoint.stream_lines("chat", body, timeout_s=config.timeout_s) as lines:
+                    message, finish_reason, usage, error = read_stream(lines)
+                return Reply(message, finish_reason, usage, time.monotonic() - started, error)
             doc = endpoint.chat(body, timeout_s=config.timeout_s)
         except EndpointError as error:
             return Reply(None, None, None, time.monotonic() - started, failure_text(error))
@@ -194,6 +218,54 @@ def make_post(endpoint: Endpoint, config: RunConfig) -> Post:
             return Reply(None, None, None, latency, f"protocol: {type(error).__name__}: {json.dumps(doc)[:ERROR_BODY_CHARS]}")
 
     return post
+
+
+def read_stream(lines: Iterable[str]) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None, str | None]:
+    """One streamed chat answer (its server-sent-event lines) as ``(message, finish_reason, usage,
+    error)``; the message has the keys of a non-streamed one (content, reasoning, tool_calls, the
+    calls' argument fragments joined). A stream without ``[DONE]``, an unparseable line or an error
+    event is a failed request (error set, message None)."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, event names
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            message = {
+                "role": "assistant",
+                "content": "".join(content) or None,
+                "reasoning": "".join(reasoning) or None,
+                "tool_calls": [calls[index] for index in sorted(calls)],
+            }
+            return message, finish_reason, usage, None
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            return None, finish_reason, usage, f"protocol: unparseable stream line: {data[:ERROR_BODY_CHARS]}"
+        if not isinstance(chunk, dict):
+            return None, finish_reason, usage, f"protocol: stream chunk is not an object: {data[:ERROR_BODY_CHARS]}"
+        if chunk.get("error"):
+            return None, finish_reason, usage, f"stream error: {json.dumps(chunk['error'])[:ERROR_BODY_CHARS]}"
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            content.append(delta.get("content") or "")
+            reasoning.append(delta.get("reasoning") or delta.get("reasoning_content") or "")
+            for part in delta.get("tool_calls") or []:
+                call = calls.setdefault(part.get("index", len(calls)),
+                                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call["id"] = part.get("id") or call["id"]
+                function = part.get("function") or {}
+                call["function"]["name"] += function.get("name") or ""
+                call["function"]["arguments"] += function.get("arguments") or ""
+            finish_reason = choice.get("finish_reason") or finish_reason
+    return None, finish_reason, usage, "protocol: the stream ended without [DONE]"
 
 
 def failure_text(error: EndpointError) -> str:
@@ -348,6 +420,7 @@ class RunResult:
     complete: bool
     warnings: list[str] = field(default_factory=list)
     failed_requests: int = 0
+    answers: AnswerHealth = field(default_factory=AnswerHealth)
 
     @property
     def earned(self) -> int:
@@ -359,7 +432,8 @@ class RunResult:
 
     def summary(self) -> dict[str, Any]:
         return {"path": self.path, "arm": self.arm, "run": self.run, "complete": self.complete, "earned": self.earned,
-                "max": self.max, "scenarios": len(self.scores), "failed_requests": self.failed_requests, "warnings": self.warnings}
+                "max": self.max, "scenarios": len(self.scores), "failed_requests": self.failed_requests, "warnings": self.warnings,
+                "answers": self.answers.to_dict()}
 
 
 def read_transcript(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
@@ -421,7 +495,9 @@ def rescore_transcript(path: Path, suite: Suite) -> RunResult:
     if not complete:
         warnings.append(f"incomplete run: {len(scores)} of {expected} scenarios scored" + ("" if footer else ", no footer"))
     failed = sum(1 for r in records for t in r.get("turns", []) if t.get("error"))
-    return RunResult(str(path), str(header.get("arm")), int(header.get("run", 0)), header, scores, complete, warnings, failed)
+    answers = AnswerHealth.of_turns(turn for record in records for turn in turns_of(record))
+    return RunResult(str(path), str(header.get("arm")), int(header.get("run", 0)), header, scores, complete, warnings, failed,
+                     answers)
 
 
 def expand_transcripts(paths: Iterable[Path]) -> list[Path]:

@@ -378,8 +378,23 @@ def quality_section(ctx: CardContext) -> list[str]:
     if doc is None:
         ctx.non_claims.append("Agentic tool-use quality was not measured.")
         return _missing(ctx, "quality/score.json")
+    from fp4forge.report.quality_tables import ANSWER_HEADERS, answers_headline, answers_rows
+
     runs = doc["runs"]
-    lines = [f"`fp4forge quality run`, suite `{doc['suite']['name']}` {doc['suite']['version']}, {len(runs)} run(s):", ""]
+    answers = doc.get("answers") or {}
+    lines = [*answers_headline(doc)]
+    if answers.get("refused"):
+        ctx.non_claims.append("Agentic tool-use quality was not measured: the suite could not read most answers "
+                              "(see the Quality section), so no score on this card describes the model.")
+    elif answers.get("allowed"):
+        ctx.non_claims.append("The quality scores were taken from unreadable answers (override): they measure the serving "
+                              "format, not the model.")
+    request = (runs[0].get("request") or {}) if runs else {}
+    read = "streamed" if request.get("stream") else "non-streamed"
+    lines += [f"`fp4forge quality run`, suite `{doc['suite']['name']}` {doc['suite']['version']}, {len(runs)} run(s), "
+              f"max_tokens {request.get('max_tokens')}, answers read {read}:", ""]
+    if answers_rows(doc):
+        lines += table(ANSWER_HEADERS, answers_rows(doc)) + [""]
     categories = list(runs[0]["categories"]) if runs else []
     rows = [[c, *[f"{r['categories'][c]['earned']} / {r['categories'][c]['max']}" for r in runs]] for c in categories]
     rows.append(["**total**", *[f"{r['earned']} / {r['max']}" for r in runs]])
@@ -414,6 +429,10 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
         ["exact McNemar, fully correct", f"p = {doc['mcnemar_fully_correct']['exact_p']:.3f}"],
         ["discordant scenarios", f"{doc['discordant']} of {doc['scenarios']}; {doc['flips_also_within_arm']} also flip within an arm"],
     ])
+    from fp4forge.report.quality_tables import ANSWER_HEADERS, answers_rows
+
+    if answers_rows(doc):  # both arms: how many turns the suite could read
+        lines += ["", *table(ANSWER_HEADERS, answers_rows(doc))]
     lines += ["", *table(list(CATEGORY_HEADERS), category_rows(doc))]
     plot = ctx.art.reports / "quality-teacher" / "category_scores.png"
     if plot.is_file():

@@ -68,6 +68,7 @@ def compare_markdown(doc: dict[str, Any]) -> str:
         "",
         f"**Verdict: {doc['verdict']['text']}.**",
         *[f"- {note}" for note in doc["verdict"].get("notes", [])],
+        *_answers_section(doc),
         "",
         f"- A = `{arms['A']['label']}`: {_describe_arm(arms['A'])}",
         f"- B = `{arms['B']['label']}`: {_describe_arm(arms['B'])}",
@@ -163,14 +164,45 @@ def compare_rich(doc: dict[str, Any]) -> Table:
     return table
 
 
+# -- readable answers ---------------------------------------------------------------------------
+ANSWER_HEADERS = ["arm", "answered turns", "cut at max_tokens", "reasoning only", "empty", "unread", "with parsed tool calls"]
+
+
+def answers_headline(doc: dict[str, Any]) -> list[str]:
+    """The refusal (or the override's warning) as the first thing a reader sees; nothing if scored."""
+    block = doc.get("answers") or {}
+    if block.get("refused"):
+        return ["**REFUSED TO SCORE: the suite could not read the answers.** " + " ".join(f"{r}." for r in block["unreadable"])
+                + " The points below are evidence of that, not a score of the model (docs/quality.md#unreadable-answers).", ""]
+    if block.get("allowed"):
+        return ["**WARNING: scored although the answers are unreadable** (override). " + " ".join(f"{r}." for r in block["unreadable"]), ""]
+    return []
+
+
+def answers_rows(doc: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for arm, h in ((doc.get("answers") or {}).get("arms") or {}).items():
+        rows.append([arm, str(h["turns"]), str(h["truncated"]), str(h["reasoning_only"]), str(h["empty"]),
+                     f"{h['unread']} ({h['unread_share']:.0%})", str(h["with_calls"])])
+    return rows
+
+
+def _answers_section(doc: dict[str, Any]) -> list[str]:
+    rows = answers_rows(doc)
+    if not rows:
+        return []
+    return ["", "## Could the suite read the answers? (turns)", "", *_table(ANSWER_HEADERS, rows)]
+
+
 # -- score --------------------------------------------------------------------------------------
 def score_markdown(doc: dict[str, Any]) -> str:
     runs = doc["runs"]
-    lines = [f"# Quality scores — suite {doc['suite']['name']} {doc['suite']['version']}", ""]
+    lines = [f"# Quality scores — suite {doc['suite']['name']} {doc['suite']['version']}", "", *answers_headline(doc)]
     lines += _table(["transcript", "arm", "run", "complete", "earned / max", "fully correct", "failed requests"], [
         [r["path"], r["arm"], str(r["run"]), "yes" if r["complete"] else "NO", f"{r['earned']} / {r['max']}",
          f"{r['scenarios_fully_correct']} / {r['scenarios']}", str(r["failed_requests"])] for r in runs
     ])
+    lines += _answers_section(doc)
     categories = list(runs[0]["categories"]) if runs else []
     lines += ["", "## Per category (earned / max)", ""]
     lines += _table(["category", *[f"{r['arm']} run {r['run']}" for r in runs]], [
@@ -195,7 +227,11 @@ def score_markdown(doc: dict[str, Any]) -> str:
 
 def score_rich(doc: dict[str, Any]) -> Table:
     runs = doc["runs"]
-    table = Table(title="earned / max per category")
+    block = doc.get("answers") or {}
+    caption = None
+    if block.get("refused") or block.get("allowed"):
+        caption = ("REFUSED TO SCORE: " if block.get("refused") else "UNREADABLE ANSWERS, scored anyway: ") + "; ".join(block["unreadable"])
+    table = Table(title="earned / max per category", caption=caption, caption_style="bold red")
     table.add_column("category")
     for r in runs:
         table.add_column(f"{r['arm']} run {r['run']}", justify="right")
