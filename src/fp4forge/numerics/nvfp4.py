@@ -50,10 +50,12 @@ from torch import Tensor
 from fp4forge.numerics.e2m1 import (
     E2M1_MAX,
     NumericsError,
+    block_absmax,
     decode_packed_blocks,
     e2m1_decode,
     e2m1_encode,
     encode_packed_blocks,
+    encode_packed_blocks_with_error,
     row_chunks,
     unpack_fp4,
 )
@@ -288,7 +290,7 @@ def nvfp4_block_scales(
     of 6); 1.0 is compressed-tensors' / ModelOpt's own rule.
     """
     _check_convention(convention)
-    amax_blk = _blocks(w).abs().amax(dim=-1)
+    amax_blk = block_absmax(_blocks(w))
     raw = nvfp4_raw_block_scales(amax_blk, global_scale, convention)
     if multiplier != 1.0:
         raw = raw * multiplier
@@ -341,17 +343,29 @@ def nvfp4_quantize(
     """
     _check_convention(convention)
     blocks = _blocks(w)
-    amax_blk = blocks.abs().amax(dim=-1)
+    amax_blk = block_absmax(blocks)
     _check_finite(amax_blk)
     g = _resolve_scalar(w, amax_blk, convention, global_amax, global_scale, fp8_max)
     if block_scale is None:
         block_scale = _finish_block_scales(nvfp4_raw_block_scales(amax_blk, g, convention), convention)
-    elif block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != amax_blk.shape:
+    return _quantize_blocks(blocks, block_scale, g, convention, error=False)[0]
+
+
+def _quantize_blocks(
+    blocks: Tensor, block_scale: Tensor, g: Tensor, convention: Convention, *, error: bool
+) -> tuple[Nvfp4Weight, float, float]:
+    """Encode finite ``blocks`` ``[..., K/16, 16]`` under given scales; with ``error``, also the
+    sums of the squared F32 dequantization error and of ``w^2`` (from the same pass)."""
+    if block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != blocks.shape[:-1]:
         raise NumericsError(
-            f"block_scale must be float8_e4m3fn {list(amax_blk.shape)}, got {block_scale.dtype} {list(block_scale.shape)}"
+            f"block_scale must be float8_e4m3fn {list(blocks.shape[:-1])}, got {block_scale.dtype} {list(block_scale.shape)}"
         )
-    packed = encode_packed_blocks(blocks, _effective_scale(block_scale, g, convention))
-    return Nvfp4Weight(packed, block_scale, g, convention)
+    step = _effective_scale(block_scale, g, convention)
+    if error:
+        packed, err_sq, ref_sq = encode_packed_blocks_with_error(blocks, step)
+    else:
+        packed, err_sq, ref_sq = encode_packed_blocks(blocks, step), 0.0, 0.0
+    return Nvfp4Weight(packed, block_scale, g, convention), err_sq, ref_sq
 
 
 def nvfp4_dequantize(
