@@ -29,7 +29,10 @@ nibble (compressed-tensors ``pack_fp4_to_uint8``, ModelOpt, vLLM ``break_fp4_byt
 
 from __future__ import annotations
 
+import math
 import sys
+import threading
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -112,73 +115,100 @@ def e2m1_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     return table
 
 
+@dataclass(frozen=True)
 class _FloatBits:
-    """The rounding's constants for F32 or F64, as 0-dim tensors: eager torch spends ~2 µs more per
-    call on a Python scalar operand, which adds up over many small chunks."""
+    """The rounding's integer constants for one float format (F32 or F64)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
-        int_dtype, width, mantissa, bias = {
-            torch.float32: (torch.int32, 32, 23, 127),
-            torch.float64: (torch.int64, 64, 52, 1023),
-        }[dtype]
+    int_dtype: torch.dtype
+    width: int
+    mantissa: int
+    bias: int
 
-        def const(value: float, dt: torch.dtype = int_dtype) -> Tensor:
-            return torch.tensor(value, dtype=dt, device=device)
+    @property
+    def magnitude(self) -> int:  # every bit but the sign
+        return (1 << (self.width - 1)) - 1
 
-        self.int_dtype = int_dtype
-        self.magnitude = const((1 << (width - 1)) - 1)  # every bit but the sign
-        self.exponent = const(((1 << (width - 1)) - 1) ^ ((1 << mantissa) - 1))
-        self.binade_lo = const(bias << mantissa)  # 1.0: below it the E2M1 step stays 0.5 (k = 0)
-        self.binade_hi = const((bias + 3) << mantissa)  # 8.0: everything from 8 on saturates
-        self.magic = const((mantissa - 1) << mantissa)  # bits(M) = bits(2^k) + this
-        self.shift = const(mantissa - 1)  # bits(M) >> shift = 2 * biased exponent of M
-        self.two_k_bias = const(2 * (bias + mantissa - 1))  # (bits(M) >> shift) - this = 2k
-        self.code_max = const(7)
-        self.value_max = const(E2M1_MAX, dtype)
-        self.zero = const(0.0, dtype)
-        self.three = const(3, torch.uint8)
-        self.four = const(4, torch.int16)
+    @property
+    def exponent(self) -> int:
+        return self.magnitude ^ ((1 << self.mantissa) - 1)
 
+    @property
+    def binade_lo(self) -> int:  # bits of 1.0: below it the E2M1 step stays 0.5 (k = 0)
+        return self.bias << self.mantissa
 
-_BITS_CACHE: dict[tuple[torch.dtype, torch.device], _FloatBits] = {}
+    @property
+    def binade_hi(self) -> int:  # bits of 8.0: everything from 8 on saturates
+        return (self.bias + 3) << self.mantissa
 
+    @property
+    def magic(self) -> int:  # bits(M) = bits(2^k) + this
+        return (self.mantissa - 1) << self.mantissa
 
-def _float_bits(dtype: torch.dtype, device: torch.device) -> _FloatBits:
-    key = (dtype, device)
-    consts = _BITS_CACHE.get(key)
-    if consts is None:
-        consts = _BITS_CACHE[key] = _FloatBits(dtype, device)
-    return consts
+    @property
+    def two_k_bias(self) -> int:  # (bits(M) >> (mantissa - 1)) - this = 2k
+        return 2 * (self.bias + self.mantissa - 1)
 
 
-def _sign_bits(s: Tensor, c: _FloatBits) -> Tensor:
-    """The codes' sign bits, uint8 8 or 0: set iff ``s < 0`` (so -0.0 gets none)."""
-    return torch.lt(s, c.zero).view(torch.uint8).bitwise_left_shift_(c.three)
+_FORMATS = {
+    torch.float32: _FloatBits(torch.int32, 32, 23, 127),
+    torch.float64: _FloatBits(torch.int64, 64, 52, 1023),
+}
 
 
-def _round(s: Tensor, c: _FloatBits) -> tuple[Tensor, Tensor]:
-    """Overwrite ``s`` (contiguous F32/F64, no NaN) with ``|s| + M``; return it and ``M``'s bits.
+class _Buffers(threading.local):
+    """Per-thread scratch tensors of the chunked encoder, reused from chunk to chunk: fresh
+    ~0.5 MiB temporaries cost more (allocation, page faults) than the arithmetic on them."""
 
-    ``M = 2^(k + mantissa - 1)`` with ``k = clamp(floor(log2 |s|), 0, 3)`` (see the module
-    docstring); ``|s| + M`` is exact to represent as the rounded value (``|s| < 2^(k+1) <= M``
-    below 8; from 8 on every result saturates).
+    def __init__(self) -> None:
+        self.store: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        key = (name, dtype, device)
+        buf = self.store.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            if numel <= _BUFFER_KEEP_ELEMENTS:
+                self.store[key] = buf
+        return buf[:numel]
+
+
+_BUFFER_KEEP_ELEMENTS = 1 << 20
+_BUFFERS = _Buffers()
+
+
+def _round_in_place(s: Tensor, m: Tensor, f: _FloatBits, values: Tensor | None = None) -> None:
+    """Overwrite ``s`` (contiguous F32/F64, no NaN, sign already cleared) with ``|s| + M`` and
+    ``m`` with the bits of ``M`` (module docstring); with ``values``, write the rounded
+    magnitudes ``min((|s| + M) - M, 6)`` there (the subtraction is exact).
+
+    ``|s| + M`` is exact to represent as the rounded value: ``|s| < 2^(k+1) <= M`` below 8, and
+    from 8 on every result saturates.
     """
-    magnitude = s.view(c.int_dtype).bitwise_and_(c.magnitude)
-    m_bits = torch.bitwise_and(magnitude, c.exponent).clamp_(c.binade_lo, c.binade_hi).add_(c.magic)
-    return s.add_(m_bits.view(s.dtype)), m_bits
+    torch.bitwise_and(s.view(f.int_dtype), f.exponent, out=m)
+    m.clamp_(f.binade_lo, f.binade_hi).add_(f.magic)
+    s.add_(m.view(s.dtype))
+    if values is not None:
+        torch.sub(s, m.view(s.dtype), out=values).clamp_max_(E2M1_MAX)
 
 
-def _rounded_values(t: Tensor, m_bits: Tensor, c: _FloatBits) -> Tensor:
-    """The rounded E2M1 magnitudes ``min((|s| + M) - M, 6)`` (a new tensor; the subtraction is exact)."""
-    return torch.sub(t, m_bits.view(t.dtype)).clamp_max_(c.value_max)
+def _encode_in_place(s: Tensor, codes: Tensor, m: Tensor, sign: Tensor, values: Tensor | None = None) -> None:
+    """E2M1 codes of ``s`` (contiguous F32/F64, no NaN) into ``codes`` (uint8); ``s``, ``m`` and
+    ``sign`` (integer scratch of ``s``'s width) are overwritten; ``values`` as in
+    :func:`_round_in_place`.
 
-
-def _codes(sign: Tensor, t: Tensor, m_bits: Tensor, c: _FloatBits) -> Tensor:
-    """Codes (uint8) from :func:`_sign_bits` and :func:`_round`, whose results it overwrites: the magnitude
-    index is the rounded value in steps of ``2^(k-1)`` (``bits(t) - bits(M)``) plus ``2k``."""
-    index = t.view(c.int_dtype).sub_(m_bits)
-    index.add_(m_bits.bitwise_right_shift_(c.shift)).sub_(c.two_k_bias).clamp_max_(c.code_max)
-    return index.to(torch.uint8).bitwise_or_(sign)
+    The magnitude index is the rounded value in steps of ``2^(k-1)`` (``bits(|s| + M) - bits(M)``)
+    plus ``2k``; the sign bit is set iff ``s < 0``.
+    """
+    f = _FORMATS[s.dtype]
+    bits = s.view(f.int_dtype)
+    s.add_(0.0)  # -0.0 + 0.0 = +0.0: its code is 0, like +0.0's
+    torch.bitwise_right_shift(bits, f.width - 1, out=sign)  # -1 where s < 0, else 0
+    bits.bitwise_and_(f.magnitude)
+    _round_in_place(s, m, f, values)
+    bits.sub_(m).add_(m.bitwise_right_shift_(f.mantissa - 1))  # index + two_k_bias
+    bits.clamp_max_(f.two_k_bias + 7).sub_(sign, alpha=8)
+    codes.copy_(bits)  # integer -> uint8 keeps the low byte, so the bias comes off in uint8
+    codes.sub_(f.two_k_bias % 256)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,14 +223,14 @@ def e2m1_encode(x: Tensor) -> Tensor:
     """
     if not x.is_floating_point():
         raise NumericsError(f"e2m1_encode needs a float tensor, got {x.dtype}")
-    s = x.to(_work_dtype(x.dtype), copy=True).contiguous()
+    s = x.to(_work_dtype(x.dtype), copy=True).contiguous().reshape(-1)
     nan = torch.isnan(s)
-    has_nan = bool(nan.any())
-    if has_nan:
+    if bool(nan.any()):
         s.masked_fill_(nan, 0.0)  # NaN -> code 0, as the boundary comparisons give
-    c = _float_bits(s.dtype, s.device)
-    sign = _sign_bits(s, c)
-    return _codes(sign, *_round(s, c), c).reshape(x.shape)
+    f = _FORMATS[s.dtype]
+    codes = torch.empty(s.shape, dtype=torch.uint8, device=s.device)
+    _encode_in_place(s, codes, torch.empty_like(s, dtype=f.int_dtype), torch.empty_like(s, dtype=f.int_dtype))
+    return codes.reshape(x.shape)
 
 
 def e2m1_decode(codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -258,33 +288,41 @@ def unpack_fp4(packed: Tensor) -> Tensor:
 ENCODE_CHUNK_ELEMENTS_ONE_THREAD = 1 << 17
 
 
-def _pack_codes(codes: Tensor, out: Tensor, c: _FloatBits) -> None:
-    """``pack_fp4`` into ``out`` by reading each code pair as one little-endian int16:
-    ``(pair | pair >> 4)`` holds element 2i in the low nibble and 2i+1 in the high one."""
-    pairs = codes.view(torch.int16)
-    out.copy_(pairs.bitwise_or_(torch.bitwise_right_shift(pairs, c.four)).view(out.shape))
-
-
 def _encode_chunk(blocks: Tensor, step: Tensor, out: Tensor, error: bool) -> tuple[float, float]:
-    """Codes of ``blocks / step`` packed into ``out``; with ``error``, also (sum of squared
-    dequantization error, sum of squares) of this chunk, from the same rounded values."""
-    c = _float_bits(torch.float32, blocks.device)
-    x = blocks.to(torch.float32)  # may alias ``blocks``: never written to
-    s = torch.div(x, step)  # in F32, as ``bf16_tensor / f32_tensor`` in compressed-tensors
-    sign = _sign_bits(s, c)
-    t, m_bits = _round(s, c)
+    """Codes of ``blocks / step`` (``[R, nb, bs]`` / ``[R, nb, 1]`` F32) packed into ``out``
+    ``[R, nb * bs / 2]``; with ``error``, also (sum of squared dequantization error, sum of
+    squares) of this chunk, from the same rounded values."""
+    n, device = blocks.numel(), blocks.device
+    if blocks.dtype == torch.float32:
+        x = blocks
+    else:
+        x = _BUFFERS.get("x", n, torch.float32, device).view(blocks.shape)
+        x.copy_(blocks)  # bf16/f16 -> F32 is exact
+    s = _BUFFERS.get("s", n, torch.float32, device).view(blocks.shape)
+    torch.div(x, step, out=s)  # in F32, as ``bf16_tensor / f32_tensor`` in compressed-tensors
+    codes = _BUFFERS.get("codes", n, torch.uint8, device)
+    m = _BUFFERS.get("m", n, torch.int32, device)
+    sign = _BUFFERS.get("sign", n, torch.int32, device)
+    values = _BUFFERS.get("values", n, torch.float32, device).view(blocks.shape) if error else None
+    _encode_in_place(s.view(-1), codes, m, sign, None if values is None else values.view(-1))
     err_sq = ref_sq = 0.0
-    if error:
+    if values is not None:
         # value * step is the dequantized weight (as decode_packed_blocks computes it); the sign
         # does not change the square of the difference
-        d = _rounded_values(t, m_bits, c).mul_(step).sub_(x.abs())
+        a = _BUFFERS.get("a", n, torch.float32, device).view(blocks.shape)
+        torch.abs(x, out=a)
+        d = values.mul_(step).sub_(a)
         err_sq = float(d.mul_(d).sum())
-        ref_sq = float(torch.mul(x, x).sum())
-    codes = _codes(sign, t, m_bits, c)
+        ref_sq = float(a.mul_(a).sum())
     if sys.byteorder == "little":
-        _pack_codes(codes, out, c)
+        # pack_fp4 on each code pair read as one int16: (pair | pair >> 4) has element 2i in the
+        # low nibble of its low byte and 2i+1 in the high nibble
+        pairs = codes.view(torch.int16)
+        high = _BUFFERS.get("high", n // 2, torch.int16, device)
+        pairs.bitwise_or_(torch.bitwise_right_shift(pairs, 4, out=high))
+        out.copy_(pairs.view(out.shape))
     else:
-        out.copy_(pack_fp4(codes.flatten(-2)))
+        out.copy_(pack_fp4(codes.view(out.shape[0], -1)))
     return err_sq, ref_sq
 
 
@@ -294,7 +332,8 @@ def _encode_blocks(blocks: Tensor, step: Tensor, error: bool) -> tuple[Tensor, f
     s2 = step.to(torch.float32).reshape(-1, nb, 1)
     out = torch.empty((b2.shape[0], nb * bs // 2), dtype=torch.uint8, device=blocks.device)
     err_sq = ref_sq = 0.0
-    if b2.dtype == torch.float64 or not bool(torch.isfinite(s2).all() and (s2 != 0).all()):
+    step_abs = s2.abs()
+    if b2.dtype == torch.float64 or not (s2.numel() == 0 or 0.0 < float(step_abs.amin()) <= float(step_abs.amax()) < math.inf):
         # F64 blocks, or a zero / non-finite step (0/0 is NaN): the general path
         for rows in row_chunks(b2.shape[0], nb * bs):
             x = b2[rows].to(torch.float64 if b2.dtype == torch.float64 else torch.float32)

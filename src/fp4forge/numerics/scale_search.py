@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fp4forge.numerics.e2m1 import NumericsError, _float_bits, _round, _rounded_values, block_absmax, row_chunks
+from fp4forge.numerics.e2m1 import _FORMATS, NumericsError, _round_in_place, block_absmax, row_chunks
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 from fp4forge.numerics.nvfp4 import (
     NVFP4_BLOCK,
@@ -106,9 +106,10 @@ def _block_sq_error(a: Tensor, bits: Tensor, g: Tensor, convention: Convention) 
     """Per-block sum of squared error of quantize -> dequantize, from ``a = |w|`` (F32
     ``[rows, nb, 16]``) and E4M3 scale bits ``[rows, nb]``: the sign never changes the error."""
     eff = _effective_scale(bits.view(torch.float8_e4m3fn), g, convention).unsqueeze(-1)
-    c = _float_bits(torch.float32, a.device)
-    t, m_bits = _round(a / eff, c)  # the E2M1 rounding of e2m1_encode, magnitudes only
-    d = _rounded_values(t, m_bits, c).mul_(eff).sub_(a)
+    s = a / eff
+    d = torch.empty_like(s)
+    _round_in_place(s, torch.empty_like(s, dtype=torch.int32), _FORMATS[torch.float32], d)  # e2m1_encode's rounding
+    d.mul_(eff).sub_(a)
     return (d * d).sum(dim=-1)
 
 
