@@ -21,6 +21,7 @@ FLAG_SPELLING = {
     "layout_format": "--format",
     "fmt": "--format",
     "ready_timeout_s": "--timeout",
+    "workers": "--threads",
 }
 
 

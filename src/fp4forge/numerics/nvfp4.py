@@ -100,7 +100,9 @@ _CONVENTIONS = ("compressed-tensors", "modelopt")
 # -- per-tensor scalars ---------------------------------------------------------------------------
 def absmax(w: Tensor) -> Tensor:
     """``max |w|`` as a 0-dim tensor in ``w``'s dtype (exact; combine row chunks with ``torch.maximum``)."""
-    return w.abs().amax()
+    if w.numel() == 0:
+        return w.abs().amax()  # torch's own error for an empty tensor
+    return block_absmax(w.reshape(1, -1))[0]
 
 
 def nvfp4_global_scale(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX, dtype: torch.dtype | None = None) -> Tensor:
