@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -87,8 +86,13 @@ def shard_digests(out: Path) -> dict[str, str]:
 
 
 def quantized_modules(out: Path) -> set[str]:
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    return {name.rsplit(".", 1)[0] for name in index["weight_map"] if name.endswith(".weight_packed")}
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in out.glob("*.safetensors"):
+        with safe_open(path, "pt") as fh:
+            names.update(name.rsplit(".", 1)[0] for name in fh.keys() if name.endswith(".weight_packed"))
+    return names
 
 
 def run_fp4forge(src_tree: Path, src: Path, out: Path, cached: bool, extra: list[str]):
