@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -147,7 +148,12 @@ def main() -> None:
         ]:
             stats = run_fp4forge(tree, src, OUT / f"q-fp4forge-baseline-L{layers}" if label.endswith("baseline") else ours, cached, extra)
             arms.append((label, "cached" if cached else "uncached", stats))
-            print(f"  {label} ({arms[-1][1]}): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB", flush=True)
+            inside = json.loads(stats.stdout)["seconds"]  # from the start of quantize_checkpoint: no imports
+            print(
+                f"  {label} ({arms[-1][1]}): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB; "
+                f"after start-up {inside:.1f} s = {gb / inside:.3f} GB/s",
+                flush=True,
+            )
         ours_modules = quantized_modules(ours)
         if args.baseline_src:
             same = shard_digests(ours) == shard_digests(OUT / f"q-fp4forge-baseline-L{layers}")
@@ -162,6 +168,12 @@ def main() -> None:
             assert ours_modules == lc_modules, f"the tools quantized different Linears: only fp4forge {sorted(ours_modules - lc_modules)[:5]}, only llm-compressor {sorted(lc_modules - ours_modules)[:5]}"
             print(f"  both quantized the same {len(ours_modules)} Linears", flush=True)
         rows.append((layers, gb, read_uncached, read_cached, arms))
+    # what each tool's process pays before its first byte: the imports (same run, same load)
+    ours_start = run_measured([sys.executable, "-c", "import fp4forge.cli, fp4forge.quantize.export, fp4forge.report.tables"], env=_env(REPO / "src"))
+    print(f"start-up (imports) fp4forge: {ours_start.wall_s:.1f} s wall, {ours_start.cpu_s:.1f} s CPU", flush=True)
+    if not args.no_lc:
+        lc_start = run_measured([str(args.lc_venv / "bin" / "python"), "-c", "import llmcompressor; from llmcompressor import model_free_ptq"])
+        print(f"start-up (imports) llm-compressor: {lc_start.wall_s:.1f} s wall, {lc_start.cpu_s:.1f} s CPU", flush=True)
 
     print("\n| layers | BF16 GB | source | tool | wall s | GB/s | CPU s | GB per CPU-s | peak RSS MiB | GB/s vs llm-compressor | RSS vs llm-compressor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

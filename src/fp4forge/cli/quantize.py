@@ -27,7 +27,7 @@ def quantize_command(
         None, "--threads", help="Compute threads (default: every core); one more thread reads ahead. Output bytes do not depend on it."
     ),
     error_report: bool = typer.Option(
-        True, "--error-report/--no-error-report", help="Per-Linear relative weight error in the summary and provenance (about a fifth of the NVFP4 work)."
+        True, "--error-report/--no-error-report", help="Per-Linear relative weight error in the summary and provenance (about a third of the NVFP4 arithmetic)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:

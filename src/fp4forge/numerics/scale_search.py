@@ -142,8 +142,8 @@ def search_nvfp4(
 
     ``global_amax`` / ``global_scale`` as in :func:`~fp4forge.numerics.nvfp4.nvfp4_quantize` (a
     fused group must use one method, so that it shares one scalar). ``fp8_max`` defaults to 256
-    for "four_over_six" and 448 otherwise. ``error=False`` skips the error sums (about a fifth of
-    the minmax path's work): ``relative_error``, ``err_sq`` and ``ref_sq`` are then None.
+    for "four_over_six" and 448 otherwise. ``error=False`` skips the error sums (about a third of
+    the minmax path's arithmetic): ``relative_error``, ``err_sq`` and ``ref_sq`` are then None.
     """
     _check_convention(convention)
     if method not in ("minmax", "four_over_six", "mse"):
