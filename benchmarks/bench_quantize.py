@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--lc-venv", type=Path, default=REPO / ".venv-lc")
     parser.add_argument("--no-lc", action="store_true", help="fp4forge arms only")
     parser.add_argument("--baseline-src", type=Path, help="a src/ tree of another fp4forge version, run as one more arm")
+    parser.add_argument("--uncached-only", action="store_true", help="skip the cached fp4forge arms")
     args = parser.parse_args()
     rows = []
     for layers in args.layers:
@@ -146,6 +147,8 @@ def main() -> None:
             ("fp4forge --no-error-report", REPO / "src", ["--no-error-report"], True),
             *([("fp4forge baseline", args.baseline_src, [], False)] if args.baseline_src else []),
         ]:
+            if cached and args.uncached_only:
+                continue
             stats = run_fp4forge(tree, src, OUT / f"q-fp4forge-baseline-L{layers}" if label.endswith("baseline") else ours, cached, extra)
             arms.append((label, "cached" if cached else "uncached", stats))
             inside = json.loads(stats.stdout)["seconds"]  # from the start of quantize_checkpoint: no imports
