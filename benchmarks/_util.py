@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,18 +20,23 @@ class RunStats:
     peak_rss_mib: float
     returncode: int
     stdout: bytes
+    cpu_s: float = 0.0  # user + system time of the child
+    stderr: bytes = b""
 
 
 def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> RunStats:
-    """Wall time and peak RSS (ru_maxrss of this one child, via wait4)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    stdout = proc.stdout.read()
-    proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return RunStats(wall, usage.ru_maxrss / 1024, proc.returncode, stdout)
+    """Wall time, peak RSS and CPU time (ru_maxrss, ru_utime + ru_stime of this one child, via
+    wait4). stderr goes to a temporary file, so a chatty child cannot block on a full pipe."""
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+        stdout = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        stderr = err.read()
+    return RunStats(wall, usage.ru_maxrss / 1024, proc.returncode, stdout, usage.ru_utime + usage.ru_stime, stderr)
 
 
 def summarize(values: list[float]) -> str:

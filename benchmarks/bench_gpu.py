@@ -302,13 +302,13 @@ def export_profile(src: Path, stats: Path, device: str, units_wanted: int, out: 
     weights = [{t.module: ckpt.read_tensor(f"{t.module}.weight").to(device) for t in u.linears} for u in units]
     timed("numerics_only_1_thread", lambda: [{k: v.cpu() for k, v in quantizer.quantize(u, w)[0].items()} for u, w in zip(units, weights)])
     weights.clear()
-    timed("read_and_numerics_1_thread", lambda: [ex._process_unit(u, ckpt, quantizer) for u in units])
+    timed("read_and_numerics_1_thread", lambda: [ex._quantize_unit(ex._read_unit(u, ckpt), quantizer) for u in units])
     for workers in (4, 16):
         timed(f"read_and_numerics_{workers}_workers", lambda: list(ex._process_units(units, ckpt, quantizer, workers)))
     profiler = cProfile.Profile()
     profiler.enable()
     for u in units[: max(1, len(units) // 3)]:
-        ex._process_unit(u, ckpt, quantizer)
+        ex._quantize_unit(ex._read_unit(u, ckpt), quantizer)
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)

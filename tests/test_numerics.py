@@ -541,7 +541,8 @@ def test_minmax_search_is_exactly_the_default_path():
     assert_bits_equal(r.weight.block_scale, q.block_scale)
     assert_bits_equal(r.weight.global_scale, q.global_scale)
     assert r.blocks_changed == 0
-    assert r.relative_error == pytest.approx(relative_error(w, q.dequantize(torch.float32)), rel=1e-12)
+    # the same F32 squares; the search sums them in F32 within a chunk (F64 across), error_sums in F64
+    assert r.relative_error == pytest.approx(relative_error(w, q.dequantize(torch.float32)), rel=1e-6)
     mo = search_nvfp4(w, convention="modelopt")
     assert torch.equal(mo.weight.packed, nvfp4_quantize(w, convention="modelopt").packed)
 
@@ -561,7 +562,7 @@ def test_four_over_six_and_mse_never_worse_than_minmax(kind):
     assert fos.blocks_changed > 0 and mse.blocks_changed > 0
     # the reported error is the real one
     for r in (fos, mse):
-        assert r.relative_error == pytest.approx(relative_error(w, r.weight.dequantize(torch.float32)), rel=1e-9)
+        assert r.relative_error == pytest.approx(relative_error(w, r.weight.dequantize(torch.float32)), rel=1e-6)
     # 4/6 uses the 256 headroom: global = 1536 / amax
     assert float(fos.weight.global_scale) == float(nvfp4_global_scale(absmax(w), fp8_max=256.0))
 
@@ -581,7 +582,7 @@ def test_mse_search_never_worse_per_block_and_chunkable():
     assert torch.equal(torch.cat([p.weight.packed for p in parts]), whole.weight.packed)
     err = sum(p.err_sq for p in parts)
     ref = sum(p.ref_sq for p in parts)
-    assert math.sqrt(err / ref) == pytest.approx(whole.relative_error, rel=1e-9)
+    assert math.sqrt(err / ref) == pytest.approx(whole.relative_error, rel=1e-6)
 
 
 def test_relative_error_and_error_sums():

@@ -100,13 +100,19 @@ class Checkpoint:
         import torch
 
         shard, info = self.locate(name)
-        raw = bytearray(self.read_raw(name))
         dtype = getattr(torch, TORCH_DTYPES[info.dtype], None)
         if dtype is None:
             raise CheckpointError(f"torch has no dtype for {info.dtype}", file=shard, tensor=name)
         shape = list(info.shape)
         if info.dtype == "F4":  # header holds logical elements; torch storage packs two per byte
             shape[-1] //= 2
+        read_into = getattr(self.source, "read_into", None)
+        if read_into is not None and info.nbytes:
+            # straight into the tensor's memory: one copy instead of bytes + bytearray
+            out = torch.empty(info.nbytes, dtype=torch.uint8)
+            read_into(shard, self.headers[shard].data_start + info.begin, memoryview(out.numpy()))
+            return out.view(dtype).reshape(shape)
+        raw = bytearray(self.read_raw(name))
         if not raw:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(raw, dtype=dtype).reshape(shape)

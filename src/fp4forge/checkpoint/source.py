@@ -84,6 +84,22 @@ class LocalSource:
         except OSError as exc:
             raise CheckpointError(f"cannot read: {exc.strerror}", file=str(path)) from None
 
+    def read_into(self, relpath: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes from ``start`` on: one copy from the page cache straight
+        into the caller's buffer (``read`` makes a bytes object first)."""
+        path = self.path(relpath)
+        try:
+            with open(path, "rb", buffering=0) as fh:
+                fh.seek(start)
+                filled = 0
+                while filled < len(out):
+                    n = fh.readinto(out[filled:])
+                    if not n:
+                        raise CheckpointError(f"file ends {len(out) - filled} bytes early", file=str(path))
+                    filled += n
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
     def list_files(self) -> list[str]:
         return sorted(
             str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file() and ".cache" not in p.parts

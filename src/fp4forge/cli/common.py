@@ -24,6 +24,7 @@ FLAG_SPELLING = {
     "fmt": "--format",
     "ready_timeout_s": "--timeout",
     "activation_budget_bytes": "--activation-budget",
+    "workers": "--threads",
 }
 
 BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,

@@ -24,6 +24,12 @@ def quantize_command(
     block_scales: str = typer.Option("minmax", "--block-scales", help="minmax (identical to the references) | four_over_six | mse"),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-gb"),
     device: Optional[str] = typer.Option(None, "--device", help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N; the bytes written are the same."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", help="Compute threads (default: every core); one more thread reads ahead. Output bytes do not depend on it."
+    ),
+    error_report: bool = typer.Option(
+        True, "--error-report/--no-error-report", help="Per-Linear relative weight error in the summary and provenance (about a third of the NVFP4 arithmetic)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Quantize a BF16 MoE checkpoint by a recipe, streaming one fused group at a time (resumable)."""
@@ -39,6 +45,8 @@ def quantize_command(
         act_amax=parse_act_scales(act_scales, stats),
         max_shard_bytes=int(max_shard_gb * 2**30),
         device=device,
+        error_report=error_report,
+        **({} if threads is None else {"workers": threads}),
     )
     with progress_bar("quantizing", not as_json) as progress:
         summary = quantize_checkpoint(src, out_dir, options, progress=progress)

@@ -50,10 +50,12 @@ from torch import Tensor
 from fp4forge.numerics.e2m1 import (
     E2M1_MAX,
     NumericsError,
+    block_absmax,
     decode_packed_blocks,
     e2m1_decode,
     e2m1_encode,
     encode_packed_blocks,
+    encode_packed_blocks_with_error,
     row_chunks,
     unpack_fp4,
 )
@@ -86,6 +88,7 @@ __all__ = [
 NVFP4_BLOCK = 16
 NVFP4_GLOBAL_NUMERATOR = FP8_E4M3_MAX * E2M1_MAX  # 2688 = 448 * 6: the largest E4M3 block scale times the largest E2M1 value
 CT_ZERO_SCALE = 0.125  # compressed-tensors eps for an FP8 scale
+_CT_ZERO_SCALE_BITS = int(torch.tensor(CT_ZERO_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))  # 0x20
 MODELOPT_ZERO_SCALE = 1.0  # ModelOpt: an all-zero block gets scale 1.0
 MODELOPT_MIN_SCALE = 2.0**-9  # ModelOpt clamps block scales at the smallest E4M3 subnormal
 
@@ -97,7 +100,9 @@ _CONVENTIONS = ("compressed-tensors", "modelopt")
 # -- per-tensor scalars ---------------------------------------------------------------------------
 def absmax(w: Tensor) -> Tensor:
     """``max |w|`` as a 0-dim tensor in ``w``'s dtype (exact; combine row chunks with ``torch.maximum``)."""
-    return w.abs().amax()
+    if w.numel() == 0:
+        return w.abs().amax()  # torch's own error for an empty tensor
+    return block_absmax(w.reshape(1, -1))[0]
 
 
 def nvfp4_global_scale(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX, dtype: torch.dtype | None = None) -> Tensor:
@@ -221,8 +226,9 @@ def _blocks(w: Tensor) -> Tensor:
 
 
 def _check_finite(amax_blk: Tensor) -> None:
-    """NaN and Inf propagate into the block maxima, so checking those (1/16 of the data) suffices."""
-    if not bool(torch.isfinite(amax_blk).all()):
+    """NaN and Inf propagate into the block maxima and from there into their max, so checking
+    that one number suffices."""
+    if amax_blk.numel() and not bool(torch.isfinite(amax_blk.amax())):
         raise NumericsError("weight holds NaN or Inf; refusing to quantize it")
 
 
@@ -272,9 +278,9 @@ def _finish_block_scales(raw: Tensor, convention: Convention) -> Tensor:
     supplied global amax is below a block's amax; torch's CPU cast saturates there too, other
     backends may give NaN.)"""
     if convention == "compressed-tensors":
-        s = raw.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
-        s = torch.where(s == 0, torch.full_like(s, CT_ZERO_SCALE), s)
-        return s.to(torch.float8_e4m3fn)
+        s = raw.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        # a scale that rounded to +-0 (E4M3 bits 0x00 / 0x80) becomes 0.125 (bits 0x20)
+        return s.masked_fill_((s & 0x7F) == 0, _CT_ZERO_SCALE_BITS).view(torch.float8_e4m3fn)
     s = torch.where(raw == 0, torch.full_like(raw, MODELOPT_ZERO_SCALE), raw)
     return s.clamp(MODELOPT_MIN_SCALE, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
@@ -288,16 +294,30 @@ def nvfp4_block_scales(
     of 6); 1.0 is compressed-tensors' / ModelOpt's own rule.
     """
     _check_convention(convention)
-    amax_blk = _blocks(w).abs().amax(dim=-1)
+    amax_blk = block_absmax(_blocks(w))
     raw = nvfp4_raw_block_scales(amax_blk, global_scale, convention)
     if multiplier != 1.0:
         raw = raw * multiplier
     return _finish_block_scales(raw, convention)
 
 
+_E4M3_TABLE: dict[torch.device, Tensor] = {}
+
+
+def e4m3_to_f32(scale: Tensor) -> Tensor:
+    """``scale.to(torch.float32)`` for float8_e4m3fn, by a 256-entry table built with that very
+    cast (the direct cast is a per-element function call on CPU, ~4x slower)."""
+    table = _E4M3_TABLE.get(scale.device)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32, device=scale.device).to(torch.uint8)
+        table = _E4M3_TABLE[scale.device] = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    index = scale.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    return table.index_select(0, index).reshape(scale.shape)
+
+
 def _effective_scale(block_scale: Tensor, global_scale: Tensor, convention: Convention) -> Tensor:
     """F32 per-block step multiplier: CT ``scale / global_scale``; ModelOpt ``scale * scale_2``."""
-    s = block_scale.to(torch.float32)
+    s = e4m3_to_f32(block_scale)
     if convention == "compressed-tensors":
         return s / global_scale.to(torch.float32)
     return s * global_scale.to(torch.float32)
@@ -341,17 +361,29 @@ def nvfp4_quantize(
     """
     _check_convention(convention)
     blocks = _blocks(w)
-    amax_blk = blocks.abs().amax(dim=-1)
+    amax_blk = block_absmax(blocks)
     _check_finite(amax_blk)
     g = _resolve_scalar(w, amax_blk, convention, global_amax, global_scale, fp8_max)
     if block_scale is None:
         block_scale = _finish_block_scales(nvfp4_raw_block_scales(amax_blk, g, convention), convention)
-    elif block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != amax_blk.shape:
+    return _quantize_blocks(blocks, block_scale, g, convention, error=False)[0]
+
+
+def _quantize_blocks(
+    blocks: Tensor, block_scale: Tensor, g: Tensor, convention: Convention, *, error: bool
+) -> tuple[Nvfp4Weight, float, float]:
+    """Encode finite ``blocks`` ``[..., K/16, 16]`` under given scales; with ``error``, also the
+    sums of the squared F32 dequantization error and of ``w^2`` (from the same pass)."""
+    if block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != blocks.shape[:-1]:
         raise NumericsError(
-            f"block_scale must be float8_e4m3fn {list(amax_blk.shape)}, got {block_scale.dtype} {list(block_scale.shape)}"
+            f"block_scale must be float8_e4m3fn {list(blocks.shape[:-1])}, got {block_scale.dtype} {list(block_scale.shape)}"
         )
-    packed = encode_packed_blocks(blocks, _effective_scale(block_scale, g, convention))
-    return Nvfp4Weight(packed, block_scale, g, convention)
+    step = _effective_scale(block_scale, g, convention)
+    if error:
+        packed, err_sq, ref_sq = encode_packed_blocks_with_error(blocks, step)
+    else:
+        packed, err_sq, ref_sq = encode_packed_blocks(blocks, step), 0.0, 0.0
+    return Nvfp4Weight(packed, block_scale, g, convention), err_sq, ref_sq
 
 
 def nvfp4_dequantize(

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from fp4forge.numerics.e2m1 import _BOUNDARIES, NumericsError, e2m1_decode, row_chunks
+from fp4forge.numerics.e2m1 import _FORMATS, NumericsError, _round_in_place, block_absmax, row_chunks
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 from fp4forge.numerics.nvfp4 import (
     NVFP4_BLOCK,
@@ -42,9 +42,8 @@ from fp4forge.numerics.nvfp4 import (
     _check_finite,
     _effective_scale,
     _finish_block_scales,
+    _quantize_blocks,
     _resolve_scalar,
-    nvfp4_dequantize,
-    nvfp4_quantize,
     nvfp4_raw_block_scales,
 )
 
@@ -90,15 +89,16 @@ def relative_error(w: Tensor, w_hat: Tensor) -> float:
 class ScaleSearchResult:
     """The quantized weight, how it was chosen and how far it is from the input.
 
-    ``relative_error`` = sqrt(err_sq / ref_sq) with the F32 dequantization of ``weight``;
-    ``blocks_changed`` = blocks whose scale differs from minmax (0 for "minmax").
+    ``relative_error`` = sqrt(err_sq / ref_sq) with the F32 dequantization of ``weight`` (None when
+    the search ran with ``error=False``); ``blocks_changed`` = blocks whose scale differs from
+    minmax (0 for "minmax").
     """
 
     weight: Nvfp4Weight
     method: ScaleMethod
-    relative_error: float
-    err_sq: float
-    ref_sq: float
+    relative_error: float | None
+    err_sq: float | None
+    ref_sq: float | None
     blocks_changed: int
 
 
@@ -106,11 +106,10 @@ def _block_sq_error(a: Tensor, bits: Tensor, g: Tensor, convention: Convention) 
     """Per-block sum of squared error of quantize -> dequantize, from ``a = |w|`` (F32
     ``[rows, nb, 16]``) and E4M3 scale bits ``[rows, nb]``: the sign never changes the error."""
     eff = _effective_scale(bits.view(torch.float8_e4m3fn), g, convention).unsqueeze(-1)
-    scaled = a / eff
-    mag = torch.zeros(scaled.shape, dtype=torch.uint8, device=a.device)
-    for bound, inclusive in _BOUNDARIES:  # the E2M1 magnitude index, as e2m1_encode computes it
-        mag += (scaled >= bound) if inclusive else (scaled > bound)
-    d = e2m1_decode(mag, torch.float32) * eff - a
+    s = a / eff
+    d = torch.empty_like(s)
+    _round_in_place(s, torch.empty_like(s, dtype=torch.int32), _FORMATS[torch.float32], d)  # e2m1_encode's rounding
+    d.mul_(eff).sub_(a)
     return (d * d).sum(dim=-1)
 
 
@@ -137,12 +136,14 @@ def search_nvfp4(
     global_scale: Tensor | None = None,
     fp8_max: float | None = None,
     mse_range: tuple[float, float] = DEFAULT_MSE_RANGE,
+    error: bool = True,
 ) -> ScaleSearchResult:
     """Quantize ``w`` ``[..., K]`` to NVFP4 choosing block scales by ``method``; report the error.
 
     ``global_amax`` / ``global_scale`` as in :func:`~fp4forge.numerics.nvfp4.nvfp4_quantize` (a
     fused group must use one method, so that it shares one scalar). ``fp8_max`` defaults to 256
-    for "four_over_six" and 448 otherwise.
+    for "four_over_six" and 448 otherwise. ``error=False`` skips the error sums (about a third of
+    the minmax path's arithmetic): ``relative_error``, ``err_sq`` and ``ref_sq`` are then None.
     """
     _check_convention(convention)
     if method not in ("minmax", "four_over_six", "mse"):
@@ -154,7 +155,7 @@ def search_nvfp4(
         raise NumericsError(f"mse_range must satisfy 0 < lo <= 1 <= hi, got {mse_range}")
 
     blocks = _blocks(w)
-    amax_blk = blocks.abs().amax(dim=-1)
+    amax_blk = block_absmax(blocks)
     _check_finite(amax_blk)
     g = _resolve_scalar(w, amax_blk, convention, global_amax, global_scale, fp8_max)
     raw = nvfp4_raw_block_scales(amax_blk, g, convention)
@@ -179,8 +180,10 @@ def search_nvfp4(
             best_bits[rows] = best
         chosen = best_bits.view(torch.float8_e4m3fn).reshape(minmax_scale.shape)
 
-    q = nvfp4_quantize(w, convention=convention, global_scale=g, block_scale=chosen, fp8_max=fp8_max)
-    err_sq, ref_sq = error_sums(w, nvfp4_dequantize(q, torch.float32))
-    rel = 0.0 if ref_sq == 0.0 else math.sqrt(err_sq / ref_sq)
+    # the quantize pass also sums the error of its own rounded values (no separate dequantization)
+    q, err_sq, ref_sq = _quantize_blocks(blocks, chosen, g, convention, error=error)
     changed = int((chosen.view(torch.uint8) != minmax_scale.view(torch.uint8)).sum())
+    if not error:
+        return ScaleSearchResult(q, method, None, None, None, changed)
+    rel = 0.0 if ref_sq == 0.0 else math.sqrt(err_sq / ref_sq)
     return ScaleSearchResult(q, method, rel, err_sq, ref_sq, changed)

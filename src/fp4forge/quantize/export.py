@@ -34,7 +34,7 @@ from fp4forge.model.device import resolve_device
 from fp4forge.errors import ConfigError, require_choice
 from fp4forge.model import distributed
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
-from fp4forge.numerics.nvfp4 import nvfp4_global_scale, nvfp4_scale_2
+from fp4forge.numerics.nvfp4 import absmax, nvfp4_global_scale, nvfp4_scale_2
 from fp4forge.numerics.scale_search import relative_error, search_nvfp4
 from fp4forge.quantize.act_scales import ConstantAmax, StatsAmax
 from fp4forge.quantize.plan import ExportPlan, WorkUnit, plan_export
@@ -59,13 +59,19 @@ class QuantizeOptions:
     block_scales: BlockScales = "minmax"  # minmax is identical to the reference exporters
     act_amax: ConstantAmax | StatsAmax | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-    workers: int = max(1, os.cpu_count() or 1)  # units quantized concurrently (bytes do not depend on it)
+    # compute threads: units quantized concurrently, one torch thread each (bytes do not depend on it);
+    # a reader thread besides them reads the next units while these compute
+    workers: int = max(1, os.cpu_count() or 1)
+    # the per-Linear relative weight error (provenance, summary); False skips its arithmetic
+    error_report: bool = True
     device: str | None = None  # where the numerics run; None/"auto": CUDA when available (bytes do not depend on it)
 
     def __post_init__(self) -> None:
         resolve_device(self.device)
         require_choice(self.layout_format, LAYOUT_FORMATS, "layout_format")
         require_choice(self.block_scales, BLOCK_SCALES, "block_scales")
+        if self.workers < 1:
+            raise ConfigError(f"threads must be at least 1, got {self.workers}", option="workers")
 
 
 @dataclass
@@ -133,6 +139,8 @@ def resume_key(plan: ExportPlan, options: QuantizeOptions, source_digest: str) -
         "source": source_digest,
         "max_shard_bytes": options.max_shard_bytes,
     }
+    if not options.error_report:  # only then: keys of runs with the report stay as they were
+        material["error_report"] = False
     return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
@@ -161,7 +169,8 @@ class UnitQuantizer:
         scheme = unit.linears[0].scheme
         suffix = role_suffixes(self.options.layout_format, scheme)
         fused = len(unit.linears) > 1
-        group_amax = max(float(weights[t.module].abs().max()) for t in unit.linears) if fused else None
+        group_amax = max(float(absmax(weights[t.module])) for t in unit.linears) if fused else None
+        report = self.options.error_report
         input_scale = None
         if scheme in ("nvfp4", "fp8"):
             input_scale = self._input_scale(scheme, self._input_amax([t.module for t in unit.linears]))
@@ -172,7 +181,7 @@ class UnitQuantizer:
             m = target.module
             if scheme.startswith("nvfp4"):
                 amax = None if group_amax is None else torch.tensor(group_amax, dtype=w.dtype)
-                result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax)
+                result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax, error=report)
                 q = result.weight
                 out[f"{m}.{suffix['packed']}"] = q.packed
                 out[f"{m}.{suffix['block_scale']}"] = q.block_scale
@@ -185,10 +194,11 @@ class UnitQuantizer:
                 scale = q8.scale if self.convention == "compressed-tensors" else q8.scale.float().reshape(())
                 out[f"{m}.{suffix['weight']}"] = q8.weight
                 out[f"{m}.{suffix['weight_scale']}"] = scale
-                rel = relative_error(w, fp8_dequantize_weight(q8, torch.float32))
+                rel = relative_error(w, fp8_dequantize_weight(q8, torch.float32)) if report else None
             if input_scale is not None:
                 out[f"{m}.{suffix['input_scale']}"] = input_scale
-            errors.append(LinearError(m, target.component, scheme, rel))
+            if rel is not None:
+                errors.append(LinearError(m, target.component, scheme, rel))
         return out, errors
 
     def kv_scales(self, layer_prefix: str) -> dict[str, torch.Tensor]:
@@ -206,58 +216,71 @@ class UnitQuantizer:
         return out
 
 
-def _process_unit(unit: WorkUnit, ckpt: Checkpoint, quantizer: UnitQuantizer) -> tuple[WorkUnit, dict[str, Any], list[LinearError], int]:
-    """Read and quantize one unit (pass-through tensors are carried as raw bytes)."""
-    tensors: dict[str, Any] = {}
-    unit_bytes = 0
-    for name in unit.passthrough:
-        tensors[name] = ckpt.read_raw(name)
-        unit_bytes += len(tensors[name])
+@dataclass
+class _ReadUnit:
+    unit: WorkUnit
+    passthrough: dict[str, bytes]
+    weights: dict[str, torch.Tensor]
+    nbytes: int
+
+
+def _read_unit(unit: WorkUnit, ckpt: Checkpoint, pin: bool = False) -> _ReadUnit:
+    """Read one unit's tensors (pass-through tensors as raw bytes, Linears as tensors; in
+    page-locked host memory with ``pin``, for a fast copy to a CUDA device)."""
+    passthrough = {name: ckpt.read_raw(name) for name in unit.passthrough}
+    if pin:
+        from fp4forge.model.streaming import CheckpointTensors
+
+        reader = CheckpointTensors(ckpt)
+        weights = {t.module: reader.read_host(f"{t.module}.weight", True) for t in unit.linears}
+    else:
+        weights = {t.module: ckpt.read_tensor(f"{t.module}.weight") for t in unit.linears}
+    nbytes = sum(len(b) for b in passthrough.values()) + sum(w.numel() * w.element_size() for w in weights.values())
+    return _ReadUnit(unit, passthrough, weights, nbytes)
+
+
+def _quantize_unit(read: _ReadUnit, quantizer: UnitQuantizer) -> tuple[WorkUnit, dict[str, Any], list[LinearError], int]:
+    tensors: dict[str, Any] = dict(read.passthrough)
     errors: list[LinearError] = []
-    if unit.linears:
-        weights = {t.module: ckpt.read_tensor(f"{t.module}.weight").to(quantizer.device) for t in unit.linears}
-        unit_bytes += sum(w.numel() * w.element_size() for w in weights.values())
-        quantized, errors = quantizer.quantize(unit, weights)
+    if read.unit.linears:
+        pin = quantizer.device.type == "cuda"
+        weights = {m: w.to(quantizer.device, non_blocking=pin) for m, w in read.weights.items()}
+        quantized, errors = quantizer.quantize(read.unit, weights)
         tensors.update({name: value.cpu() for name, value in quantized.items()})  # the writer takes host tensors
-    return unit, tensors, errors, unit_bytes
+    return read.unit, tensors, errors, read.nbytes
 
 
 def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, workers: int):
     """Yield processed units in plan order, `workers` of them computed at a time.
 
-    Torch kernels release the GIL, so threads with one intra-op thread each keep every core
-    busy without the oversubscription of nested OpenMP pools; the window of in-flight units
+    One reader thread reads the units in plan order, ahead of the computing threads, so that
+    reading overlaps computing (an uncached source costs no extra wall time while compute is the
+    limit). Torch kernels release the GIL, so threads with one intra-op thread each keep every
+    core busy without the oversubscription of nested OpenMP pools, and every sum runs on one
+    thread: the error report does not depend on `workers`. The window of in-flight units
     (workers + 1) bounds memory to a few units whatever the model's size. Writing stays on the
     caller's thread."""
-    if workers <= 1:
-        for unit in units:
-            yield _process_unit(unit, ckpt, quantizer)
-        return
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-read") as reader,
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp4forge-quantize") as pool,
+        ):
             window: deque = deque()
-            queue = iter(units)
-            for unit in queue:
-                window.append(pool.submit(_process_unit, unit, ckpt, quantizer))
-                if len(window) > workers:
+            try:
+                for unit in units:
+                    read = reader.submit(_read_unit, unit, ckpt)
+                    window.append(pool.submit(lambda r=read: _quantize_unit(r.result(), quantizer)))
+                    if len(window) > workers:
+                        yield window.popleft().result()
+                while window:
                     yield window.popleft().result()
-            while window:
-                yield window.popleft().result()
+            finally:
+                for future in window:  # an error or a closed generator: drop what is queued
+                    future.cancel()
     finally:
         torch.set_num_threads(previous_threads)
-
-
-def _read_unit(unit: WorkUnit, ckpt: Checkpoint, pin: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor], int]:
-    """A unit's pass-through bytes and its Linears' weights in host memory (page-locked with ``pin``)."""
-    from fp4forge.model.streaming import CheckpointTensors
-
-    reader = CheckpointTensors(ckpt)
-    passthrough = {name: ckpt.read_raw(name) for name in unit.passthrough}
-    weights = {t.module: reader.read_host(f"{t.module}.weight", pin) for t in unit.linears}
-    unit_bytes = sum(len(v) for v in passthrough.values()) + sum(w.numel() * w.element_size() for w in weights.values())
-    return passthrough, weights, unit_bytes
 
 
 def _process_units_on_device(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, read_ahead: int = 4):
@@ -270,21 +293,12 @@ def _process_units_on_device(units: list[WorkUnit], ckpt: Checkpoint, quantizer:
         window: deque = deque()
         queue = iter(units)
 
-        def finish(unit: WorkUnit, future: Any) -> tuple[WorkUnit, dict[str, Any], list[LinearError], int]:
-            tensors, weights, unit_bytes = future.result()
-            errors: list[LinearError] = []
-            if unit.linears:
-                on_device = {m: w.to(quantizer.device, non_blocking=pin) for m, w in weights.items()}
-                quantized, errors = quantizer.quantize(unit, on_device)
-                tensors.update({name: value.cpu() for name, value in quantized.items()})
-            return unit, tensors, errors, unit_bytes
-
         for unit in queue:
-            window.append((unit, pool.submit(_read_unit, unit, ckpt, pin)))
+            window.append(pool.submit(_read_unit, unit, ckpt, pin))
             if len(window) > read_ahead:
-                yield finish(*window.popleft())
+                yield _quantize_unit(window.popleft().result(), quantizer)
         while window:
-            yield finish(*window.popleft())
+            yield _quantize_unit(window.popleft().result(), quantizer)
 
 
 def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
@@ -445,7 +459,8 @@ def _write_companions(
         "fp4forge_version": __version__,
         "recipe": {"name": options.recipe.name, "source": options.recipe.source, "text": options.recipe.text},
         "layout": options.layout_format,
-        "options": {"block_scales": options.block_scales, "max_shard_bytes": options.max_shard_bytes},
+        "options": {"block_scales": options.block_scales, "max_shard_bytes": options.max_shard_bytes}
+        | ({} if options.error_report else {"error_report": False}),
         "activation_scales": options.act_amax.provenance() if options.act_amax else None,
         "source": {"location": ckpt.display, "header_digest": source_digest, "shards": ckpt.shard_names}
         | ({"dequantized_from": ckpt.dequantized_from} if isinstance(ckpt, BlockFp8Source) else {}),

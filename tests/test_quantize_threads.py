@@ -1,0 +1,62 @@
+"""`fp4forge quantize --threads N` and `--no-error-report` through the command line: the shards do
+not depend on either, the error report does not depend on the thread count, a bad count is a
+named error before any output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RECIPE = "nvfp4-all-linear"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    from fp4forge.testbed import build_tiny_laguna
+
+    return build_tiny_laguna(tmp_path_factory.mktemp("threads") / "tiny-laguna", seed=1)
+
+
+def quantize(source: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fp4forge.cli", "quantize", str(source), str(out), "--recipe", RECIPE, "--act-scales", "constant:8", "--json", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def digests(out: Path, pattern: str) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob(pattern))}
+
+
+def test_threads_and_error_report_leave_the_shards_alone(source, tmp_path):
+    from fp4forge.checkpoint.names import PROVENANCE_JSON
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    one, two, quiet = tmp_path / "t1", tmp_path / "t2", tmp_path / "quiet"
+    summaries = {
+        out: quantize_checkpoint(source, out, QuantizeOptions(load_recipe(RECIPE), act_amax=ConstantAmax(8.0), workers=workers))
+        for out, workers in ((one, 1), (two, 2))
+    }
+    run = quantize(source, quiet, "--threads", "2", "--no-error-report")  # the flags as typed
+    assert run.returncode == 0, run.stderr
+    shards = digests(one, "*.safetensors")
+    assert shards and shards == digests(two, "*.safetensors") == digests(quiet, "*.safetensors")
+    # the error report is summed on one thread per unit: the same numbers whatever --threads is
+    assert (one / PROVENANCE_JSON).read_bytes() == (two / PROVENANCE_JSON).read_bytes()
+    reported = summaries[one].weight_error
+    assert reported["by_component"] and all(entry["mean"] > 0 for entry in reported["by_component"].values())
+    assert json.loads(run.stdout)["weight_error"] == {}
+    provenance = json.loads((quiet / PROVENANCE_JSON).read_text())
+    assert provenance["weight_error"] is None and provenance["options"]["error_report"] is False
+
+
+def test_a_thread_count_below_one_is_refused_before_any_output(source, tmp_path):
+    run = quantize(source, tmp_path / "out", "--threads", "0")
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "--threads" in run.stderr
+    assert not (tmp_path / "out").exists()
