@@ -8,7 +8,7 @@ import torch
 
 from fp4forge.errors import NumericsError
 from fp4forge.numerics import E2M1_VALUES, fp4_bytes_to_values, intn_quantize, mxfp4_quantize, nvfp4_quantize
-from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize, output_error
+from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize, gptq_quantize_batch, output_error
 
 
 def _weight(n=32, k=128, seed=0):
@@ -177,3 +177,14 @@ def test_nan_weight_is_refused():
     w[3, 3] = float("nan")
     with pytest.raises(NumericsError):
         gptq_quantize(w, torch.eye(128), "nvfp4")
+
+
+@pytest.mark.parametrize("fmt,group_size,act_order", [("nvfp4", None, True), ("mxfp4", None, False), ("int4", 32, True)])
+def test_batch_equals_one_at_a_time(fmt, group_size, act_order):
+    ws = torch.stack([_weight(seed=s) for s in range(3)])
+    xs = [_correlated_inputs(seed=10 + s, tokens=512) for s in range(3)]
+    hs = torch.stack([x.T @ x / x.shape[0] for x in xs])
+    batch = gptq_quantize_batch(ws, hs, fmt, group_size=group_size, act_order=act_order)
+    for b in range(3):
+        alone = gptq_quantize(ws[b], hs[b], fmt, group_size=group_size, act_order=act_order)
+        _same_tensors(batch[b].quantized, alone.quantized)

@@ -42,7 +42,7 @@ from fp4forge.errors import ConfigError, require_choice
 from fp4forge.model.hooks import apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
 from fp4forge.model.samples import Samples
 from fp4forge.model.streaming import SpillSpace, StreamedModel, WeightPlan
-from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize
+from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
 from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_quantize
 from fp4forge.quantize.plan import WorkUnit, plan_export
 from fp4forge.quantize.recipe import Recipe
@@ -230,21 +230,35 @@ def _gptq_units(ckpt: Checkpoint, recipe: Recipe) -> tuple[list[WorkUnit], set[s
     return units, {t.module for u in units for t in u.linears}
 
 
-def _quantize_unit(ckpt: Checkpoint, unit: WorkUnit, hessians: dict[str, tuple[Tensor | None, int, str]], options: GptqOptions, out: GptqWeights) -> None:
-    weights = {t.module: ckpt.read_tensor(f"{t.module}.weight") for t in unit.linears}
-    w0 = next(iter(weights.values()))
-    # the exporter's rule: a fused group shares one global scale from the group's max amax
-    group_amax = torch.tensor(max(float(w.abs().max()) for w in weights.values()), dtype=w0.dtype) if len(weights) > 1 else None
-    for module, w in weights.items():
-        hessian, tokens, kind = hessians.get(module, (None, 0, "none"))
-        if hessian is None:
-            q = nvfp4_quantize(w, global_amax=group_amax)
-            out.weights[module] = q
-            out.modules[module] = {"tokens": tokens, "hessian": "none", "fallback": "rtn", "loss": None}
-            continue
-        result = gptq_quantize(w, hessian, "nvfp4", block_size=options.block_size, damp=options.damp, act_order=options.act_order, global_amax=group_amax)
-        out.weights[module] = result.quantized
-        out.modules[module] = {"tokens": tokens, "hessian": kind, "fallback": "rtn" if result.fallback else None, "loss": result.loss}
+#: Weights of one shape GPTQ sweeps together (the experts of a layer): bounds the batch's memory.
+BATCH_LIMIT = 64
+
+
+def _quantize_units(ckpt: Checkpoint, units: list[WorkUnit], hessians: dict[str, tuple[Tensor | None, int, str]], options: GptqOptions, out: GptqWeights) -> None:
+    """GPTQ-round the units' Linears, same-shape weights in batches (a layer's experts together)."""
+    jobs: dict[tuple, list[tuple[str, Tensor, Tensor, Tensor | None, int, str]]] = {}
+    for unit in units:
+        weights = {t.module: ckpt.read_tensor(f"{t.module}.weight") for t in unit.linears}
+        w0 = next(iter(weights.values()))
+        # the exporter's rule: a fused group shares one global scale from the group's max amax
+        group_amax = torch.tensor(max(float(w.abs().max()) for w in weights.values()), dtype=w0.dtype) if len(weights) > 1 else None
+        for module, w in weights.items():
+            hessian, tokens, kind = hessians.get(module, (None, 0, "none"))
+            if hessian is None:
+                out.weights[module] = nvfp4_quantize(w, global_amax=group_amax)
+                out.modules[module] = {"tokens": tokens, "hessian": "none", "fallback": "rtn", "loss": None}
+                continue
+            jobs.setdefault((tuple(w.shape), w.dtype), []).append((module, w, hessian, group_amax, tokens, kind))
+    for batch_jobs in jobs.values():
+        for start in range(0, len(batch_jobs), BATCH_LIMIT):
+            chunk = batch_jobs[start : start + BATCH_LIMIT]
+            results = gptq_quantize_batch(
+                torch.stack([j[1] for j in chunk]), torch.stack([j[2] for j in chunk]), "nvfp4",
+                block_size=options.block_size, damp=options.damp, act_order=options.act_order, global_amax=[j[3] for j in chunk],
+            )
+            for (module, _w, _h, _amax, tokens, kind), result in zip(chunk, results):
+                out.weights[module] = result.quantized
+                out.modules[module] = {"tokens": tokens, "hessian": kind, "fallback": "rtn" if result.fallback else None, "loss": result.loss}
 
 
 @torch.inference_mode()
@@ -281,16 +295,14 @@ def gptq_weights(
                     hooks.detach()
             hessians = hooks.resolve(options.min_expert_tokens, options.fallback, options.expert_hessian)
             ready = [u for u in pending if all(t.module in hooks.covered for t in u.linears)]
-            for unit in ready:
-                _quantize_unit(ckpt, unit, hessians, options, result)
+            _quantize_units(ckpt, ready, hessians, options, result)
             pending = [u for u in pending if u not in ready]
             del hooks, hessians
         for number in range(len(batches)):
             store.drop(number)
     finally:
         space.close()
-    for unit in pending:  # not reached by any hook (e.g. a Linear outside the decoder layers)
-        _quantize_unit(ckpt, unit, {}, options, result)
+    _quantize_units(ckpt, pending, {}, options, result)  # not reached by any hook (outside the decoder layers)
     result.seconds = time.perf_counter() - started
     if progress:
         progress(total, total, "done")

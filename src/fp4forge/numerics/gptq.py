@@ -74,8 +74,9 @@ __all__ = [
     "GptqResult",
     "HessianAccumulator",
     "ScaleMode",
-    "gptq_quantize",
     "gptq_format_group",
+    "gptq_quantize",
+    "gptq_quantize_batch",
     "output_error",
 ]
 
@@ -178,54 +179,69 @@ def output_error(weight: Tensor, approx: Tensor, hessian: Tensor) -> float:
 
 
 # -- the grids ---------------------------------------------------------------------------------------
+# Every grid holds a batch of B weights [B, N, K] (B experts of one shape are swept together: the
+# per-column loop is the cost, and it is the same for 1 or 64 weights).
 class _Grid:
-    """A format's scales for one weight, and the round-to-nearest of one column under them."""
+    """A format's scales for a batch of weights, and the round-to-nearest of one column under them."""
 
     group: int
-    step: Tensor  # F32 [N, groups]: the value of one grid unit (per block)
+    step: Tensor  # F32 [B, N, groups]: the value of one grid unit (per block)
 
-    def set_group(self, g: int, block: Tensor) -> None:  # dynamic scales for group g
+    def set_group(self, g: int, block: Tensor) -> None:  # dynamic scales for group g from [B, N, group]
         raise NotImplementedError
 
-    def round_column(self, col: Tensor, g: int) -> tuple[Tensor, Tensor]:
-        """(codes, dequantized F32) of column ``col`` ``[N]`` in group ``g``."""
+    def codes(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(codes, grid values in units of the step) of ``x`` already divided by its step."""
         raise NotImplementedError
 
-    def finish(self, codes: Tensor):  # codes [N, K] -> on-disk weight
+    def round_column(self, col: Tensor, groups: Tensor) -> tuple[Tensor, Tensor]:
+        """(codes, dequantized F32) of column ``col`` ``[B, N]``; ``groups`` ``[B]``: its group per weight."""
+        s = self.step[torch.arange(col.shape[0]), :, groups]  # [B, N]
+        codes, units = self.codes(col / s)
+        return codes, units * s
+
+    def finish(self, codes: Tensor) -> list:  # codes [B, N, K] -> on-disk weights
         raise NotImplementedError
 
 
-class _Nvfp4Grid(_Grid):
+class _Fp4Codes:
+    @staticmethod
+    def codes(x: Tensor) -> tuple[Tensor, Tensor]:
+        c = e2m1_encode(x)
+        return c, e2m1_decode(c, torch.float32)
+
+
+class _Nvfp4Grid(_Fp4Codes, _Grid):
     group = NVFP4_BLOCK
 
-    def __init__(self, w: Tensor, global_amax: Tensor | float | None, block_scale: Tensor | None):
-        amax = absmax(w) if global_amax is None else torch.as_tensor(global_amax).to(w.dtype)
-        self.global_scale = nvfp4_global_scale(amax)
-        if block_scale is None:
-            block_scale = nvfp4_block_scales(w, self.global_scale)
-        elif block_scale.dtype != torch.float8_e4m3fn or block_scale.shape != (w.shape[0], w.shape[1] // NVFP4_BLOCK):
-            raise NumericsError(f"block_scale must be float8_e4m3fn [{w.shape[0]}, {w.shape[1] // NVFP4_BLOCK}]")
-        self.block_scale = block_scale.clone()
-        self._refresh()
-
-    def _refresh(self) -> None:
+    def __init__(self, w: Tensor, global_amax: list[Tensor | float | None], block_scale: list[Tensor | None]):
+        self.global_scale = []
+        scales = []
+        for b in range(w.shape[0]):
+            amax = absmax(w[b]) if global_amax[b] is None else torch.as_tensor(global_amax[b]).to(w.dtype)
+            g = nvfp4_global_scale(amax)
+            self.global_scale.append(g)
+            given = block_scale[b]
+            if given is None:
+                given = nvfp4_block_scales(w[b], g)
+            elif given.dtype != torch.float8_e4m3fn or given.shape != (w.shape[1], w.shape[2] // NVFP4_BLOCK):
+                raise NumericsError(f"block_scale must be float8_e4m3fn [{w.shape[1]}, {w.shape[2] // NVFP4_BLOCK}]")
+            scales.append(given)
+        self.block_scale = torch.stack(scales)
+        self._g = torch.cat(self.global_scale).reshape(-1, 1, 1)
         # compressed-tensors' step: scale / global_scale in F32 (what nvfp4_quantize divides by)
-        self.step = self.block_scale.to(torch.float32) / self.global_scale
+        self.step = self.block_scale.to(torch.float32) / self._g
 
     def set_group(self, g: int, block: Tensor) -> None:
-        self.block_scale[:, g : g + 1] = nvfp4_block_scales(block, self.global_scale)
-        self.step[:, g] = self.block_scale[:, g].to(torch.float32) / self.global_scale
+        for b in range(block.shape[0]):
+            self.block_scale[b, :, g : g + 1] = nvfp4_block_scales(block[b], self.global_scale[b])
+        self.step[:, :, g] = self.block_scale[:, :, g].to(torch.float32) / self._g[:, :, 0]
 
-    def round_column(self, col: Tensor, g: int) -> tuple[Tensor, Tensor]:
-        s = self.step[:, g]
-        codes = e2m1_encode(col / s)
-        return codes, e2m1_decode(codes, torch.float32) * s
-
-    def finish(self, codes: Tensor) -> Nvfp4Weight:
-        return Nvfp4Weight(pack_fp4(codes), self.block_scale, self.global_scale, "compressed-tensors")
+    def finish(self, codes: Tensor) -> list[Nvfp4Weight]:
+        return [Nvfp4Weight(pack_fp4(codes[b]), self.block_scale[b], self.global_scale[b], "compressed-tensors") for b in range(codes.shape[0])]
 
 
-class _Mxfp4Grid(_Grid):
+class _Mxfp4Grid(_Fp4Codes, _Grid):
     group = MXFP4_BLOCK
 
     def __init__(self, w: Tensor):
@@ -234,16 +250,11 @@ class _Mxfp4Grid(_Grid):
 
     def set_group(self, g: int, block: Tensor) -> None:
         x = mxfp4_scale_exponents(block.abs().amax(dim=-1))
-        self.exponent[:, g] = x
-        self.step[:, g] = torch.ldexp(torch.ones_like(x, dtype=torch.float32), x)
+        self.exponent[:, :, g] = x
+        self.step[:, :, g] = torch.ldexp(torch.ones_like(x, dtype=torch.float32), x)
 
-    def round_column(self, col: Tensor, g: int) -> tuple[Tensor, Tensor]:
-        s = self.step[:, g]
-        codes = e2m1_encode(col / s)
-        return codes, e2m1_decode(codes, torch.float32) * s
-
-    def finish(self, codes: Tensor) -> Mxfp4Weight:
-        return Mxfp4Weight(pack_fp4(codes), (self.exponent + E8M0_BIAS).to(torch.uint8))
+    def finish(self, codes: Tensor) -> list[Mxfp4Weight]:
+        return [Mxfp4Weight(pack_fp4(codes[b]), (self.exponent[b] + E8M0_BIAS).to(torch.uint8)) for b in range(codes.shape[0])]
 
 
 class _IntGrid(_Grid):
@@ -253,21 +264,20 @@ class _IntGrid(_Grid):
         self.step = intn_quantize(w, bits, group_size=group, symmetric=True).scale.clone()
 
     def set_group(self, g: int, block: Tensor) -> None:
-        self.step[:, g] = intn_quantize(block, self.bits, group_size=self.group, symmetric=True).scale[:, 0]
+        self.step[:, :, g] = intn_quantize(block, self.bits, group_size=self.group, symmetric=True).scale[..., 0]
 
-    def round_column(self, col: Tensor, g: int) -> tuple[Tensor, Tensor]:
-        s = self.step[:, g]
-        q = torch.round(col / s).clamp(self.qmin, self.qmax)
-        return q, q * s
+    def codes(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        q = torch.round(x).clamp(self.qmin, self.qmax)
+        return q, q
 
-    def finish(self, codes: Tensor) -> IntWeight:
-        return IntWeight(codes.to(torch.int8), self.step, None, self.bits, self.group)
+    def finish(self, codes: Tensor) -> list[IntWeight]:
+        return [IntWeight(codes[b].to(torch.int8), self.step[b], None, self.bits, self.group) for b in range(codes.shape[0])]
 
 
-def _make_grid(w: Tensor, fmt: str, group: int, global_amax, block_scale) -> _Grid:
+def _make_grid(w: Tensor, fmt: str, group: int, global_amax: list, block_scale: list) -> _Grid:
     if fmt == "nvfp4":
         return _Nvfp4Grid(w, global_amax, block_scale)
-    if block_scale is not None or global_amax is not None:
+    if any(x is not None for x in (*block_scale, *global_amax)):
         raise NumericsError("block_scale and global_amax apply to nvfp4 only")
     if fmt == "mxfp4":
         return _Mxfp4Grid(w)
@@ -312,68 +322,99 @@ def gptq_quantize(
     group's max so q/k/v or gate/up share one scalar). ``block_scale``: NVFP4 E4M3 block scales to
     use instead of the min-max ones (implies static scales).
     """
+    if weight.ndim != 2:
+        raise NumericsError(f"GPTQ needs a 2-D weight, got shape {list(weight.shape)} (gptq_quantize_batch takes [B, N, K])")
+    return gptq_quantize_batch(
+        weight.unsqueeze(0), hessian.unsqueeze(0), fmt, group_size=group_size, block_size=block_size, damp=damp, act_order=act_order,
+        scale_mode=scale_mode, global_amax=[global_amax], block_scale=[block_scale],
+    )[0]
+
+
+def gptq_quantize_batch(
+    weights: Tensor,
+    hessians: Tensor,
+    fmt: str,
+    *,
+    group_size: int | None = None,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+    scale_mode: ScaleMode = "static",
+    global_amax: list[Tensor | float | None] | None = None,
+    block_scale: list[Tensor | None] | None = None,
+) -> list[GptqResult]:
+    """:func:`gptq_quantize` of ``B`` weights of one shape at once: ``weights`` ``[B, N, K]``,
+    ``hessians`` ``[B, K, K]``, ``global_amax`` / ``block_scale`` one entry per weight (or None).
+    Each result is exactly what :func:`gptq_quantize` gives for that weight alone."""
     fmt = fmt.lower()
-    if weight.ndim != 2 or not weight.is_floating_point():
-        raise NumericsError(f"GPTQ needs a 2-D float weight, got {weight.dtype} {list(weight.shape)}")
-    n, k = weight.shape
-    if hessian.shape != (k, k):
-        raise NumericsError(f"Hessian shape {list(hessian.shape)} does not match the weight's input width {k}")
+    if weights.ndim != 3 or not weights.is_floating_point():
+        raise NumericsError(f"GPTQ needs float weights [B, N, K], got {weights.dtype} {list(weights.shape)}")
+    nb, n, k = weights.shape
+    if hessians.shape != (nb, k, k):
+        raise NumericsError(f"Hessian shape {list(hessians.shape[-2:])} does not match the weight's input width {k}")
     group = gptq_format_group(fmt, group_size, k)
+    global_amax = list(global_amax) if global_amax is not None else [None] * nb
+    block_scale = list(block_scale) if block_scale is not None else [None] * nb
+    if len(global_amax) != nb or len(block_scale) != nb:
+        raise NumericsError("global_amax and block_scale need one entry per weight")
     if scale_mode not in ("static", "dynamic"):
         raise NumericsError(f"unknown scale mode {scale_mode!r} (static | dynamic)")
-    if scale_mode == "dynamic" and (act_order or block_scale is not None):
+    if scale_mode == "dynamic" and (act_order or any(b is not None for b in block_scale)):
         raise NumericsError("dynamic block scales need the natural column order and no given block_scale")
     if not damp > 0 or block_size <= 0:
         raise NumericsError(f"damp must be > 0 and block_size positive, got damp={damp}, block_size={block_size}")
-    if not bool(torch.isfinite(weight).all()) or not bool(torch.isfinite(hessian).all()):
+    if not bool(torch.isfinite(weights).all()) or not bool(torch.isfinite(hessians).all()):
         raise NumericsError("weight or Hessian holds NaN or Inf; refusing to quantize it")
     block_size = int(math.ceil(block_size / group) * group)
 
-    w = weight.to(torch.float32).clone()
+    w = weights.to(torch.float32).clone()
     grid = _make_grid(w, fmt, group, global_amax, block_scale)
-    h = hessian.to(torch.float32).clone()
-    dead = torch.diagonal(h) == 0
-    torch.diagonal(h)[dead] = 1.0  # an unused input: no coupling, so its columns round to nearest
+    h = hessians.to(torch.float32).clone()
+    diag = torch.diagonal(h, dim1=-2, dim2=-1)
+    diag[diag == 0] = 1.0  # an unused input: no coupling, so its columns round to nearest
 
-    perm = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else None
+    cols = torch.arange(k).expand(nb, k)
+    perm = torch.argsort(torch.diagonal(h, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True) if act_order else None
     if perm is not None:
-        w = w[:, perm]
-        h = h[perm][:, perm]
-    col_group = (perm if perm is not None else torch.arange(k)) // group
+        w = w.gather(2, perm.unsqueeze(1).expand(nb, n, k))
+        h = h.gather(1, perm.unsqueeze(2).expand(nb, k, k)).gather(2, perm.unsqueeze(1).expand(nb, k, k))
+        cols = perm
+    col_group = cols // group  # [B, K]: the group (in the stored order) of each swept column
 
-    used_damp, u = damp, None
-    for factor in _DAMP_RETRIES:
-        u = _upper_inverse_factor(h, damp * factor)
-        if u is not None:
-            used_damp = damp * factor
-            break
-    fallback = u is None
-    if fallback:
-        u = torch.eye(k, dtype=torch.float32)  # no coupling: plain round-to-nearest
+    u = torch.empty_like(h)
+    used_damp, fallback = [damp] * nb, [False] * nb
+    for b in range(nb):
+        for factor in _DAMP_RETRIES:
+            ub = _upper_inverse_factor(h[b], damp * factor)
+            if ub is not None:
+                u[b], used_damp[b] = ub, damp * factor
+                break
+        else:
+            u[b], fallback[b] = torch.eye(k), True  # no coupling: plain round-to-nearest
 
-    codes = torch.empty((n, k), dtype=torch.float32)
-    loss = 0.0
+    codes = torch.empty((nb, n, k), dtype=torch.float32)
+    loss = torch.zeros(nb, dtype=torch.float64)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        w1 = w[:, i1:i2].clone()
+        w1 = w[:, :, i1:i2].clone()
         err1 = torch.zeros_like(w1)
-        u1 = u[i1:i2, i1:i2]
+        u1 = u[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            g = int(col_group[col])
             if scale_mode == "dynamic" and col % group == 0:
-                grid.set_group(g, w1[:, i : i + group])
-            c, q = grid.round_column(w1[:, i], g)
-            codes[:, col] = c.to(torch.float32)
-            d = u1[i, i]
-            e = (w1[:, i] - q) / d
-            loss += float((e * e).sum()) / 2
-            w1[:, i:] -= e.unsqueeze(1) * u1[i, i:].unsqueeze(0)
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ u[i1:i2, i2:]
+                grid.set_group(col // group, w1[:, :, i : i + group])
+            c, q = grid.round_column(w1[:, :, i], col_group[:, col])
+            codes[:, :, col] = c.to(torch.float32)
+            e = (w1[:, :, i] - q) / u1[:, i, i].unsqueeze(1)
+            loss += (e * e).sum(dim=1).to(torch.float64) / 2
+            w1[:, :, i:] -= e.unsqueeze(2) * u1[:, i, i:].unsqueeze(1)
+            err1[:, :, i] = e
+        w[:, :, i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
 
     if perm is not None:
-        codes = codes[:, torch.argsort(perm)]
+        codes = codes.gather(2, torch.argsort(perm, dim=-1).unsqueeze(1).expand(nb, n, k))
     quantized = grid.finish(codes.to(torch.uint8) if fmt in ("nvfp4", "mxfp4") else codes)
-    dequantized = quantized.dequantize(torch.float32)
-    return GptqResult(quantized, dequantized, fmt, group, loss, used_damp, act_order, scale_mode, fallback)
+    return [
+        GptqResult(q, q.dequantize(torch.float32), fmt, group, float(loss[b]), used_damp[b], act_order, scale_mode, fallback[b])
+        for b, q in enumerate(quantized)
+    ]
