@@ -79,18 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     from fp4forge.calibrate.run import CalibrationOptions
     from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
     from fp4forge.model.samples import load_samples, load_tokenizer
-    from fp4forge.pipeline.trained_testbed import _corpus_and_tokenizer, cached_trained_laguna
+    from fp4forge.pipeline.trained_testbed import MODEL_SUBDIR, _corpus_and_tokenizer, cache_root, cached_trained_laguna, trained_laguna_cache_key
+    from fp4forge.testbed.trained import TrainingConfig
     from fp4forge.quality.training_corpus import CorpusSpec
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
     from fp4forge.quantize.recipe import load_recipe
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    teacher = cached_trained_laguna()
-    corpus, _ = _corpus_and_tokenizer(0, CorpusSpec())
-    calib_file, eval_file = out / "calib.jsonl", out / "eval.jsonl"
-    calib_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.train))
-    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.heldout))
+    calib_file, eval_file, teacher_file = out / "calib.jsonl", out / "eval.jsonl", out / "teacher.txt"
+    if not teacher_file.is_file():  # generating the corpus takes minutes: once per output directory
+        corpus, tokenizer_json = _corpus_and_tokenizer(0, CorpusSpec())
+        key = trained_laguna_cache_key(0, TrainingConfig(), CorpusSpec(), corpus, tokenizer_json)
+        teacher = cache_root() / key / MODEL_SUBDIR
+        if not teacher.is_dir():
+            teacher = cached_trained_laguna()
+        calib_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.train))
+        eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.heldout))
+        teacher_file.write_text(str(teacher))
+    teacher = Path(teacher_file.read_text())
     recipe_file = out / "recipe.toml"
     recipe_file.write_text(RECIPE)
     recipe = load_recipe(str(recipe_file))
