@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm}: quantized in {results[arm]['quantize_s']:.1f} s", file=sys.stderr, flush=True)
         report = evaluate(teacher, arm_dir, fid)
         per_seq[arm] = torch.cat(list(captured))
+        (out / f"per-sequence-kl-{arm}.json").write_text(json.dumps(per_seq[arm].tolist()))  # for paired comparisons across runs
         kl, lo, hi = _ci(per_seq[arm])
         m = report.metrics
         results[arm].update(kl_mean=kl, kl_ci95=[lo, hi], top1=m["top1_agreement"], ppl_student=m["perplexity"]["student"], ppl_teacher=m["perplexity"]["teacher"],
