@@ -206,3 +206,15 @@ def test_block_absmax_and_e4m3_table_equal_torch():
         assert torch.equal(bits(block_absmax(x)), bits(x.abs().amax(dim=-1)))
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
     assert torch.equal(bits(e4m3_to_f32(codes)), bits(codes.to(torch.float32)))
+
+
+def test_encoder_scratch_survives_switching_inference_mode():
+    # The encoder reuses per-thread scratch tensors; GPTQ calls it under inference_mode and the
+    # exporter outside it. A buffer made in one mode must not be written in place in the other
+    # (torch refuses in-place updates of inference tensors outside inference_mode).
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        inside = nvfp4_quantize(w)
+    outside = nvfp4_quantize(w)
+    assert torch.equal(inside.packed, outside.packed)
+    assert torch.equal(inside.block_scale.view(torch.uint8), outside.block_scale.view(torch.uint8))

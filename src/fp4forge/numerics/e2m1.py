@@ -160,10 +160,12 @@ class _Buffers(threading.local):
     ~0.5 MiB temporaries cost more (allocation, page faults) than the arithmetic on them."""
 
     def __init__(self) -> None:
-        self.store: dict[tuple[str, torch.dtype, torch.device], Tensor] = {}
+        self.store: dict[tuple[str, torch.dtype, torch.device, bool], Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        key = (name, dtype, device)
+        # a buffer made under inference_mode cannot be written in place outside it (and the
+        # callers use both), so each mode keeps its own
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         buf = self.store.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)

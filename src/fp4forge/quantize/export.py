@@ -65,6 +65,9 @@ class QuantizeOptions:
     # the per-Linear relative weight error (provenance, summary); False skips its arithmetic
     error_report: bool = True
     device: str | None = None  # where the numerics run; None/"auto": CUDA when available (bytes do not depend on it)
+    # Precomputed NVFP4 weights (GPTQ: calibrate/gptq.py) written instead of the block-scale rule's;
+    # anything with ``.weights: dict[module, Nvfp4Weight]`` and ``.provenance() -> dict``.
+    precomputed: Any = None
 
     def __post_init__(self) -> None:
         resolve_device(self.device)
@@ -141,6 +144,16 @@ def resume_key(plan: ExportPlan, options: QuantizeOptions, source_digest: str) -
     }
     if not options.error_report:  # only then: keys of runs with the report stay as they were
         material["error_report"] = False
+    if options.precomputed is not None:
+        # the codes themselves: a resumed run must use the same GPTQ result
+        digest = hashlib.blake2b(digest_size=16)
+        for module in sorted(options.precomputed.weights):
+            q = options.precomputed.weights[module]
+            digest.update(module.encode())
+            digest.update(q.packed.numpy().tobytes())
+            digest.update(q.block_scale.view(torch.uint8).numpy().tobytes())
+            digest.update(q.global_scale.numpy().tobytes())
+        material["precomputed"] = digest.hexdigest()
     return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
@@ -180,13 +193,18 @@ class UnitQuantizer:
             w = weights[target.module]
             m = target.module
             if scheme.startswith("nvfp4"):
-                amax = None if group_amax is None else torch.tensor(group_amax, dtype=w.dtype)
-                result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax, error=report)
-                q = result.weight
+                pre = self.options.precomputed.weights.get(m) if self.options.precomputed is not None else None
+                if pre is not None:
+                    q = pre.to_convention(self.convention)
+                    rel = relative_error(w, q.dequantize(torch.float32).to(w.device)) if report else None
+                else:
+                    amax = None if group_amax is None else torch.tensor(group_amax, dtype=w.dtype)
+                    result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax, error=report)
+                    q = result.weight
+                    rel = result.relative_error
                 out[f"{m}.{suffix['packed']}"] = q.packed
                 out[f"{m}.{suffix['block_scale']}"] = q.block_scale
                 out[f"{m}.{suffix['global_scale']}"] = q.global_scale
-                rel = result.relative_error
             else:
                 strategy = "channel" if scheme == "fp8_dynamic" else "tensor"
                 amax = None if group_amax is None or strategy != "tensor" else group_amax
@@ -461,6 +479,7 @@ def _write_companions(
         "layout": options.layout_format,
         "options": {"block_scales": options.block_scales, "max_shard_bytes": options.max_shard_bytes}
         | ({} if options.error_report else {"error_report": False}),
+        "method": options.precomputed.provenance() if options.precomputed is not None else {"method": "rtn", "block_scales": options.block_scales},
         "activation_scales": options.act_amax.provenance() if options.act_amax else None,
         "source": {"location": ckpt.display, "header_digest": source_digest, "shards": ckpt.shard_names}
         | ({"dequantized_from": ckpt.dequantized_from} if isinstance(ckpt, BlockFp8Source) else {}),
