@@ -7,7 +7,7 @@ Modules: :mod:`.e2m1` (FP4 codes, packing), :mod:`.fp8` (E4M3/E5M2 casts, FP8 W8
 FP8 activation and KV-cache fake-quant),
 :mod:`.nvfp4` (NVFP4 weights in both scale conventions, activation fake-quant as vLLM does it),
 :mod:`.mxfp4` (OCP MX), :mod:`.intn` (INT-N), :mod:`.scale_search` (block-scale choice and the
-relative weight error).
+relative weight error), :mod:`.gptq` (Hessian-weighted rounding on those grids).
 """
 
 from fp4forge.numerics.e2m1 import (
@@ -43,6 +43,7 @@ from fp4forge.numerics.fp8 import (
     to_e4m3fn,
     to_e5m2,
 )
+from fp4forge.numerics.gptq import GPTQ_FORMATS, GptqResult, HessianAccumulator, gptq_quantize
 from fp4forge.numerics.intn import IntWeight, intn_dequantize, intn_quantize, intn_range
 from fp4forge.numerics.mxfp4 import (
     MXFP4_BLOCK,
@@ -91,6 +92,9 @@ __all__ = [
     "FOUR_OVER_SIX_FP8_MAX",
     "FP8_E4M3_MAX",
     "FP8_E5M2_MAX",
+    "GPTQ_FORMATS",
+    "GptqResult",
+    "HessianAccumulator",
     "MXFP4_BLOCK",
     "NVFP4_BLOCK",
     "NVFP4_GLOBAL_NUMERATOR",
@@ -127,6 +131,7 @@ __all__ = [
     "fp8_quantize_weight",
     "fp8_scale_from_amax",
     "fp8_weight_amax",
+    "gptq_quantize",
     "intn_dequantize",
     "intn_quantize",
     "intn_range",

@@ -56,6 +56,9 @@ class QuantizeOptions:
     act_amax: ConstantAmax | StatsAmax | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     workers: int = max(1, os.cpu_count() or 1)  # units quantized concurrently (bytes do not depend on it)
+    # Precomputed NVFP4 weights (GPTQ: calibrate/gptq.py) written instead of the block-scale rule's;
+    # anything with ``.weights: dict[module, Nvfp4Weight]`` and ``.provenance() -> dict``.
+    precomputed: Any = None
 
     def __post_init__(self) -> None:
         require_choice(self.layout_format, LAYOUT_FORMATS, "layout_format")
@@ -127,6 +130,16 @@ def resume_key(plan: ExportPlan, options: QuantizeOptions, source_digest: str) -
         "source": source_digest,
         "max_shard_bytes": options.max_shard_bytes,
     }
+    if options.precomputed is not None:
+        # the codes themselves: a resumed run must use the same GPTQ result
+        digest = hashlib.blake2b(digest_size=16)
+        for module in sorted(options.precomputed.weights):
+            q = options.precomputed.weights[module]
+            digest.update(module.encode())
+            digest.update(q.packed.numpy().tobytes())
+            digest.update(q.block_scale.view(torch.uint8).numpy().tobytes())
+            digest.update(q.global_scale.numpy().tobytes())
+        material["precomputed"] = digest.hexdigest()
     return hashlib.blake2b(json.dumps(material, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
@@ -164,13 +177,18 @@ class UnitQuantizer:
             w = weights[target.module]
             m = target.module
             if scheme.startswith("nvfp4"):
-                amax = None if group_amax is None else torch.tensor(group_amax, dtype=w.dtype)
-                result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax)
-                q = result.weight
+                pre = self.options.precomputed.weights.get(m) if self.options.precomputed is not None else None
+                if pre is not None:
+                    q = pre.to_convention(self.convention)
+                    rel = relative_error(w, q.dequantize(torch.float32))
+                else:
+                    amax = None if group_amax is None else torch.tensor(group_amax, dtype=w.dtype)
+                    result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax)
+                    q = result.weight
+                    rel = result.relative_error
                 out[f"{m}.{suffix['packed']}"] = q.packed
                 out[f"{m}.{suffix['block_scale']}"] = q.block_scale
                 out[f"{m}.{suffix['global_scale']}"] = q.global_scale
-                rel = result.relative_error
             else:
                 strategy = "channel" if scheme == "fp8_dynamic" else "tensor"
                 amax = None if group_amax is None or strategy != "tensor" else group_amax
@@ -343,6 +361,7 @@ def _write_companions(
         "recipe": {"name": options.recipe.name, "source": options.recipe.source, "text": options.recipe.text},
         "layout": options.layout_format,
         "options": {"block_scales": options.block_scales, "max_shard_bytes": options.max_shard_bytes},
+        "method": options.precomputed.provenance() if options.precomputed is not None else {"method": "rtn", "block_scales": options.block_scales},
         "activation_scales": options.act_amax.provenance() if options.act_amax else None,
         "source": {"location": ckpt.display, "header_digest": source_digest, "shards": ckpt.shard_names},
         "fused_groups": {"count": len(plan.fused_groups), "rule": "one weight global scale per group, from the group's max amax"},

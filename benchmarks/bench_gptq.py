@@ -1,0 +1,162 @@
+"""GPTQ NVFP4 vs min-max (RTN) NVFP4 vs llm-compressor's GPTQ NVFP4 on the trained testbed.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_gptq.py --lc-venv .venv-lc
+
+Every arm quantizes the same Linears (routed experts + attention q/k/v/o, the output gate
+excluded) of the trained tiny Laguna (``fp4forge testbed trained-laguna``, from the cache) to
+NVFP4 weight-only (W4A16: activations stay BF16 so only the weight rounding differs), and is
+measured by fidelity against the BF16 teacher on held-out text of the testbed's own corpus.
+GPTQ arms (fp4forge's and llm-compressor's) calibrate on the *same token rows* (written to
+``ids.json`` for llm-compressor). KL is per predicted position; CIs are 95 % bootstrap intervals
+over sequences (2000 resamples, seed 0), and each GPTQ arm's difference to the RTN arm is a
+paired bootstrap over the same sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = """name = "bench-gptq-nvfp4a16"
+description = "Routed experts + attention q/k/v/o NVFP4 weight-only"
+
+[[rules]]
+components = ["routed_experts"]
+scheme = "nvfp4a16"
+
+[[rules]]
+components = ["attention"]
+scheme = "nvfp4a16"
+ignore = ['re:.*\\.self_attn\\.g_proj$']
+"""
+LC_TARGETS = ["re:.*self_attn\\.(q|k|v|o)_proj$", "re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"]
+
+
+def _capture_kl():
+    """Wrap the fidelity summary to keep the per-sequence KL means (the report has only the mean)."""
+    from fp4forge.fidelity import evaluate as fe
+
+    captured: list[torch.Tensor] = []
+    original = fe.PositionMetrics.summary
+
+    def summary(self):
+        parts = self.kl or self.kl_estimate
+        captured.clear()
+        captured.extend(p.reshape(p.shape[0], -1).to(torch.float64).mean(dim=1) for p in parts)
+        return original(self)
+
+    fe.PositionMetrics.summary = summary
+    return captured
+
+
+def _ci(values: torch.Tensor, resamples: int = 2000) -> tuple[float, float, float]:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, values.numel(), (resamples, values.numel()), generator=g)
+    means = values[idx].mean(dim=1)
+    return float(values.mean()), float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "gptq")
+    parser.add_argument("--calib-samples", type=int, default=32)
+    parser.add_argument("--eval-samples", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lc-venv", type=Path, default=None, help="llm-compressor venv (omit to skip that arm)")
+    parser.add_argument("--arms", nargs="*", default=["rtn", "rtn-mse", "gptq-routed", "gptq-all", "gptq-routed-actorder", "lc-gptq"])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+    from fp4forge.calibrate.gptq import GptqOptions, gptq_weights
+    from fp4forge.calibrate.run import CalibrationOptions
+    from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
+    from fp4forge.model.samples import load_samples, load_tokenizer
+    from fp4forge.pipeline.trained_testbed import _corpus_and_tokenizer, cached_trained_laguna
+    from fp4forge.quality.training_corpus import CorpusSpec
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    teacher = cached_trained_laguna()
+    corpus, _ = _corpus_and_tokenizer(0, CorpusSpec())
+    calib_file, eval_file = out / "calib.jsonl", out / "eval.jsonl"
+    calib_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.train))
+    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.heldout))
+    recipe_file = out / "recipe.toml"
+    recipe_file.write_text(RECIPE)
+    recipe = load_recipe(str(recipe_file))
+
+    tokenizer = load_tokenizer(teacher)
+    samples = load_samples(tokenizer, samples=args.calib_samples, seq_len=args.seq_len, text_files=[calib_file], builtin=False)
+    (out / "ids.json").write_text(json.dumps(samples.input_ids.tolist()))
+    calibration = CalibrationOptions(samples=args.calib_samples, seq_len=args.seq_len, text_files=(calib_file,), builtin_corpus=False)
+
+    results: dict[str, dict] = {}
+    for arm in args.arms:
+        arm_dir = out / arm
+        started = time.perf_counter()
+        if arm_dir.exists():
+            import shutil
+
+            shutil.rmtree(arm_dir)
+        if arm in ("rtn", "rtn-mse"):
+            quantize_checkpoint(teacher, arm_dir, QuantizeOptions(recipe, block_scales="mse" if arm == "rtn-mse" else "minmax", workers=1))
+        elif arm.startswith("gptq"):
+            options = GptqOptions(calibration=calibration, expert_hessian="all" if arm == "gptq-all" else "routed", act_order=arm.endswith("actorder"))
+            weights = gptq_weights(teacher, recipe, options, samples=samples)
+            quantize_checkpoint(teacher, arm_dir, QuantizeOptions(recipe, precomputed=weights, workers=1))
+            results.setdefault(arm, {})["hessians"] = weights.provenance()["hessians"]
+        elif arm == "lc-gptq":
+            if args.lc_venv is None:
+                print("lc-gptq: no --lc-venv, skipped", file=sys.stderr)
+                continue
+            cmd = [str(args.lc_venv / "bin" / "python"), str(REPO / "benchmarks" / "lc_gptq_export.py"), str(teacher), str(arm_dir),
+                   "--ids", str(out / "ids.json"), "--scheme", "NVFP4A16", "--targets", *LC_TARGETS]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"llm-compressor export failed ({proc.returncode})")
+        else:
+            raise SystemExit(f"unknown arm {arm}")
+        results.setdefault(arm, {})["quantize_s"] = time.perf_counter() - started
+        print(f"{arm}: quantized in {results[arm]['quantize_s']:.1f} s", file=sys.stderr, flush=True)
+
+    captured = _capture_kl()
+    fid = FidelityOptions(numerics="w4a16", samples=args.eval_samples, seq_len=args.seq_len, text_files=(eval_file,), builtin_corpus=False,
+                          teacher_cache=out / "teacher-cache.pt")
+    per_seq: dict[str, torch.Tensor] = {}
+    for arm in results:
+        report = evaluate(teacher, out / arm, fid)
+        per_seq[arm] = torch.cat(list(captured))
+        kl, lo, hi = _ci(per_seq[arm])
+        m = report.metrics
+        results[arm].update(kl_mean=kl, kl_ci95=[lo, hi], top1=m["top1_agreement"], ppl_student=m["perplexity"]["student"], ppl_teacher=m["perplexity"]["teacher"],
+                            positions=m["positions"], kl_estimator=m["kl"]["estimator"])
+        print(f"{arm}: KL {kl:.5f} [{lo:.5f}, {hi:.5f}] top1 {m['top1_agreement']:.4f}", file=sys.stderr, flush=True)
+    if "rtn" in per_seq:
+        for arm in per_seq:
+            if arm != "rtn":
+                d, lo, hi = _ci(per_seq[arm] - per_seq["rtn"])
+                results[arm]["kl_minus_rtn"] = {"mean": d, "ci95": [lo, hi]}
+    if "lc-gptq" in per_seq:
+        for arm in per_seq:
+            if arm.startswith("gptq"):
+                d, lo, hi = _ci(per_seq[arm] - per_seq["lc-gptq"])
+                results[arm]["kl_minus_lc"] = {"mean": d, "ci95": [lo, hi]}
+    summary = {"teacher": str(teacher), "calibration": samples.describe(), "eval_samples": args.eval_samples, "seq_len": args.seq_len, "arms": results}
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
