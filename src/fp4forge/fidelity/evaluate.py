@@ -271,8 +271,11 @@ class PositionMetrics:
         exact = self._cat(self.kl)
         estimate = self._cat(self.kl_estimate)
         kl = exact if exact.numel() else estimate
+        parts = self.kl if exact.numel() else self.kl_estimate
         out: dict[str, Any] = {
             "positions": int(kl.numel()),
+            # One mean per sample: the independent units a confidence interval resamples.
+            "kl_per_sample": [float(row.to(torch.float64).mean()) for part in parts for row in part.reshape(part.shape[0], -1)],
             "kl": _distribution(kl) | {"estimator": "exact (full vocabulary)" if exact.numel() else "top-k + sampled tail (unbiased)"},
             "top1_agreement": float(self._cat(self.agree).float().mean()),
             "perplexity": {"teacher": math.exp(float(self._cat(self.teacher_nll).mean())), "student": math.exp(float(self._cat(self.student_nll).mean()))},

@@ -66,7 +66,7 @@ class TrainingConfig:
     # One thread: the same bytes on any machine (the reduction order of a matmul can change with
     # the thread count), and no spin-waiting threads on a shared host.
     threads: int = 1
-    eval_windows: int = 48  # held-out windows of seq_len tokens scored for perplexity
+    eval_windows: int = 24  # held-out windows of seq_len tokens scored for perplexity
     # Loss weight of the prompt side of a chat document (system prompt, tool schemas, user and
     # tool messages); the assistant's turns and plain documents weigh 1. The schemas repeat in
     # every transcript: at full weight they take most of a small budget, and what the suite
