@@ -402,7 +402,7 @@ def restraint(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
     a, b = rng.randint(2, 12), rng.randint(2, 12)
     question, answer, expect = rng.choice((
         (f"What is {a} times {b}?", f"{a} times {b} is {a * b}.", str(a * b)),
-        (f"If it were raining in {city}, what should I wear? Just general advice.", "A waterproof jacket and shoes; no need to check anything.", "jacket"),
+        (f"If it were raining in {city}, what should I wear? Just general advice.", "A waterproof coat and boots; no need to check anything.", "waterproof"),
         ("Explain what an API is in one sentence.", "An API is a defined way for programs to talk to each other.", "programs"),
         ("Thanks, that was helpful!", "You're welcome, glad to help.", "welcome"),
         ("Ok, that's everything for today.", "Alright, have a good day. You're welcome any time.", "good day"),

@@ -271,18 +271,22 @@ def activation_tail_stats(model: torch.nn.Module, windows: torch.Tensor) -> dict
     return _summarise(per_tensor)
 
 
-def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, mask: torch.Tensor | None = None) -> float:
-    """exp(mean next-token NLL), over every token or over those where ``mask`` (per window token) is 1."""
-    total, tokens = 0.0, 0.0
+def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, mask: torch.Tensor | None = None) -> tuple[float, float | None]:
+    """exp(mean next-token NLL) over every token, and over the tokens where ``mask`` (per window
+    token) is 1 (None without a mask): one forward pass for both."""
+    total, tokens, masked_total, masked_tokens = 0.0, 0, 0.0, 0.0
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             batch = windows[start : start + batch_size]
             logits = model(input_ids=batch[:, :-1]).logits.float()
             losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none")
-            keep = torch.ones_like(losses) if mask is None else mask[start : start + batch_size, 1:].reshape(-1)
-            total += float((losses * keep).sum())
-            tokens += float(keep.sum())
-    return math.exp(total / tokens)
+            total += float(losses.sum())
+            tokens += losses.numel()
+            if mask is not None:
+                keep = mask[start : start + batch_size, 1:].reshape(-1)
+                masked_total += float((losses * keep).sum())
+                masked_tokens += float(keep.sum())
+    return math.exp(total / tokens), (math.exp(masked_total / masked_tokens) if masked_tokens else None)
 
 
 # -- training -------------------------------------------------------------------------------------
@@ -322,8 +326,7 @@ def train_laguna(
         heldout_assistant = pack_windows(token_weights(heldout_docs, open_id, close_id, 0.0, 0.0), config.seq_len, torch.float32)[: config.eval_windows]
         if progress is not None:
             progress(0, config.steps, "scoring the untrained init")
-        untrained_ppl = perplexity(model, heldout_windows, config.batch_size)  # the fp32 init
-        untrained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)
+        untrained_ppl, untrained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)  # the fp32 init
         untrained_weights = weight_tail_stats(model)
         model.train()
 
@@ -360,8 +363,7 @@ def train_laguna(
         if progress is not None:
             progress(config.steps, config.steps, "measuring perplexity and tails")
         model = model.to(torch.bfloat16).eval()  # what ships, so what is measured
-        trained_ppl = perplexity(model, heldout_windows, config.batch_size)
-        trained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)
+        trained_ppl, trained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)
         report = {
             "format": "fp4forge-trained-testbed/1",
             "seed": seed,
