@@ -98,6 +98,9 @@ class FidelityOptions:
     moe_input_scale: str = "global-max"
     ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
     spill_dir: Path | None = None
+    # Accept a student that declares no quantization: a BF16 checkpoint whose weights were
+    # replaced by a format's round trip (the study's fake-quantized arms), run as stored.
+    dense_student: bool = False
 
     def check(self) -> None:
         if self.numerics not in NUMERICS:
@@ -398,7 +401,7 @@ class _LayerError:
         return {"layer": layer, "relative_error": math.sqrt(self.err_sq) / ref, "local_relative_error": math.sqrt(self.local_err_sq) / ref}
 
 
-def _check_pair(teacher: Checkpoint, student: Checkpoint) -> str:
+def _check_pair(teacher: Checkpoint, student: Checkpoint, dense_student: bool = False) -> str:
     if teacher.config is None or student.config is None:
         raise ConfigError("teacher and student both need a config.json")
     differing = [k for k in ARCHITECTURE_KEYS if teacher.config.get(k) != student.config.get(k)]
@@ -408,6 +411,8 @@ def _check_pair(teacher: Checkpoint, student: Checkpoint) -> str:
         raise ConfigError("the teacher must be the unquantized checkpoint", file=teacher.display)
     layout = kv_layout(student)
     if layout is None:
+        if dense_student:
+            return "compressed-tensors"  # nothing declared: every Linear runs as stored
         raise ConfigError("the student declares no quantization", file=student.display)
     return layout
 
@@ -454,7 +459,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     options.check()
     started = time.perf_counter()
     teacher_ckpt, student_ckpt = open_checkpoint(teacher_src), open_checkpoint(student_src)
-    layout = _check_pair(teacher_ckpt, student_ckpt)
+    layout = _check_pair(teacher_ckpt, student_ckpt, options.dense_student)
     cached = options.teacher_cache is not None and options.teacher_cache.is_file()
     tokenizer = load_tokenizer(options.tokenizer or getattr(teacher_ckpt.source, "root", None) or getattr(student_ckpt.source, "root"))
     samples = load_samples(tokenizer, samples=options.samples, seq_len=options.seq_len, text_files=options.text_files, split="heldout", builtin=options.builtin_corpus)

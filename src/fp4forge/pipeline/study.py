@@ -5,7 +5,8 @@ match (``OUT/study-state.json`` records the settings digest and the finished par
 
 1. ``frontier``: bits per parameter against weight error for every component and arm
    (:func:`fp4forge.study.frontier.compute_frontier`) -> ``frontier.json``, ``frontier.png``.
-2. ``calibrate``: activation amax for the W8A8 / W4A4 exports (``stats.safetensors``).
+2. ``calibrate``: activation amax for the exports (``stats.safetensors``): both recipes declare
+   activation quantization; the W4A16 arms run the same bytes with BF16 activations.
 3. one part per whole-model arm: its student checkpoint under ``arms/<name>/`` and its fidelity
    against the BF16 teacher -> ``arms/<name>.json``. Exported arms use the real exporter (FP8
    W8A8; NVFP4 min-max, MSE block scales, GPTQ; W4A4 and W4A16 numerics on the same bytes);
@@ -111,9 +112,9 @@ def _save_state(out: Path, state: dict[str, Any]) -> None:
     write_text_atomic(out / STATE_FILE, json.dumps(state, indent=1))
 
 
-def _fidelity_options(options: StudyOptions, numerics: str) -> FidelityOptions:
+def _fidelity_options(options: StudyOptions, numerics: str, dense_student: bool = False) -> FidelityOptions:
     return FidelityOptions(numerics=numerics, samples=options.fidelity_samples, seq_len=options.fidelity_seq_len,
-                           batch_size=4, seed=options.seed)
+                           batch_size=4, seed=options.seed, dense_student=dense_student)
 
 
 def _fresh(path: Path) -> Path:
@@ -163,16 +164,18 @@ def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path 
 
             calibration = CalibrationOptions(samples=options.calibration_samples, seq_len=options.calibration_seq_len)
             weights = gptq_weights(src, load_recipe(NVFP4_RECIPE), GptqOptions(calibration=calibration), progress=progress)
-            _export(src, ckpt, NVFP4_RECIPE, "minmax", None, precomputed=weights)
+            _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, precomputed=weights)
         else:
-            _export(src, ckpt, NVFP4_RECIPE, method, stats if "w4a4" in name else None)
+            # The recipe is W4A4, so the export carries activation scales; w4a16 numerics ignore them.
+            _export(src, ckpt, NVFP4_RECIPE, method, stats)
         numerics = "w4a4" if "w4a4" in name else "w4a16"
         bpp = read_bpp(ckpt, components)
     elif name == "int2-g16-mse":
         bpp = write_fake_quantized(src, _fresh(ckpt), INT2_ARM, components)["bpp"]
     else:  # guarded by StudyOptions
         raise ConfigError(f"unknown arm {name}", option="arms")
-    result = measure_arm(src, ckpt, name, ARM_DESCRIPTIONS[name], options=_fidelity_options(options, numerics), bpp=bpp, progress=progress)
+    fidelity = _fidelity_options(options, numerics, dense_student=name == "int2-g16-mse")
+    result = measure_arm(src, ckpt, name, ARM_DESCRIPTIONS[name], options=fidelity, bpp=bpp, progress=progress)
     shutil.rmtree(ckpt)  # the measurement is what the study keeps; the student is rebuilt on demand
     return result.to_json()
 
@@ -237,7 +240,7 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
     frontier_doc = json.loads((out / "frontier.json").read_text(encoding="utf-8"))
 
     stats: Path | None = None
-    if any(arm in options.arms for arm in ("fp8", "nvfp4-w4a4-minmax")):
+    if any(arm != "int2-g16-mse" for arm in options.arms):  # every exported recipe quantizes activations
         stats = out / "stats.safetensors"
         if "calibrate" in parts and stats.is_file():
             resumed.append("calibrate")
