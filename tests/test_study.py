@@ -109,7 +109,7 @@ def test_frontier_json_and_named_errors(tiny_laguna: Path, tmp_path: Path) -> No
 def test_study_runs_resumes_and_names_what_it_did_not_run(trained_laguna: Path, tmp_path: Path) -> None:  # noqa: F811
     out = tmp_path / "study"
     args = ["study", str(trained_laguna), str(out), "--formats", "nvfp4,int2", "--components", "attention", "--groups", "16",
-            "--arms", "nvfp4-w4a16-minmax,int2-g16-mse", "--samples", "4", "--seq-len", "32", "--json"]
+            "--arms", "nvfp4-w4a16-minmax,int2-g16-mse", "--samples", "4", "--seq-len", "32", "--calibration-samples", "4", "--json"]
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
