@@ -90,7 +90,7 @@ def frontier_plot(data: dict[str, Any], path: Path, plt: Any) -> Path | None:
     for ax in list(axes.flat)[len(components):]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"Compression frontier — {Path(str(data['source'])).name} (hollow: min-max; filled: searched scales; line: Pareto front)")
+    fig.suptitle(f"Compression frontier — {Path(str(data['source'])).name}\nhollow: min-max; filled: searched scales; line: Pareto front", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
