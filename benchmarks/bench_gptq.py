@@ -64,12 +64,24 @@ def _ci(values: torch.Tensor, resamples: int = 2000) -> tuple[float, float, floa
     return float(values.mean()), float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975))
 
 
+def _weight_error(arm_dir: Path) -> dict | None:
+    """fp4forge's per-component relative weight error from the export's provenance (fp4forge arms)."""
+    from fp4forge.checkpoint.names import PROVENANCE_JSON
+
+    path = arm_dir / PROVENANCE_JSON
+    if not path.is_file():
+        return None
+    by_component = (json.loads(path.read_text()).get("weight_error") or {}).get("by_component", {})
+    return {k: v["mean"] for k, v in by_component.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "gptq")
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--eval-samples", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--teacher", type=Path, default=None, help="a trained-laguna checkpoint (default: the cache's, built if missing)")
     parser.add_argument("--lc-venv", type=Path, default=None, help="llm-compressor venv (omit to skip that arm)")
     parser.add_argument("--arms", nargs="*", default=["rtn", "rtn-mse", "gptq-routed", "gptq-all", "gptq-routed-actorder", "lc-gptq"])
     args = parser.parse_args(argv)
@@ -79,18 +91,25 @@ def main(argv: list[str] | None = None) -> int:
     from fp4forge.calibrate.run import CalibrationOptions
     from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
     from fp4forge.model.samples import load_samples, load_tokenizer
-    from fp4forge.pipeline.trained_testbed import _corpus_and_tokenizer, cached_trained_laguna
+    from fp4forge.pipeline.trained_testbed import MODEL_SUBDIR, _corpus_and_tokenizer, cache_root, cached_trained_laguna, trained_laguna_cache_key
+    from fp4forge.testbed.trained import TrainingConfig
     from fp4forge.quality.training_corpus import CorpusSpec
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
     from fp4forge.quantize.recipe import load_recipe
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    teacher = cached_trained_laguna()
-    corpus, _ = _corpus_and_tokenizer(0, CorpusSpec())
-    calib_file, eval_file = out / "calib.jsonl", out / "eval.jsonl"
-    calib_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.train))
-    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.heldout))
+    calib_file, eval_file, teacher_file = out / "calib.jsonl", out / "eval.jsonl", out / "teacher.txt"
+    if not teacher_file.is_file():  # generating the corpus takes minutes: once per output directory
+        corpus, tokenizer_json = _corpus_and_tokenizer(0, CorpusSpec())
+        key = trained_laguna_cache_key(0, TrainingConfig(), CorpusSpec(), corpus, tokenizer_json)
+        teacher = args.teacher or cache_root() / key / MODEL_SUBDIR
+        if not teacher.is_dir():
+            teacher = cached_trained_laguna()
+        calib_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.train))
+        eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus.heldout))
+        teacher_file.write_text(str(teacher))
+    teacher = Path(teacher_file.read_text())
     recipe_file = out / "recipe.toml"
     recipe_file.write_text(RECIPE)
     recipe = load_recipe(str(recipe_file))
@@ -100,7 +119,24 @@ def main(argv: list[str] | None = None) -> int:
     (out / "ids.json").write_text(json.dumps(samples.input_ids.tolist()))
     calibration = CalibrationOptions(samples=args.calib_samples, seq_len=args.seq_len, text_files=(calib_file,), builtin_corpus=False)
 
+    captured = _capture_kl()
+    fid = FidelityOptions(numerics="w4a16", samples=args.eval_samples, seq_len=args.seq_len, text_files=(eval_file,), builtin_corpus=False,
+                          teacher_cache=None)  # exact KL (full vocabulary) for every arm: the teacher runs again per arm
+    per_seq: dict[str, torch.Tensor] = {}
     results: dict[str, dict] = {}
+
+    def write_summary() -> dict:
+        for arm in per_seq:
+            if arm != "rtn" and "rtn" in per_seq:
+                d, lo, hi = _ci(per_seq[arm] - per_seq["rtn"])
+                results[arm]["kl_minus_rtn"] = {"mean": d, "ci95": [lo, hi]}
+            if arm.startswith("gptq") and "lc-gptq" in per_seq:
+                d, lo, hi = _ci(per_seq[arm] - per_seq["lc-gptq"])
+                results[arm]["kl_minus_lc"] = {"mean": d, "ci95": [lo, hi]}
+        summary = {"teacher": str(teacher), "calibration": samples.describe(), "eval_samples": args.eval_samples, "seq_len": args.seq_len, "arms": results}
+        (out / "results.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
     for arm in args.arms:
         arm_dir = out / arm
         started = time.perf_counter()
@@ -129,31 +165,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown arm {arm}")
         results.setdefault(arm, {})["quantize_s"] = time.perf_counter() - started
         print(f"{arm}: quantized in {results[arm]['quantize_s']:.1f} s", file=sys.stderr, flush=True)
-
-    captured = _capture_kl()
-    fid = FidelityOptions(numerics="w4a16", samples=args.eval_samples, seq_len=args.seq_len, text_files=(eval_file,), builtin_corpus=False,
-                          teacher_cache=out / "teacher-cache.pt")
-    per_seq: dict[str, torch.Tensor] = {}
-    for arm in results:
-        report = evaluate(teacher, out / arm, fid)
+        report = evaluate(teacher, arm_dir, fid)
         per_seq[arm] = torch.cat(list(captured))
+        (out / f"per-sequence-kl-{arm}.json").write_text(json.dumps(per_seq[arm].tolist()))  # for paired comparisons across runs
         kl, lo, hi = _ci(per_seq[arm])
         m = report.metrics
         results[arm].update(kl_mean=kl, kl_ci95=[lo, hi], top1=m["top1_agreement"], ppl_student=m["perplexity"]["student"], ppl_teacher=m["perplexity"]["teacher"],
-                            positions=m["positions"], kl_estimator=m["kl"]["estimator"])
+                            positions=m["positions"], kl_estimator=m["kl"]["estimator"], weight_error=_weight_error(arm_dir))
         print(f"{arm}: KL {kl:.5f} [{lo:.5f}, {hi:.5f}] top1 {m['top1_agreement']:.4f}", file=sys.stderr, flush=True)
-    if "rtn" in per_seq:
-        for arm in per_seq:
-            if arm != "rtn":
-                d, lo, hi = _ci(per_seq[arm] - per_seq["rtn"])
-                results[arm]["kl_minus_rtn"] = {"mean": d, "ci95": [lo, hi]}
-    if "lc-gptq" in per_seq:
-        for arm in per_seq:
-            if arm.startswith("gptq"):
-                d, lo, hi = _ci(per_seq[arm] - per_seq["lc-gptq"])
-                results[arm]["kl_minus_lc"] = {"mean": d, "ci95": [lo, hi]}
-    summary = {"teacher": str(teacher), "calibration": samples.describe(), "eval_samples": args.eval_samples, "seq_len": args.seq_len, "arms": results}
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
+        write_summary()
+
+    summary = write_summary()
     print(json.dumps(summary, indent=1))
     return 0
 
