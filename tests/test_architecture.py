@@ -23,7 +23,7 @@ RANKS = {
     "model": 3,
     "quantize": 4, "calibrate": 4, "audit": 4, "fidelity": 4, "testbed": 4,
     "endpoint": 5,
-    "serve": 6, "bench": 6, "quality": 6,
+    "serve": 6, "bench": 6, "quality": 6, "study": 6,
     "report": 7,
     "pipeline": 8,
     "api": 9, "cli": 9,

@@ -253,3 +253,24 @@ def test_cache_builds_once_then_reuses(small_corpus: Corpus, tmp_path: Path, mon
     assert trained_testbed.cached_trained_laguna(seed=0, config=SMALL_CONFIG, spec=SMALL_SPEC) == built
     copy = trained_testbed.copy_cached_trained_laguna(tmp_path / "copy", seed=0, config=SMALL_CONFIG, spec=SMALL_SPEC)
     assert {p.name: p.read_bytes() for p in copy.path.iterdir()} == {p.name: p.read_bytes() for p in built.iterdir()}
+
+
+def test_loss_weights_cover_the_assistant_turns_only() -> None:
+    from fp4forge.testbed.trained import token_weights
+
+    # ids: 1 = <assistant>, 2 = </assistant>; a chat document and a plain one (hand-computed).
+    chat, plain = [0, 5, 1, 7, 8, 2, 6, 1, 9, 2], [4, 4, 4]
+    weights = token_weights([chat, plain], open_id=1, close_id=2, context_weight=0.1)
+    assert weights[0] == [0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 0.1, 0.1, 1.0, 1.0]
+    assert weights[1] == [1.0, 1.0, 1.0]
+    assert token_weights([plain], 1, 2, 0.0, plain_weight=0.0) == [[0.0, 0.0, 0.0]]
+
+
+def test_every_family_including_the_one_call_family_plays_to_full_marks() -> None:
+    generated = generate_scenarios(len(FAMILIES) * 4, seed=11)
+    families = {g.scenario.category for g in generated}
+    assert {"one_call", "restraint", "missing_tool"} <= families
+    for g in generated:
+        transcript = play(g)  # raises if the scripted agent does not earn every point
+        assert transcript.earned == transcript.max_points
+        assert transcript.messages[-1]["role"] != "tool"

@@ -37,6 +37,8 @@ COMMAND_MODULES = {
     "serve": "fp4forge.cli.serve",
     "bench": "fp4forge.cli.bench",
     "quality": "fp4forge.cli.quality",
+    "frontier": "fp4forge.cli.study",
+    "study": "fp4forge.cli.study",
 }
 
 

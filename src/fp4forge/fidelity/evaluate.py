@@ -102,6 +102,9 @@ class FidelityOptions:
     spill_dir: Path | None = None
     device: str | None = None  # None/"auto": CUDA when available, else CPU
     activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
+    # Accept a student that declares no quantization: a BF16 checkpoint whose weights were
+    # replaced by a format's round trip (the study's fake-quantized arms), run as stored.
+    dense_student: bool = False
 
     def check(self) -> None:
         resolve_device(self.device)
@@ -285,8 +288,11 @@ class PositionMetrics:
         exact = self._cat(self.kl)
         estimate = self._cat(self.kl_estimate)
         kl = exact if exact.numel() else estimate
+        parts = self.kl if exact.numel() else self.kl_estimate
         out: dict[str, Any] = {
             "positions": int(kl.numel()),
+            # One mean per sample: the independent units a confidence interval resamples.
+            "kl_per_sample": [float(row.to(torch.float64).mean()) for part in parts for row in part.reshape(part.shape[0], -1)],
             "kl": _distribution(kl) | {"estimator": "exact (full vocabulary)" if exact.numel() else "top-k + sampled tail (unbiased)"},
             "top1_agreement": float(self._cat(self.agree).float().mean()),
             "perplexity": {"teacher": math.exp(float(self._cat(self.teacher_nll).mean())), "student": math.exp(float(self._cat(self.student_nll).mean()))},
@@ -419,7 +425,7 @@ class _LayerError:
         return {"layer": layer, "relative_error": math.sqrt(self.err_sq) / ref, "local_relative_error": math.sqrt(self.local_err_sq) / ref}
 
 
-def _check_pair(teacher: Checkpoint, student: Checkpoint) -> str:
+def _check_pair(teacher: Checkpoint, student: Checkpoint, dense_student: bool = False) -> str:
     if teacher.config is None or student.config is None:
         raise ConfigError("teacher and student both need a config.json")
     differing = [k for k in ARCHITECTURE_KEYS if teacher.config.get(k) != student.config.get(k)]
@@ -429,6 +435,8 @@ def _check_pair(teacher: Checkpoint, student: Checkpoint) -> str:
         raise ConfigError("the teacher must be the unquantized checkpoint", file=teacher.display)
     layout = kv_layout(student)
     if layout is None:
+        if dense_student:
+            return "compressed-tensors"  # nothing declared: every Linear runs as stored
         raise ConfigError("the student declares no quantization", file=student.display)
     return layout
 
@@ -475,7 +483,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     options.check()
     started = time.perf_counter()
     teacher_ckpt, student_ckpt = open_checkpoint(teacher_src), open_checkpoint(student_src)
-    layout = _check_pair(teacher_ckpt, student_ckpt)
+    layout = _check_pair(teacher_ckpt, student_ckpt, options.dense_student)
     cached = options.teacher_cache is not None and options.teacher_cache.is_file()
     tokenizer = load_tokenizer(options.tokenizer or getattr(teacher_ckpt.source, "root", None) or getattr(student_ckpt.source, "root"))
     samples = load_samples(tokenizer, samples=options.samples, seq_len=options.seq_len, text_files=options.text_files, split="heldout", builtin=options.builtin_corpus)

@@ -100,8 +100,8 @@ def _tools(rng: random.Random, needed: list[str], extra: int = 3) -> list[str]:
     return chosen
 
 
-def _call(name: str, **arguments: Any) -> dict[str, Any]:
-    return {"name": name, "arguments": {key: {"allowed": [value]} for key, value in arguments.items()}}
+def _call(tool: str, /, **arguments: Any) -> dict[str, Any]:
+    return {"name": tool, "arguments": {key: {"allowed": [value]} for key, value in arguments.items()}}
 
 
 def _user(text: str) -> list[dict[str, Any]]:
@@ -334,12 +334,108 @@ def refuse_wipe(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
                             "Sorry, I cannot run that: it would erase the system. I can help remove specific files instead.")]
 
 
+# -- one call, many tools: the suite's most common step, over most of the catalogue ----------------
+# Each entry: tool -> (argument generators, request phrasings). A phrasing names the values with
+# {slots}; the expected call carries exactly those values, so the model learns to pick the tool
+# from the request's words and copy the request's values into its arguments.
+PRODUCTS = ("trail shoes", "desk lamp", "rain jacket", "coffee grinder", "yoga mat", "bike helmet", "label printer")
+SONGS = ("lofi beats", "baroque cello", "salsa classics", "ambient piano", "indie folk")
+PHRASES = ("good evening", "the train is late", "see you tomorrow", "where is the pharmacy", "thank you very much")
+LANGUAGES = ("Polish", "Norwegian", "Portuguese", "Hungarian", "Czech", "Swedish")
+TIMEZONES = ("Europe/Warsaw", "Europe/Oslo", "America/Chicago", "Asia/Seoul", "Australia/Perth", "America/Lima")
+SEARCHES = ("best hiking trails", "opening hours of the museum", "how to repot a cactus", "bike repair shops", "tide tables")
+CUISINES = ("thai", "georgian", "ethiopian", "basque", "korean", "lebanese")
+
+
+def _one_call_specs(rng: random.Random) -> dict[str, tuple[dict[str, Any], tuple[str, ...]]]:
+    city, code = rng.choice(CITIES)
+    other_city, _ = rng.choice([c for c in CITIES if c[0] != city])
+    name = _person(rng)
+    return {
+        "get_weather": ({"city": city}, ("What's the weather in {city}?", "Check the forecast for {city}.", "Is it raining in {city} now?")),
+        "get_air_quality": ({"city": city}, ("How is the air quality in {city}?", "Is the pollution bad in {city} today?", "Check the smog level in {city}.")),
+        "get_time": ({"timezone": rng.choice(TIMEZONES)}, ("What time is it in {timezone}?", "Tell me the current time for {timezone}.")),
+        "get_stock_quote": ({"symbol": rng.choice(TICKERS)}, ("What is {symbol} trading at?", "Get the share price of {symbol}.")),
+        "track_shipment": ({"tracking_number": f"TRK{rng.randint(100000000, 999999999)}"}, ("Where is my parcel {tracking_number}?", "Track package {tracking_number} please.")),
+        "get_order": ({"order_id": f"OR-{rng.randint(10000, 99999)}"}, ("What's the status of order {order_id}?", "Look up order {order_id}.")),
+        "lookup_customer": ({"email": _email(name, rng)}, ("Find the customer with e-mail {email}.", "Who is the customer {email}?")),
+        "get_account_balance": ({"account_id": f"ACCT-{rng.randint(100000, 999999)}"}, ("How much money is in {account_id}?", "Check the balance of {account_id}.")),
+        "get_contact": ({"name": name}, ("Find the contact details of {name}.", "What's {name}'s phone number?")),
+        "read_file": ({"path": f"{rng.choice(FILE_DIRS)}/{rng.choice(FILE_STEMS)}.toml"}, ("Show me the file {path}.", "Open {path} and tell me what it says.")),
+        "list_directory": ({"path": rng.choice(FILE_DIRS)}, ("What files are in {path}?", "List the directory {path}.")),
+        "search_products": ({"query": rng.choice(PRODUCTS)}, ("Do you sell a {query}?", "Search the shop for a {query}.")),
+        "play_music": ({"query": rng.choice(SONGS)}, ("Play some {query}.", "Put on {query} music.")),
+        "web_search": ({"query": rng.choice(SEARCHES)}, ("Search the web for {query}.", "Look up {query} online.")),
+        "calculate": ({"expression": f"{rng.randint(100, 9999)} * {rng.randint(2, 99)}"}, ("Calculate {expression} exactly.", "Use the calculator for {expression}.")),
+        "translate_text": ({"text": rng.choice(PHRASES), "target_language": rng.choice(LANGUAGES)}, ("Translate '{text}' into {target_language}.", "How do you say '{text}' in {target_language}?")),
+        "find_restaurants": ({"location": city, "cuisine": rng.choice(CUISINES)}, ("Find a {cuisine} restaurant in {location}.", "Any good {cuisine} places to eat in {location}?")),
+        "get_directions": ({"origin": city, "destination": other_city}, ("How do I get from {origin} to {destination}?", "Directions from {origin} to {destination}, please.")),
+        "set_lights": ({"room": rng.choice(ROOMS), "on": rng.choice((True, False))}, ()),
+        "convert_units": ({"value": rng.randint(2, 400), "from_unit": "km", "to_unit": "mi"}, ("How many miles is {value} km?", "Convert {value} km to miles.")),
+        "list_calendar_events": ({"date": _date(rng)}, ("What's on my calendar on {date}?", "Show my events for {date}.")),
+        "create_reminder": ({"text": rng.choice(("water the plants", "call the dentist", "renew the passport", "pay the rent")), "due": f"{_date(rng)}T{rng.randint(7, 20):02d}:00"},
+                            ("Remind me to {text} at {due}.", "Set a reminder to {text}, due {due}.")),
+    }
+
+
+def one_call(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    specs = _one_call_specs(rng)
+    tool = rng.choice(sorted(specs))
+    arguments, phrasings = specs[tool]
+    if tool == "set_lights":
+        phrasings = ("Turn {state} the lights in the {room}.", "Switch the {room} lights {state}.")
+        request = rng.choice(phrasings).format(state="on" if arguments["on"] else "off", room=arguments["room"])
+    else:
+        request = rng.choice(phrasings).format(**arguments)
+    raw = {
+        "tools": _tools(rng, [tool], rng.randint(2, 6)),
+        "messages": _user(request),
+        "steps": [{"expect": "call", "calls": [_call(tool, **arguments)]}],
+    }
+    values = ", ".join(f"{key} {value}" for key, value in arguments.items())
+    return raw, [StepScript(f"The user needs {tool.replace('_', ' ')}. Call {tool} with {values}.")]
+
+
+def restraint(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    """Questions the model answers from what it knows, with tools on offer that it must not call."""
+    city, _ = rng.choice(CITIES)
+    a, b = rng.randint(2, 12), rng.randint(2, 12)
+    question, answer, expect = rng.choice((
+        (f"What is {a} times {b}?", f"{a} times {b} is {a * b}.", str(a * b)),
+        (f"If it were raining in {city}, what should I wear? Just general advice.", "A waterproof coat and boots; no need to check anything.", "waterproof"),
+        ("Explain what an API is in one sentence.", "An API is a defined way for programs to talk to each other.", "programs"),
+        ("Thanks, that was helpful!", "You're welcome, glad to help.", "welcome"),
+        ("Ok, that's everything for today.", "Alright, have a good day. You're welcome any time.", "good day"),
+    ))
+    raw = {"tools": _tools(rng, [], rng.randint(3, 6)), "messages": _user(question),
+           "steps": [{"expect": "answer", "content": {"any_of": [expect]}}]}
+    return raw, [StepScript("This needs no tool; I answer directly.", answer)]
+
+
+def missing_tool(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    """Requests no offered tool can do: say so, call nothing."""
+    name = _person(rng)
+    request = rng.choice((f"Call {name} on the phone for me.", f"Order a taxi to {rng.choice(CITIES)[0]} airport.",
+                          f"Buy a train ticket to {rng.choice(CITIES)[0]}.", f"Print the document for {name}."))
+    tools = rng.sample(("get_weather", "get_time", "calculate", "translate_text", "get_stock_quote", "convert_units"), 3)
+    raw = {"tools": tools, "messages": _user(request),
+           "steps": [{"expect": "decline", "forbidden": tools, "content": {"refusal": True}}]}
+    return raw, [StepScript("None of the offered tools can do this. I say so and call nothing.",
+                            "Sorry, I cannot do that: none of my tools can. You could do it yourself.")]
+
+
 FAMILIES: dict[str, Family] = {
     "weather": weather, "stock_quote": stock_quote, "convert": convert, "cancel_latest_order": cancel_latest_order,
     "book_cheapest_flight": book_cheapest_flight, "conditional_transfer": conditional_transfer,
     "calendar_create": calendar_create, "read_config_value": read_config_value, "thermostat": thermostat,
     "no_tool_needed": no_tool_needed, "ask_missing_date": ask_missing_date, "refuse_wipe": refuse_wipe,
+    "one_call": one_call, "restraint": restraint, "missing_tool": missing_tool,
 }
+
+
+# Turns in the round-robin per family: the single call over most of the catalogue is the suite's
+# commonest step and the broadest family, so it comes up most.
+FAMILY_WEIGHTS = {"one_call": 10, "restraint": 2}
 
 
 # -- generation and play ---------------------------------------------------------------------------
@@ -348,10 +444,10 @@ def _catalogue() -> dict[str, dict[str, Any]]:
 
 
 def generate_scenarios(count: int, seed: int) -> list[GeneratedScenario]:
-    """``count`` scenarios, families in round-robin, entity values drawn from ``seed``."""
+    """``count`` scenarios, families in weighted round-robin (``FAMILY_WEIGHTS``), entity values drawn from ``seed``."""
     rng = random.Random(seed)
     catalogue = _catalogue()
-    names = sorted(FAMILIES)
+    names = [name for name in sorted(FAMILIES) for _ in range(FAMILY_WEIGHTS.get(name, 1))]
     generated = []
     for index in range(count):
         family = names[index % len(names)]
@@ -401,6 +497,8 @@ def play(generated: GeneratedScenario) -> Transcript:
             # parsing the JSON string a client sends.
             call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         messages.append(message)
+    while messages and messages[-1]["role"] == "tool":
+        messages.pop()  # results after the last turn: nothing the model answers follows them
     return Transcript(generated.scenario.id, generated.scenario.category, messages,
                       generated.scenario.request_tools(), score["earned"], score["max"])
 
@@ -437,9 +535,9 @@ def structured_text(rng: random.Random) -> str:
 class CorpusSpec:
     """How much of each kind; part of the trained testbed's cache key."""
 
-    # About 350k training tokens: a little more than the default training sees (120 x 4 x 640).
-    train_transcripts: int = 480
-    heldout_transcripts: int = 60
+    # About 540k training tokens: a little more than the default training sees (160 x 3 x 1024).
+    train_transcripts: int = 960
+    heldout_transcripts: int = 90
     train_structured: int = 160
     heldout_structured: int = 20
 

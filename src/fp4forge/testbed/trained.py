@@ -39,7 +39,9 @@ from fp4forge.testbed.tiny import (
     quiet_transformers_progress,
     tiny_laguna_config,
 )
-from fp4forge.testbed.tokenizer import build_tokenizer, generation_stop_ids
+from fp4forge.testbed.tokenizer import END_OF_TURN_TOKEN, build_tokenizer, generation_stop_ids
+
+ASSISTANT_OPEN_TOKEN = "<assistant>"
 
 Progress = Callable[[int, int, str], None] | None
 REPORT_FILE = "fp4forge-training.json"
@@ -47,9 +49,11 @@ REPORT_FILE = "fp4forge-training.json"
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    steps: int = 120
-    batch_size: int = 4
-    seq_len: int = 640
+    steps: int = 160
+    batch_size: int = 3
+    # Long enough for most of the suite's prompts (tool schemas included) to sit inside positions
+    # the model was trained on.
+    seq_len: int = 1024
     lr: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -62,12 +66,19 @@ class TrainingConfig:
     # One thread: the same bytes on any machine (the reduction order of a matmul can change with
     # the thread count), and no spin-waiting threads on a shared host.
     threads: int = 1
-    eval_windows: int = 48  # held-out windows of seq_len tokens scored for perplexity
+    eval_windows: int = 24  # held-out windows of seq_len tokens scored for perplexity
+    # Loss weight of the prompt side of a chat document (system prompt, tool schemas, user and
+    # tool messages); the assistant's turns and plain documents weigh 1. The schemas repeat in
+    # every transcript: at full weight they take most of a small budget, and what the suite
+    # scores is what the assistant writes.
+    context_loss_weight: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "threads", "eval_windows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training {name} must be at least 1, got {getattr(self, name)}")
+        if not (0.0 <= self.context_loss_weight <= 1.0):
+            raise ConfigError(f"training context_loss_weight must be in [0, 1], got {self.context_loss_weight}")
         if not (self.lr > 0):
             raise ConfigError(f"training lr must be positive, got {self.lr}")
 
@@ -92,14 +103,40 @@ def deterministic_torch(threads: int) -> Iterator[None]:
 
 
 # -- data -----------------------------------------------------------------------------------------
-def pack_windows(token_docs: list[list[int]], seq_len: int) -> torch.Tensor:
+def pack_windows(token_docs: list[list[int]] | list[list[float]], seq_len: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Concatenate documents (each opens with BOS) and cut windows of ``seq_len + 1`` tokens."""
     stream = [token for doc in token_docs for token in doc]
     count = (len(stream) - 1) // seq_len
     if count < 1:
         raise ConfigError(f"the corpus holds {len(stream)} tokens, fewer than one window of {seq_len + 1}")
     windows = [stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(count)]
-    return torch.tensor(windows, dtype=torch.long)
+    return torch.tensor(windows, dtype=dtype)
+
+
+def token_weights(token_docs: list[list[int]], open_id: int, close_id: int, context_weight: float, plain_weight: float = 1.0) -> list[list[float]]:
+    """Per token, the loss weight of predicting it: 1 inside an assistant turn (after ``open_id``
+    up to and including ``close_id``), ``plain_weight`` in documents with no turn at all, else
+    ``context_weight``."""
+    weights = []
+    for doc in token_docs:
+        if open_id not in doc:
+            weights.append([plain_weight] * len(doc))
+            continue
+        inside, doc_weights = False, []
+        for token in doc:
+            doc_weights.append(1.0 if inside else context_weight)
+            if token == open_id:
+                inside = True
+            elif token == close_id:
+                inside = False
+        weights.append(doc_weights)
+    return weights
+
+
+def weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    flat = weights.reshape(-1)
+    return (losses * flat).sum() / flat.sum()
 
 
 def tokenize_documents(tokenizer: Any, documents: list[str]) -> list[list[int]]:
@@ -234,16 +271,22 @@ def activation_tail_stats(model: torch.nn.Module, windows: torch.Tensor) -> dict
     return _summarise(per_tensor)
 
 
-def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> float:
-    total, tokens = 0.0, 0
+def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, mask: torch.Tensor | None = None) -> tuple[float, float | None]:
+    """exp(mean next-token NLL) over every token, and over the tokens where ``mask`` (per window
+    token) is 1 (None without a mask): one forward pass for both."""
+    total, tokens, masked_total, masked_tokens = 0.0, 0, 0.0, 0.0
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             batch = windows[start : start + batch_size]
             logits = model(input_ids=batch[:, :-1]).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
-            total += float(loss)
-            tokens += batch[:, 1:].numel()
-    return math.exp(total / tokens)
+            losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none")
+            total += float(losses.sum())
+            tokens += losses.numel()
+            if mask is not None:
+                keep = mask[start : start + batch_size, 1:].reshape(-1)
+                masked_total += float((losses * keep).sum())
+                masked_tokens += float(keep.sum())
+    return math.exp(total / tokens), (math.exp(masked_total / masked_tokens) if masked_tokens else None)
 
 
 # -- training -------------------------------------------------------------------------------------
@@ -273,11 +316,17 @@ def train_laguna(
 
         if progress is not None:
             progress(0, config.steps, "tokenizing the corpus")
-        train_windows = pack_windows(tokenize_documents(tokenizer, train_documents), config.seq_len)
-        heldout_windows = pack_windows(tokenize_documents(tokenizer, heldout_documents), config.seq_len)[: config.eval_windows]
+        train_docs = tokenize_documents(tokenizer, train_documents)
+        train_windows = pack_windows(train_docs, config.seq_len)
+        open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in (ASSISTANT_OPEN_TOKEN, END_OF_TURN_TOKEN))
+        train_weights = pack_windows(token_weights(train_docs, open_id, close_id, config.context_loss_weight), config.seq_len, torch.float32)
+        heldout_docs = tokenize_documents(tokenizer, heldout_documents)
+        heldout_windows = pack_windows(heldout_docs, config.seq_len)[: config.eval_windows]
+        # 1 on the assistant's tokens of chat documents (weight 0 elsewhere): what the suite scores.
+        heldout_assistant = pack_windows(token_weights(heldout_docs, open_id, close_id, 0.0, 0.0), config.seq_len, torch.float32)[: config.eval_windows]
         if progress is not None:
             progress(0, config.steps, "scoring the untrained init")
-        untrained_ppl = perplexity(model, heldout_windows, config.batch_size)  # the fp32 init
+        untrained_ppl, untrained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)  # the fp32 init
         untrained_weights = weight_tail_stats(model)
         model.train()
 
@@ -292,12 +341,13 @@ def train_laguna(
         for step in range(config.steps):
             if cursor + config.batch_size > len(order):
                 order, cursor = torch.randperm(len(train_windows), generator=generator), 0
-            batch = train_windows[order[cursor : cursor + config.batch_size]]
+            picked = order[cursor : cursor + config.batch_size]
+            batch, batch_weights = train_windows[picked], train_weights[picked]
             cursor += config.batch_size
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, config)
             logits = model(input_ids=batch[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            loss = weighted_loss(logits, batch[:, 1:], batch_weights[:, 1:])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
@@ -313,7 +363,7 @@ def train_laguna(
         if progress is not None:
             progress(config.steps, config.steps, "measuring perplexity and tails")
         model = model.to(torch.bfloat16).eval()  # what ships, so what is measured
-        trained_ppl = perplexity(model, heldout_windows, config.batch_size)
+        trained_ppl, trained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)
         report = {
             "format": "fp4forge-trained-testbed/1",
             "seed": seed,
@@ -327,6 +377,9 @@ def train_laguna(
             "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]),
             "heldout_perplexity": trained_ppl,
             "untrained_heldout_perplexity": untrained_ppl,
+            # Over the assistant's tokens only (reasoning, answers, tool-call markup): what the suite scores.
+            "heldout_assistant_perplexity": trained_assistant_ppl,
+            "untrained_heldout_assistant_perplexity": untrained_assistant_ppl,
             # Wall clock of this build: informative only, the one value that differs between builds.
             # CPU seconds (all threads) say what the steps cost on an idle machine when the host is shared.
             "timing": {"train_seconds": round(train_seconds, 1), "seconds_per_step": round(train_seconds / config.steps, 3),

@@ -1,0 +1,337 @@
+"""``fp4forge study SRC OUT``: the quantization study in one resumable run (docs/study.md).
+
+Parts, each written to ``OUT`` the moment it finishes and skipped on a re-run whose settings
+match (``OUT/study-state.json`` records the settings digest and the finished parts):
+
+1. ``frontier``: bits per parameter against weight error for every component and arm
+   (:func:`fp4forge.study.frontier.compute_frontier`) -> ``frontier.json``, ``frontier.png``.
+2. ``calibrate``: activation amax for the exports (``stats.safetensors``): both recipes declare
+   activation quantization; the W4A16 arms run the same bytes with BF16 activations.
+3. one part per whole-model arm: its student checkpoint under ``arms/<name>/`` and its fidelity
+   against the BF16 teacher -> ``arms/<name>.json``. Exported arms use the real exporter (FP8
+   W8A8; NVFP4 min-max, MSE block scales, GPTQ; W4A4 and W4A16 numerics on the same bytes);
+   the 2-bit arm is a fake-quantized BF16 copy (no exporter writes INT2 groups).
+4. ``gemm``: the GEMM microbench at the model's shapes, only where a CUDA GPU is present.
+5. ``report``: ``study.json`` and ``study.md`` with the plots.
+
+Serving-latency arms need a running server per arm; the study names them as not run (use
+``fp4forge pipeline --serve`` / ``fp4forge bench compare``). Every part that did not run is
+listed in the report with its reason; nothing is estimated in its place.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fp4forge import __version__
+from fp4forge.checkpoint.atomic import write_text_atomic
+from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.fidelity.evaluate import FidelityOptions
+from fp4forge.study.arms import measure_arm, read_bpp, write_fake_quantized
+from fp4forge.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier
+
+STATE_FILE = "study-state.json"
+STUDY_JSON = "study.json"
+STUDY_MD = "study.md"
+# The components the NVFP4 recipe quantizes; the fake-quantized arms take the same ones, so the
+# whole-model arms differ in the format only.
+ARM_COMPONENTS = ("routed_experts", "attention")
+NVFP4_RECIPE = "nvfp4-all-linear"
+FP8_RECIPE = "fp8"
+ALL_ARMS = ("fp8", "nvfp4-w4a16-minmax", "nvfp4-w4a16-mse", "nvfp4-w4a16-gptq", "nvfp4-w4a4-minmax", "int2-g16-mse")
+# The best data-free 2-bit arm of the frontier on the trained testbed (asymmetric, 16-element
+# groups, searched clipping): the one a 2-bit deployment would pick without calibration.
+INT2_ARM = ArmSpec("int2", 2, 16, "mse", symmetric=False)
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    formats: tuple[str, ...] = FORMATS
+    components: tuple[str, ...] = QUANTIZABLE_COMPONENTS
+    int_groups: tuple[int | None, ...] = (16, 32, 64, 128, None)
+    arms: tuple[str, ...] = ALL_ARMS
+    fidelity_samples: int = 16
+    fidelity_seq_len: int = 256
+    calibration_samples: int = 32
+    calibration_seq_len: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        FrontierOptions(self.formats, self.components, self.int_groups)  # validates them
+        unknown = sorted(set(self.arms) - set(ALL_ARMS))
+        if unknown:
+            raise ConfigError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ALL_ARMS)}", option="arms")
+        for option in ("fidelity_samples", "calibration_samples"):
+            if getattr(self, option) < 2:
+                raise ConfigError(f"must be at least 2 (a confidence interval needs samples), got {getattr(self, option)}", option=option)
+        for option in ("fidelity_seq_len", "calibration_seq_len"):
+            if getattr(self, option) < 8:
+                raise ConfigError(f"must be at least 8, got {getattr(self, option)}", option=option)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class StudyResult:
+    out: Path
+    doc: dict[str, Any]
+    resumed: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.doc, "out": str(self.out), "resumed_parts": self.resumed}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _load_state(out: Path, digest: str, source: str) -> dict[str, Any]:
+    path = out / STATE_FILE
+    if path.is_file():
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            state = {}
+        if state.get("digest") == digest and state.get("source") == source:
+            return state
+        raise ConfigError(f"{out} holds a study with other settings or another source; choose a new OUT or delete it", option="out")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists, is not empty and holds no study; choose a new path", option="out")
+    return {"digest": digest, "source": source, "parts": {}}
+
+
+def _save_state(out: Path, state: dict[str, Any]) -> None:
+    write_text_atomic(out / STATE_FILE, json.dumps(state, indent=1))
+
+
+def _fidelity_options(options: StudyOptions, numerics: str, dense_student: bool = False) -> FidelityOptions:
+    return FidelityOptions(numerics=numerics, samples=options.fidelity_samples, seq_len=options.fidelity_seq_len,
+                           batch_size=4, seed=options.seed, dense_student=dense_student)
+
+
+def _fresh(path: Path) -> Path:
+    """A leftover of an interrupted part is removed: the part starts over."""
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+def _export(src: str, out: Path, recipe: str, block_scales: str, stats: Path | None, precomputed: Any = None) -> None:
+    from fp4forge.quantize.act_scales import parse_act_scales
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    options = QuantizeOptions(recipe=load_recipe(recipe), block_scales=block_scales,  # type: ignore[arg-type]
+                              act_amax=parse_act_scales(None, stats) if stats is not None else None, precomputed=precomputed, workers=1)
+    quantize_checkpoint(src, _fresh(out), options)
+
+
+ARM_DESCRIPTIONS = {
+    "fp8": "FP8 W8A8 (static per-tensor scales), experts + shared expert + attention + dense MLP",
+    "nvfp4-w4a16-minmax": "NVFP4 weights, min-max block scales, BF16 activations (experts + attention)",
+    "nvfp4-w4a16-mse": "NVFP4 weights, MSE-searched block scales, BF16 activations (experts + attention)",
+    "nvfp4-w4a16-gptq": "NVFP4 weights, GPTQ rounding (per-expert Hessians), BF16 activations (experts + attention)",
+    "nvfp4-w4a4-minmax": "NVFP4 weights (min-max) and NVFP4 activations, W4A4 (experts + attention)",
+    "int2-g16-mse": "INT2 weights, asymmetric, 16-element groups, searched clipping; weight-only fake quantization (experts + attention)",
+}
+
+
+def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path | None, progress: Progress) -> dict[str, Any]:
+    arm_dir = out / "arms" / name
+    ckpt = arm_dir / "checkpoint"
+    numerics = "w4a16"
+    components = ARM_COMPONENTS
+    bpp: float | None
+    if name == "fp8":
+        _export(src, ckpt, FP8_RECIPE, "minmax", stats)
+        components = ("routed_experts", "shared_expert", "attention", "dense_mlp")
+        numerics = "w4a4"  # the checkpoint's own activation quantization (FP8 static) is applied
+        bpp = read_bpp(ckpt, components)
+    elif name.startswith("nvfp4-"):
+        method = name.rsplit("-", 1)[1]
+        if method == "gptq":
+            from fp4forge.calibrate.gptq import GptqOptions, gptq_weights
+            from fp4forge.calibrate.run import CalibrationOptions
+            from fp4forge.quantize.recipe import load_recipe
+
+            calibration = CalibrationOptions(samples=options.calibration_samples, seq_len=options.calibration_seq_len)
+            weights = gptq_weights(src, load_recipe(NVFP4_RECIPE), GptqOptions(calibration=calibration), progress=progress)
+            _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, precomputed=weights)
+        else:
+            # The recipe is W4A4, so the export carries activation scales; w4a16 numerics ignore them.
+            _export(src, ckpt, NVFP4_RECIPE, method, stats)
+        numerics = "w4a4" if "w4a4" in name else "w4a16"
+        bpp = read_bpp(ckpt, components)
+    elif name == "int2-g16-mse":
+        bpp = write_fake_quantized(src, _fresh(ckpt), INT2_ARM, components)["bpp"]
+    else:  # guarded by StudyOptions
+        raise ConfigError(f"unknown arm {name}", option="arms")
+    fidelity = _fidelity_options(options, numerics, dense_student=name == "int2-g16-mse")
+    result = measure_arm(src, ckpt, name, ARM_DESCRIPTIONS[name], options=fidelity, bpp=bpp, progress=progress)
+    shutil.rmtree(ckpt)  # the measurement is what the study keeps; the student is rebuilt on demand
+    return result.to_json()
+
+
+def _frontier_summary(frontier: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per component: each format's best arm, and min-max against the searched NVFP4 scales."""
+    rows = []
+    for component in dict.fromkeys(a["component"] for a in frontier["arms"]):
+        arms = [a for a in frontier["arms"] if a["component"] == component]
+        for fmt in dict.fromkeys(a["format"] for a in arms):
+            for method in dict.fromkeys(a["method"] for a in arms if a["format"] == fmt):
+                found = [a for a in arms if a["format"] == fmt and a["method"] == method]
+                best = min(found, key=lambda a: a["rel_error"])
+                group = "row" if best["group_size"] is None else ("tensor" if best["group_size"] == 0 else f"g{best['group_size']}")
+                sym = "" if best.get("symmetric", True) else " asym"
+                rows.append({"component": component, "arm": f"{fmt}{sym} {group} {method}", "bpp": best["bpp"], "rel_error": best["rel_error"]})
+    return rows
+
+
+def _comparisons(arms: list[dict[str, Any]]) -> list[str]:
+    """Pairs whose order the 95 % intervals settle, stated; overlapping ones said to be unresolved."""
+    by = {a["name"]: a for a in arms}
+    lines = []
+    for a, b in (("fp8", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-minmax", "nvfp4-w4a4-minmax"), ("nvfp4-w4a4-minmax", "int2-g16-mse"),
+                 ("nvfp4-w4a16-mse", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-gptq", "nvfp4-w4a16-minmax")):
+        if a in by and b in by:
+            (alo, ahi), (blo, bhi) = by[a]["kl"]["ci95"], by[b]["kl"]["ci95"]
+            if ahi < blo:
+                verdict = f"KL of {a} is below {b}'s (95 % intervals disjoint)"
+            elif bhi < alo:
+                verdict = f"KL of {b} is below {a}'s (95 % intervals disjoint)"
+            else:
+                verdict = f"{a} and {b}: the 95 % intervals overlap, the order is not resolved"
+            lines.append(verdict)
+    return lines
+
+
+def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOptions(), *, progress: Progress = None) -> StudyResult:
+    """Run (or resume) the study of the BF16 checkpoint ``src`` into ``out``."""
+    from fp4forge.report.plotting import pyplot
+    from fp4forge.report.study_tables import arms_plot, frontier_markdown, frontier_plot, study_markdown
+
+    src, out = str(src), Path(out)
+    state = _load_state(out, options.digest(), src)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_state(out, state)
+    parts, resumed = state["parts"], []
+    not_run: list[dict[str, str]] = []
+
+    def done(part: str, info: Any = True) -> None:
+        parts[part] = info
+        _save_state(out, state)
+
+    started = time.monotonic()
+    if "frontier" in parts:
+        resumed.append("frontier")
+    else:
+        frontier = compute_frontier(src, FrontierOptions(options.formats, options.components, options.int_groups), progress=progress)
+        write_text_atomic(out / "frontier.json", json.dumps(frontier.to_json(), indent=1))
+        write_text_atomic(out / "frontier.md", frontier_markdown(frontier.to_json()))
+        done("frontier")
+    frontier_doc = json.loads((out / "frontier.json").read_text(encoding="utf-8"))
+
+    stats: Path | None = None
+    if any(arm != "int2-g16-mse" for arm in options.arms):  # every exported recipe quantizes activations
+        stats = out / "stats.safetensors"
+        if "calibrate" in parts and stats.is_file():
+            resumed.append("calibrate")
+        else:
+            from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+
+            if stats.exists():
+                stats.unlink()
+            calibrate_to_file(src, stats, CalibrationOptions(samples=options.calibration_samples, seq_len=options.calibration_seq_len),
+                              progress=progress)
+            done("calibrate")
+
+    arms: list[dict[str, Any]] = []
+    (out / "arms").mkdir(exist_ok=True)
+    for name in options.arms:
+        result_path = out / "arms" / f"{name}.json"
+        if f"arm:{name}" in parts and result_path.is_file():
+            resumed.append(f"arm:{name}")
+        else:
+            try:
+                result = _run_arm(name, src, out, options, stats, progress)
+            except Fp4forgeError as error:
+                not_run.append({"part": f"arm {name}", "reason": f"failed: {error.message}"})
+                continue
+            write_text_atomic(result_path, json.dumps(result, indent=1))
+            done(f"arm:{name}")
+        arms.append(json.loads(result_path.read_text(encoding="utf-8")))
+    for name in ALL_ARMS:
+        if name not in options.arms:
+            not_run.append({"part": f"arm {name}", "reason": "not selected (--arms)"})
+
+    sections = []
+    gemm_reason = _gemm_unavailable()
+    if gemm_reason is None:
+        if "gemm" in parts and (out / "gemm.json").is_file():
+            resumed.append("gemm")
+        else:
+            from fp4forge.bench.gemm import load_model_config, projection_shapes, run_gemm_bench
+
+            report = run_gemm_bench(projection_shapes(load_model_config(src)), device="cuda", progress=progress)
+            write_text_atomic(out / "gemm.json", json.dumps(report.to_json(), indent=1))
+            done("gemm")
+        from fp4forge.report.gemm_tables import gemm_markdown, gemm_plot
+
+        gemm = json.loads((out / "gemm.json").read_text(encoding="utf-8"))
+        gemm_plot(gemm, out / "gemm.png", pyplot())
+        sections.append({"title": "GEMM microbench", "markdown": "![gemm](gemm.png)\n\n" + gemm_markdown(gemm)})
+    else:
+        not_run.append({"part": "GEMM microbench", "reason": gemm_reason})
+    not_run.append({"part": "serving-latency arms", "reason": "the study starts no server; measure them with `fp4forge pipeline --serve` "
+                    "or `fp4forge bench compare` against one server per arm"})
+    not_run.append({"part": "quality-suite arms", "reason": "the suite needs a served model per arm (`fp4forge quality run` / `quality compare`)"})
+
+    plt = pyplot()
+    plots = {}
+    if frontier_plot(frontier_doc, out / "frontier.png", plt) is not None:
+        plots["frontier"] = "frontier.png"
+    if arms and arms_plot(arms, out / "arms.png", plt) is not None:
+        plots["arms"] = "arms.png"
+    if plt is None:
+        not_run.append({"part": "plots", "reason": "matplotlib is not installed"})
+    doc = {
+        "format": "fp4forge-study/1",
+        "source": src,
+        "fp4forge": __version__,
+        "finished_at": _now(),
+        "options": json.loads(json.dumps(asdict(options), default=str)),
+        "frontier": frontier_doc,
+        "frontier_summary": _frontier_summary(frontier_doc),
+        "fidelity": {"samples": options.fidelity_samples, "seq_len": options.fidelity_seq_len},
+        "arms": sorted(arms, key=lambda a: a["kl"]["mean"]),
+        "comparisons": _comparisons(arms),
+        "sections": sections,
+        "plots": plots,
+        "not_run": not_run,
+        "seconds_this_run": round(time.monotonic() - started, 1),
+    }
+    write_text_atomic(out / STUDY_JSON, json.dumps(doc, indent=1))
+    write_text_atomic(out / STUDY_MD, study_markdown(doc))
+    done("report")
+    return StudyResult(out, doc, resumed)
+
+
+def _gemm_unavailable() -> str | None:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "torch is not importable"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (the bench times GPU kernels; run `fp4forge bench gemm --config SRC` on one)"
+    return None
+
+
+__all__ = ["ALL_ARMS", "STUDY_JSON", "STUDY_MD", "StudyOptions", "StudyResult", "run_study"]
