@@ -318,24 +318,19 @@ def _server_lives(ctx: CardContext, lives: dict[str, dict[str, Any] | None], ser
         return []
     lines = ["", "### Each server's whole life", "",
              "Every line each server logged, from start to stop, is kept in `reports/servers/`; the log doctor read all of it.", ""]
-    rows = []
+    served = []  # (role, what, life, its findings after readiness, the errors among them)
     for role, what in SERVER_ROLES:
-        life = lives.get(role)
-        if not life:
-            continue
-        after = life.get("findings_after_ready", [])
-        errors = [f for f in after if f["severity"] == "error"]
+        if life := lives.get(role):
+            after = life.get("findings_after_ready", [])
+            served.append((role, what, life, after, [f for f in after if f["severity"] == "error"]))
+    rows = []
+    for role, what, life, after, errors in served:
         rows.append([f"{role} ({what})", f"vLLM {life.get('vllm_version') or '–'}", _num(life.get("ready_seconds"), 3),
                      ", ".join(life.get("served_steps", [])) or "–", _int(life.get("log_lines")),
                      f"{_count(len(errors), 'error')}" + "".join(f"; `{f['id']}` ({f['severity']})" for f in after if f["severity"] != "error"),
                      f"[`servers/{life['log']}`](reports/servers/{life['log']})"])
     lines += table(["server", "version", "ready after s", "served steps", "log lines", "findings after ready", "log"], rows)
-    for role, what in SERVER_ROLES:
-        life = lives.get(role)
-        if not life:
-            continue
-        after = life.get("findings_after_ready", [])
-        errors = [f for f in after if f["severity"] == "error"]
+    for role, what, life, after, errors in served:
         if errors:
             steps = ", ".join(life.get("served_steps", [])) or "its steps"
             lines += ["", f"**The {role} server logged {_count(len(errors), 'error')} after it became ready** (while serving {steps}):", ""]
