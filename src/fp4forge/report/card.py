@@ -22,7 +22,8 @@ from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
 PLOTS = "plots"
-# A teacher whose perplexity exceeds this share of its vocabulary is guessing: an untrained model.
+# A teacher whose perplexity exceeds this share of its vocabulary is guessing on that text: untrained, or
+# evaluated on text far from its training corpus.
 UNTRAINED_PERPLEXITY_SHARE = 0.5
 
 
@@ -444,7 +445,9 @@ def fidelity_section(ctx: CardContext) -> list[str]:
     vocab = (ctx.art.json(f"ckpt:{CONFIG_JSON}") or {}).get("vocab_size")
     if vocab and m["perplexity"]["teacher"] > UNTRAINED_PERPLEXITY_SHARE * vocab:
         ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
-                              "the base model is untrained (a testbed). Its quality scores and KL say nothing about a real model.")
+                              "on this text it predicts no better than chance. Either it is untrained (a random testbed) or the "
+                              "text is far from what it learned (a trained testbed knows only its own corpus); either way "
+                              "KL and top-1 on this text say little about a real model.")
     served = doc.get("served_numerics")
     moe = (f"MoE input scales `{doc['moe_input_scale']}`, the serve target's: {served['describe']}" if served
            else f"MoE input scales `{doc.get('moe_input_scale', 'global-max')}`")
