@@ -193,6 +193,9 @@ def test_quality_table(ckpt: Path) -> None:
     assert [tuple(int(v) for v in c.split("/")) for c in table[-1][1:]] == [(r["earned"], r["max"]) for r in runs]
     (floor,) = doc["noise_floor"].values()
     assert f"spread {floor['spread_points']} points" in text
+    # the totals name the maximum; "28 / 28" would read as full marks
+    totals = ", ".join(str(t) for t in floor["total_per_run"])
+    assert f"totals per run {totals} of {runs[0]['max']}" in text
 
 
 def test_paired_comparison_with_the_teacher(ckpt: Path) -> None:
@@ -213,7 +216,7 @@ def test_paired_comparison_with_the_teacher(ckpt: Path) -> None:
     for row in categories[1:]:
         c = doc["categories"][row[0]]
         assert int(row[1]) == c["max"]
-        assert [int(v) for v in row[2].split("/")] == c["a"] and [int(v) for v in row[3].split("/")] == c["b"]
+        assert [int(v) for v in row[2].split(",")] == c["a"] and [int(v) for v in row[3].split(",")] == c["b"]
         assert (float(row[4]), float(row[5])) == pytest.approx((c["mean_a"], c["mean_b"]), abs=0.05)
 
 

@@ -395,8 +395,10 @@ def quality_section(ctx: CardContext) -> list[str]:
     rows = [[c, *[f"{r['categories'][c]['earned']} / {r['categories'][c]['max']}" for r in runs]] for c in categories]
     rows.append(["**total**", *[f"{r['earned']} / {r['max']}" for r in runs]])
     lines += table(["category", *[f"run {r['run']}" for r in runs]], rows)
+    of_max = f" of {runs[0]['max']}" if runs else ""  # "28 / 28" would read as full marks
     for arm, floor in doc.get("noise_floor", {}).items():
-        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals {' / '.join(str(t) for t in floor['total_per_run'])}, "
+        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals per run "
+                  f"{', '.join(str(t) for t in floor['total_per_run'])}{of_max}, "
                   f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
                   f"{floor['categories_moved']} of {len(floor['categories'])} categories moved."]
     if not doc.get("noise_floor"):

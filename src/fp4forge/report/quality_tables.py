@@ -22,7 +22,8 @@ def _signed(value: float | None, digits: int = 1) -> str:
 
 
 def _runs(values: list[int]) -> str:
-    return " / ".join(str(v) for v in values)
+    # a comma, not a slash: "28 / 28" reads as full marks
+    return ", ".join(str(v) for v in values)
 
 
 _table = table
