@@ -105,11 +105,22 @@ def test_quantized_tensors_without_declaration(ct: Path) -> None:
 
 
 def test_scheme_without_tensor_table_is_reported_not_judged(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
+    # an INT8 channel group: a real compressed-tensors scheme fp4forge has no tensor table for
     fp8 = copy_checkpoint(lc_fp8_dynamic_dir, tmp_path / "fp8")
-    patch_json(fp8 / "config.json", lambda d: qc(d)["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[128, 128]))
+    patch_json(fp8 / "config.json", lambda d: qc(d)["config_groups"]["group_0"]["weights"].update(type="int"))
     report = audit(fp8)
     assert_exactly(report)
     assert "scheme-not-audited" in rules(report, "info")
+
+
+def test_block_declaration_over_channel_scales_is_a_shape_error(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
+    # FP8 block is judged now: per-channel scales [out, 1] under a [128, 128] block declaration
+    # would be read as block scales by vLLM
+    fp8 = copy_checkpoint(lc_fp8_dynamic_dir, tmp_path / "fp8")
+    patch_json(fp8 / "config.json", lambda d: qc(d)["config_groups"]["group_0"]["weights"].update(strategy="block", block_structure=[128, 128]))
+    report = audit(fp8)
+    assert_exactly(report, "scheme-tensor-shape")
+    assert "weight_scale" in finding(report, "scheme-tensor-shape").message
 
 
 # -- KV cache scales --------------------------------------------------------------------------------
