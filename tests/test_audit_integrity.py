@@ -122,6 +122,7 @@ def test_owner_only_files_are_a_warning(tiny: Path) -> None:
     assert owner_only.count == 1 and owner_only.file == shard.name and "(mode 0600)" in owner_only.message
 
 
+@pytest.mark.slow  # needs the llm-compressor venv (make test creates it)
 def test_llm_compressor_export_is_owner_only(lc_nvfp4_kv_dir: Path) -> None:
     # measured: llm-compressor writes its shards with mode 0600; a server running as another user
     # cannot read the checkpoint once a mode-preserving copy brings it there
