@@ -23,7 +23,7 @@ from fp4forge.testbed.corpus import build_header_only, load_entry
 
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
-FAST = ["qwen3-30b-a3b", "wizardlm-2-8x22b", "qwen3.5-25b-reap-a3b", "gpt-oss-120b"]
+FAST = ["qwen3-30b-a3b", "wizardlm-2-8x22b", "qwen3.5-25b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 
@@ -62,6 +62,9 @@ def test_bytes_reads_the_release(built, name):
     table = compute_byte_table(ckpt, layout)
     assert not layout.inferred, f"{name}: no layout table for {ckpt.config.get('architectures')}"
     assert table.unknown_tensors == []
+    if entry.index_names is not None:  # a verbatim index: the rebuild holds exactly its tensors
+        rebuilt = json.loads((built(name) / "model.safetensors.index.json").read_text())["weight_map"]
+        assert set(rebuilt) == set(entry.index_names)
     components = {c.name: c for c in table.components}
     card = entry.provenance.get("card") or {}
     # The real index's metadata is the release's own byte / parameter count.
@@ -110,15 +113,16 @@ def test_modelopt_nvfp4_experts_by_hand(built):
     assert table.experts_bpp == pytest.approx(expected, rel=1e-12)
 
 
-def test_mxfp4_experts_by_hand(built):
-    config = json.loads((CORPUS / "gpt-oss-120b" / "config.json").read_text())
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "gpt-oss-20b"])
+def test_mxfp4_experts_by_hand(built, name):
+    config = json.loads((CORPUS / name / "config.json").read_text())
     experts, hidden, inter = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
     params = bytes_ = 0
     for rows, cols in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down: [out, in]
         params += experts * (rows * cols + rows)  # codes + bias
         bytes_ += experts * (rows * cols // 2 + rows * cols // 32 + 2 * rows)  # 4-bit codes, E8M0 per 32, BF16 bias
     layers = config["num_hidden_layers"]
-    table = compute_byte_table(open_checkpoint(str(built("gpt-oss-120b"))), layout_or_inferred(config))
+    table = compute_byte_table(open_checkpoint(str(built(name))), layout_or_inferred(config))
     experts_row = next(c for c in table.components if c.name == "routed_experts")
     assert experts_row.params == layers * params
     assert experts_row.bytes == layers * bytes_
