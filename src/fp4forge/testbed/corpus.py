@@ -248,8 +248,10 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
 
 
 # Leaves of 2-D weights no released FP8/NVFP4 checkpoint quantizes: embeddings, routers, heads
-# (incl. DeepSeek's MTP shared_head.head) and DeepSeek-V3.2's indexer weights_proj.
-UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj"})
+# (incl. DeepSeek's MTP shared_head.head), DeepSeek-V3.2's indexer weights_proj, and the MTP
+# layer's eh_proj (vLLM builds it as a plain nn.Linear; DeepSeek-R1's shard sizes agree, see the
+# deepseek-r1-fp8 corpus entry).
+UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj", "eh_proj"})
 
 
 def _quantizable(module: str, spec: TensorSpec) -> bool:
