@@ -23,7 +23,7 @@ from fp4forge.testbed.corpus import build_header_only, load_entry
 
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
-FAST = ["qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "qwen3.5-25b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
+FAST = ["qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 
@@ -173,3 +173,24 @@ def test_bytes_cli_marks_an_inferred_layout(tmp_path):
     assert doc["total"]["bytes"] == 281241268224
     markdown = CliRunner().invoke(app, ["bytes", str(out), "--markdown"])
     assert markdown.exit_code == 0 and "Components inferred from tensor names (inferred (SomeNewMoeForCausalLM))" in markdown.stdout
+
+
+def test_inferred_layout_on_a_real_release(tmp_path):
+    """A real release whose architecture has no table (Granite-MoE with its name changed: fused 3-D
+    experts `block_sparse_moe.input_linear`/`output_linear`, router `router.layer`) gets a complete
+    byte table from the inferred patterns, flagged as inferred, not a refusal."""
+    from fp4forge.cli import app
+
+    config = json.loads((CORPUS / "granite-3.1-1b-a400m" / "config.json").read_text())
+    out = build_header_only(CORPUS / "granite-3.1-1b-a400m", tmp_path / "ckpt")
+    config["architectures"], config["model_type"] = ["SomeNewMoeForCausalLM"], "some_new_moe"
+    (out / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(app, ["bytes", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["layout_inferred"] is True and doc["unknown_tensors"] == []
+    by_name = {c["name"]: c for c in doc["components"]}
+    experts, hidden, inter, layers = config["num_local_experts"], config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    assert by_name["routed_experts"]["params"] == layers * experts * 3 * hidden * inter  # input_linear [E, 2I, H] + output_linear [E, H, I]
+    assert by_name["router"]["params"] == layers * experts * hidden
+    assert doc["total"]["params"] == 1334628352  # the release's F32 index: total_size / 4
