@@ -185,18 +185,25 @@ def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
     by_suffix = {j: {s.name: s for s in layer} for j, layer in per_layer.items()}
     global_by_name = {_prefixed(s.name, prefix): s for s in globals_}
     layer_re = re.compile(r"^" + re.escape(prefix) + r"layers\.(\d+)\.(.+)$")
-    specs, unresolved = [], []
+    # A release stored packed names the packed tensors (GPT-OSS MXFP4: `<param>_blocks` and
+    # `<param>_scales`); the template holds the parameter itself, which quantized_specs packs again.
+    packed = MXFP4_PACKED_SUFFIXES if (stored_quantization_config(entry.config) or {}).get("quant_method") == "mxfp4" else ()
+    specs, unresolved, emitted = [], [], set()
     for name in entry.index_names:
-        match = layer_re.match(name)
+        stem = next((name[: -len(suffix)] for suffix in packed if name.endswith(suffix)), name)
+        if stem in emitted:
+            continue
+        match = layer_re.match(stem)
         spec = None
         if match and int(match.group(1)) < len(copy_of):
             spec = by_suffix[copy_of[int(match.group(1))]].get(match.group(2))
-        elif name in global_by_name:
-            spec = global_by_name[name]
+        elif stem in global_by_name:
+            spec = global_by_name[stem]
         if spec is None:
             unresolved.append(name)
         else:
-            specs.append(TensorSpec(name, spec.dtype, spec.shape))
+            specs.append(TensorSpec(stem, spec.dtype, spec.shape))
+            emitted.add(stem)
     if unresolved:
         raise ConfigError(f"{entry.name}: {len(unresolved)} index names have no counterpart in the model class, e.g. {unresolved[:3]}")
     return specs
@@ -241,8 +248,10 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
 
 
 # Leaves of 2-D weights no released FP8/NVFP4 checkpoint quantizes: embeddings, routers, heads
-# (incl. DeepSeek's MTP shared_head.head) and DeepSeek-V3.2's indexer weights_proj.
-UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj"})
+# (incl. DeepSeek's MTP shared_head.head), DeepSeek-V3.2's indexer weights_proj, and the MTP
+# layer's eh_proj (vLLM builds it as a plain nn.Linear; DeepSeek-R1's shard sizes agree, see the
+# deepseek-r1-fp8 corpus entry).
+UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj", "eh_proj"})
 
 
 def _quantizable(module: str, spec: TensorSpec) -> bool:
@@ -250,6 +259,7 @@ def _quantizable(module: str, spec: TensorSpec) -> bool:
 
 
 MXFP4_BLOCK = 32  # values per E8M0 scale
+MXFP4_PACKED_SUFFIXES = ("_blocks", "_scales")
 NVFP4_GROUP = 16  # values per FP8 block scale
 
 
