@@ -23,8 +23,14 @@ API = ("audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoin
 __all__ = ["__version__", *API]
 
 if TYPE_CHECKING:
-    from fp4forge.api import (audit_checkpoint, byte_table, calibrate_checkpoint, diff_checkpoints, measure_fidelity,
-                              open_checkpoint, quantize_checkpoint)
+    # Redundant aliases mark these as re-exports for linters (`__all__` is built from API).
+    from fp4forge.api import audit_checkpoint as audit_checkpoint
+    from fp4forge.api import byte_table as byte_table
+    from fp4forge.api import calibrate_checkpoint as calibrate_checkpoint
+    from fp4forge.api import diff_checkpoints as diff_checkpoints
+    from fp4forge.api import measure_fidelity as measure_fidelity
+    from fp4forge.api import open_checkpoint as open_checkpoint
+    from fp4forge.api import quantize_checkpoint as quantize_checkpoint
 
 
 def __getattr__(name: str) -> Any:
