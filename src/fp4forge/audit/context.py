@@ -63,6 +63,7 @@ class AuditContext:
     vllm_version: tuple[int, ...]
     trust_remote_code: bool = False
     _values: dict[str, Any] = field(default_factory=dict, repr=False)
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)  # what a check computes once for another
 
     @cached_property
     def tensors(self) -> dict[str, tuple[str, TensorInfo]]:
@@ -79,7 +80,9 @@ class AuditContext:
         patterns = dict(self.layout.components).get("mtp", ()) if self.layout else ()
         if not patterns:
             return frozenset()
-        return frozenset(n for n, (module, _, _) in self.roles.items() if any(p.match(module) for p in patterns))
+        modules = {module for module, _, _ in self.roles.values()}  # fewer modules than names
+        mtp = {module for module in modules if any(p.match(module) for p in patterns)}
+        return frozenset(n for n, (module, _, _) in self.roles.items() if module in mtp)
 
     def kind(self, name: str) -> str:
         return self.roles[name][2]
@@ -170,10 +173,16 @@ class AuditContext:
         per 16 values, MXFP4's U8 exponents, block-wise FP8's 2-D weight_scale_inv) are not:
         together they are megabytes, read with the weights by --deep."""
         names = []
+        small: dict[tuple, bool] = {}  # (kind, dtype, shape) -> read: 10^5 scales, a few signatures
         for name, (_, info) in self.tensors.items():
             kind = self.roles[name][2]
-            if kind in SCALE_KINDS and info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info):
-                names.append(name)
+            if kind in SCALE_KINDS:
+                signature = (kind, info.dtype, info.shape)
+                read = small.get(signature)
+                if read is None:
+                    read = small[signature] = info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info)
+                if read:
+                    names.append(name)
         return names
 
     def values(self, names: list[str]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from fp4forge.audit.context import AuditContext, parse_version
 from fp4forge.audit.findings import AuditReport, group_issues
 from fp4forge.checkpoint.declarations import FORMATS, read_declaration
 from fp4forge.checkpoint.layout import layout_for_config
-from fp4forge.checkpoint.reader import open_checkpoint_lenient
+from fp4forge.checkpoint.reader import gc_paused, open_checkpoint_lenient
 from fp4forge.errors import ConfigError, LayoutError
 
 CHECKS = (checks_integrity, checks_declarations, checks_names)
@@ -57,8 +57,9 @@ def audit_checkpoint(
         trust_remote_code=trust_remote_code,
     )
     try:
-        for check in CHECKS:
-            issues += check.run(ctx)
+        with gc_paused():  # the checks build name tables over 10^5 tensors
+            for check in CHECKS:
+                issues += check.run(ctx)
     finally:
         close = getattr(ckpt.source, "close", None)
         if close is not None:
