@@ -294,6 +294,7 @@ def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Is
 # -- fused groups ---------------------------------------------------------------------------------
 def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     issues = []
+    compared = []
     for parent, name, shards in fused_groups(ctx):
         if not all(s in resolution.scheme_of for s in shards):
             continue
@@ -301,13 +302,16 @@ def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]
             names = [_scale_name(ctx, s, kinds) for s in shards]
             if None in names:
                 continue  # a missing scale is its own finding
-            values = ctx.values(names)  # type: ignore[arg-type]
-            if len(values) != len(names) or any(v.size != 1 for v in values.values()):
-                continue
-            floats = [float(values[n][0]) for n in names]
-            if len(set(floats)) > 1 and min(floats) > 0:
-                kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
-                issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
+            compared.append((parent, name, shards, rule, names))
+    loaded = ctx.values([n for *_, names in compared for n in names])  # one batch, not one per group
+    for parent, name, shards, rule, names in compared:
+        values = {n: loaded[n] for n in names if n in loaded}
+        if len(values) != len(names) or any(v.size != 1 for v in values.values()):
+            continue
+        floats = [float(values[n][0]) for n in names]
+        if len(set(floats)) > 1 and min(floats) > 0:
+            kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
+            issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
     return issues
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.declarations import READ_FORMATS, QuantDeclaration
-from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffix
+from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.checkpoint.raw import decode_all, read_coalesced, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint
@@ -72,7 +72,7 @@ class AuditContext:
     @cached_property
     def roles(self) -> dict[str, tuple[str, str, str]]:
         """name -> (module, suffix, kind), split once (10^5 names)."""
-        return {name: split_suffix(name) for name in self.tensors}
+        return split_suffixes(self.tensors)
 
     @cached_property
     def mtp_tensors(self) -> frozenset[str]:
@@ -134,8 +134,9 @@ class AuditContext:
                 component = self.component(module)
                 if component in LINEAR_COMPONENTS:
                     out[module] = component
+        splits = split_suffixes(self.expected_shapes)
         for name, shape in self.expected_shapes.items():
-            module, suffix, _ = split_suffix(name)
+            module, suffix, _ = splits[name]
             if suffix == "weight" and len(shape) == 2 and module not in out:
                 component = self.component(module)
                 if component in LINEAR_COMPONENTS:
