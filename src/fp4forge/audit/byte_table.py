@@ -111,16 +111,19 @@ def masked_digits(names: list[str]) -> list[str]:
     if not names or not joined.isascii() or not _CONTROL.isdisjoint(joined):  # \d matches non-ASCII digits too
         return [_DIGITS.sub("#", name) for name in names]
     pieces = joined.split(_LAYERS)
-    kept = [pieces[0]]
+    del joined
     protected: dict[str, str] = {}
-    for piece in pieces[1:]:
+    for position in range(1, len(pieces)):  # in place: 10^5 strings, one list
+        piece = pieces[position]
         rest = piece.lstrip(_ASCII_DIGITS)
         head = piece[: len(piece) - len(rest)]  # the layer index
         shown = protected.get(head)
         if shown is None:
             shown = protected[head] = head.translate(_PROTECT)
-        kept.append(shown + rest)
-    text = _LAYERS.join(kept).translate(_DIGITS_TO_MARK)
+        pieces[position] = shown + rest
+    text = _LAYERS.join(pieces)
+    del pieces
+    text = text.translate(_DIGITS_TO_MARK)
     while _MARK + _MARK in text:
         text = text.replace(_MARK + _MARK, _MARK)
     masked = text.replace(_MARK, "#").translate(_UNPROTECT).split("\n")

@@ -38,6 +38,11 @@ def audit_checkpoint(
     trust_remote_code: bool = False,
 ) -> AuditReport:
     """Audit one checkpoint. Raises an Fp4forgeError (exit code 2) when it cannot be read at all."""
+    with gc_paused():  # headers and name tables over 10^5 tensors: one collection after, not several
+        return _audit(location, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code)
+
+
+def _audit(location: str | Path, *, deep: bool, fmt: str, vllm_version: str, trust_remote_code: bool) -> AuditReport:
     if fmt not in AUDIT_FORMATS:
         raise ConfigError(f"unknown format {fmt!r}: choose one of {', '.join(AUDIT_FORMATS)}", option="fmt")
     version = parse_version(vllm_version)
@@ -57,9 +62,8 @@ def audit_checkpoint(
         trust_remote_code=trust_remote_code,
     )
     try:
-        with gc_paused():  # the checks build name tables over 10^5 tensors
-            for check in CHECKS:
-                issues += check.run(ctx)
+        for check in CHECKS:
+            issues += check.run(ctx)
     finally:
         close = getattr(ckpt.source, "close", None)
         if close is not None:
