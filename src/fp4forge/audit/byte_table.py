@@ -23,7 +23,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout
-from fp4forge.checkpoint.reader import Checkpoint
+from fp4forge.checkpoint.reader import Checkpoint, gc_paused
 
 EXPERTS = "routed_experts"
 
@@ -101,29 +101,79 @@ def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
 _DIGITS = re.compile(r"(?<!layers\.)(?<!\d)\d+")
 
 
+def masked_digits(names: list[str]) -> list[str]:
+    """Every name with its digit runs masked as ``_DIGITS`` masks them, for 10^5 names at once:
+    the regex over each name (or over all joined) costs as much as parsing the headers, so
+    ASCII names go through C-level string operations on the joined text instead: the digits after
+    ``layers.`` are set aside as control characters, every other digit becomes a marker, marker
+    runs collapse to one ``#``, and the layer digits come back."""
+    joined = "\n".join(names)
+    if not names or not joined.isascii() or not _CONTROL.isdisjoint(joined):  # \d matches non-ASCII digits too
+        return [_DIGITS.sub("#", name) for name in names]
+    pieces = joined.split(_LAYERS)
+    del joined
+    protected: dict[str, str] = {}
+    for position in range(1, len(pieces)):  # in place: 10^5 strings, one list
+        piece = pieces[position]
+        rest = piece.lstrip(_ASCII_DIGITS)
+        head = piece[: len(piece) - len(rest)]  # the layer index
+        shown = protected.get(head)
+        if shown is None:
+            shown = protected[head] = head.translate(_PROTECT)
+        pieces[position] = shown + rest
+    text = _LAYERS.join(pieces)
+    del pieces
+    text = text.translate(_DIGITS_TO_MARK)
+    while _MARK + _MARK in text:
+        text = text.replace(_MARK + _MARK, _MARK)
+    masked = text.replace(_MARK, "#").translate(_UNPROTECT).split("\n")
+    return masked if len(masked) == len(names) else [_DIGITS.sub("#", name) for name in names]  # a name held a newline
+
+
+_LAYERS = "layers."
+_ASCII_DIGITS = "0123456789"
+_MARK = "\x00"
+_SET_ASIDE = "".join(map(chr, range(0x10, 0x1A)))  # control characters no tensor name holds (checked)
+_PROTECT = str.maketrans(_ASCII_DIGITS, _SET_ASIDE)
+_UNPROTECT = str.maketrans(_SET_ASIDE, _ASCII_DIGITS)
+_DIGITS_TO_MARK = str.maketrans(dict.fromkeys(_ASCII_DIGITS, _MARK))
+_CONTROL = frozenset(_MARK + _SET_ASIDE)
+
+
 def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
+    with gc_paused():  # 10^5 names grouped: see gc_paused
+        return _compute_byte_table(ckpt, layout)
+
+
+def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     packed = modelopt_packed_weights(ckpt)
     # Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): total per
     # (name with digits masked, dtype) first, then classify one representative of each.
-    groups: dict[tuple[str, str, bool], list] = {}
-    for _, info in ckpt.tensors():
-        key = (_DIGITS.sub("#", info.name), info.dtype, info.name in packed)
-        group = groups.get(key)
-        if group is None:
-            group = groups[key] = [info.name, 0, 0, 0, []]
-        group[1] += 1
-        group[2] += info.end - info.begin
-        group[3] += math.prod(info.shape)
-        group[4].append(info.name)
+    infos = [info for _, info in ckpt.tensors()]
+    names = [info.name for info in infos]
+    keys = zip(masked_digits(names), [info.dtype for info in infos], map(packed.__contains__, names))
+    members: dict[tuple[str, str, bool], list[int]] = {}
+    for position, key in enumerate(keys):
+        found = members.get(key)
+        if found is None:
+            members[key] = [position]
+        else:
+            found.append(position)
+    sizes = [info.end - info.begin for info in infos]
+    numels = list(map(math.prod, (info.shape for info in infos)))
+    groups = {
+        key: (names[positions[0]], len(positions), sum(map(sizes.__getitem__, positions)), sum(map(numels.__getitem__, positions)), list(map(names.__getitem__, positions)))
+        for key, positions in members.items()
+    }
 
     order = layout.component_names + [KV_SCALES, UNKNOWN]
     components = {name: ComponentBytes(name) for name in order}
     dtypes: dict[str, dict[str, int]] = {}
     unknown: list[str] = []
-    for (_, dtype, is_packed), (example, count, nbytes, numel, names) in groups.items():
+    for (_, dtype, is_packed), (example, count, nbytes, numel, group_names) in groups.items():
         role = layout.classify(example, dtype, modelopt_packed=is_packed)
         if role.component == UNKNOWN:
-            unknown.extend(names)
+            unknown.extend(group_names)
         entry = components[role.component]
         entry.tensors += count
         entry.bytes += nbytes

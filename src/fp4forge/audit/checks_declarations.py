@@ -99,7 +99,15 @@ def target_issues(ctx: AuditContext, decl: QuantDeclaration, resolution: Resolut
 
 
 def fused_groups(ctx: AuditContext) -> list[tuple[str, str, list[str]]]:
-    """(parent, group name, member modules) for every fused group whose shards all exist."""
+    """(parent, group name, member modules) for every fused group whose shards all exist
+    (computed once per audit: two checks walk them)."""
+    cached = ctx.memo.get("fused_groups")
+    if cached is None:
+        cached = ctx.memo["fused_groups"] = _fused_groups(ctx)
+    return cached
+
+
+def _fused_groups(ctx: AuditContext) -> list[tuple[str, str, list[str]]]:
     assert ctx.layout is not None
     linears = ctx.linear_modules
     leaf_group = {leaf: (name, members) for name, members in ctx.layout.fused.items() for leaf in members}
@@ -133,10 +141,21 @@ def scheme_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     missing_inputs: list[Issue] = []
     w4a4_modules = 0
     w4a4_with_inputs = 0
+    # A module's findings depend on its name only through the names they carry: 10^5 Linears
+    # share a few hundred (scheme, component, shape, stored tensors) signatures, and a signature
+    # found clean once is clean for every module carrying it.
+    clean: set[tuple] = set()
     for module, group in resolution.scheme_of.items():
         if group.scheme is None or module not in ctx.modules:
             continue  # unsupported scheme (reported), or absent module (a names finding)
-        module_issues = module_scheme_issues(ctx, module, group)
+        params = ctx.modules[module]
+        signature = (id(group), ctx.linear_modules.get(module, ""), ctx.linear_shape(module), tuple([(suffix, info.dtype, info.shape) for suffix, info in params.items()]))
+        if signature in clean:
+            module_issues = []
+        else:
+            module_issues = module_scheme_issues(ctx, module, group)
+            if not module_issues:
+                clean.add(signature)
         if group.scheme == W4A4_SCHEME:
             w4a4_modules += 1
             w4a4_with_inputs += any(_kind(s) in INPUT_SCALE_KINDS for s in ctx.modules[module])
@@ -275,6 +294,7 @@ def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Is
 # -- fused groups ---------------------------------------------------------------------------------
 def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     issues = []
+    compared = []
     for parent, name, shards in fused_groups(ctx):
         if not all(s in resolution.scheme_of for s in shards):
             continue
@@ -282,13 +302,16 @@ def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]
             names = [_scale_name(ctx, s, kinds) for s in shards]
             if None in names:
                 continue  # a missing scale is its own finding
-            values = ctx.values(names)  # type: ignore[arg-type]
-            if len(values) != len(names) or any(v.size != 1 for v in values.values()):
-                continue
-            floats = [float(values[n][0]) for n in names]
-            if len(set(floats)) > 1 and min(floats) > 0:
-                kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
-                issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
+            compared.append((parent, name, shards, rule, names))
+    loaded = ctx.values([n for *_, names in compared for n in names])  # one batch, not one per group
+    for parent, name, shards, rule, names in compared:
+        values = {n: loaded[n] for n in names if n in loaded}
+        if len(values) != len(names) or any(v.size != 1 for v in values.values()):
+            continue
+        floats = [float(values[n][0]) for n in names]
+        if len(set(floats)) > 1 and min(floats) > 0:
+            kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
+            issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
     return issues
 
 
@@ -454,7 +477,8 @@ def attention_layers(ctx: AuditContext) -> list[str]:
 
 
 def kv_issues(ctx: AuditContext) -> list[Issue]:
-    present = {n for n in ctx.tensors if n.endswith(tuple("." + s for s in KV_SUFFIXES))}
+    endings = tuple("." + s for s in KV_SUFFIXES)
+    present = {n for n in ctx.tensors if n.endswith(endings)}
     kv = ctx.declaration.kv if ctx.declaration else None
     if kv is None:
         note = "vLLM keeps a BF16 cache and never reads them"

@@ -12,7 +12,7 @@ from typing import Any
 
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.declarations import READ_FORMATS, QuantDeclaration
-from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffix
+from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.checkpoint.raw import decode_all, read_coalesced, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint
@@ -63,6 +63,7 @@ class AuditContext:
     vllm_version: tuple[int, ...]
     trust_remote_code: bool = False
     _values: dict[str, Any] = field(default_factory=dict, repr=False)
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)  # what a check computes once for another
 
     @cached_property
     def tensors(self) -> dict[str, tuple[str, TensorInfo]]:
@@ -71,7 +72,7 @@ class AuditContext:
     @cached_property
     def roles(self) -> dict[str, tuple[str, str, str]]:
         """name -> (module, suffix, kind), split once (10^5 names)."""
-        return {name: split_suffix(name) for name in self.tensors}
+        return split_suffixes(self.tensors)
 
     @cached_property
     def mtp_tensors(self) -> frozenset[str]:
@@ -79,7 +80,9 @@ class AuditContext:
         patterns = dict(self.layout.components).get("mtp", ()) if self.layout else ()
         if not patterns:
             return frozenset()
-        return frozenset(n for n, (module, _, _) in self.roles.items() if any(p.match(module) for p in patterns))
+        modules = {module for module, _, _ in self.roles.values()}  # fewer modules than names
+        mtp = {module for module in modules if any(p.match(module) for p in patterns)}
+        return frozenset(n for n, (module, _, _) in self.roles.items() if module in mtp)
 
     def kind(self, name: str) -> str:
         return self.roles[name][2]
@@ -131,8 +134,9 @@ class AuditContext:
                 component = self.component(module)
                 if component in LINEAR_COMPONENTS:
                     out[module] = component
+        splits = split_suffixes(self.expected_shapes)
         for name, shape in self.expected_shapes.items():
-            module, suffix, _ = split_suffix(name)
+            module, suffix, _ = splits[name]
             if suffix == "weight" and len(shape) == 2 and module not in out:
                 component = self.component(module)
                 if component in LINEAR_COMPONENTS:
@@ -170,10 +174,16 @@ class AuditContext:
         per 16 values, MXFP4's U8 exponents, block-wise FP8's 2-D weight_scale_inv) are not:
         together they are megabytes, read with the weights by --deep."""
         names = []
+        small: dict[tuple, bool] = {}  # (kind, dtype, shape) -> read: 10^5 scales, a few signatures
         for name, (_, info) in self.tensors.items():
             kind = self.roles[name][2]
-            if kind in SCALE_KINDS and info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info):
-                names.append(name)
+            if kind in SCALE_KINDS:
+                signature = (kind, info.dtype, info.shape)
+                read = small.get(signature)
+                if read is None:
+                    read = small[signature] = info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info)
+                if read:
+                    names.append(name)
         return names
 
     def values(self, names: list[str]) -> dict[str, Any]:

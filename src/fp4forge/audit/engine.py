@@ -20,7 +20,7 @@ from fp4forge.audit.context import AuditContext, parse_version
 from fp4forge.audit.findings import AuditReport, group_issues
 from fp4forge.checkpoint.declarations import FORMATS, read_declaration
 from fp4forge.checkpoint.layout import layout_for_config
-from fp4forge.checkpoint.reader import open_checkpoint_lenient
+from fp4forge.checkpoint.reader import gc_paused, open_checkpoint_lenient
 from fp4forge.errors import ConfigError, LayoutError
 
 CHECKS = (checks_integrity, checks_declarations, checks_names)
@@ -38,6 +38,11 @@ def audit_checkpoint(
     trust_remote_code: bool = False,
 ) -> AuditReport:
     """Audit one checkpoint. Raises an Fp4forgeError (exit code 2) when it cannot be read at all."""
+    with gc_paused():  # headers and name tables over 10^5 tensors: one collection after, not several
+        return _audit(location, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code)
+
+
+def _audit(location: str | Path, *, deep: bool, fmt: str, vllm_version: str, trust_remote_code: bool) -> AuditReport:
     if fmt not in AUDIT_FORMATS:
         raise ConfigError(f"unknown format {fmt!r}: choose one of {', '.join(AUDIT_FORMATS)}", option="fmt")
     version = parse_version(vllm_version)

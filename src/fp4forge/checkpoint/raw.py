@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import lru_cache
+from itertools import accumulate, repeat
 from typing import Any
 
 from fp4forge.checkpoint.reader import Checkpoint
@@ -22,8 +23,17 @@ FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 def tensor_index(ckpt: Checkpoint) -> dict[str, tuple[str, TensorInfo]]:
     """name -> (shard, header entry); for a name stored in two shards, the one weight_map names."""
-    weight_map = ckpt.index.weight_map if ckpt.index else {}
     out: dict[str, tuple[str, TensorInfo]] = {}
+    stored = 0
+    for shard in ckpt.shard_names:  # shard by shard in C (10^5 names); exact when no name repeats
+        header = ckpt.headers.get(shard)
+        if header is not None:
+            out.update(zip(header.tensors, zip(repeat(shard), header.tensors.values())))
+            stored += len(header.tensors)
+    if stored == len(out):
+        return out
+    weight_map = ckpt.index.weight_map if ckpt.index else {}
+    out = {}
     for shard, info in ckpt.tensors():
         if info.name not in out or weight_map.get(info.name) == shard:
             out[info.name] = (shard, info)
@@ -124,4 +134,22 @@ def decode(dtype: str, raw: bytes):
 
 
 def decode_all(raw: dict[str, tuple[str, bytes]]) -> dict[str, Any]:
-    return {name: decode(dtype, data) for name, (dtype, data) in raw.items()}
+    """name -> flat float32 array, for many small tensors: the tensors of one dtype are decoded in
+    one call over their bytes joined, then cut apart (views), instead of one decode call each."""
+    by_dtype: dict[str, list[str]] = {}
+    for name, (dtype, _) in raw.items():
+        by_dtype.setdefault(dtype, []).append(name)
+    decoded: dict[str, Any] = {}
+    for dtype, names in by_dtype.items():
+        width = DTYPE_BITS.get(dtype, 0) // 8
+        if len(names) < 2 or not width or not can_decode(dtype):
+            decoded.update((name, decode(dtype, raw[name][1])) for name in names)
+            continue
+        blobs = [raw[name][1] for name in names]
+        if any(len(blob) % width for blob in blobs):  # a torn tensor: decode raises for it alone
+            decoded.update((name, decode(dtype, blob)) for name, blob in zip(names, blobs))
+            continue
+        values = decode(dtype, b"".join(blobs))
+        ends = list(accumulate(len(blob) // width for blob in blobs))
+        decoded.update(zip(names, [values[start:end] for start, end in zip([0] + ends[:-1], ends)]))
+    return {name: decoded[name] for name in raw}

@@ -11,6 +11,9 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import chain, repeat
+from operator import itemgetter, mul, rshift, sub
 from typing import NamedTuple
 
 from fp4forge.checkpoint.json_text import JsonTextError, load_json
@@ -67,6 +70,9 @@ class TensorInfo(NamedTuple):
         return math.prod(self.shape)
 
 
+_END = itemgetter(4)  # TensorInfo.end
+
+
 @dataclass(frozen=True)
 class ShardHeader:
     """A parsed, validated safetensors header."""
@@ -83,7 +89,7 @@ class ShardHeader:
 
     @property
     def data_len(self) -> int:
-        return max((t.end for t in self.tensors.values()), default=0)
+        return max(map(_END, self.tensors.values()), default=0)
 
     @property
     def declared_file_size(self) -> int:
@@ -186,10 +192,10 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     ):
         raise HeaderError("__metadata__ must map strings to strings", file=source)
 
-    tensors = _parse_entries_fast(doc)
+    tensors = _parse_entries_fast(doc)  # checks the tiling too
     if tensors is None:  # something is off: the careful per-entry pass names it
         tensors = {name: _parse_entry(name, entry, source) for name, entry in doc.items()}
-    _check_tiling(tensors, source)
+        _check_tiling(tensors, source)
     return ShardHeader(
         source=source,
         header_len=len(raw) if header_len is None else header_len,
@@ -199,27 +205,47 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
 
 
 def _parse_entries_fast(doc: dict) -> dict[str, TensorInfo] | None:
-    """Validate and build all entries with whole-list operations (a real header has 10^5);
-    None when any entry is malformed, so the caller can run the per-entry pass for the message."""
+    """Validate and build all entries with whole-list operations that run in C (map, set, list
+    equality; a real header has 10^5 entries), tiling included; None when anything is off, so the
+    caller runs the per-entry pass and ``_check_tiling``, which name the problem."""
+    entries = list(doc.values())
+    if not entries:
+        return {}
     try:
-        entries = list(doc.values())
-        if not all(type(e) is dict and len(e) == 3 for e in entries):
+        if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
             return None
-        dtypes = [e["dtype"] for e in entries]
-        shapes = [e["shape"] for e in entries]
-        offsets = [e["data_offsets"] for e in entries]
+        dtypes = list(map(itemgetter("dtype"), entries))
+        shapes = list(map(itemgetter("shape"), entries))
+        offsets = list(map(itemgetter("data_offsets"), entries))
+        widths = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: unhashable
     except (KeyError, TypeError):
         return None
-    if not all(type(d) is str for d in dtypes) or not set(dtypes) <= DTYPE_BITS.keys():
+    if set(map(type, dtypes)) != {str} or set(map(type, shapes)) != {list}:
         return None
-    if not all(type(s) is list for s in shapes) or not all(type(d) is int and d >= 0 for s in shapes for d in s):
+    dims = list(chain.from_iterable(shapes))
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0):  # `type is int` excludes bool
         return None
-    if not all(type(o) is list and len(o) == 2 for o in offsets) or not all(type(v) is int and v >= 0 for o in offsets for v in o):
+    if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
-    bits = [math.prod(s) * DTYPE_BITS[d] for s, d in zip(shapes, dtypes)]
-    if any(b % 8 or o[1] - o[0] != b // 8 for b, o in zip(bits, offsets)):
+    begins = list(map(itemgetter(0), offsets))
+    ends = list(map(itemgetter(1), offsets))
+    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0:
         return None
-    return {name: TensorInfo(name, d, tuple(s), o[0], o[1]) for name, d, s, o in zip(doc, dtypes, shapes, offsets)}
+    bits = list(map(mul, map(math.prod, shapes), widths))
+    if not _SUB_BYTE_WIDTHS.isdisjoint(widths) and any(b % 8 for b in bits):
+        return None
+    if list(map(sub, ends, begins)) != list(map(rshift, bits, repeat(3))):
+        return None  # a span that is not its dtype x shape (or ends before it begins)
+    if not (begins[0] == 0 and begins[1:] == ends[:-1]):  # not stored in offset order: sort first
+        spans = sorted(zip(begins, ends))
+        if spans[0][0] != 0 or [b for b, _ in spans[1:]] != [e for _, e in spans[:-1]]:
+            return None
+    names = list(doc)
+    return dict(zip(names, map(_new_info, zip(names, dtypes, map(tuple, shapes), begins, ends))))
+
+
+_SUB_BYTE_WIDTHS = frozenset(w for w in DTYPE_BITS.values() if w % 8)
+_new_info = partial(tuple.__new__, TensorInfo)  # TensorInfo from one 5-tuple, without a Python-level call
 
 
 def _is_count(value: object) -> bool:
