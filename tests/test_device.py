@@ -148,8 +148,9 @@ def test_device_cpu_runs_each_command(tiny_laguna: Path, tmp_path: Path) -> None
 
 
 def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU export path's structure (reads ahead on two threads, numerics on the caller's), run
-    on the CPU: the same bytes as the CPU worker pool."""
+    """The GPU export path's structure (batches read ahead by threads into stacks, one stacked
+    pass per signature, pipelined), run on the CPU in many small batches: the same bytes as the
+    CPU worker pool."""
     import hashlib
 
     from fp4forge.quantize import export
@@ -161,6 +162,6 @@ def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: P
 
     options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu", workers=2)
     export.quantize_checkpoint(tiny_laguna, tmp_path / "pool", options)
-    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, read_ahead=2))
+    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, batch_bytes=1 << 16, read_ahead=2))
     export.quantize_checkpoint(tiny_laguna, tmp_path / "device-path", options)
     assert digests(tmp_path / "pool") == digests(tmp_path / "device-path") and digests(tmp_path / "pool")

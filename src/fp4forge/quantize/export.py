@@ -472,7 +472,7 @@ def _unpack_stack(stack: _Stack, ckpt: Checkpoint, quantizer: UnitQuantizer) -> 
 
 
 def _process_units_on_device(
-    units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, batch_bytes: int = DEVICE_BATCH_BYTES, read_ahead: int = 2
+    units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, batch_bytes: int | None = None, read_ahead: int = 2
 ):
     """The GPU path. Units go in batches of about ``batch_bytes`` of weights; in a batch, the
     units of one signature (a layer's expert gate/up pairs, its down projections) are read
@@ -483,7 +483,7 @@ def _process_units_on_device(
     yielded (and written by the caller), and ``DEVICE_READ_THREADS`` threads read the next
     ``read_ahead`` batches meanwhile. (Several threads sharing one GPU were measured 3-4x slower
     than one: they contend for the GIL and the stream.) Yields as ``_process_units``, in plan order."""
-    batches = _plan_batches(units, quantizer.options, batch_bytes)
+    batches = _plan_batches(units, quantizer.options, batch_bytes or DEVICE_BATCH_BYTES)
     with ThreadPoolExecutor(max_workers=DEVICE_READ_THREADS, thread_name_prefix="fp4forge-read") as pool:
         started: deque[_Batch] = deque()
         queue = iter(batches)
@@ -506,6 +506,34 @@ def _process_units_on_device(
             for batch in started:  # an error or a closed generator: drop the queued reads
                 for future in [*batch.singles.values(), *(r for st in batch.stacks for r in st.reads)]:
                     future.cancel()
+
+
+#: Output bytes after which the shards written so far are synced to disk in the background.
+WRITEBACK_BYTES = 256 << 20
+
+
+class _Writeback:
+    """Moves written shard data to the disk while the export goes on (one ``fdatasync`` at a
+    time on a background thread, every ``WRITEBACK_BYTES``): the kernel would otherwise keep
+    it all dirty until the output's final fsync, which then writes gigabytes with nothing left
+    to overlap them."""
+
+    def __init__(self, writer: CheckpointWriter, every: int | None = None):
+        self.writer, self.every, self.pending = writer, every or WRITEBACK_BYTES, 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-writeback")
+        self.running: Any = None
+
+    def wrote(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.every and (self.running is None or self.running.done()):
+            self.pending = 0
+            self.running = self.pool.submit(self.writer.flush_data)
+
+    def __enter__(self) -> _Writeback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
@@ -551,16 +579,18 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             u.key: [LinearError(**e) for e in writer.completed_payloads.get(u.key) or []] for u in plan.units if u.key in writer.completed_units
         }
         done = resumed
-        units = _process_units(pending, ckpt, quantizer, options.workers) if quantizer.device.type == "cpu" else _process_units_on_device(pending, ckpt, quantizer)
-        for unit, tensors, unit_errors, unit_bytes in units:
-            for name, tensor in tensors.items():
-                writer.write(name, tensor)
-            writer.commit_unit(unit.key, list(tensors), [e.__dict__ for e in unit_errors])
-            finished[unit.key] = unit_errors
-            bytes_read += unit_bytes
-            done += 1
-            if progress:
-                progress(done, total_units, f"{unit.key} · {bytes_read / 1e9 / max(time.perf_counter() - started, 1e-9):.3f} GB/s")
+        with _Writeback(writer) as writeback:
+            units = _process_units(pending, ckpt, quantizer, options.workers) if quantizer.device.type == "cpu" else _process_units_on_device(pending, ckpt, quantizer)
+            for unit, tensors, unit_errors, unit_bytes in units:
+                for name, tensor in tensors.items():
+                    writer.write(name, tensor)
+                writer.commit_unit(unit.key, list(tensors), [e.__dict__ for e in unit_errors])
+                writeback.wrote(sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else len(t) for t in tensors.values()))
+                finished[unit.key] = unit_errors
+                bytes_read += unit_bytes
+                done += 1
+                if progress:
+                    progress(done, total_units, f"{unit.key} · {bytes_read / 1e9 / max(time.perf_counter() - started, 1e-9):.3f} GB/s")
         bytes_read = _gather_parts(writer, ranks, finished, bytes_read)
         errors = [e for u in plan.units for e in finished.get(u.key, [])]  # plan order, resumed or not
         if ranks.is_main and plan.kv_layers and "kv_scales" not in writer.completed_units:
