@@ -351,7 +351,7 @@ def main() -> None:
     parser.add_argument("--profile-units", type=int, default=96)
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip optional phases once this much time is used")
     parser.add_argument("--skip", default="", help="comma-separated phases to skip: cached-export,warm,profile,lc,all-experts,cpu-export,equality,fidelity")
-    parser.add_argument("--export-variants", default="", help="more cold GPU exports, comma-separated BATCH_MIB:READ_THREADS:WRITEBACK_MIB (e.g. 256:4:256,512:8:1048576)")
+    parser.add_argument("--export-variants", default="", help="more cold GPU exports, comma-separated BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED] (e.g. 256:4:256:0,512:8:1048576)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Laguna testbed on whatever device there is (a smoke test of this script)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -395,16 +395,19 @@ def main() -> None:
     save(args.out, "export", exports)
     from fp4forge.quantize import export as exporter
 
-    defaults = (exporter.DEVICE_BATCH_BYTES, exporter.DEVICE_READ_THREADS, exporter.WRITEBACK_BYTES)
+    knobs = ("DEVICE_BATCH_BYTES", "DEVICE_READ_THREADS", "WRITEBACK_BYTES", "DEVICE_READ_WILLNEED")
+    defaults = {k: getattr(exporter, k) for k in knobs}
     for variant in filter(None, args.export_variants.split(",")):
-        # batch MiB : reader threads : writeback MiB (a huge writeback = none before the final fsync)
-        batch_mib, threads, writeback_mib = (int(x) for x in variant.split(":"))
-        exporter.DEVICE_BATCH_BYTES, exporter.DEVICE_READ_THREADS, exporter.WRITEBACK_BYTES = batch_mib << 20, threads, writeback_mib << 20
+        # batch MiB : reader threads : writeback MiB (a huge writeback = none before the final fsync) : WILLNEED hint 0/1
+        batch_mib, threads, writeback_mib, willneed = (int(x) for x in (variant.split(":") + ["1"])[:4])
+        for k, v in zip(knobs, (batch_mib << 20, threads, writeback_mib << 20, bool(willneed))):
+            setattr(exporter, k, v)
         try:
             evict(shards(src))
             exports[f"cold {variant}"] = export(src, args.work / "export-gpu", stats_path, device)
         finally:
-            exporter.DEVICE_BATCH_BYTES, exporter.DEVICE_READ_THREADS, exporter.WRITEBACK_BYTES = defaults
+            for k, v in defaults.items():
+                setattr(exporter, k, v)
         save(args.out, "export", exports)
         log(f"export cold {variant}", {k: v for k, v in exports[f"cold {variant}"].items() if k != "sha256"})
     log("export", {k: {kk: vv for kk, vv in v.items() if kk != "sha256"} for k, v in exports.items()})

@@ -310,11 +310,14 @@ def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuant
 #: stack; large enough that a stack costs a few dozen kernel launches for ~30 expert projections,
 #: small enough that the first batch's read (before any compute) and the pinned memory (three
 #: batches in flight) stay small.
-DEVICE_BATCH_BYTES = 512 << 20
+DEVICE_BATCH_BYTES = 256 << 20
 #: Elements per chunk of the stacked encoder on a CUDA device (F32 temporaries of 256 MiB each).
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 #: Threads reading the next batches into page-locked memory (the disk wants several requests in flight).
 DEVICE_READ_THREADS = 4
+#: Hint the kernel to read each batch's whole file range ahead (posix_fadvise WILLNEED) when the
+#: batch is queued, so that the tensor reads mostly find the page cache filled.
+DEVICE_READ_WILLNEED = True
 
 
 def _stack_signature(unit: WorkUnit, options: QuantizeOptions) -> tuple | None:
@@ -382,6 +385,9 @@ def _start_batch(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantiz
             singles[unit.key] = pool.submit(_read_unit, unit, ckpt, pin)
         else:
             groups.setdefault(signature, []).append(unit)
+    if DEVICE_READ_WILLNEED:
+        names = [f"{t.module}.weight" for u in units for t in u.linears] + [n for u in units for n in u.passthrough]
+        pool.submit(reader.will_need, names)
     stacks = []
     for (_, linears, out_features, in_features, dtype), members in groups.items():
         torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
