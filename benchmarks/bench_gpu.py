@@ -206,7 +206,7 @@ def llm_compressor(src: Path, ids: torch.Tensor, tokenizer: Path, work: Path, ba
 
 
 # -- 4. export -------------------------------------------------------------------------------------
-def export(src: Path, out: Path, stats: Path, device: str) -> dict:
+def export(src: Path, out: Path, stats: Path | None, device: str) -> dict:
     import shutil
 
     from fp4forge.quantize.act_scales import StatsAmax
@@ -219,7 +219,10 @@ def export(src: Path, out: Path, stats: Path, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
     from fp4forge.checkpoint.writer import CheckpointWriter
 
-    options = QuantizeOptions(recipe=load_recipe("nvfp4-all-linear"), act_amax=StatsAmax(stats), device=device)
+    from fp4forge.quantize.act_scales import ConstantAmax
+
+    act_amax = StatsAmax(stats) if stats is not None else ConstantAmax(8.0)
+    options = QuantizeOptions(recipe=load_recipe("nvfp4-all-linear"), act_amax=act_amax, device=device)
     spent = {"write_s": 0.0, "finish_s": 0.0}
     plain_write, plain_finish = CheckpointWriter.write, CheckpointWriter._finish
 
@@ -350,11 +353,13 @@ def main() -> None:
     parser.add_argument("--fidelity-samples", type=int, default=16)
     parser.add_argument("--profile-units", type=int, default=96)
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip optional phases once this much time is used")
-    parser.add_argument("--skip", default="", help="comma-separated phases to skip: cached-export,warm,profile,lc,all-experts,cpu-export,equality,fidelity")
+    parser.add_argument("--skip", default="", help="comma-separated phases to skip: calibrate (the exports then use a constant activation amax; implies warm,profile,lc,equality,fidelity,all-experts),cached-export,warm,profile,lc,all-experts,cpu-export,equality,fidelity")
     parser.add_argument("--export-variants", default="", help="more cold GPU exports, comma-separated BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED] (e.g. 256:4:256:0,512:8:1048576)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Laguna testbed on whatever device there is (a smoke test of this script)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if "calibrate" in skip:
+        skip |= {"warm", "profile", "lc", "equality", "fidelity", "all-experts"}
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -377,15 +382,18 @@ def main() -> None:
     log("disk", disk)
 
     ids, id_source = token_ids(tokenizer, args.samples, args.seq_len)
-    evict(shards(src))
-    result = calibrate(src, ids, id_source, device, args.batch_size)
-    stats_path = args.work / "stats.safetensors"
-    from fp4forge.checkpoint.stats import write_stats
+    stats_path: Path | None = None  # None: the exports take a constant activation amax (--skip calibrate)
+    calib: dict = {}
+    if "calibrate" not in skip:
+        evict(shards(src))
+        result = calibrate(src, ids, id_source, device, args.batch_size)
+        stats_path = args.work / "stats.safetensors"
+        from fp4forge.checkpoint.stats import write_stats
 
-    write_stats(stats_path, result.tensors, result.metadata)
-    calib = {"fp4forge_routed": {**result.summary(), "timings": result.timings, "token_source": id_source}}
-    save(args.out, "calibrate", calib)
-    log("fp4forge calibrate", {k: v for k, v in calib["fp4forge_routed"].items() if k not in ("timings", "experts_without_tokens")})
+        write_stats(stats_path, result.tensors, result.metadata)
+        calib = {"fp4forge_routed": {**result.summary(), "timings": result.timings, "token_source": id_source}}
+        save(args.out, "calibrate", calib)
+        log("fp4forge calibrate", {k: v for k, v in calib["fp4forge_routed"].items() if k not in ("timings", "experts_without_tokens")})
 
     exports: dict = {}
     evict(shards(src))
