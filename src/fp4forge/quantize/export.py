@@ -283,34 +283,16 @@ def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuant
     thread: the error report does not depend on `workers`. The window of in-flight units
     (workers + 1) bounds memory to a few units whatever the model's size. Writing stays on the
     caller's thread."""
-    from fp4forge.model.streaming import CheckpointTensors
-
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # the file range of the next ~HINT_BYTES of units is hinted (WILLNEED) when the
-    # current one starts: the disk reads ahead in large requests while the reader takes unit by unit
-    hinted = iter(_plan_batches(units, quantizer.options, HINT_BYTES))
-    first_of_batch: dict[str, list[WorkUnit]] = {}
     try:
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-read") as reader,
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-hint") as hints,
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp4forge-quantize") as pool,
         ):
-            tensors = CheckpointTensors(ckpt)
-
-            def hint(batch: list[WorkUnit] | None) -> None:
-                if batch is not None and WILLNEED_HINT:
-                    first_of_batch[batch[0].key] = batch
-                    hints.submit(tensors.will_need, [f"{t.module}.weight" for u in batch for t in u.linears] + [n for u in batch for n in u.passthrough])
-
-            hint(next(hinted, None))
-            hint(next(hinted, None))
             window: deque = deque()
             try:
                 for unit in units:
-                    if first_of_batch.pop(unit.key, None) is not None:
-                        hint(next(hinted, None))
                     read = reader.submit(_read_unit, unit, ckpt)
                     window.append(pool.submit(lambda r=read: _quantize_unit(r.result(), quantizer)))
                     if len(window) > workers:
@@ -334,10 +316,8 @@ DEVICE_CHUNK_ELEMENTS = 1 << 26
 #: Threads reading the next batches into page-locked memory (the disk wants several requests in flight).
 DEVICE_READ_THREADS = 4
 #: Hint the kernel to read each batch's whole file range ahead (posix_fadvise WILLNEED) when the
-#: batch is queued (GPU path; the CPU path hints ``HINT_BYTES`` of units ahead), so that the
-#: tensor reads mostly find the page cache filled.
-WILLNEED_HINT = True
-HINT_BYTES = 256 << 20
+#: batch is queued, so that the tensor reads mostly find the page cache filled.
+DEVICE_READ_WILLNEED = True
 
 
 def _stack_signature(unit: WorkUnit, options: QuantizeOptions) -> tuple | None:
@@ -405,7 +385,7 @@ def _start_batch(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantiz
             singles[unit.key] = pool.submit(_read_unit, unit, ckpt, pin)
         else:
             groups.setdefault(signature, []).append(unit)
-    if WILLNEED_HINT:
+    if DEVICE_READ_WILLNEED:
         names = [f"{t.module}.weight" for u in units for t in u.linears] + [n for u in units for n in u.passthrough]
         pool.submit(reader.will_need, names)
     stacks = []
