@@ -403,7 +403,7 @@ def main() -> None:
     save(args.out, "export", exports)
     from fp4forge.quantize import export as exporter
 
-    knobs = ("DEVICE_BATCH_BYTES", "DEVICE_READ_THREADS", "WRITEBACK_BYTES", "DEVICE_READ_WILLNEED")
+    knobs = ("DEVICE_BATCH_BYTES", "DEVICE_READ_THREADS", "WRITEBACK_BYTES", "WILLNEED_HINT")
     defaults = {k: getattr(exporter, k) for k in knobs}
     for variant in filter(None, args.export_variants.split(",")):
         # batch MiB : reader threads : writeback MiB (a huge writeback = none before the final fsync) : WILLNEED hint 0/1

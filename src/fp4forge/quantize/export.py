@@ -316,8 +316,9 @@ DEVICE_CHUNK_ELEMENTS = 1 << 26
 #: Threads reading the next batches into page-locked memory (the disk wants several requests in flight).
 DEVICE_READ_THREADS = 4
 #: Hint the kernel to read each batch's whole file range ahead (posix_fadvise WILLNEED) when the
-#: batch is queued, so that the tensor reads mostly find the page cache filled.
-DEVICE_READ_WILLNEED = True
+#: batch is queued. Off: on the H200's disk it did not help (1.09 GB/s with it, 1.15 without, in
+#: one run; benchmarks/RESULTS.md); a switch for disks where it does.
+WILLNEED_HINT = False
 
 
 def _stack_signature(unit: WorkUnit, options: QuantizeOptions) -> tuple | None:
@@ -385,7 +386,7 @@ def _start_batch(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantiz
             singles[unit.key] = pool.submit(_read_unit, unit, ckpt, pin)
         else:
             groups.setdefault(signature, []).append(unit)
-    if DEVICE_READ_WILLNEED:
+    if WILLNEED_HINT:
         names = [f"{t.module}.weight" for u in units for t in u.linears] + [n for u in units for n in u.passthrough]
         pool.submit(reader.will_need, names)
     stacks = []
