@@ -165,3 +165,29 @@ def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: P
     monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, batch_bytes=1 << 16, read_ahead=2))
     export.quantize_checkpoint(tiny_laguna, tmp_path / "device-path", options)
     assert digests(tmp_path / "pool") == digests(tmp_path / "device-path") and digests(tmp_path / "pool")
+
+
+def test_device_export_path_refuses_a_nan_expert_by_name(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN in one stacked expert: the stacked pass flags it without a host sync; the export
+    stops with a NumericsError that names the Linear, and leaves no output."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fp4forge.errors import NumericsError
+    from fp4forge.quantize import export
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.recipe import load_recipe
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_laguna, src)
+    target = "model.layers.1.mlp.experts.3.up_proj.weight"
+    shard = next(p for p in sorted(src.glob("*.safetensors")) if target in load_file(p))
+    tensors = load_file(shard)
+    tensors[target][2, 5] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, batch_bytes=1 << 16))
+    options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu")
+    with pytest.raises(NumericsError, match="experts.3.up_proj"):
+        export.quantize_checkpoint(src, tmp_path / "q", options)
+    assert not (tmp_path / "q").exists()

@@ -466,9 +466,9 @@ def nvfp4_quantize_stacked(
     blocks = _blocks(w).contiguous()
     amax_blk = block_absmax(blocks)
     slice_amax = amax_blk.reshape(n, -1).amax(dim=1)  # exact: a max of maxima
+    finite = torch.isfinite(slice_amax)  # NaN and Inf propagate into the max (as _check_finite)
     if group > 1:
         slice_amax = slice_amax.view(-1, group).amax(dim=1).repeat_interleave(group)
-    finite = torch.isfinite(slice_amax)
     if convention == "compressed-tensors":
         g = _ct_global_scales(slice_amax, fp8_max).reshape(n, 1)
     else:
