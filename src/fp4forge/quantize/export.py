@@ -523,9 +523,8 @@ class _Writeback:
     """Moves written shard data to the disk while the export goes on (one ``fdatasync`` at a
     time on a background thread, every ``WRITEBACK_BYTES``): on a machine with much RAM the
     kernel would otherwise keep it all dirty until the output's final fsync (2.8 s of a 14.5 s GPU
-    export on the H200). Used on the GPU path only: on the shared 2-core CPU machine an export
-    with it took 3.9 more CPU seconds than without in one side-by-side run (54.2 vs 50.3; probably
-    the kernel's writeback work charged to the process), for no measurable wall-clock gain."""
+    export on the H200). Used on the GPU path only: on the shared 2-core CPU machine it showed no
+    wall-clock gain in side-by-side runs (benchmarks/RESULTS.md), so that path stays as it was."""
 
     def __init__(self, writer: CheckpointWriter, every: int | None = None, enabled: bool = True):
         self.writer, self.every, self.pending, self.enabled = writer, every or WRITEBACK_BYTES, 0, enabled
