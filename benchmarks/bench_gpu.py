@@ -20,6 +20,11 @@ limit keeps what it measured; optional phases are skipped when ``--budget-s`` ru
 6. **fidelity**: ``evaluate`` teacher vs the CUDA export on CUDA, tokens/s.
 
     python3 benchmarks/bench_gpu.py --out $OUT --layers 4 --samples 128 --seq-len 2048   # on the H200
+    python3 benchmarks/bench_gpu.py --out $OUT --skip calibrate,cached-export --export-variants 256:4:256:0,128:4:256:1   # exports only
+
+Each export records the caller's time in the writer's ``write`` and in the final fsync + rename;
+``--export-variants BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED]`` adds cold GPU exports with
+other settings of the batched path (all compared by sha256 with the CPU export).
     python benchmarks/bench_gpu.py --tiny --out /tmp/bench-gpu                            # CPU smoke test
 
 The llm-compressor arm runs ``FP4FORGE_LC_PYTHON`` (default: this interpreter) with
