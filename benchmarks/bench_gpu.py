@@ -20,6 +20,11 @@ limit keeps what it measured; optional phases are skipped when ``--budget-s`` ru
 6. **fidelity**: ``evaluate`` teacher vs the CUDA export on CUDA, tokens/s.
 
     python3 benchmarks/bench_gpu.py --out $OUT --layers 4 --samples 128 --seq-len 2048   # on the H200
+    python3 benchmarks/bench_gpu.py --out $OUT --skip calibrate,cached-export --export-variants 256:4:256:0,128:4:256:1   # exports only
+
+Each export records the caller's time in the writer's ``write`` and in the final fsync + rename;
+``--export-variants BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED]`` adds cold GPU exports with
+other settings of the batched path (all compared by sha256 with the CPU export).
     python benchmarks/bench_gpu.py --tiny --out /tmp/bench-gpu                            # CPU smoke test
 
 The llm-compressor arm runs ``FP4FORGE_LC_PYTHON`` (default: this interpreter) with
@@ -206,7 +211,7 @@ def llm_compressor(src: Path, ids: torch.Tensor, tokenizer: Path, work: Path, ba
 
 
 # -- 4. export -------------------------------------------------------------------------------------
-def export(src: Path, out: Path, stats: Path, device: str) -> dict:
+def export(src: Path, out: Path, stats: Path | None, device: str) -> dict:
     import shutil
 
     from fp4forge.quantize.act_scales import StatsAmax
@@ -217,9 +222,33 @@ def export(src: Path, out: Path, stats: Path, device: str) -> dict:
         shutil.rmtree(out)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    options = QuantizeOptions(recipe=load_recipe("nvfp4-all-linear"), act_amax=StatsAmax(stats), device=device)
-    summary = quantize_checkpoint(src, out, options)
-    doc = {"device": device, "seconds": summary.seconds, "bytes_read": summary.bytes_read, "bytes_written": summary.bytes_written, "read_gb_per_s": summary.read_gb_per_s}
+    from fp4forge.checkpoint.writer import CheckpointWriter
+
+    from fp4forge.quantize.act_scales import ConstantAmax
+
+    act_amax = StatsAmax(stats) if stats is not None else ConstantAmax(8.0)
+    options = QuantizeOptions(recipe=load_recipe("nvfp4-all-linear"), act_amax=act_amax, device=device)
+    spent = {"write_s": 0.0, "finish_s": 0.0}
+    plain_write, plain_finish = CheckpointWriter.write, CheckpointWriter._finish
+
+    def timed(key, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+
+        return wrapper
+
+    # where the caller's thread spends the export: writing tensors into the shards, and the final
+    # fsync + rename (the rest is waiting for reads / the device, and the companions)
+    CheckpointWriter.write, CheckpointWriter._finish = timed("write_s", plain_write), timed("finish_s", plain_finish)
+    try:
+        summary = quantize_checkpoint(src, out, options)
+    finally:
+        CheckpointWriter.write, CheckpointWriter._finish = plain_write, plain_finish
+    doc = {"device": device, "seconds": summary.seconds, "bytes_read": summary.bytes_read, "bytes_written": summary.bytes_written, "read_gb_per_s": summary.read_gb_per_s, **spent}
     if device.startswith("cuda"):
         doc["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     doc["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards(out)}
@@ -329,10 +358,13 @@ def main() -> None:
     parser.add_argument("--fidelity-samples", type=int, default=16)
     parser.add_argument("--profile-units", type=int, default=96)
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip optional phases once this much time is used")
-    parser.add_argument("--skip", default="", help="comma-separated phases to skip: cached-export,warm,profile,lc,all-experts,cpu-export,equality,fidelity")
+    parser.add_argument("--skip", default="", help="comma-separated phases to skip: calibrate (the exports then use a constant activation amax; implies warm,profile,lc,equality,fidelity,all-experts),cached-export,warm,profile,lc,all-experts,cpu-export,equality,fidelity")
+    parser.add_argument("--export-variants", default="", help="more cold GPU exports, comma-separated BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED] (e.g. 256:4:256:0,512:8:1048576)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Laguna testbed on whatever device there is (a smoke test of this script)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if "calibrate" in skip:
+        skip |= {"warm", "profile", "lc", "equality", "fidelity", "all-experts"}
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -355,15 +387,18 @@ def main() -> None:
     log("disk", disk)
 
     ids, id_source = token_ids(tokenizer, args.samples, args.seq_len)
-    evict(shards(src))
-    result = calibrate(src, ids, id_source, device, args.batch_size)
-    stats_path = args.work / "stats.safetensors"
-    from fp4forge.checkpoint.stats import write_stats
+    stats_path: Path | None = None  # None: the exports take a constant activation amax (--skip calibrate)
+    calib: dict = {}
+    if "calibrate" not in skip:
+        evict(shards(src))
+        result = calibrate(src, ids, id_source, device, args.batch_size)
+        stats_path = args.work / "stats.safetensors"
+        from fp4forge.checkpoint.stats import write_stats
 
-    write_stats(stats_path, result.tensors, result.metadata)
-    calib = {"fp4forge_routed": {**result.summary(), "timings": result.timings, "token_source": id_source}}
-    save(args.out, "calibrate", calib)
-    log("fp4forge calibrate", {k: v for k, v in calib["fp4forge_routed"].items() if k not in ("timings", "experts_without_tokens")})
+        write_stats(stats_path, result.tensors, result.metadata)
+        calib = {"fp4forge_routed": {**result.summary(), "timings": result.timings, "token_source": id_source}}
+        save(args.out, "calibrate", calib)
+        log("fp4forge calibrate", {k: v for k, v in calib["fp4forge_routed"].items() if k not in ("timings", "experts_without_tokens")})
 
     exports: dict = {}
     evict(shards(src))
@@ -371,6 +406,23 @@ def main() -> None:
     if "cached-export" not in skip:
         exports["cached"] = export(src, args.work / "export-gpu", stats_path, device)
     save(args.out, "export", exports)
+    from fp4forge.quantize import export as exporter
+
+    knobs = ("DEVICE_BATCH_BYTES", "DEVICE_READ_THREADS", "WRITEBACK_BYTES", "WILLNEED_HINT")
+    defaults = {k: getattr(exporter, k) for k in knobs}
+    for variant in filter(None, args.export_variants.split(",")):
+        # batch MiB : reader threads : writeback MiB (a huge writeback = none before the final fsync) : WILLNEED hint 0/1
+        batch_mib, threads, writeback_mib, willneed = (int(x) for x in (variant.split(":") + ["1"])[:4])
+        for k, v in zip(knobs, (batch_mib << 20, threads, writeback_mib << 20, bool(willneed))):
+            setattr(exporter, k, v)
+        try:
+            evict(shards(src))
+            exports[f"cold {variant}"] = export(src, args.work / "export-gpu", stats_path, device)
+        finally:
+            for k, v in defaults.items():
+                setattr(exporter, k, v)
+        save(args.out, "export", exports)
+        log(f"export cold {variant}", {k: v for k, v in exports[f"cold {variant}"].items() if k != "sha256"})
     log("export", {k: {kk: vv for kk, vv in v.items() if kk != "sha256"} for k, v in exports.items()})
 
     if "warm" not in skip:
@@ -393,7 +445,7 @@ def main() -> None:
 
     if device == "cuda" and "cpu-export" not in skip and elapsed() < args.budget_s - 60:
         exports["cpu"] = export(src, args.work / "export-cpu", stats_path, "cpu")
-        exports["bit_identical"] = all(exports[k]["sha256"] == exports["cpu"]["sha256"] for k in ("cold", "cached") if k in exports)
+        exports["bit_identical"] = all(v["sha256"] == exports["cpu"]["sha256"] for k, v in exports.items() if k.startswith(("cold", "cached")))
         save(args.out, "export", exports)
         log("export cpu", {k: v for k, v in exports["cpu"].items() if k != "sha256"}, "bit-identical:", exports["bit_identical"])
 

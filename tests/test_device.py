@@ -148,8 +148,9 @@ def test_device_cpu_runs_each_command(tiny_laguna: Path, tmp_path: Path) -> None
 
 
 def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU export path's structure (reads ahead on two threads, numerics on the caller's), run
-    on the CPU: the same bytes as the CPU worker pool."""
+    """The GPU export path's structure (batches read ahead by threads into stacks, one stacked
+    pass per signature, pipelined), run on the CPU in many small batches: the same bytes as the
+    CPU worker pool."""
     import hashlib
 
     from fp4forge.quantize import export
@@ -161,6 +162,32 @@ def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: P
 
     options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu", workers=2)
     export.quantize_checkpoint(tiny_laguna, tmp_path / "pool", options)
-    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, read_ahead=2))
+    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, batch_bytes=1 << 16, read_ahead=2))
     export.quantize_checkpoint(tiny_laguna, tmp_path / "device-path", options)
     assert digests(tmp_path / "pool") == digests(tmp_path / "device-path") and digests(tmp_path / "pool")
+
+
+def test_device_export_path_refuses_a_nan_expert_by_name(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN in one stacked expert: the stacked pass flags it without a host sync; the export
+    stops with a NumericsError that names the Linear, and leaves no output."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fp4forge.errors import NumericsError
+    from fp4forge.quantize import export
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.recipe import load_recipe
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_laguna, src)
+    target = "model.layers.1.mlp.experts.3.up_proj.weight"
+    shard = next(p for p in sorted(src.glob("*.safetensors")) if target in load_file(p))
+    tensors = load_file(shard)
+    tensors[target][2, 5] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, batch_bytes=1 << 16))
+    options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu")
+    with pytest.raises(NumericsError, match="experts.3.up_proj"):
+        export.quantize_checkpoint(src, tmp_path / "q", options)
+    assert not (tmp_path / "q").exists()

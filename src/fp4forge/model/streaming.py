@@ -39,6 +39,8 @@ so the CPU behaviour is the RAM budget alone.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import re
 import shutil
 import tempfile
@@ -96,16 +98,49 @@ class CheckpointTensors:
     def read(self, name: str) -> torch.Tensor:
         return self.ckpt.read_tensor(name)
 
-    def read_host(self, name: str, pin: bool) -> torch.Tensor:
+    def will_need(self, names: list[str]) -> None:
+        """Ask the kernel to start reading the file range that holds ``names`` (per shard, from
+        the first tensor's start to the last one's end) into the page cache now, asynchronously:
+        one large request in flight instead of one tensor-sized read at a time. A hint; no-op for
+        sources that are not local files."""
+        local_path = getattr(self.ckpt.source, "path", None)
+        if local_path is None or not hasattr(os, "posix_fadvise"):
+            return
+        spans: dict[str, tuple[int, int]] = {}
+        for name in names:
+            shard, info = self.ckpt.locate(name)
+            begin = self.ckpt.headers[shard].data_start + info.begin
+            lo, hi = spans.get(shard, (begin, begin + info.nbytes))
+            spans[shard] = (min(lo, begin), max(hi, begin + info.nbytes))
+        for shard, (lo, hi) in spans.items():
+            try:
+                fd = os.open(local_path(shard), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    def read_host(self, name: str, pin: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """``read``, but a local file is read straight into the (page-locked with ``pin``) tensor:
-        one copy from the page cache, the GIL released while the kernel copies."""
+        one copy from the page cache, the GIL released while the kernel copies. With ``out`` (a
+        contiguous host tensor of the tensor's dtype and element count, e.g. one slice of a
+        stack), the values go there and ``out`` is returned."""
         shard, info = self.ckpt.locate(name)
         local_path = getattr(self.ckpt.source, "path", None)
         dtype = getattr(torch, TORCH_DTYPES.get(info.dtype, ""), None)
+        if out is not None and (out.dtype != dtype or out.numel() != math.prod(info.shape) or not out.is_contiguous()):
+            raise CheckpointError(f"cannot read {info.dtype}{list(info.shape)} into {out.dtype}{list(out.shape)}", file=self.ckpt.display, tensor=name)
         if local_path is None or dtype is None or info.dtype == "F4":
             value = self.read(name)
+            if out is not None:
+                return out.copy_(value.reshape(out.shape))
             return value.pin_memory() if pin else value
-        out = torch.empty(tuple(info.shape), dtype=dtype, pin_memory=pin)
+        if out is None:
+            out = torch.empty(tuple(info.shape), dtype=dtype, pin_memory=pin)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
         got = 0
         with open(local_path(shard), "rb", buffering=0) as fh:

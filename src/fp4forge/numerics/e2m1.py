@@ -51,6 +51,7 @@ __all__ = [
     "decode_packed_blocks",
     "encode_packed_blocks",
     "encode_packed_blocks_with_error",
+    "encode_packed_rows",
     "fp4_bytes_to_values",
     "pack_fp4",
     "row_chunks",
@@ -290,10 +291,14 @@ def unpack_fp4(packed: Tensor) -> Tensor:
 ENCODE_CHUNK_ELEMENTS_ONE_THREAD = 1 << 17
 
 
-def _encode_chunk(blocks: Tensor, step: Tensor, out: Tensor, error: bool) -> tuple[float, float]:
+def _encode_chunk(
+    blocks: Tensor, step: Tensor, out: Tensor, error: bool, row_sums: tuple[Tensor, Tensor] | None = None
+) -> tuple[float, float]:
     """Codes of ``blocks / step`` (``[R, nb, bs]`` / ``[R, nb, 1]`` F32) packed into ``out``
     ``[R, nb * bs / 2]``; with ``error``, also (sum of squared dequantization error, sum of
-    squares) of this chunk, from the same rounded values."""
+    squares) of this chunk, from the same rounded values. With ``row_sums`` (two F32 ``[R]``
+    tensors) those sums are written there per row instead, and (0, 0) returned: no host sync, so
+    a CUDA caller never waits for the device."""
     n, device = blocks.numel(), blocks.device
     if blocks.dtype == torch.float32:
         x = blocks
@@ -314,8 +319,12 @@ def _encode_chunk(blocks: Tensor, step: Tensor, out: Tensor, error: bool) -> tup
         a = _BUFFERS.get("a", n, torch.float32, device).view(blocks.shape)
         torch.abs(x, out=a)
         d = values.mul_(step).sub_(a)
-        err_sq = float(d.mul_(d).sum())
-        ref_sq = float(a.mul_(a).sum())
+        if row_sums is not None:
+            torch.sum(d.mul_(d).view(d.shape[0], -1), dim=1, out=row_sums[0])
+            torch.sum(a.mul_(a).view(a.shape[0], -1), dim=1, out=row_sums[1])
+        else:
+            err_sq = float(d.mul_(d).sum())
+            ref_sq = float(a.mul_(a).sum())
     if sys.byteorder == "little":
         # pack_fp4 on each code pair read as one int16: (pair | pair >> 4) has element 2i in the
         # low nibble of its low byte and 2i+1 in the high nibble
@@ -352,6 +361,26 @@ def _encode_blocks(blocks: Tensor, step: Tensor, error: bool) -> tuple[Tensor, f
         err_sq += e
         ref_sq += r
     return out.reshape(*blocks.shape[:-2], nb * bs // 2), err_sq, ref_sq
+
+
+def encode_packed_rows(
+    blocks: Tensor, step: Tensor, *, error: bool = False, chunk_elements: int | None = None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """:func:`encode_packed_blocks` for F32/bf16/f16 ``blocks`` ``[N, nb, bs]`` whose ``step``
+    ``[N, nb]`` is positive and finite everywhere (the caller guarantees it; a zero or non-finite
+    step needs :func:`encode_packed_blocks`), without any host sync: returns (packed
+    ``[N, nb * bs / 2]``, and with ``error`` the per-row F32 sums of the squared dequantization
+    error and of ``w^2``, else None twice). The codes are the same bit for bit."""
+    n_rows, nb, bs = blocks.shape
+    s2 = step.to(torch.float32).reshape(n_rows, nb, 1)
+    out = torch.empty((n_rows, nb * bs // 2), dtype=torch.uint8, device=blocks.device)
+    err = torch.empty(n_rows, dtype=torch.float32, device=blocks.device) if error else None
+    ref = torch.empty(n_rows, dtype=torch.float32, device=blocks.device) if error else None
+    per_chunk = chunk_elements or CHUNK_ELEMENTS or (ENCODE_CHUNK_ELEMENTS_ONE_THREAD if torch.get_num_threads() == 1 else CHUNK_ELEMENTS_THREADED)
+    for rows in row_chunks(n_rows, nb * bs, per_chunk):
+        sums = (err[rows], ref[rows]) if err is not None and ref is not None else None
+        _encode_chunk(blocks[rows], s2[rows], out[rows], error, sums)
+    return out, err, ref
 
 
 def encode_packed_blocks(blocks: Tensor, step: Tensor) -> Tensor:

@@ -40,6 +40,7 @@ exactly the rows of the whole-tensor result.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -56,6 +57,7 @@ from fp4forge.numerics.e2m1 import (
     e2m1_encode,
     encode_packed_blocks,
     encode_packed_blocks_with_error,
+    encode_packed_rows,
     row_chunks,
     unpack_fp4,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "Convention",
     "DequantFormula",
     "Nvfp4Weight",
+    "StackedNvfp4",
     "absmax",
     "amax_from_ct_global_scale",
     "amax_from_scale_2",
@@ -81,6 +84,7 @@ __all__ = [
     "nvfp4_global_scale",
     "nvfp4_quantize",
     "nvfp4_quantize_activation",
+    "nvfp4_quantize_stacked",
     "nvfp4_raw_block_scales",
     "nvfp4_scale_2",
 ]
@@ -116,12 +120,17 @@ def nvfp4_global_scale(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX, d
     a = torch.as_tensor(amax)
     if dtype is not None:
         a = a.to(dtype)
+    return _ct_global_scales(a, fp8_max).reshape(1)
+
+
+def _ct_global_scales(a: Tensor, fp8_max: float) -> Tensor:
+    """:func:`nvfp4_global_scale` elementwise, any shape (F32, same shape)."""
     if not a.is_floating_point():
         a = a.to(torch.float32)
     a = a.abs().clamp(min=torch.finfo(a.dtype).tiny)
     g = (fp8_max * E2M1_MAX) / a
     g = torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
-    return g.to(torch.float32).reshape(1)
+    return g.to(torch.float32)
 
 
 def nvfp4_scale_2(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX) -> Tensor:
@@ -384,6 +393,107 @@ def _quantize_blocks(
     else:
         packed, err_sq, ref_sq = encode_packed_blocks(blocks, step), 0.0, 0.0
     return Nvfp4Weight(packed, block_scale, g, convention), err_sq, ref_sq
+
+
+@dataclass(frozen=True)
+class StackedNvfp4:
+    """``B`` NVFP4 weights quantized in one pass (:func:`nvfp4_quantize_stacked`), still where
+    they were computed; nothing here has waited for the device.
+
+    ``packed`` uint8 ``[B, ..., K/2]``; ``block_scale`` E4M3 ``[B, ..., K/16]``; ``global_scale``
+    F32 ``[B, 1]`` (CT) or ``[B]`` (ModelOpt); ``err_sq`` / ``ref_sq`` F32 ``[B]`` (with ``error``)
+    as in :func:`~fp4forge.numerics.scale_search.search_nvfp4`; ``finite`` bool ``[B]``: the
+    slice held no NaN/Inf; ``regular`` bool ``[B]``: every step of the slice was positive and
+    finite. A slice that is not regular (possible only for ModelOpt scalars of denormal-sized
+    weights) must be quantized again by :func:`nvfp4_quantize`, which handles it; one that is not
+    finite must be refused.
+    """
+
+    packed: Tensor
+    block_scale: Tensor
+    global_scale: Tensor
+    finite: Tensor
+    regular: Tensor
+    err_sq: Tensor | None = None
+    ref_sq: Tensor | None = None
+    convention: Convention = "compressed-tensors"
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False, pin_memory: bool = False) -> StackedNvfp4:
+        """Every tensor copied to ``device`` (into page-locked memory with ``pin_memory``, which
+        lets a CUDA copy run ``non_blocking``)."""
+
+        def move(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            target = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin_memory)
+            return target.copy_(t, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            **{name: move(getattr(self, name)) for name in ("packed", "block_scale", "global_scale", "finite", "regular", "err_sq", "ref_sq")},
+        )
+
+    def weight(self, index: int) -> Nvfp4Weight:
+        """Slice ``index`` as an :class:`Nvfp4Weight` (views, no copy)."""
+        return Nvfp4Weight(self.packed[index], self.block_scale[index], self.global_scale[index], self.convention)
+
+
+def nvfp4_quantize_stacked(
+    w: Tensor,
+    *,
+    convention: Convention = "compressed-tensors",
+    group: int = 1,
+    error: bool = False,
+    fp8_max: float = FP8_E4M3_MAX,
+    chunk_elements: int | None = None,
+) -> StackedNvfp4:
+    """Quantize the ``B`` weights stacked in ``w`` ``[B, ..., K]`` (e.g. a layer's expert
+    projections) with round-to-nearest ("minmax") block scales, in one pass and with no host
+    sync: a few dozen kernels for the whole stack instead of that many per weight (on a GPU the
+    per-weight path is launch-bound).
+
+    Slice ``i`` gets exactly the bytes of ``nvfp4_quantize(w[i], global_amax=...)`` where the
+    global amax is the max over its ``group`` (``group`` consecutive slices share one per-tensor
+    scalar, as a fused gate/up pair does; ``group=1``: each slice its own ``max |w[i]|``). Every
+    operation is elementwise or a max, so stacking changes no bit; the error sums are summed in
+    another order than :func:`~fp4forge.numerics.scale_search.search_nvfp4`'s (equal to ~1e-6).
+    Nothing is checked here (that would wait for the device): read ``finite`` and ``regular``.
+    """
+    _check_convention(convention)
+    if w.ndim < 2 or w.shape[0] % max(1, group):
+        raise NumericsError(f"nvfp4_quantize_stacked needs [B, ..., K] with B a multiple of group={group}, got shape {list(w.shape)}")
+    n = w.shape[0]
+    blocks = _blocks(w).contiguous()
+    amax_blk = block_absmax(blocks)
+    slice_amax = amax_blk.reshape(n, -1).amax(dim=1)  # exact: a max of maxima
+    finite = torch.isfinite(slice_amax)  # NaN and Inf propagate into the max (as _check_finite)
+    if group > 1:
+        slice_amax = slice_amax.view(-1, group).amax(dim=1).repeat_interleave(group)
+    if convention == "compressed-tensors":
+        g = _ct_global_scales(slice_amax, fp8_max).reshape(n, 1)
+    else:
+        s2 = slice_amax.float() / (E2M1_MAX * fp8_max)  # nvfp4_scale_2, elementwise
+        g = torch.where(s2 == 0.0, torch.ones_like(s2), s2)  # as _resolve_scalar: 0 -> 1.0
+    bshape = (n,) + (1,) * (amax_blk.ndim - 1)
+    if convention == "compressed-tensors":
+        raw = g.reshape(bshape) * (amax_blk / E2M1_MAX)
+    else:
+        raw = amax_blk.float() / (E2M1_MAX * g.reshape(bshape))
+    block_scale = _finish_block_scales(raw, convention)
+    step = e4m3_to_f32(block_scale)
+    step = step / g.reshape(bshape) if convention == "compressed-tensors" else step * g.reshape(bshape)
+    regular = ((step > 0) & (step < math.inf)).reshape(n, -1).all(dim=1)
+    nb = blocks.shape[-2]
+    packed, err_rows, ref_rows = encode_packed_rows(
+        blocks.reshape(-1, nb, NVFP4_BLOCK), step.reshape(-1, nb), error=error, chunk_elements=chunk_elements
+    )
+    err_sq = ref_sq = None
+    if err_rows is not None and ref_rows is not None:
+        err_sq = err_rows.reshape(n, -1).sum(dim=1)
+        ref_sq = ref_rows.reshape(n, -1).sum(dim=1)
+    return StackedNvfp4(
+        packed.reshape(*w.shape[:-1], w.shape[-1] // 2), block_scale, g, finite, regular, err_sq, ref_sq, convention
+    )
 
 
 def nvfp4_dequantize(

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -31,10 +33,10 @@ from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.model.device import resolve_device
-from fp4forge.errors import ConfigError, require_choice
+from fp4forge.errors import ConfigError, NumericsError, require_choice
 from fp4forge.model import distributed
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
-from fp4forge.numerics.nvfp4 import absmax, nvfp4_global_scale, nvfp4_scale_2
+from fp4forge.numerics.nvfp4 import absmax, nvfp4_global_scale, nvfp4_quantize_stacked, nvfp4_scale_2
 from fp4forge.numerics.scale_search import relative_error, search_nvfp4
 from fp4forge.quantize.act_scales import ConstantAmax, StatsAmax
 from fp4forge.quantize.plan import ExportPlan, WorkUnit, plan_export
@@ -257,12 +259,15 @@ def _read_unit(unit: WorkUnit, ckpt: Checkpoint, pin: bool = False) -> _ReadUnit
     return _ReadUnit(unit, passthrough, weights, nbytes)
 
 
-def _quantize_unit(read: _ReadUnit, quantizer: UnitQuantizer) -> tuple[WorkUnit, dict[str, Any], list[LinearError], int]:
+def _quantize_unit(
+    read: _ReadUnit, quantizer: UnitQuantizer, device: torch.device | None = None
+) -> tuple[WorkUnit, dict[str, Any], list[LinearError], int]:
     tensors: dict[str, Any] = dict(read.passthrough)
     errors: list[LinearError] = []
     if read.unit.linears:
-        pin = quantizer.device.type == "cuda"
-        weights = {m: w.to(quantizer.device, non_blocking=pin) for m, w in read.weights.items()}
+        device = device or quantizer.device
+        pin = device.type == "cuda"
+        weights = {m: w.to(device, non_blocking=pin) for m, w in read.weights.items()}
         quantized, errors = quantizer.quantize(read.unit, weights)
         tensors.update({name: value.cpu() for name, value in quantized.items()})  # the writer takes host tensors
     return read.unit, tensors, errors, read.nbytes
@@ -301,22 +306,242 @@ def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuant
         torch.set_num_threads(previous_threads)
 
 
-def _process_units_on_device(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, read_ahead: int = 4):
-    """The GPU path: the numerics on the calling thread alone (on an H200, 4 or 16 threads sharing
-    the GPU ran 3-4x slower than one: they contend for the GIL and the stream), while two reader
-    threads read the next ``read_ahead`` units into page-locked memory. Yields as
-    ``_process_units``, in plan order."""
-    pin = quantizer.device.type == "cuda"
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="fp4forge-read") as pool:
-        window: deque = deque()
-        queue = iter(units)
+#: BF16 bytes of work units a device batch holds: its stackable units are quantized in one pass per
+#: stack; large enough that a stack costs a few dozen kernel launches for ~30 expert projections,
+#: small enough that the first batch's read (before any compute) and the pinned memory (three
+#: batches in flight) stay small.
+DEVICE_BATCH_BYTES = 256 << 20
+#: Elements per chunk of the stacked encoder on a CUDA device (F32 temporaries of 256 MiB each).
+DEVICE_CHUNK_ELEMENTS = 1 << 26
+#: Threads reading the next batches into page-locked memory (the disk wants several requests in flight).
+DEVICE_READ_THREADS = 4
+#: Hint the kernel to read each batch's whole file range ahead (posix_fadvise WILLNEED) when the
+#: batch is queued. Off: on the H200's disk it did not help (1.09 GB/s with it, 1.15 without, in
+#: one run; benchmarks/RESULTS.md); a switch for disks where it does.
+WILLNEED_HINT = False
 
-        for unit in queue:
-            window.append(pool.submit(_read_unit, unit, ckpt, pin))
-            if len(window) > read_ahead:
-                yield _quantize_unit(window.popleft().result(), quantizer)
-        while window:
-            yield _quantize_unit(window.popleft().result(), quantizer)
+
+def _stack_signature(unit: WorkUnit, options: QuantizeOptions) -> tuple | None:
+    """Units with the same signature are quantized as one stack (:func:`nvfp4_quantize_stacked`):
+    NVFP4 with minmax block scales, no precomputed weights, every Linear of the unit of one shape
+    and dtype (a fused gate/up pair, or one projection). None: the unit goes the per-unit way."""
+    if not unit.linears or unit.passthrough or options.block_scales != "minmax" or options.precomputed is not None:
+        return None
+    if not unit.linears[0].scheme.startswith("nvfp4"):
+        return None
+    shapes = {(t.scheme, t.out_features, t.in_features, t.source_dtype) for t in unit.linears}
+    if len(shapes) != 1:
+        return None
+    ((scheme, out_features, in_features, dtype),) = shapes
+    if dtype not in ("BF16", "F16", "F32") or out_features == 0 or in_features == 0 or in_features % 16:
+        return None
+    return scheme, len(unit.linears), out_features, in_features, dtype
+
+
+@dataclass
+class _Stack:
+    """Units of one signature in a batch, their weights read into one (pinned) host tensor
+    ``[units * linears, out, in]``, unit-major (a fused group's members are consecutive)."""
+
+    units: list[WorkUnit]
+    host: torch.Tensor
+    reads: list = field(default_factory=list)
+    result: Any = None  # StackedNvfp4 on the host once computed
+
+
+@dataclass
+class _Batch:
+    units: list[WorkUnit]
+    stacks: list[_Stack]
+    singles: dict[str, Any]  # unit key -> Future[_ReadUnit] (pass-through and per-unit Linears)
+    event: Any = None
+
+
+def _plan_batches(units: list[WorkUnit], options: QuantizeOptions, batch_bytes: int) -> list[list[WorkUnit]]:
+    batches: list[list[WorkUnit]] = []
+    current: list[WorkUnit] = []
+    size = 0
+    for unit in units:
+        current.append(unit)
+        size += sum(t.out_features * t.in_features * 2 for t in unit.linears)
+        if size >= batch_bytes:
+            batches.append(current)
+            current, size = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _start_batch(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, pool: ThreadPoolExecutor) -> _Batch:
+    """Allocate a batch's stacks (page-locked for CUDA) and queue every tensor's read on ``pool``."""
+    from fp4forge.model.streaming import CheckpointTensors
+
+    pin = quantizer.device.type == "cuda"
+    reader = CheckpointTensors(ckpt)
+    groups: dict[tuple, list[WorkUnit]] = {}
+    singles: dict[str, Any] = {}
+    for unit in units:
+        signature = _stack_signature(unit, quantizer.options)
+        if signature is None:
+            singles[unit.key] = pool.submit(_read_unit, unit, ckpt, pin)
+        else:
+            groups.setdefault(signature, []).append(unit)
+    if WILLNEED_HINT:
+        names = [f"{t.module}.weight" for u in units for t in u.linears] + [n for u in units for n in u.passthrough]
+        pool.submit(reader.will_need, names)
+    stacks = []
+    for (_, linears, out_features, in_features, dtype), members in groups.items():
+        torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
+        host = torch.empty((len(members) * linears, out_features, in_features), dtype=torch_dtype, pin_memory=pin)
+        stack = _Stack(members, host)
+        for i, target in enumerate(t for u in members for t in u.linears):
+            stack.reads.append(pool.submit(reader.read_host, f"{target.module}.weight", pin, host[i]))
+        stacks.append(stack)
+    return _Batch(units, stacks, singles)
+
+
+def _compute_batch(batch: _Batch, quantizer: UnitQuantizer) -> None:
+    """Queue the batch's stacked numerics on the device and the copies of their results into
+    page-locked host memory; nothing waits for the device here (``batch.event`` marks the end)."""
+    cuda = quantizer.device.type == "cuda"
+    for stack in batch.stacks:
+        for read in stack.reads:
+            read.result()
+        weights = stack.host.to(quantizer.device, non_blocking=cuda)
+        linears = len(stack.units[0].linears)
+        result = nvfp4_quantize_stacked(
+            weights,
+            convention=quantizer.convention,
+            group=linears,
+            error=quantizer.options.error_report,
+            chunk_elements=DEVICE_CHUNK_ELEMENTS if cuda else None,
+        )
+        stack.result = result.to("cpu", non_blocking=True, pin_memory=True) if cuda else result
+    if cuda:
+        batch.event = torch.cuda.Event()
+        batch.event.record()
+
+
+def _finish_batch(batch: _Batch, ckpt: Checkpoint, quantizer: UnitQuantizer):
+    """Yield the batch's units as ``_quantize_unit`` does, in plan order, once the device is done."""
+    if batch.event is not None:
+        batch.event.synchronize()
+    done: dict[str, tuple] = {}
+    for stack in batch.stacks:
+        done.update(_unpack_stack(stack, ckpt, quantizer))
+    for unit in batch.units:
+        if unit.key in done:
+            yield done[unit.key]
+        else:
+            yield _quantize_unit(batch.singles[unit.key].result(), quantizer)
+
+
+def _unpack_stack(stack: _Stack, ckpt: Checkpoint, quantizer: UnitQuantizer) -> dict[str, tuple]:
+    result = stack.result
+    finite = result.finite.tolist()
+    regular = result.regular.tolist()
+    err = result.err_sq.double().tolist() if result.err_sq is not None else None
+    ref = result.ref_sq.double().tolist() if result.ref_sq is not None else None
+    scheme = stack.units[0].linears[0].scheme
+    suffix = role_suffixes(quantizer.options.layout_format, scheme)
+    out: dict[str, tuple] = {}
+    index = 0
+    for unit in stack.units:
+        first = index
+        index += len(unit.linears)
+        for i, target in zip(range(first, index), unit.linears):
+            if not finite[i]:
+                raise NumericsError(f"{target.module}: weight holds NaN or Inf; refusing to quantize it")
+        nbytes = sum(stack.host[i].numel() * stack.host[i].element_size() for i in range(first, index))
+        if not all(regular[first:index]):
+            # a zero or infinite step (ModelOpt scalars of denormal weights): the general path, on the host
+            read = _ReadUnit(unit, {}, {t.module: stack.host[i] for i, t in zip(range(first, index), unit.linears)}, nbytes)
+            out[unit.key] = _quantize_unit(read, quantizer, torch.device("cpu"))
+            continue
+        input_scale = None
+        if scheme == "nvfp4":
+            input_scale = quantizer._input_scale(scheme, quantizer._input_amax([t.module for t in unit.linears]))
+        tensors: dict[str, Any] = {}
+        errors: list[LinearError] = []
+        for i, target in zip(range(first, index), unit.linears):
+            q = result.weight(i)
+            m = target.module
+            tensors[f"{m}.{suffix['packed']}"] = q.packed
+            tensors[f"{m}.{suffix['block_scale']}"] = q.block_scale
+            tensors[f"{m}.{suffix['global_scale']}"] = q.global_scale
+            if input_scale is not None:
+                tensors[f"{m}.{suffix['input_scale']}"] = input_scale
+            if err is not None and ref is not None:
+                rel = 0.0 if ref[i] == 0.0 else math.sqrt(err[i] / ref[i])
+                errors.append(LinearError(m, target.component, scheme, rel))
+        out[unit.key] = (unit, tensors, errors, nbytes)
+    return out
+
+
+def _process_units_on_device(
+    units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, batch_bytes: int | None = None, read_ahead: int = 2
+):
+    """The GPU path. Units go in batches of about ``batch_bytes`` of weights; in a batch, the
+    units of one signature (a layer's expert gate/up pairs, its down projections) are read
+    straight into one page-locked stack and quantized by one stacked pass
+    (:func:`nvfp4_quantize_stacked`: no host sync, a few dozen kernels per stack instead of that
+    many per Linear), the rest one unit at a time. Software-pipelined on the calling thread:
+    batch k+1's numerics and result copies are queued on the device before batch k's units are
+    yielded (and written by the caller), and ``DEVICE_READ_THREADS`` threads read the next
+    ``read_ahead`` batches meanwhile. (Several threads sharing one GPU were measured 3-4x slower
+    than one: they contend for the GIL and the stream.) Yields as ``_process_units``, in plan order."""
+    batches = _plan_batches(units, quantizer.options, batch_bytes or DEVICE_BATCH_BYTES)
+    with ThreadPoolExecutor(max_workers=DEVICE_READ_THREADS, thread_name_prefix="fp4forge-read") as pool:
+        started: deque[_Batch] = deque()
+        queue = iter(batches)
+        try:
+            for members in itertools.islice(queue, read_ahead + 1):
+                started.append(_start_batch(members, ckpt, quantizer, pool))
+            computed: _Batch | None = None
+            while started:
+                batch = started.popleft()
+                _compute_batch(batch, quantizer)
+                following = next(queue, None)
+                if following is not None:
+                    started.append(_start_batch(following, ckpt, quantizer, pool))
+                if computed is not None:
+                    yield from _finish_batch(computed, ckpt, quantizer)
+                computed = batch
+            if computed is not None:
+                yield from _finish_batch(computed, ckpt, quantizer)
+        finally:
+            for batch in started:  # an error or a closed generator: drop the queued reads
+                for future in [*batch.singles.values(), *(r for st in batch.stacks for r in st.reads)]:
+                    future.cancel()
+
+
+#: Output bytes after which the shards written so far are synced to disk in the background.
+WRITEBACK_BYTES = 256 << 20
+
+
+class _Writeback:
+    """Moves written shard data to the disk while the export goes on (one ``fdatasync`` at a
+    time on a background thread, every ``WRITEBACK_BYTES``): on a machine with much RAM the
+    kernel would otherwise keep it all dirty until the output's final fsync (2.8 s of a 14.5 s GPU
+    export on the H200). Used on the GPU path only: on the shared 2-core CPU machine it showed no
+    wall-clock gain in side-by-side runs (benchmarks/RESULTS.md), so that path stays as it was."""
+
+    def __init__(self, writer: CheckpointWriter, every: int | None = None, enabled: bool = True):
+        self.writer, self.every, self.pending, self.enabled = writer, every or WRITEBACK_BYTES, 0, enabled
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-writeback")
+        self.running: Any = None
+
+    def wrote(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.enabled and self.pending >= self.every and (self.running is None or self.running.done()):
+            self.pending = 0
+            self.running = self.pool.submit(self.writer.flush_data)
+
+    def __enter__(self) -> _Writeback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
@@ -362,16 +587,18 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             u.key: [LinearError(**e) for e in writer.completed_payloads.get(u.key) or []] for u in plan.units if u.key in writer.completed_units
         }
         done = resumed
-        units = _process_units(pending, ckpt, quantizer, options.workers) if quantizer.device.type == "cpu" else _process_units_on_device(pending, ckpt, quantizer)
-        for unit, tensors, unit_errors, unit_bytes in units:
-            for name, tensor in tensors.items():
-                writer.write(name, tensor)
-            writer.commit_unit(unit.key, list(tensors), [e.__dict__ for e in unit_errors])
-            finished[unit.key] = unit_errors
-            bytes_read += unit_bytes
-            done += 1
-            if progress:
-                progress(done, total_units, f"{unit.key} · {bytes_read / 1e9 / max(time.perf_counter() - started, 1e-9):.3f} GB/s")
+        with _Writeback(writer, enabled=quantizer.device.type != "cpu") as writeback:
+            units = _process_units(pending, ckpt, quantizer, options.workers) if quantizer.device.type == "cpu" else _process_units_on_device(pending, ckpt, quantizer)
+            for unit, tensors, unit_errors, unit_bytes in units:
+                for name, tensor in tensors.items():
+                    writer.write(name, tensor)
+                writer.commit_unit(unit.key, list(tensors), [e.__dict__ for e in unit_errors])
+                writeback.wrote(sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else len(t) for t in tensors.values()))
+                finished[unit.key] = unit_errors
+                bytes_read += unit_bytes
+                done += 1
+                if progress:
+                    progress(done, total_units, f"{unit.key} · {bytes_read / 1e9 / max(time.perf_counter() - started, 1e-9):.3f} GB/s")
         bytes_read = _gather_parts(writer, ranks, finished, bytes_read)
         errors = [e for u in plan.units for e in finished.get(u.key, [])]  # plan order, resumed or not
         if ranks.is_main and plan.kv_layers and "kv_scales" not in writer.completed_units:
