@@ -99,17 +99,25 @@ def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log:
     return post
 
 
-def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None) -> dict[str, Any]:
+def generated_one_call_scenarios(count: int) -> list[Any]:
+    """Held-out one-call scenarios of the training generator (its held-out seed stream): in-distribution requests."""
+    from fp4forge.quality.training_corpus import FAMILIES, HELDOUT_SEED_OFFSET, generate_scenarios
+
+    weights = tuple((name, 1 if name == "one_call" else 0) for name in FAMILIES)
+    return [g.scenario for g in generate_scenarios(count, HELDOUT_SEED_OFFSET + 1, weights)]
+
+
+def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None, generated: int = 0) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LagunaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
-    suite = load_suite()
+    scenarios = generated_one_call_scenarios(generated) if generated else load_suite().scenarios
     log: list[dict[str, Any]] = []
     post = make_post(model, tokenizer, device, max_new_tokens, log)
     config = RunConfig(base_url="http://offline.invalid", model="offline", max_tokens=max_new_tokens)
     earned = maximum = 0
     choice_hits = choice_total = restraint_hits = restraint_total = 0
     per_scenario = []
-    for scenario in suite.scenarios[:limit]:
+    for scenario in scenarios[:limit]:
         start = len(log)
         record = run_scenario(scenario, config, post)
         earned += record["score"]["earned"]
@@ -139,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--generated", type=int, default=0, help="play N held-out generated one-call scenarios instead of the suite")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    result = evaluate(args.model, args.device, args.max_new_tokens, args.limit)
+    result = evaluate(args.model, args.device, args.max_new_tokens, args.limit, args.generated)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{args.model}: {result['earned']}/{result['max']} points; first-step tool choice {result['tool_choice'][0]}/{result['tool_choice'][1]};"

@@ -33,6 +33,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "seq512x6": ({"seq_len": 512, "batch_size": 6}, {}),
     "steps320": ({"steps": 320}, {}),
     "lr6e-3-seq512": ({"lr": 6e-3, "seq_len": 512, "batch_size": 6}, {}),
+    "steps1000": ({"steps": 1000}, {}),
+    "steps2000": ({"steps": 2000}, {}),
+    "lr1e-2-steps1000": ({"steps": 1000, "lr": 1e-2, "warmup_steps": 30}, {}),
 }
 
 
@@ -64,6 +67,7 @@ def run_variant(name: str, out: Path, device: str, steps: int | None, max_new_to
     result = trained.train_laguna(model_dir, corpus.train, corpus.heldout, seed=0, config=config, device=device)
     train_s = time.monotonic() - started - corpus_s
     suite = evaluate(model_dir, device=device, max_new_tokens=max_new_tokens)
+    indist = evaluate(model_dir, device=device, max_new_tokens=48, generated=40)
     report = result.report
     summary = {
         "variant": name, "training": config.to_json(), "corpus_s": round(corpus_s, 1), "train_s": round(train_s, 1),
@@ -71,6 +75,7 @@ def run_variant(name: str, out: Path, device: str, steps: int | None, max_new_to
         "heldout_assistant_perplexity": report["heldout_assistant_perplexity"],
         "weights": report["weights"], "activations": report["activations"],
         "suite": {k: suite[k] for k in ("earned", "max", "tool_choice", "restraint", "turns_with_calls", "turns")},
+        "generated_tool_choice": indist["tool_choice"],
     }
     (out / name / "result.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / name / "suite.json").write_text(json.dumps(suite, indent=1) + "\n")
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"})
     for name, proc in procs.items():
         proc.wait()
-    print(f"{'variant':16} {'points':>9} {'choice':>7} {'restr':>6} {'calls':>7} {'ppl':>6} {'a-ppl':>6} {'loss10':>6} {'train s':>7} {'exp kurt':>8}")
+    print(f"{'variant':16} {'points':>9} {'choice':>7} {'restr':>6} {'calls':>7} {'ppl':>6} {'a-ppl':>6} {'loss10':>6} {'train s':>7} {'exp kurt':>8} {'gen choice':>10}")
     for name in names:
         path = args.out / name / "result.json"
         if not path.is_file():
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         s = r["suite"]
         print(f"{name:16} {s['earned']:>4}/{s['max']:<4} {s['tool_choice'][0]:>3}/{s['tool_choice'][1]:<3} {s['restraint'][0]:>2}/{s['restraint'][1]:<3}"
               f" {s['turns_with_calls']:>3}/{s['turns']:<3} {r['heldout_perplexity']:6.2f} {r['heldout_assistant_perplexity']:6.2f} {r['loss_last_10_mean']:6.3f}"
-              f" {r['train_s']:7.0f} {r['weights']['routed_experts']['kurtosis_median']:8.2f}")
+              f" {r['train_s']:7.0f} {r['weights']['routed_experts']['kurtosis_median']:8.2f} {r['generated_tool_choice'][0]:>5}/{r['generated_tool_choice'][1]}")
     return 0
 
 
