@@ -17,6 +17,7 @@ Everything is a pure function of the seed.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -344,56 +345,137 @@ PHRASES = ("good evening", "the train is late", "see you tomorrow", "where is th
 LANGUAGES = ("Polish", "Norwegian", "Portuguese", "Hungarian", "Czech", "Swedish")
 TIMEZONES = ("Europe/Warsaw", "Europe/Oslo", "America/Chicago", "Asia/Seoul", "Australia/Perth", "America/Lima")
 SEARCHES = ("best hiking trails", "opening hours of the museum", "how to repot a cactus", "bike repair shops", "tide tables")
-CUISINES = ("thai", "georgian", "ethiopian", "basque", "korean", "lebanese")
+CUISINES = ("vietnamese", "georgian", "ethiopian", "basque", "korean", "lebanese")
 
 
 def _one_call_specs(rng: random.Random) -> dict[str, tuple[dict[str, Any], tuple[str, ...]]]:
     city, code = rng.choice(CITIES)
     other_city, _ = rng.choice([c for c in CITIES if c[0] != city])
     name = _person(rng)
+    date = _date(rng)
     return {
-        "get_weather": ({"city": city}, ("What's the weather in {city}?", "Check the forecast for {city}.", "Is it raining in {city} now?")),
-        "get_air_quality": ({"city": city}, ("How is the air quality in {city}?", "Is the pollution bad in {city} today?", "Check the smog level in {city}.")),
-        "get_time": ({"timezone": rng.choice(TIMEZONES)}, ("What time is it in {timezone}?", "Tell me the current time for {timezone}.")),
-        "get_stock_quote": ({"symbol": rng.choice(TICKERS)}, ("What is {symbol} trading at?", "Get the share price of {symbol}.")),
-        "track_shipment": ({"tracking_number": f"TRK{rng.randint(100000000, 999999999)}"}, ("Where is my parcel {tracking_number}?", "Track package {tracking_number} please.")),
-        "get_order": ({"order_id": f"OR-{rng.randint(10000, 99999)}"}, ("What's the status of order {order_id}?", "Look up order {order_id}.")),
-        "lookup_customer": ({"email": _email(name, rng)}, ("Find the customer with e-mail {email}.", "Who is the customer {email}?")),
-        "get_account_balance": ({"account_id": f"ACCT-{rng.randint(100000, 999999)}"}, ("How much money is in {account_id}?", "Check the balance of {account_id}.")),
-        "get_contact": ({"name": name}, ("Find the contact details of {name}.", "What's {name}'s phone number?")),
-        "read_file": ({"path": f"{rng.choice(FILE_DIRS)}/{rng.choice(FILE_STEMS)}.toml"}, ("Show me the file {path}.", "Open {path} and tell me what it says.")),
-        "list_directory": ({"path": rng.choice(FILE_DIRS)}, ("What files are in {path}?", "List the directory {path}.")),
-        "search_products": ({"query": rng.choice(PRODUCTS)}, ("Do you sell a {query}?", "Search the shop for a {query}.")),
-        "play_music": ({"query": rng.choice(SONGS)}, ("Play some {query}.", "Put on {query} music.")),
-        "web_search": ({"query": rng.choice(SEARCHES)}, ("Search the web for {query}.", "Look up {query} online.")),
-        "calculate": ({"expression": f"{rng.randint(100, 9999)} * {rng.randint(2, 99)}"}, ("Calculate {expression} exactly.", "Use the calculator for {expression}.")),
-        "translate_text": ({"text": rng.choice(PHRASES), "target_language": rng.choice(LANGUAGES)}, ("Translate '{text}' into {target_language}.", "How do you say '{text}' in {target_language}?")),
-        "find_restaurants": ({"location": city, "cuisine": rng.choice(CUISINES)}, ("Find a {cuisine} restaurant in {location}.", "Any good {cuisine} places to eat in {location}?")),
-        "get_directions": ({"origin": city, "destination": other_city}, ("How do I get from {origin} to {destination}?", "Directions from {origin} to {destination}, please.")),
+        "get_weather": ({"city": city}, ("What's the weather in {city}?", "Check the forecast for {city}.", "Is it raining in {city} now?",
+                                         "How warm is it in {city} today?", "I'm heading to {city}. What are the conditions there?")),
+        "get_air_quality": ({"city": city}, ("How is the air quality in {city}?", "Is the pollution bad in {city} today?", "Check the smog level in {city}.",
+                                             "Is the air clean enough for a jog in {city}? Check the air quality.", "What's the pollution index in {city}?")),
+        "get_time": ({"timezone": rng.choice(TIMEZONES)}, ("What time is it in {timezone}?", "Tell me the current time for {timezone}.", "What's the local time in {timezone} now?")),
+        "get_stock_quote": ({"symbol": rng.choice(TICKERS)}, ("What is {symbol} trading at?", "Get the share price of {symbol}.", "How much does one {symbol} share cost right now?",
+                                                              "Latest price for the ticker {symbol}, please.")),
+        "track_shipment": ({"tracking_number": f"TRK{rng.randint(100000000, 999999999)}"}, ("Where is my parcel {tracking_number}?", "Track package {tracking_number} please.",
+                                                                                             "Has my delivery arrived? The tracking number is {tracking_number}.")),
+        "get_order": ({"order_id": f"OR-{rng.randint(10000, 99999)}"}, ("What's the status of order {order_id}?", "Look up order {order_id}.", "Has order {order_id} shipped yet?")),
+        "cancel_order": ({"order_id": f"OR-{rng.randint(10000, 99999)}"}, ("Cancel order {order_id}.", "Please cancel my order {order_id}, I don't need it anymore.")),
+        "lookup_customer": ({"email": _email(name, rng)}, ("Find the customer with e-mail {email}.", "Who is the customer {email}?", "Pull up the customer record for {email}.")),
+        "get_account_balance": ({"account_id": f"ACCT-{rng.randint(100000, 999999)}"}, ("How much money is in {account_id}?", "Check the balance of {account_id}.",
+                                                                                         "What's the balance on account {account_id}?")),
+        "get_contact": ({"name": name}, ("Find the contact details of {name}.", "What's {name}'s phone number?", "Look up {name} in my contacts.")),
+        "read_file": ({"path": f"{rng.choice(FILE_DIRS)}/{rng.choice(FILE_STEMS)}.toml"}, ("Show me the file {path}.", "Open {path} and tell me what it says.", "Read {path} for me.")),
+        "list_directory": ({"path": rng.choice(FILE_DIRS)}, ("What files are in {path}?", "List the directory {path}.", "Show the contents of the folder {path}.")),
+        "search_products": ({"query": rng.choice(PRODUCTS)}, ("Do you sell a {query}?", "Search the shop for a {query}.", "I need a new {query}. What do you have?")),
+        "play_music": ({"query": rng.choice(SONGS)}, ("Play some {query}.", "Put on {query} music.", "I'd like to listen to {query}.")),
+        "web_search": ({"query": rng.choice(SEARCHES)}, ("Search the web for {query}.", "Look up {query} online.", "Find information about {query} on the internet.")),
+        "calculate": ({"expression": f"{rng.randint(100, 9999)} * {rng.randint(2, 99)}"}, ("Calculate {expression} exactly.", "Use the calculator for {expression}.", "What is {expression}? Compute it.")),
+        "translate_text": ({"text": rng.choice(PHRASES), "target_language": rng.choice(LANGUAGES)}, ("Translate '{text}' into {target_language}.", "How do you say '{text}' in {target_language}?",
+                                                                                                   "What is '{text}' in {target_language}? Please translate.")),
+        "find_restaurants": ({"location": city, "cuisine": rng.choice(CUISINES)}, ("Find a {cuisine} restaurant in {location}.", "Any good {cuisine} places to eat in {location}?",
+                                                                                    "I'm hungry for {cuisine} food in {location}. Where can I go?")),
+        "get_directions": ({"origin": city, "destination": other_city}, ("How do I get from {origin} to {destination}?", "Directions from {origin} to {destination}, please.",
+                                                                         "What's the route from {origin} to {destination}?")),
         "set_lights": ({"room": rng.choice(ROOMS), "on": rng.choice((True, False))}, ()),
+        "set_thermostat": ({"room": rng.choice(ROOMS), "temperature": rng.randint(15, 25)}, ("Set the {room} thermostat to {temperature} degrees.", "Warm the {room} up to {temperature} degrees.",
+                                                                                              "Make it {temperature} degrees in the {room}.")),
         "convert_units": ({"value": rng.randint(2, 400), "from_unit": "km", "to_unit": "mi"}, ("How many miles is {value} km?", "Convert {value} km to miles.")),
-        "list_calendar_events": ({"date": _date(rng)}, ("What's on my calendar on {date}?", "Show my events for {date}.")),
-        "create_reminder": ({"text": rng.choice(("water the plants", "call the dentist", "renew the passport", "pay the rent")), "due": f"{_date(rng)}T{rng.randint(7, 20):02d}:00"},
-                            ("Remind me to {text} at {due}.", "Set a reminder to {text}, due {due}.")),
+        "list_calendar_events": ({"date": date}, ("What's on my calendar on {date}?", "Show my events for {date}.", "Am I busy on {date}? List my meetings.")),
+        "search_flights": ({"origin": city, "destination": other_city, "date": date}, ("Find flights from {origin} to {destination} on {date}.", "Are there flights {origin} to {destination} on {date}?",
+                                                                                       "Search for a flight from {origin} to {destination}, departing {date}.")),
+        "search_hotels": ({"city": city, "check_in": date, "check_out": f"{date[:8]}{int(date[8:]) + 2:02d}"},
+                          ("Find a hotel in {city} from {check_in} to {check_out}.", "I need a room in {city}, checking in {check_in} and out {check_out}.")),
+        "create_reminder": ({"text": rng.choice(("water the plants", "call the dentist", "renew the passport", "pay the rent")), "due": f"{date}T{rng.randint(7, 20):02d}:00"},
+                            ("Remind me to {text} at {due}.", "Set a reminder to {text}, due {due}.", "Don't let me forget to {text}: remind me at {due}.")),
     }
 
 
-def one_call(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+def _one_request(rng: random.Random, tools: list[str] | None = None) -> tuple[str, dict[str, Any], str]:
+    """(tool, arguments, request text): one single-call request, over ``tools`` or the whole pool."""
     specs = _one_call_specs(rng)
-    tool = rng.choice(sorted(specs))
+    tool = rng.choice(sorted(tools if tools is not None else specs))
     arguments, phrasings = specs[tool]
     if tool == "set_lights":
         phrasings = ("Turn {state} the lights in the {room}.", "Switch the {room} lights {state}.")
-        request = rng.choice(phrasings).format(state="on" if arguments["on"] else "off", room=arguments["room"])
-    else:
-        request = rng.choice(phrasings).format(**arguments)
+        return tool, arguments, rng.choice(phrasings).format(state="on" if arguments["on"] else "off", room=arguments["room"])
+    return tool, arguments, rng.choice(phrasings).format(**arguments)
+
+
+def _call_reasoning(tool: str, arguments: dict[str, Any]) -> str:
+    values = ", ".join(f"{key} {value}" for key, value in arguments.items())
+    return f"The user needs {tool.replace('_', ' ')}. Call {tool} with {values}."
+
+
+def one_call(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    tool, arguments, request = _one_request(rng)
     raw = {
         "tools": _tools(rng, [tool], rng.randint(2, 6)),
         "messages": _user(request),
         "steps": [{"expect": "call", "calls": [_call(tool, **arguments)]}],
     }
-    values = ", ".join(f"{key} {value}" for key, value in arguments.items())
-    return raw, [StepScript(f"The user needs {tool.replace('_', ' ')}. Call {tool} with {values}.")]
+    return raw, [StepScript(_call_reasoning(tool, arguments))]
+
+
+SESSION_TOOLS = ("get_weather", "get_air_quality", "get_time", "get_stock_quote", "track_shipment", "get_order", "cancel_order",
+                 "lookup_customer", "get_account_balance", "get_contact", "read_file", "list_directory", "search_products",
+                 "play_music", "web_search", "calculate", "translate_text", "find_restaurants", "get_directions", "set_lights",
+                 "set_thermostat", "convert_units", "list_calendar_events", "search_flights", "search_hotels", "create_reminder")
+RESTRAINT_QUESTIONS = (
+    ("Explain what a database index is, briefly.", "An index lets a database find rows without scanning the whole table.", "table"),
+    ("Thanks, that's all I needed.", "You're welcome. Have a good day!", "welcome"),
+    ("What's the capital of Finland?", "The capital of Finland is Helsinki.", "Helsinki"),
+    ("Can you tell me what a VPN does, in one sentence?", "A VPN sends your traffic through an encrypted tunnel to another network.", "encrypted"),
+    ("Great, thank you!", "You're welcome, happy to help.", "welcome"),
+)
+MISSING_REQUESTS = ("Call {name} on the phone for me.", "Order a taxi to the airport.", "Buy a train ticket to {city}.",
+                    "Print this page on the office printer.", "Pay my electricity bill with my card.", "Delete all my old e-mails.")
+
+
+def session(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
+    """One tool list, several independent requests in a row: many decisions per rendered schema.
+    Most requests need one call (then an answer from its result); some need no tool, some a tool
+    that is not on offer."""
+    offered = rng.sample(SESSION_TOOLS, rng.randint(4, 7))
+    steps: list[dict[str, Any]] = []
+    script: list[StepScript] = []
+    messages: list[dict[str, Any]] = []
+    fixtures: dict[str, list[dict[str, Any]]] = {}
+    for turn in range(rng.randint(4, 8)):
+        turn_start = len(steps)
+        roll = rng.random()
+        if roll < 0.75:
+            tool, arguments, request = _one_request(rng, offered)
+            reference = f"R-{rng.randint(10000, 99999)}"
+            rules = fixtures.setdefault(tool, [])
+            same = [rule for rule in rules if rule["when"] == arguments]  # a repeated request gets the same answer
+            if same:
+                reference = same[0]["result"]["reference"]
+            else:
+                rules.append({"when": arguments, "result": {"status": "ok", "reference": reference}})
+            steps.append({"expect": "call", "calls": [_call(tool, **arguments)]})
+            script.append(StepScript(_call_reasoning(tool, arguments)))
+            steps.append({"expect": "answer", "content": {"any_of": [reference]}})
+            script.append(StepScript(f"{tool} answered. I report the result.", lambda r: f"Done: reference {r[-1]['reference']}."))
+        elif roll < 0.9:
+            question, answer, expect = rng.choice(RESTRAINT_QUESTIONS)
+            request = question
+            steps.append({"expect": "answer", "content": {"any_of": [expect]}})
+            script.append(StepScript("This needs no tool; I answer directly.", answer))
+        else:
+            request = rng.choice(MISSING_REQUESTS).format(name=_person(rng), city=rng.choice(CITIES)[0])
+            steps.append({"expect": "decline", "forbidden": list(offered), "content": {"refusal": True}})
+            script.append(StepScript("None of the offered tools can do this. I say so and call nothing.",
+                                     "Sorry, I cannot do that: none of my tools can."))
+        if turn == 0:
+            messages = _user(request)
+        else:
+            steps[turn_start]["user"] = request
+    return {"tools": offered, "world": {"fixtures": fixtures}, "messages": messages, "steps": steps}, script
 
 
 def restraint(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
@@ -429,13 +511,14 @@ FAMILIES: dict[str, Family] = {
     "book_cheapest_flight": book_cheapest_flight, "conditional_transfer": conditional_transfer,
     "calendar_create": calendar_create, "read_config_value": read_config_value, "thermostat": thermostat,
     "no_tool_needed": no_tool_needed, "ask_missing_date": ask_missing_date, "refuse_wipe": refuse_wipe,
-    "one_call": one_call, "restraint": restraint, "missing_tool": missing_tool,
+    "one_call": one_call, "restraint": restraint, "missing_tool": missing_tool, "session": session,
 }
 
 
-# Turns in the round-robin per family: the single call over most of the catalogue is the suite's
-# commonest step and the broadest family, so it comes up most.
-FAMILY_WEIGHTS = {"one_call": 10, "restraint": 2}
+# Turns in the round-robin per family (families not named: 1). A session renders its tool schemas
+# once for four to eight requests, so per training token it teaches several times more tool
+# choices than a one-call transcript, whose schemas are most of its tokens.
+FAMILY_WEIGHTS = (("one_call", 6), ("restraint", 2), ("session", 12))
 
 
 # -- generation and play ---------------------------------------------------------------------------
@@ -443,11 +526,12 @@ def _catalogue() -> dict[str, dict[str, Any]]:
     return load_catalogue(SCENARIO_DIR / CATALOGUE_FILE)
 
 
-def generate_scenarios(count: int, seed: int) -> list[GeneratedScenario]:
-    """``count`` scenarios, families in weighted round-robin (``FAMILY_WEIGHTS``), entity values drawn from ``seed``."""
+def generate_scenarios(count: int, seed: int, weights: tuple[tuple[str, int], ...] = FAMILY_WEIGHTS) -> list[GeneratedScenario]:
+    """``count`` scenarios, families in weighted round-robin (``weights``), entity values drawn from ``seed``."""
     rng = random.Random(seed)
     catalogue = _catalogue()
-    names = [name for name in sorted(FAMILIES) for _ in range(FAMILY_WEIGHTS.get(name, 1))]
+    weight = dict(weights)
+    names = [name for name in sorted(FAMILIES) for _ in range(weight.get(name, 1))]
     generated = []
     for index in range(count):
         family = names[index % len(names)]
@@ -504,8 +588,22 @@ def play(generated: GeneratedScenario) -> Transcript:
 
 
 def render(transcript: Transcript, tokenizer: Any) -> str:
-    """The transcript as the model will see it served: the testbed chat template, thinking on."""
-    return tokenizer.apply_chat_template(transcript.messages, tools=transcript.tools, tokenize=False)
+    """The transcript as the model will see it served: the testbed chat template, thinking on.
+
+    A client sends earlier assistant turns back without their reasoning (the quality runner does),
+    so the served history reads ``<assistant></think>...``. Half the transcripts (by a hash of the
+    id, so the choice is deterministic) are rendered that way, every assistant turn but the last
+    without its reasoning; the other half keep it, so every turn still teaches reasoning somewhere."""
+    return tokenizer.apply_chat_template(rendered_messages(transcript), tools=transcript.tools, tokenize=False)
+
+
+def rendered_messages(transcript: Transcript) -> list[dict[str, Any]]:
+    """The transcript's messages as ``render`` writes them (see there: history reasoning dropped in half of them)."""
+    messages = transcript.messages
+    if hashlib.sha256(transcript.scenario_id.encode()).digest()[0] % 2:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        messages = [({k: v for k, v in m.items() if k != "reasoning"} if m["role"] == "assistant" and i < last else m) for i, m in enumerate(messages)]
+    return messages
 
 
 # -- plain structured text --------------------------------------------------------------------------
@@ -540,6 +638,7 @@ class CorpusSpec:
     heldout_transcripts: int = 90
     train_structured: int = 160
     heldout_structured: int = 20
+    family_weights: tuple[tuple[str, int], ...] = FAMILY_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -557,7 +656,7 @@ def build_corpus(spec: CorpusSpec, seed: int, tokenizer: Any) -> Corpus:
     def documents(transcripts: int, structured: int, stream_seed: int) -> tuple[list[str], dict[str, int]]:
         families: dict[str, int] = {}
         docs = []
-        for generated in generate_scenarios(transcripts, stream_seed):
+        for generated in generate_scenarios(transcripts, stream_seed, spec.family_weights):
             transcript = play(generated)
             families[transcript.family] = families.get(transcript.family, 0) + 1
             docs.append(render(transcript, tokenizer))

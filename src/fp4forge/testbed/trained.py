@@ -180,6 +180,10 @@ class RouterLoads:
             handle.remove()
 
 
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 # -- statistics -----------------------------------------------------------------------------------
 def tail_stats(tensor: torch.Tensor) -> dict[str, float]:
     """Pearson kurtosis (a Gaussian has 3) and max|x| / RMS of one tensor's elements."""
@@ -264,7 +268,7 @@ def activation_tail_stats(model: torch.nn.Module, windows: torch.Tensor) -> dict
                 handles.append(module.register_forward_hook(hook))
     try:
         with torch.no_grad():
-            model(input_ids=windows[:, :-1])
+            model(input_ids=windows[:, :-1].to(_device_of(model)))
     finally:
         for handle in handles:
             handle.remove()
@@ -277,13 +281,13 @@ def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, m
     total, tokens, masked_total, masked_tokens = 0.0, 0, 0.0, 0.0
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
-            batch = windows[start : start + batch_size]
+            batch = windows[start : start + batch_size].to(_device_of(model))
             logits = model(input_ids=batch[:, :-1]).logits.float()
             losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="none")
             total += float(losses.sum())
             tokens += losses.numel()
             if mask is not None:
-                keep = mask[start : start + batch_size, 1:].reshape(-1)
+                keep = mask[start : start + batch_size, 1:].reshape(-1).to(losses.device)
                 masked_total += float((losses * keep).sum())
                 masked_tokens += float(keep.sum())
     return math.exp(total / tokens), (math.exp(masked_total / masked_tokens) if masked_tokens else None)
@@ -305,8 +309,12 @@ def train_laguna(
     config: TrainingConfig = TrainingConfig(),
     progress: Progress = None,
     extra_report: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> TrainingResult:
-    """Train the tiny Laguna on the documents and write it (bf16, sharded) with a JSON report."""
+    """Train the tiny Laguna on the documents and write it (bf16, sharded) with a JSON report.
+
+    ``device`` other than the CPU is for exploring recipes fast (benchmarks/sweep_trained.py):
+    its arithmetic differs, so its bytes are not the CPU build's and the cache never holds one."""
     out = Path(out)
     with atomic_output_dir(out) as staging, deterministic_torch(config.threads):
         tokenizer = build_tokenizer()
@@ -328,6 +336,7 @@ def train_laguna(
             progress(0, config.steps, "scoring the untrained init")
         untrained_ppl, untrained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)  # the fp32 init
         untrained_weights = weight_tail_stats(model)
+        model = model.to(device)
         model.train()
 
         generator = torch.Generator().manual_seed(seed)
@@ -342,7 +351,7 @@ def train_laguna(
             if cursor + config.batch_size > len(order):
                 order, cursor = torch.randperm(len(train_windows), generator=generator), 0
             picked = order[cursor : cursor + config.batch_size]
-            batch, batch_weights = train_windows[picked], train_weights[picked]
+            batch, batch_weights = train_windows[picked].to(device), train_weights[picked].to(device)
             cursor += config.batch_size
             for group in optimizer.param_groups:
                 group["lr"] = _lr_at(step, config)
@@ -390,6 +399,7 @@ def train_laguna(
             "activations": activation_tail_stats(model, heldout_windows[: config.batch_size]),
             **(extra_report or {}),
         }
+        model = model.to("cpu")
         model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
         with quiet_transformers_progress():
             model.save_pretrained(staging, max_shard_size=TINY_MAX_SHARD_BYTES)

@@ -1,0 +1,162 @@
+"""The quality suite offline: a checkpoint behind transformers' greedy generation instead of a server.
+
+A diagnostic, not the suite's measurement (that is ``fp4forge quality run`` against vLLM): the
+suite's own runner, simulated tools and scorer play every scenario, and each request is rendered
+with the checkpoint's chat template (thinking on, as the runner's default request), generated
+greedily, and split the way vLLM's ``poolside_v1`` parsers split a reply (reasoning before
+``</think>``, ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`` blocks,
+values typed by the tool's schema). Prints the total, the first-step tool-choice accuracy (the
+first step of every scenario that expects calls: did the first call name the expected function)
+and the restraint rate (scenarios whose first step expects no call: did the model call nothing).
+
+    PYTHONPATH=src python benchmarks/offline_suite.py MODEL [--device cuda] [--max-new-tokens 128] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, LagunaForCausalLM
+
+from fp4forge.quality.runner import Reply, RunConfig, run_scenario
+from fp4forge.quality.suite import load_suite
+
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _typed(value: str, schema: dict[str, Any] | None) -> Any:
+    kind = (schema or {}).get("type")
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def parse_reply(text: str, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    reasoning, _, rest = text.partition("</think>") if "</think>" in text else ("", "", text)
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {}).get("properties", {}) for t in tools}
+    calls = []
+    for k, block in enumerate(CALL.findall(rest)):
+        name = block.split("<arg_key>", 1)[0].strip()
+        arguments = {key.strip(): _typed(value, schemas.get(name, {}).get(key.strip())) for key, value in ARG.findall(block)}
+        calls.append({"id": f"x{k}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}})
+    content = CALL.sub("", rest.split("<tool_call>", 1)[0] if "</tool_call>" not in rest else rest).strip() or None
+    message: dict[str, Any] = {"role": "assistant", "reasoning": reasoning.strip() or None, "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def wire_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What vLLM renders: tool-call arguments parsed from their JSON strings."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [
+                {**call, "function": {**call["function"], "arguments": _loads(call["function"]["arguments"])}} for call in message["tool_calls"]
+            ]
+        out.append(message)
+    return out
+
+
+def _loads(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {}
+
+
+def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log: list[dict[str, Any]]) -> Any:
+    stop = model.generation_config.eos_token_id
+
+    def post(body: dict[str, Any]) -> Reply:
+        prompt = tokenizer.apply_chat_template(wire_for_template(body["messages"]), tools=body["tools"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+        started = time.monotonic()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
+        new = out[0, ids.shape[1]:].tolist()
+        finished = bool(new) and new[-1] in (stop if isinstance(stop, list) else [stop])
+        text = tokenizer.decode(new, skip_special_tokens=False)
+        for special in ("</assistant>", "<|EOS|>", "〈|EOS|〉"):
+            text = text.replace(special, "")
+        log.append({"prompt_tokens": ids.shape[1], "text": text})
+        return Reply(parse_reply(text, body["tools"]), "stop" if finished else "length", None, time.monotonic() - started, None)
+
+    return post
+
+
+def generated_one_call_scenarios(count: int) -> list[Any]:
+    """Held-out one-call scenarios of the training generator (its held-out seed stream): in-distribution requests."""
+    from fp4forge.quality.training_corpus import FAMILIES, HELDOUT_SEED_OFFSET, generate_scenarios
+
+    weights = tuple((name, 1 if name == "one_call" else 0) for name in FAMILIES)
+    return [g.scenario for g in generate_scenarios(count, HELDOUT_SEED_OFFSET + 1, weights)]
+
+
+def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None, generated: int = 0) -> dict[str, Any]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LagunaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    scenarios = generated_one_call_scenarios(generated) if generated else load_suite().scenarios
+    log: list[dict[str, Any]] = []
+    post = make_post(model, tokenizer, device, max_new_tokens, log)
+    config = RunConfig(base_url="http://offline.invalid", model="offline", max_tokens=max_new_tokens)
+    earned = maximum = 0
+    choice_hits = choice_total = restraint_hits = restraint_total = 0
+    per_scenario = []
+    for scenario in scenarios[:limit]:
+        start = len(log)
+        record = run_scenario(scenario, config, post)
+        earned += record["score"]["earned"]
+        maximum += record["score"]["max"]
+        first = scenario.steps[0]
+        message = record["turns"][0]["message"] if record["turns"] else None
+        called = [c["function"]["name"] for c in (message or {}).get("tool_calls") or []]
+        if first.expect == "call":
+            choice_total += 1
+            choice_hits += bool(called) and called[0] == first.calls[0].name
+        else:
+            restraint_total += 1
+            restraint_hits += not called
+        per_scenario.append({"id": scenario.id, "earned": record["score"]["earned"], "max": record["score"]["max"],
+                             "expected_first": [c.name for c in first.calls] if first.expect == "call" else first.expect,
+                             "called_first": called, "texts": [entry["text"] for entry in log[start:]]})
+    return {"model": str(model_dir), "earned": earned, "max": maximum,
+            "tool_choice": [choice_hits, choice_total], "restraint": [restraint_hits, restraint_total],
+            "turns_with_calls": sum(1 for s in per_scenario for t in s["texts"] if "<tool_call>" in t),
+            "turns": len(log), "scenarios": per_scenario}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--generated", type=int, default=0, help="play N held-out generated one-call scenarios instead of the suite")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    result = evaluate(args.model, args.device, args.max_new_tokens, args.limit, args.generated)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{args.model}: {result['earned']}/{result['max']} points; first-step tool choice {result['tool_choice'][0]}/{result['tool_choice'][1]};"
+          f" restraint {result['restraint'][0]}/{result['restraint'][1]}; turns with calls {result['turns_with_calls']}/{result['turns']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
