@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -282,3 +283,22 @@ def test_every_family_including_the_one_call_family_plays_to_full_marks() -> Non
         transcript = play(g)  # raises if the scripted agent does not earn every point
         assert transcript.earned == transcript.max_points
         assert transcript.messages[-1]["role"] != "tool"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda", "--cache"], "--cache holds CPU builds only"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+])
+def test_cli_refuses_a_device_it_cannot_build_on_before_writing(tmp_path: Path, args: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "model"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the same answer on a GPU host: no device is visible
+    result = subprocess.run(
+        [sys.executable, "-m", "fp4forge.cli", "testbed", "trained-laguna", str(out), *args],
+        capture_output=True, text=True, check=False, env=env,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -18,8 +18,9 @@ def register(testbed_app: typer.Typer) -> None:
 def testbed_trained_laguna(
     out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to create."),
     seed: int = typer.Option(0, help="Seed: the same seed (and code, torch build, threads) gives byte-identical weights."),
-    steps: int = typer.Option(None, "--steps", help="Optimizer steps (default 120; part of the cache key)."),
+    steps: int = typer.Option(None, "--steps", help="Optimizer steps (default 160, the ten-minute CPU build; part of the cache key)."),
     threads: int = typer.Option(None, "--threads", help="Torch CPU threads, fixed for determinism (default 1; part of the cache key)."),
+    device: str = typer.Option("cpu", "--device", help="cpu (default: the deterministic reference build) | cuda | cuda:N: a GPU trains longer recipes in minutes, but its bytes are not the CPU build's and it is never cached."),
     cache: bool = typer.Option(False, "--cache", help="Copy the build cached for these settings (building it into the cache first if missing)."),
     as_json: bool = typer.Option(False, "--json", help="Print the training report as one JSON object."),
 ) -> None:
@@ -27,15 +28,23 @@ def testbed_trained_laguna(
     trained from scratch on agentic transcripts fp4forge generates; reports perplexity and heavy tails."""
     from dataclasses import replace
 
+    from fp4forge.errors import ConfigError
+    from fp4forge.model.device import resolve_device
     from fp4forge.pipeline.trained_testbed import build_trained_laguna, copy_cached_trained_laguna
     from fp4forge.report.training_tables import tail_stats_rich, training_summary_rich
     from fp4forge.testbed.trained import TrainingConfig
 
     overrides = {k: v for k, v in (("steps", steps), ("threads", threads)) if v is not None}
     config = replace(TrainingConfig(), **overrides)
+    if cache and device.strip().lower() != "cpu":
+        # The cache promises the same bytes for the same key; GPU arithmetic does not reproduce them.
+        raise ConfigError(f"--cache holds CPU builds only; --device {device} builds into OUT without it", option="device")
+    train_device = resolve_device(device)
     progress = None if as_json else _line_progress()
-    build = copy_cached_trained_laguna if cache else build_trained_laguna
-    result = build(out_dir, seed=seed, config=config, progress=progress)
+    if cache:
+        result = copy_cached_trained_laguna(out_dir, seed=seed, config=config, progress=progress)
+    else:
+        result = build_trained_laguna(out_dir, seed=seed, config=config, progress=progress, device=str(train_device))
     if as_json:
         emit_json({"path": str(result.path), **result.report})
         return

@@ -104,17 +104,21 @@ def build_trained_laguna(
     config: TrainingConfig = TrainingConfig(),
     spec: CorpusSpec = CorpusSpec(),
     progress: Progress = None,
+    device: str = "cpu",
 ) -> TrainingResult:
-    """Generate the corpus, train, and write the checkpoint with its training report into ``out``."""
+    """Generate the corpus, train, and write the checkpoint with its training report into ``out``
+    (on ``device``: any other than the CPU gives other bytes than the cached CPU build)."""
     if progress is not None:
         progress(0, config.steps, "generating the corpus")
     corpus, tokenizer_json = _corpus_and_tokenizer(seed, spec)
     key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
     extra = {
-        "cache_key": key,
+        # A GPU build is not what the cache would hold under this key.
+        "cache_key": key if device == "cpu" else None,
         "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
+        "device": device,
     }
-    return train_laguna(out, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra)
+    return train_laguna(out, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra, device=device)
 
 
 def cached_trained_laguna(
