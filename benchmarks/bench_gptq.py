@@ -8,8 +8,13 @@ NVFP4 weight-only (W4A16: activations stay BF16 so only the weight rounding diff
 measured by fidelity against the BF16 teacher on held-out text of the testbed's own corpus.
 GPTQ arms (fp4forge's and llm-compressor's) calibrate on the *same token rows* (written to
 ``ids.json`` for llm-compressor). KL is per predicted position; CIs are 95 % bootstrap intervals
-over sequences (2000 resamples, seed 0), and each GPTQ arm's difference to the RTN arm is a
-paired bootstrap over the same sequences.
+over sequences (2000 resamples, seed 0), and each arm's difference to the RTN arm, to
+llm-compressor's and to fp4forge's default GPTQ is a paired bootstrap over the same sequences.
+
+Arms: ``rtn``, ``rtn-mse``, ``lc-gptq`` and ``gptq-<routed|all>[-mse][-actorder][-damp<X>][-block<N>]``
+(``mse``: the MSE search's global and block scales fixed before the sweep). Each arm's
+per-sequence KL is kept in ``per-sequence-kl-<arm>.json``; a later run into the same ``--out``
+(same ``ids.json``, same held-out text) pairs its arms with the earlier ones.
 """
 
 from __future__ import annotations
