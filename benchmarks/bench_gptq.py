@@ -8,8 +8,13 @@ NVFP4 weight-only (W4A16: activations stay BF16 so only the weight rounding diff
 measured by fidelity against the BF16 teacher on held-out text of the testbed's own corpus.
 GPTQ arms (fp4forge's and llm-compressor's) calibrate on the *same token rows* (written to
 ``ids.json`` for llm-compressor). KL is per predicted position; CIs are 95 % bootstrap intervals
-over sequences (2000 resamples, seed 0), and each GPTQ arm's difference to the RTN arm is a
-paired bootstrap over the same sequences.
+over sequences (2000 resamples, seed 0), and each arm's difference to the RTN arm, to
+llm-compressor's and to fp4forge's default GPTQ is a paired bootstrap over the same sequences.
+
+Arms: ``rtn``, ``rtn-mse``, ``lc-gptq`` and ``gptq-<routed|all>[-mse][-actorder][-damp<X>][-block<N>]``
+(``mse``: the MSE search's global and block scales fixed before the sweep). Each arm's
+per-sequence KL is kept in ``per-sequence-kl-<arm>.json``; a later run into the same ``--out``
+(same ``ids.json``, same held-out text) pairs its arms with the earlier ones.
 """
 
 from __future__ import annotations
@@ -83,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--teacher", type=Path, default=None, help="a trained-laguna checkpoint (default: the cache's, built if missing)")
     parser.add_argument("--lc-venv", type=Path, default=None, help="llm-compressor venv (omit to skip that arm)")
-    parser.add_argument("--arms", nargs="*", default=["rtn", "rtn-mse", "gptq-routed", "gptq-all", "gptq-routed-actorder", "lc-gptq"])
+    parser.add_argument("--arms", nargs="*", default=["rtn", "rtn-mse", "gptq-routed", "gptq-all", "gptq-routed-actorder", "lc-gptq"],
+                        help="rtn, rtn-mse, lc-gptq, gptq-<routed|all>[-mse][-actorder][-damp<X>][-block<N>]")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if not teacher_file.is_file():  # generating the corpus takes minutes: once per output directory
         corpus, tokenizer_json = _corpus_and_tokenizer(0, CorpusSpec())
         key = trained_laguna_cache_key(0, TrainingConfig(), CorpusSpec(), corpus, tokenizer_json)
+        print(f"corpus key {key} (the build trained on this corpus)", file=sys.stderr, flush=True)
         teacher = args.teacher or cache_root() / key / MODEL_SUBDIR
         if not teacher.is_dir():
             teacher = cached_trained_laguna()
@@ -124,15 +131,20 @@ def main(argv: list[str] | None = None) -> int:
                           teacher_cache=None)  # exact KL (full vocabulary) for every arm: the teacher runs again per arm
     per_seq: dict[str, torch.Tensor] = {}
     results: dict[str, dict] = {}
+    # arms of earlier runs into the same --out (same ids.json, same eval text): paired with this run's
+    previous = json.loads((out / "results.json").read_text()).get("arms", {}) if (out / "results.json").is_file() else {}
+    for arm, doc in previous.items():
+        kl_file = out / f"per-sequence-kl-{arm}.json"
+        if arm not in args.arms and kl_file.is_file():
+            per_seq[arm] = torch.tensor(json.loads(kl_file.read_text()), dtype=torch.float64)
+            results[arm] = doc
 
     def write_summary() -> dict:
         for arm in per_seq:
-            if arm != "rtn" and "rtn" in per_seq:
-                d, lo, hi = _ci(per_seq[arm] - per_seq["rtn"])
-                results[arm]["kl_minus_rtn"] = {"mean": d, "ci95": [lo, hi]}
-            if arm.startswith("gptq") and "lc-gptq" in per_seq:
-                d, lo, hi = _ci(per_seq[arm] - per_seq["lc-gptq"])
-                results[arm]["kl_minus_lc"] = {"mean": d, "ci95": [lo, hi]}
+            for ref, key in (("rtn", "kl_minus_rtn"), ("lc-gptq", "kl_minus_lc"), ("gptq-routed", "kl_minus_gptq_routed")):
+                if arm != ref and ref in per_seq and per_seq[arm].shape == per_seq[ref].shape:
+                    d, lo, hi = _ci(per_seq[arm] - per_seq[ref])  # paired: the same sequences resampled together
+                    results[arm][key] = {"mean": d, "ci95": [lo, hi]}
         summary = {"teacher": str(teacher), "calibration": samples.describe(), "eval_samples": args.eval_samples, "seq_len": args.seq_len, "arms": results}
         (out / "results.json").write_text(json.dumps(summary, indent=1))
         return summary
@@ -147,10 +159,24 @@ def main(argv: list[str] | None = None) -> int:
         if arm in ("rtn", "rtn-mse"):
             quantize_checkpoint(teacher, arm_dir, QuantizeOptions(recipe, block_scales="mse" if arm == "rtn-mse" else "minmax", workers=1))
         elif arm.startswith("gptq"):
-            options = GptqOptions(calibration=calibration, expert_hessian="all" if arm == "gptq-all" else "routed", act_order=arm.endswith("actorder"))
+            parts = arm.split("-")[1:]
+            extra = {}
+            for part in parts[1:]:
+                if part == "mse":
+                    extra["block_scales"] = "mse"
+                elif part == "actorder":
+                    extra["act_order"] = True
+                elif part.startswith("damp"):
+                    extra["damp"] = float(part[4:])
+                elif part.startswith("block"):
+                    extra["block_size"] = int(part[5:])
+                else:
+                    raise SystemExit(f"unknown GPTQ arm part {part!r} in {arm}")
+            options = GptqOptions(calibration=calibration, expert_hessian=parts[0], **extra)
             weights = gptq_weights(teacher, recipe, options, samples=samples)
             quantize_checkpoint(teacher, arm_dir, QuantizeOptions(recipe, precomputed=weights, workers=1))
             results.setdefault(arm, {})["hessians"] = weights.provenance()["hessians"]
+            results[arm]["settings"] = {k: v for k, v in options.settings().items() if k != "calibration"}
         elif arm == "lc-gptq":
             if args.lc_venv is None:
                 print("lc-gptq: no --lc-venv, skipped", file=sys.stderr)
@@ -172,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         m = report.metrics
         results[arm].update(kl_mean=kl, kl_ci95=[lo, hi], top1=m["top1_agreement"], ppl_student=m["perplexity"]["student"], ppl_teacher=m["perplexity"]["teacher"],
                             positions=m["positions"], kl_estimator=m["kl"]["estimator"], weight_error=_weight_error(arm_dir))
-        print(f"{arm}: KL {kl:.5f} [{lo:.5f}, {hi:.5f}] top1 {m['top1_agreement']:.4f}", file=sys.stderr, flush=True)
+        results[arm]["load_average"] = os.getloadavg()
+        print(f"{arm}: KL {kl:.5f} [{lo:.5f}, {hi:.5f}] top1 {m['top1_agreement']:.4f} load {os.getloadavg()}", file=sys.stderr, flush=True)
         write_summary()
 
     summary = write_summary()

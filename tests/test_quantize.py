@@ -245,3 +245,14 @@ def test_audit_finds_no_errors_in_any_recipe_output(exports):
         errors = [f.rule for f in report.findings if f.severity == "error"]
         assert errors == [], (key, errors)
         assert {f.rule for f in report.findings} <= {"activation-scales-constant", "serving-blind-spot"}, key
+
+
+def test_mse_export_shares_the_searched_global_scale_in_fused_groups(source, mse_reference):
+    # gate/up of one expert: one global scale, searched (2688 / group amax times 2**(-t/16))
+    src, ckpt = open_checkpoint(source), open_checkpoint(mse_reference)
+    prefix = "model.layers.2.mlp.experts.5"
+    scales = [ckpt.read_tensor(f"{prefix}.{m}.weight_global_scale") for m in ("gate_proj", "up_proj")]
+    assert torch.equal(scales[0], scales[1])
+    amax = max(src.read_tensor(f"{prefix}.{m}.weight").abs().max() for m in ("gate_proj", "up_proj"))
+    ratio = float(2688.0 / amax.to(torch.bfloat16).float()) / float(scales[0])
+    assert any(abs(ratio - 2.0 ** (t / 16)) < 1e-2 for t in range(16)), ratio

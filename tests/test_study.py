@@ -106,6 +106,21 @@ def test_frontier_json_and_named_errors(tiny_laguna: Path, tmp_path: Path) -> No
     assert bad.exit_code == 2 and "--formats" in bad.output
 
 
+def test_paired_differences_resample_the_pairs_together() -> None:
+    from fp4forge.pipeline.study import _comparisons, _paired_differences
+
+    def arm(name, per_sample):
+        return {"name": name, "kl": {"per_sample": per_sample, "ci95": [min(per_sample), max(per_sample)]}}
+
+    # per-arm intervals overlap widely, but b is above a by exactly 1 on every sample: the paired CI is [1, 1]
+    arms = [arm("nvfp4-w4a16-minmax", [1.0, 5.0, 9.0]), arm("int2-g16-mse", [2.0, 6.0, 10.0])]
+    (row,) = _paired_differences(arms)
+    assert row["mean"] == 1.0 and row["ci95"] == [1.0, 1.0]
+    assert _comparisons(arms)[0].startswith("KL of nvfp4-w4a16-minmax is below int2-g16-mse's")
+    mixed = [arm("nvfp4-w4a16-minmax", [1.0, 5.0, 9.0]), arm("int2-g16-mse", [2.0, 4.0, 10.0])]
+    assert "not resolved" in _comparisons(mixed)[0]
+
+
 def test_study_runs_resumes_and_names_what_it_did_not_run(trained_laguna: Path, tmp_path: Path) -> None:  # noqa: F811
     out = tmp_path / "study"
     args = ["study", str(trained_laguna), str(out), "--formats", "nvfp4,int2", "--components", "attention", "--groups", "16",
@@ -121,6 +136,12 @@ def test_study_runs_resumes_and_names_what_it_did_not_run(trained_laguna: Path, 
     # 2-bit weights move the model further from its teacher than NVFP4's do.
     by = {arm["name"]: arm for arm in doc["arms"]}
     assert by["int2-g16-mse"]["kl"]["mean"] > by["nvfp4-w4a16-minmax"]["kl"]["mean"]
+    # the paired difference is over the same 4 samples: its mean is the difference of the per-sample KLs
+    (pair,) = doc["paired_differences"]
+    diffs = [b - a for a, b in zip(by["nvfp4-w4a16-minmax"]["kl"]["per_sample"], by["int2-g16-mse"]["kl"]["per_sample"])]
+    assert (pair["a"], pair["b"], pair["samples"]) == ("nvfp4-w4a16-minmax", "int2-g16-mse", 4)
+    assert pair["mean"] == pytest.approx(sum(diffs) / 4) and pair["ci95"][0] <= pair["mean"] <= pair["ci95"][1]
+    assert doc["fidelity"]["positions"] == by["int2-g16-mse"]["positions"] == 4 * 31
     not_run = " ".join(item["part"] for item in doc["not_run"])
     assert "GEMM" in not_run or not __import__("torch").cuda.is_available()
     assert "serving-latency arms" in not_run and "arm fp8" in not_run

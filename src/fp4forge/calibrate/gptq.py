@@ -44,13 +44,15 @@ from fp4forge.model.samples import Samples
 from fp4forge.model.streaming import SpillSpace, StreamedModel, WeightPlan
 from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
 from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_quantize
+from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, search_nvfp4
 from fp4forge.quantize.plan import WorkUnit, plan_export
 from fp4forge.quantize.recipe import Recipe
 
-__all__ = ["EXPERT_HESSIANS", "FALLBACKS", "GptqOptions", "GptqWeights", "gptq_weights"]
+__all__ = ["EXPERT_HESSIANS", "FALLBACKS", "GPTQ_BLOCK_SCALES", "GptqOptions", "GptqWeights", "gptq_weights"]
 
 EXPERT_HESSIANS = ("routed", "all")
 FALLBACKS = ("pooled", "rtn")
+GPTQ_BLOCK_SCALES = ("minmax", "mse")
 Progress = Callable[[int, int, str], None] | None
 
 
@@ -63,9 +65,13 @@ class GptqOptions:
     act_order: bool = False
     damp: float = 0.01
     block_size: int = 128
+    # E4M3 block scales fixed before the column sweep: min-max (block max -> 6) or the MSE search's
+    # (numerics.scale_search), chosen on the original weight with the same global scale.
+    block_scales: Literal["minmax", "mse"] = "minmax"
 
     def __post_init__(self) -> None:
         require_choice(self.expert_hessian, EXPERT_HESSIANS, "gptq_expert_hessian")
+        require_choice(self.block_scales, GPTQ_BLOCK_SCALES, "block_scales")
         require_choice(self.fallback, FALLBACKS, "gptq_fallback")
         if self.min_expert_tokens < 0:
             raise ConfigError(f"must be >= 0, got {self.min_expert_tokens}", option="gptq_min_tokens")
@@ -83,6 +89,7 @@ class GptqOptions:
             "damp": self.damp,
             "block_size": self.block_size,
             "scale_mode": "static",
+            "block_scales": self.block_scales,
             "sequential": False,
             "calibration": {"samples": cal.samples, "seq_len": cal.seq_len, "text_files": [str(p) for p in cal.text_files], "builtin_corpus": cal.builtin_corpus},
         }
@@ -234,6 +241,8 @@ def _gptq_units(ckpt: Checkpoint, recipe: Recipe) -> tuple[list[WorkUnit], set[s
 BATCH_LIMIT = 64
 
 
+
+
 def _quantize_units(ckpt: Checkpoint, units: list[WorkUnit], hessians: dict[str, tuple[Tensor | None, int, str]], options: GptqOptions, out: GptqWeights) -> None:
     """GPTQ-round the units' Linears, same-shape weights in batches (a layer's experts together)."""
     jobs: dict[tuple, list[tuple[str, Tensor, Tensor, Tensor | None, int, str]]] = {}
@@ -242,21 +251,30 @@ def _quantize_units(ckpt: Checkpoint, units: list[WorkUnit], hessians: dict[str,
         w0 = next(iter(weights.values()))
         # the exporter's rule: a fused group shares one global scale from the group's max amax
         group_amax = torch.tensor(max(float(w.abs().max()) for w in weights.values()), dtype=w0.dtype) if len(weights) > 1 else None
+        # MSE scales: the searched global scale (one per fused group) and each weight's searched
+        # block scales under it, fixed on the original weight before the sweep
+        scalar = nvfp4_mse_global_scale(list(weights.values()), global_amax=group_amax) if options.block_scales == "mse" else None
         for module, w in weights.items():
             hessian, tokens, kind = hessians.get(module, (None, 0, "none"))
+            if scalar is not None:
+                searched = search_nvfp4(w, "mse", global_scale=scalar, error=False).weight
+                scale, amax = searched.block_scale, None
+            else:
+                searched, scale, amax = None, None, group_amax
             if hessian is None:
-                out.weights[module] = nvfp4_quantize(w, global_amax=group_amax)
+                out.weights[module] = searched if searched is not None else nvfp4_quantize(w, global_amax=group_amax)
                 out.modules[module] = {"tokens": tokens, "hessian": "none", "fallback": "rtn", "loss": None}
                 continue
-            jobs.setdefault((tuple(w.shape), w.dtype), []).append((module, w, hessian, group_amax, tokens, kind))
+            jobs.setdefault((tuple(w.shape), w.dtype), []).append((module, w, hessian, amax, tokens, kind, scale, scalar))
     for batch_jobs in jobs.values():
         for start in range(0, len(batch_jobs), BATCH_LIMIT):
             chunk = batch_jobs[start : start + BATCH_LIMIT]
             results = gptq_quantize_batch(
                 torch.stack([j[1] for j in chunk]), torch.stack([j[2] for j in chunk]), "nvfp4",
                 block_size=options.block_size, damp=options.damp, act_order=options.act_order, global_amax=[j[3] for j in chunk],
+                block_scale=[j[6] for j in chunk], global_scale=[j[7] for j in chunk],
             )
-            for (module, _w, _h, _amax, tokens, kind), result in zip(chunk, results):
+            for (module, _w, _h, _amax, tokens, kind, _scale, _scalar), result in zip(chunk, results):
                 out.weights[module] = result.quantized
                 out.modules[module] = {"tokens": tokens, "hessian": kind, "fallback": "rtn" if result.fallback else None, "loss": result.loss}
 

@@ -64,6 +64,7 @@ def quantize_command(
             fallback=gptq_fallback,
             act_order=gptq_act_order,
             damp=gptq_damp,
+            block_scales=block_scales,  # type: ignore[arg-type]  # GPTQ fixes minmax or mse scales before its sweep
         )
         with progress_bar("GPTQ", not as_json) as progress:
             precomputed = gptq_weights(src, loaded_recipe, gptq_options, progress=progress)

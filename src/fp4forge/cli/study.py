@@ -88,6 +88,8 @@ def register(app: typer.Typer) -> None:
         samples: int = typer.Option(16, "--samples", help="Fidelity samples per arm (the KL interval resamples them)."),
         seq_len: int = typer.Option(256, "--seq-len", help="Tokens per fidelity sample."),
         calibration_samples: int = typer.Option(32, "--calibration-samples", help="Calibration samples (activation scales, GPTQ Hessians)."),
+        text: Optional[list[Path]] = typer.Option(None, "--text", metavar="FILE", help="Held-out text for the KL (.txt or .jsonl with a 'text' field; repeatable) instead of the built-in corpus."),
+        calibration_text: Optional[list[Path]] = typer.Option(None, "--calibration-text", metavar="FILE", help="Calibration text (repeatable) instead of the built-in corpus."),
         as_json: bool = typer.Option(False, "--json", help="Print the study document as JSON."),
     ) -> None:
         """The quantization study in one resumable run: frontier, whole-model arms with KL and CIs, GEMM bench on a GPU; a Markdown report."""
@@ -100,6 +102,7 @@ def register(app: typer.Typer) -> None:
                 formats=_csv(formats) or defaults.formats, components=_csv(components) or defaults.components,
                 int_groups=_groups(groups) or defaults.int_groups, arms=_csv(arms) or defaults.arms,
                 fidelity_samples=samples, fidelity_seq_len=seq_len, calibration_samples=calibration_samples,
+                text_files=tuple(str(p) for p in text or ()), calibration_text_files=tuple(str(p) for p in calibration_text or ()),
             )
             with progress_bar("study", enabled=not as_json) as progress:
                 result = run_study(src, out, options, progress=progress)

@@ -214,12 +214,15 @@ class _Fp4Codes:
 class _Nvfp4Grid(_Fp4Codes, _Grid):
     group = NVFP4_BLOCK
 
-    def __init__(self, w: Tensor, global_amax: list[Tensor | float | None], block_scale: list[Tensor | None]):
+    def __init__(self, w: Tensor, global_amax: list[Tensor | float | None], block_scale: list[Tensor | None], global_scale: list[Tensor | None]):
         self.global_scale = []
         scales = []
         for b in range(w.shape[0]):
-            amax = absmax(w[b]) if global_amax[b] is None else torch.as_tensor(global_amax[b]).to(w.dtype)
-            g = nvfp4_global_scale(amax)
+            if global_scale[b] is not None:
+                g = torch.as_tensor(global_scale[b]).to(torch.float32).reshape(1)
+            else:
+                amax = absmax(w[b]) if global_amax[b] is None else torch.as_tensor(global_amax[b]).to(w.dtype)
+                g = nvfp4_global_scale(amax)
             self.global_scale.append(g)
             given = block_scale[b]
             if given is None:
@@ -274,11 +277,11 @@ class _IntGrid(_Grid):
         return [IntWeight(codes[b].to(torch.int8), self.step[b], None, self.bits, self.group) for b in range(codes.shape[0])]
 
 
-def _make_grid(w: Tensor, fmt: str, group: int, global_amax: list, block_scale: list) -> _Grid:
+def _make_grid(w: Tensor, fmt: str, group: int, global_amax: list, block_scale: list, global_scale: list) -> _Grid:
     if fmt == "nvfp4":
-        return _Nvfp4Grid(w, global_amax, block_scale)
-    if any(x is not None for x in (*block_scale, *global_amax)):
-        raise NumericsError("block_scale and global_amax apply to nvfp4 only")
+        return _Nvfp4Grid(w, global_amax, block_scale, global_scale)
+    if any(x is not None for x in (*block_scale, *global_amax, *global_scale)):
+        raise NumericsError("block_scale, global_amax and global_scale apply to nvfp4 only")
     if fmt == "mxfp4":
         return _Mxfp4Grid(w)
     return _IntGrid(w, int(fmt[3:]), group)
@@ -312,6 +315,7 @@ def gptq_quantize(
     scale_mode: ScaleMode = "static",
     global_amax: Tensor | float | None = None,
     block_scale: Tensor | None = None,
+    global_scale: Tensor | None = None,
 ) -> GptqResult:
     """GPTQ-quantize ``weight`` ``[N, K]`` with the input Hessian ``hessian`` ``[K, K]`` to ``fmt``.
 
@@ -326,7 +330,7 @@ def gptq_quantize(
         raise NumericsError(f"GPTQ needs a 2-D weight, got shape {list(weight.shape)} (gptq_quantize_batch takes [B, N, K])")
     return gptq_quantize_batch(
         weight.unsqueeze(0), hessian.unsqueeze(0), fmt, group_size=group_size, block_size=block_size, damp=damp, act_order=act_order,
-        scale_mode=scale_mode, global_amax=[global_amax], block_scale=[block_scale],
+        scale_mode=scale_mode, global_amax=[global_amax], block_scale=[block_scale], global_scale=[global_scale],
     )[0]
 
 
@@ -342,6 +346,7 @@ def gptq_quantize_batch(
     scale_mode: ScaleMode = "static",
     global_amax: list[Tensor | float | None] | None = None,
     block_scale: list[Tensor | None] | None = None,
+    global_scale: list[Tensor | None] | None = None,
 ) -> list[GptqResult]:
     """:func:`gptq_quantize` of ``B`` weights of one shape at once: ``weights`` ``[B, N, K]``,
     ``hessians`` ``[B, K, K]``, ``global_amax`` / ``block_scale`` one entry per weight (or None).
@@ -355,8 +360,11 @@ def gptq_quantize_batch(
     group = gptq_format_group(fmt, group_size, k)
     global_amax = list(global_amax) if global_amax is not None else [None] * nb
     block_scale = list(block_scale) if block_scale is not None else [None] * nb
-    if len(global_amax) != nb or len(block_scale) != nb:
-        raise NumericsError("global_amax and block_scale need one entry per weight")
+    global_scale = list(global_scale) if global_scale is not None else [None] * nb
+    if len(global_amax) != nb or len(block_scale) != nb or len(global_scale) != nb:
+        raise NumericsError("global_amax, block_scale and global_scale need one entry per weight")
+    if any(a is not None and g is not None for a, g in zip(global_amax, global_scale)):
+        raise NumericsError("pass global_amax or global_scale for a weight, not both")
     if scale_mode not in ("static", "dynamic"):
         raise NumericsError(f"unknown scale mode {scale_mode!r} (static | dynamic)")
     if scale_mode == "dynamic" and (act_order or any(b is not None for b in block_scale)):
@@ -368,7 +376,7 @@ def gptq_quantize_batch(
     block_size = int(math.ceil(block_size / group) * group)
 
     w = weights.to(torch.float32).clone()
-    grid = _make_grid(w, fmt, group, global_amax, block_scale)
+    grid = _make_grid(w, fmt, group, global_amax, block_scale, global_scale)
     h = hessians.to(torch.float32).clone()
     diag = torch.diagonal(h, dim1=-2, dim2=-1)
     diag[diag == 0] = 1.0  # an unused input: no coupling, so its columns round to nearest

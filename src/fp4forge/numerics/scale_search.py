@@ -12,10 +12,14 @@ E4M3 block scales differ, so any NVFP4 loader reads the result):
   the largest blocks can take the x1.5 scale (256 * 1.5 = 384 <= 448).
 * ``"mse"``: per block, every E4M3 value between ``round(lo * raw)`` and ``round(hi * raw)``
   (default 0.8x .. 1.8x, about ten E4M3 steps) is tried; the lowest block squared error wins.
-  Default ``fp8_max=448``, so the minmax scale is always one of the candidates.
+  A wider window changes nothing on Gaussian-like weights (each block's optimum lies inside;
+  the unit tests compare with a brute force over every E4M3 code). The per-tensor scalar is
+  searched too (:func:`nvfp4_mse_global_scale`): the min-max scalar (amax -> 448 x 6) and fifteen
+  smaller ones within an octave, keeping the one with the lowest total error.
 
-A candidate replaces the minmax scale only when its block error is strictly lower, so "mse" is
-never worse than "minmax" at the same global scale. The error of each block is that of the real
+A candidate replaces the minmax scale only when its block error is strictly lower, and a
+searched scalar replaces the min-max one only when the total error is strictly lower, so "mse" is
+never worse than "minmax". The error of each block is that of the real
 quantize -> dequantize round trip (F32, the convention's own formulas).
 
 Every method returns the error sums, so callers that quantize in row chunks add up ``err_sq``
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -51,7 +56,9 @@ __all__ = [
     "FOUR_OVER_SIX_FP8_MAX",
     "ScaleMethod",
     "ScaleSearchResult",
+    "MSE_GLOBAL_STEPS",
     "error_sums",
+    "nvfp4_mse_global_scale",
     "relative_error",
     "search_nvfp4",
 ]
@@ -59,6 +66,7 @@ __all__ = [
 ScaleMethod = Literal["minmax", "four_over_six", "mse"]
 FOUR_OVER_SIX_FP8_MAX = 256.0
 DEFAULT_MSE_RANGE = (0.8, 1.8)
+MSE_GLOBAL_STEPS = 16  # per-tensor scalars tried by "mse": 2**(-t/16), t = 0..15
 
 
 def error_sums(w: Tensor, w_hat: Tensor) -> tuple[float, float]:
@@ -127,6 +135,80 @@ def _candidates(method: str, raw: Tensor, convention: Convention, mse_range: tup
         yield torch.minimum(c_lo + k, c_hi).to(torch.uint8)
 
 
+def _search_block_scales(
+    blocks: Tensor, raw: Tensor, minmax_scale: Tensor, g: Tensor, method: str, convention: Convention, mse_range: tuple[float, float]
+) -> tuple[Tensor, float]:
+    """Per block, the candidate E4M3 scale with the lowest block squared error (ties keep minmax);
+    returns the chosen scales and the summed squared error of all blocks under them."""
+    nb = blocks.shape[-2]
+    b2 = blocks.reshape(-1, nb, NVFP4_BLOCK)
+    raw2 = raw.reshape(-1, nb)
+    best_bits = minmax_scale.view(torch.uint8).reshape(-1, nb).clone()
+    total = 0.0
+    # Row chunks outside, candidates inside: a chunk's |w| stays in cache for all candidates.
+    for rows in row_chunks(b2.shape[0], nb * NVFP4_BLOCK):
+        a = b2[rows].to(torch.float32).abs()
+        best = best_bits[rows]
+        best_err = _block_sq_error(a, best, g, convention)
+        for bits in _candidates(method, raw2[rows], convention, mse_range):
+            err = _block_sq_error(a, bits, g, convention)
+            better = err < best_err  # strictly lower: ties keep the minmax scale
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, bits, best)
+        best_bits[rows] = best
+        total += float(best_err.sum(dtype=torch.float64))
+    return best_bits.view(torch.float8_e4m3fn).reshape(minmax_scale.shape), total
+
+
+def _shifted_scalar(g0: Tensor, step: int, steps: int, convention: Convention) -> Tensor:
+    """The per-tensor scalar whose effective block step is ``2**(step/steps)`` times ``g0``'s:
+    CT's global scale divides the step (so it shrinks), ModelOpt's scale_2 multiplies it."""
+    factor = 2.0 ** (step / steps)
+    return (g0 / factor if convention == "compressed-tensors" else g0 * factor).to(torch.float32)
+
+
+def nvfp4_mse_global_scale(
+    weights: Sequence[Tensor],
+    *,
+    convention: Convention = "compressed-tensors",
+    global_amax: Tensor | float | None = None,
+    steps: int = MSE_GLOBAL_STEPS,
+    mse_range: tuple[float, float] = DEFAULT_MSE_RANGE,
+) -> Tensor:
+    """The per-tensor scalar for the "mse" block-scale search, shared by ``weights`` (a fused
+    group must share one).
+
+    The E4M3 codes of a block scale are a fixed relative grid (3 mantissa bits); the scalar only
+    slides that grid against the blocks' optimal scales, and gives the largest blocks headroom
+    above the min-max scale (with the min-max scalar their scale already sits at 448, E4M3's top,
+    so the search cannot raise it). Candidates: the min-max scalar (amax -> 448 x 6) times
+    ``2**(-t/steps)``, t = 0 .. steps-1 (one octave: a whole factor of 2 only renames exponents).
+    The first one with the lowest summed error wins, so the min-max scalar is kept unless another
+    is strictly better. ``global_amax`` as in :func:`search_nvfp4` (default: the group's max).
+    """
+    if not weights:
+        raise NumericsError("no weights to choose a global scale for")
+    if steps < 1:
+        raise NumericsError(f"steps must be >= 1, got {steps}")
+    blocks = [_blocks(w) for w in weights]
+    amaxes = [block_absmax(b) for b in blocks]
+    for a in amaxes:
+        _check_finite(a)
+    if global_amax is None:
+        global_amax = max((a.amax() for a in amaxes if a.numel()), key=float, default=torch.zeros((), dtype=weights[0].dtype))
+    g0 = _resolve_scalar(weights[0], amaxes[0], convention, global_amax, None, FP8_E4M3_MAX)
+    best_g, best_err = g0, math.inf
+    for step in range(steps):
+        g = g0 if step == 0 else _shifted_scalar(g0, step, steps, convention)
+        err = 0.0
+        for b, a in zip(blocks, amaxes):
+            raw = nvfp4_raw_block_scales(a, g, convention)
+            err += _search_block_scales(b, raw, _finish_block_scales(raw, convention), g, "mse", convention, mse_range)[1]
+        if err < best_err:
+            best_g, best_err = g, err
+    return best_g
+
+
 def search_nvfp4(
     w: Tensor,
     method: ScaleMethod = "minmax",
@@ -136,23 +218,31 @@ def search_nvfp4(
     global_scale: Tensor | None = None,
     fp8_max: float | None = None,
     mse_range: tuple[float, float] = DEFAULT_MSE_RANGE,
+    mse_global_steps: int = MSE_GLOBAL_STEPS,
     error: bool = True,
 ) -> ScaleSearchResult:
     """Quantize ``w`` ``[..., K]`` to NVFP4 choosing block scales by ``method``; report the error.
 
     ``global_amax`` / ``global_scale`` as in :func:`~fp4forge.numerics.nvfp4.nvfp4_quantize` (a
     fused group must use one method, so that it shares one scalar). ``fp8_max`` defaults to 256
-    for "four_over_six" and 448 otherwise. ``error=False`` skips the error sums (about a third of
-    the minmax path's arithmetic): ``relative_error``, ``err_sq`` and ``ref_sq`` are then None.
+    for "four_over_six" and 448 otherwise. For "mse" without ``global_scale`` and without
+    ``fp8_max``, the scalar itself is searched too (:func:`nvfp4_mse_global_scale`, over
+    ``mse_global_steps`` candidates; 1 = the min-max scalar only); a fused group passes the
+    group's chosen ``global_scale`` to each member instead. ``error=False`` skips the error sums
+    (about a third of the minmax path's arithmetic): ``relative_error``, ``err_sq`` and ``ref_sq``
+    are then None.
     """
     _check_convention(convention)
     if method not in ("minmax", "four_over_six", "mse"):
         raise NumericsError(f"unknown block-scale method {method!r} (minmax | four_over_six | mse)")
-    if fp8_max is None:
-        fp8_max = FOUR_OVER_SIX_FP8_MAX if method == "four_over_six" else FP8_E4M3_MAX
     lo, hi = mse_range
     if not 0.0 < lo <= 1.0 <= hi:
         raise NumericsError(f"mse_range must satisfy 0 < lo <= 1 <= hi, got {mse_range}")
+    if method == "mse" and global_scale is None and fp8_max is None and mse_global_steps > 1:
+        global_scale = nvfp4_mse_global_scale([w], convention=convention, global_amax=global_amax, steps=mse_global_steps, mse_range=mse_range)
+        global_amax = None
+    if fp8_max is None:
+        fp8_max = FOUR_OVER_SIX_FP8_MAX if method == "four_over_six" else FP8_E4M3_MAX
 
     blocks = _blocks(w)
     amax_blk = block_absmax(blocks)
@@ -161,24 +251,8 @@ def search_nvfp4(
     raw = nvfp4_raw_block_scales(amax_blk, g, convention)
     minmax_scale = _finish_block_scales(raw, convention)
     chosen = minmax_scale
-
     if method != "minmax":
-        nb = blocks.shape[-2]
-        b2 = blocks.reshape(-1, nb, NVFP4_BLOCK)
-        raw2 = raw.reshape(-1, nb)
-        best_bits = minmax_scale.view(torch.uint8).reshape(-1, nb).clone()
-        # Row chunks outside, candidates inside: a chunk's |w| stays in cache for all candidates.
-        for rows in row_chunks(b2.shape[0], nb * NVFP4_BLOCK):
-            a = b2[rows].to(torch.float32).abs()
-            best = best_bits[rows]
-            best_err = _block_sq_error(a, best, g, convention)
-            for bits in _candidates(method, raw2[rows], convention, mse_range):
-                err = _block_sq_error(a, bits, g, convention)
-                better = err < best_err  # strictly lower: ties keep the minmax scale
-                best_err = torch.where(better, err, best_err)
-                best = torch.where(better, bits, best)
-            best_bits[rows] = best
-        chosen = best_bits.view(torch.float8_e4m3fn).reshape(minmax_scale.shape)
+        chosen, _ = _search_block_scales(blocks, raw, minmax_scale, g, method, convention, mse_range)
 
     # the quantize pass also sums the error of its own rounded values (no separate dequantization)
     q, err_sq, ref_sq = _quantize_blocks(blocks, chosen, g, convention, error=error)

@@ -34,7 +34,7 @@ from fp4forge import __version__
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError, Fp4forgeError
 from fp4forge.fidelity.evaluate import FidelityOptions
-from fp4forge.study.arms import measure_arm, read_bpp, write_fake_quantized
+from fp4forge.study.arms import bootstrap_mean_ci, measure_arm, read_bpp, write_fake_quantized
 from fp4forge.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier
 
 STATE_FILE = "study-state.json"
@@ -62,6 +62,10 @@ class StudyOptions:
     calibration_samples: int = 32
     calibration_seq_len: int = 256
     seed: int = 0
+    # Text files instead of the built-in corpus: held-out text for fidelity (e.g. a trained
+    # model's own held-out split) and calibration text (activation scales, GPTQ Hessians).
+    text_files: tuple[str, ...] = ()
+    calibration_text_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         FrontierOptions(self.formats, self.components, self.int_groups)  # validates them
@@ -114,7 +118,16 @@ def _save_state(out: Path, state: dict[str, Any]) -> None:
 
 def _fidelity_options(options: StudyOptions, numerics: str, dense_student: bool = False) -> FidelityOptions:
     return FidelityOptions(numerics=numerics, samples=options.fidelity_samples, seq_len=options.fidelity_seq_len,
-                           batch_size=4, seed=options.seed, dense_student=dense_student)
+                           batch_size=4, seed=options.seed, dense_student=dense_student,
+                           text_files=tuple(Path(p) for p in options.text_files), builtin_corpus=not options.text_files)
+
+
+def _calibration_options(options: StudyOptions) -> Any:
+    from fp4forge.calibrate.run import CalibrationOptions
+
+    return CalibrationOptions(samples=options.calibration_samples, seq_len=options.calibration_seq_len,
+                              text_files=tuple(Path(p) for p in options.calibration_text_files),
+                              builtin_corpus=not options.calibration_text_files)
 
 
 def _fresh(path: Path) -> Path:
@@ -159,10 +172,9 @@ def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path 
         method = name.rsplit("-", 1)[1]
         if method == "gptq":
             from fp4forge.calibrate.gptq import GptqOptions, gptq_weights
-            from fp4forge.calibrate.run import CalibrationOptions
             from fp4forge.quantize.recipe import load_recipe
 
-            calibration = CalibrationOptions(samples=options.calibration_samples, seq_len=options.calibration_seq_len)
+            calibration = _calibration_options(options)
             weights = gptq_weights(src, load_recipe(NVFP4_RECIPE), GptqOptions(calibration=calibration), progress=progress)
             _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, precomputed=weights)
         else:
@@ -195,21 +207,45 @@ def _frontier_summary(frontier: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _comparisons(arms: list[dict[str, Any]]) -> list[str]:
-    """Pairs whose order the 95 % intervals settle, stated; overlapping ones said to be unresolved."""
+COMPARED_PAIRS = (("fp8", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-minmax", "nvfp4-w4a4-minmax"), ("nvfp4-w4a4-minmax", "int2-g16-mse"),
+                  ("nvfp4-w4a16-minmax", "int2-g16-mse"), ("nvfp4-w4a16-mse", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-gptq", "nvfp4-w4a16-minmax"))
+
+
+def _paired_differences(arms: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """Per compared pair (a, b): the mean per-sample KL difference b - a with its 95 % paired
+    bootstrap interval. Every arm is measured on the same samples (same text, seed and length), so
+    sample i of one arm and of the other are the same tokens: resampling the differences keeps the
+    pairing, which removes the between-sample spread both arms share."""
+    by = {a["name"]: a for a in arms}
+    rows = []
+    for a, b in COMPARED_PAIRS:
+        if a not in by or b not in by:
+            continue
+        ka, kb = by[a]["kl"].get("per_sample") or [], by[b]["kl"].get("per_sample") or []
+        if len(ka) != len(kb) or len(ka) < 2:
+            continue
+        diffs = [y - x for x, y in zip(ka, kb)]
+        lo, hi = bootstrap_mean_ci(diffs, seed=seed)
+        rows.append({"a": a, "b": b, "mean": sum(diffs) / len(diffs), "ci95": [lo, hi], "samples": len(diffs)})
+    return rows
+
+
+def _comparisons(arms: list[dict[str, Any]], seed: int = 0) -> list[str]:
+    """Per compared pair: ordered when the paired 95 % interval of the difference excludes 0,
+    otherwise said to be unresolved; the per-arm intervals are stated beside it."""
     by = {a["name"]: a for a in arms}
     lines = []
-    for a, b in (("fp8", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-minmax", "nvfp4-w4a4-minmax"), ("nvfp4-w4a4-minmax", "int2-g16-mse"),
-                 ("nvfp4-w4a16-mse", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-gptq", "nvfp4-w4a16-minmax")):
-        if a in by and b in by:
-            (alo, ahi), (blo, bhi) = by[a]["kl"]["ci95"], by[b]["kl"]["ci95"]
-            if ahi < blo:
-                verdict = f"KL of {a} is below {b}'s (95 % intervals disjoint)"
-            elif bhi < alo:
-                verdict = f"KL of {b} is below {a}'s (95 % intervals disjoint)"
-            else:
-                verdict = f"{a} and {b}: the 95 % intervals overlap, the order is not resolved"
-            lines.append(verdict)
+    for row in _paired_differences(arms, seed):
+        a, b, (lo, hi) = row["a"], row["b"], row["ci95"]
+        (alo, ahi), (blo, bhi) = by[a]["kl"]["ci95"], by[b]["kl"]["ci95"]
+        disjoint = "disjoint" if ahi < blo or bhi < alo else "overlapping"
+        span = f"KL({b}) - KL({a}) = {row['mean']:.3g}, paired 95 % CI [{lo:.3g}, {hi:.3g}] over {row['samples']} samples; per-arm intervals {disjoint}"
+        if lo > 0:
+            lines.append(f"KL of {a} is below {b}'s ({span})")
+        elif hi < 0:
+            lines.append(f"KL of {b} is below {a}'s ({span})")
+        else:
+            lines.append(f"{a} and {b}: the order is not resolved ({span})")
     return lines
 
 
@@ -245,12 +281,11 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
         if "calibrate" in parts and stats.is_file():
             resumed.append("calibrate")
         else:
-            from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+            from fp4forge.calibrate.run import calibrate_to_file
 
             if stats.exists():
                 stats.unlink()
-            calibrate_to_file(src, stats, CalibrationOptions(samples=options.calibration_samples, seq_len=options.calibration_seq_len),
-                              progress=progress)
+            calibrate_to_file(src, stats, _calibration_options(options), progress=progress)
             done("calibrate")
 
     arms: list[dict[str, Any]] = []
@@ -310,9 +345,11 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
         "options": json.loads(json.dumps(asdict(options), default=str)),
         "frontier": frontier_doc,
         "frontier_summary": _frontier_summary(frontier_doc),
-        "fidelity": {"samples": options.fidelity_samples, "seq_len": options.fidelity_seq_len},
+        "fidelity": {"samples": options.fidelity_samples, "seq_len": options.fidelity_seq_len,
+                     "text": list(options.text_files) or "built-in corpus", "positions": _positions(arms)},
         "arms": sorted(arms, key=lambda a: a["kl"]["mean"]),
-        "comparisons": _comparisons(arms),
+        "comparisons": _comparisons(arms, options.seed),
+        "paired_differences": _paired_differences(arms, options.seed),
         "sections": sections,
         "plots": plots,
         "not_run": not_run,
@@ -322,6 +359,12 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
     write_text_atomic(out / STUDY_MD, study_markdown(doc))
     done("report")
     return StudyResult(out, doc, resumed)
+
+
+def _positions(arms: list[dict[str, Any]]) -> int | None:
+    """Predicted positions each arm was measured on (the same for every arm)."""
+    counts = {a.get("positions") for a in arms if a.get("positions") is not None}
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _gemm_unavailable() -> str | None:

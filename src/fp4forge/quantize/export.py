@@ -37,7 +37,7 @@ from fp4forge.errors import ConfigError, NumericsError, require_choice
 from fp4forge.model import distributed
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
 from fp4forge.numerics.nvfp4 import absmax, nvfp4_global_scale, nvfp4_quantize_stacked, nvfp4_scale_2
-from fp4forge.numerics.scale_search import relative_error, search_nvfp4
+from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, relative_error, search_nvfp4
 from fp4forge.quantize.act_scales import ConstantAmax, StatsAmax
 from fp4forge.quantize.plan import ExportPlan, WorkUnit, plan_export
 from fp4forge.quantize.qconfig import compressed_tensors_config, modelopt_configs
@@ -191,6 +191,7 @@ class UnitQuantizer:
             input_scale = self._input_scale(scheme, self._input_amax([t.module for t in unit.linears]))
         out: dict[str, torch.Tensor] = {}
         errors: list[LinearError] = []
+        group_scalar = None
         for target in unit.linears:
             w = weights[target.module]
             m = target.module
@@ -201,7 +202,12 @@ class UnitQuantizer:
                     rel = relative_error(w, q.dequantize(torch.float32).to(w.device)) if report else None
                 else:
                     amax = None if group_amax is None else torch.tensor(group_amax, dtype=w.dtype)
-                    result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax, error=report)
+                    scalar = None
+                    if fused and self.options.block_scales == "mse":  # the searched scalar, one for the whole fused group
+                        if group_scalar is None:
+                            group_scalar = nvfp4_mse_global_scale([weights[t.module] for t in unit.linears], convention=self.convention, global_amax=amax)
+                        scalar, amax = group_scalar, None
+                    result = search_nvfp4(w, self.options.block_scales, convention=self.convention, global_amax=amax, global_scale=scalar, error=report)
                     q = result.weight
                     rel = result.relative_error
                 out[f"{m}.{suffix['packed']}"] = q.packed

@@ -87,6 +87,7 @@ class ArmResult:
     top1_agreement: float
     perplexity: dict[str, float]
     seconds: float
+    positions: int | None = None  # predicted positions the KL is averaged over
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -102,7 +103,8 @@ def measure_arm(
     lo, hi = bootstrap_mean_ci(per_sample, seed=options.seed)
     kl = {"mean": metrics["kl"]["mean"], "ci95": [lo, hi], "median": metrics["kl"]["median"], "p99": metrics["kl"]["p99"],
           "estimator": metrics["kl"]["estimator"], "per_sample": per_sample}
-    return ArmResult(name, description, str(student), options.numerics, bpp, kl, metrics["top1_agreement"], metrics["perplexity"], report.seconds)
+    return ArmResult(name, description, str(student), options.numerics, bpp, kl, metrics["top1_agreement"], metrics["perplexity"], report.seconds,
+                     metrics.get("positions"))
 
 
 def read_bpp(student: str | Path, components: tuple[str, ...]) -> float | None:
