@@ -142,7 +142,10 @@ def test_ctrl_c_mid_run_resumes_without_redoing_finished_steps(model: Path, tmp_
     manifest = out / "reports" / "pipeline.json"
     command = [FP4FORGE, "pipeline", str(model), str(out), "--recipe", RECIPE, "--json",
                "--calib-samples", "4", "--calib-seq-len", "64", "--fidelity-samples", "16", "--fidelity-seq-len", "256"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A test run started in the background (`cmd &` in a script) ignores SIGINT and children inherit
+    # that: give the command the default a terminal user has.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         try:

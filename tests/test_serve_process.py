@@ -114,7 +114,10 @@ def test_ctrl_c_while_waiting_stops_the_server_and_its_record(vllm_venv: Path, t
     state = tmp_path / "state"
     fp4forge = str(Path(sys.executable).with_name("fp4forge"))
     proc = subprocess.Popen([fp4forge, "serve", "up", str(tiny_laguna_dense_dir), "--name", "cancelled", "--venv", str(vllm_venv),
-                             "--state-dir", str(state)], env={**os.environ, **SMALL}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--state-dir", str(state)], env={**os.environ, **SMALL}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a test run started in the background (`cmd &` in a script) ignores SIGINT, and children
+                            # inherit that: give the command the default a terminal user has
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while not read_records(state) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
