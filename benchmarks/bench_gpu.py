@@ -23,8 +23,9 @@ limit keeps what it measured; optional phases are skipped when ``--budget-s`` ru
     python3 benchmarks/bench_gpu.py --out $OUT --skip calibrate,cached-export --export-variants 256:4:256:0,128:4:256:1   # exports only
 
 Each export records the caller's time in the writer's ``write`` and in the final fsync + rename;
-``--export-variants BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED]`` adds cold GPU exports with
-other settings of the batched path (all compared by sha256 with the CPU export).
+``--export-variants BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED[:COALESCED[:REQUEST_MIB]]]``
+adds cold GPU exports with other settings of the batched path (all compared by sha256 with the
+CPU export; a field left out keeps the exporter's default; COALESCED 0 reads tensor by tensor).
     python benchmarks/bench_gpu.py --tiny --out /tmp/bench-gpu                            # CPU smoke test
 
 The llm-compressor arm runs ``FP4FORGE_LC_PYTHON`` (default: this interpreter) with
@@ -359,7 +360,8 @@ def main() -> None:
     parser.add_argument("--profile-units", type=int, default=96)
     parser.add_argument("--budget-s", type=float, default=540.0, help="skip optional phases once this much time is used")
     parser.add_argument("--skip", default="", help="comma-separated phases to skip: calibrate (the exports then use a constant activation amax; implies warm,profile,lc,equality,fidelity,all-experts),cached-export,warm,profile,lc,all-experts,cpu-export,equality,fidelity")
-    parser.add_argument("--export-variants", default="", help="more cold GPU exports, comma-separated BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED] (e.g. 256:4:256:0,512:8:1048576)")
+    parser.add_argument("--export-variants", default="", help="more cold GPU exports, comma-separated BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED[:COALESCED[:REQUEST_MIB]]] (e.g. 256:4:256:0:0 = tensor-by-tensor reads; fields left out keep the defaults)")
+    parser.add_argument("--cpu-reference", type=Path, default=None, help="with --skip cpu-export: the export.json of an earlier run over the same source whose CPU export's sha256 the GPU exports are compared with")
     parser.add_argument("--tiny", action="store_true", help="the tiny Laguna testbed on whatever device there is (a smoke test of this script)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -408,13 +410,16 @@ def main() -> None:
     save(args.out, "export", exports)
     from fp4forge.quantize import export as exporter
 
-    knobs = ("DEVICE_BATCH_BYTES", "DEVICE_READ_THREADS", "WRITEBACK_BYTES", "WILLNEED_HINT")
+    knobs = ("DEVICE_BATCH_BYTES", "DEVICE_READ_THREADS", "WRITEBACK_BYTES", "WILLNEED_HINT", "DEVICE_COALESCED_READS", "DEVICE_READ_REQUEST_BYTES")
     defaults = {k: getattr(exporter, k) for k in knobs}
+    units = (1 << 20, 1, 1 << 20, 1, 1, 1 << 20)  # MiB, count, MiB, 0/1, 0/1, MiB
     for variant in filter(None, args.export_variants.split(",")):
         # batch MiB : reader threads : writeback MiB (a huge writeback = none before the final fsync) : WILLNEED hint 0/1
-        batch_mib, threads, writeback_mib, willneed = (int(x) for x in (variant.split(":") + ["1"])[:4])
-        for k, v in zip(knobs, (batch_mib << 20, threads, writeback_mib << 20, bool(willneed))):
-            setattr(exporter, k, v)
+        # : coalesced reads 0/1 : request MiB; a field left out keeps the exporter's default
+        fields = [int(x) for x in variant.split(":")]
+        values = [f * u for f, u in zip(fields, units)] + [defaults[k] for k in knobs[len(fields):]]
+        for k, v in zip(knobs, values):
+            setattr(exporter, k, type(defaults[k])(v))
         try:
             evict(shards(src))
             exports[f"cold {variant}"] = export(src, args.work / "export-gpu", stats_path, device)
@@ -448,6 +453,15 @@ def main() -> None:
         exports["bit_identical"] = all(v["sha256"] == exports["cpu"]["sha256"] for k, v in exports.items() if k.startswith(("cold", "cached")))
         save(args.out, "export", exports)
         log("export cpu", {k: v for k, v in exports["cpu"].items() if k != "sha256"}, "bit-identical:", exports["bit_identical"])
+    elif args.cpu_reference is not None:  # the CPU export of an earlier run over the same source (same --work)
+        reference = json.loads(args.cpu_reference.read_text())["cpu"]["sha256"]
+        exports["cpu_reference"] = str(args.cpu_reference)
+        exports["bit_identical"] = all(v["sha256"] == reference for k, v in exports.items() if k.startswith(("cold", "cached")))
+        save(args.out, "export", exports)
+        log("bit-identical to", args.cpu_reference, ":", exports["bit_identical"])
+    for key, doc in exports.items():
+        if key.startswith(("cold", "cached")):
+            print(f"SHARE {key:<24} {doc['read_gb_per_s']:.3f} GB/s = {100 * doc['read_gb_per_s'] / disk['cold_gb_per_s']:.1f} % of the cold disk ({disk['cold_gb_per_s']:.3f} GB/s)", flush=True)
 
     if "equality" not in skip and elapsed() < args.budget_s - 60:
         small = ids[: args.equality_samples]

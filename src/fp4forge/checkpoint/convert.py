@@ -272,6 +272,9 @@ class BlockFp8Source(Checkpoint):
                 info = info._replace(dtype="BF16", end=info.begin + 2 * info.numel)
             yield shard, info
 
+    def reads_as_stored(self, name: str) -> bool:
+        return name not in self.fp8_weights
+
     def read_tensor(self, name: str):
         if name not in self.fp8_weights:
             return super().read_tensor(name)

@@ -18,6 +18,9 @@ from fp4forge.checkpoint.safetensors_format import (
 )
 from fp4forge.errors import CheckpointError, IndexFileError
 
+#: Buffers one ``preadv`` call takes (the kernel's limit; 1024 on Linux).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
 
 class Source(Protocol):
     """Byte access to the files of one checkpoint."""
@@ -99,6 +102,32 @@ class LocalSource:
                     filled += n
         except OSError as exc:
             raise CheckpointError(f"cannot read: {exc.strerror}", file=str(path)) from None
+
+    def read_scatter(self, relpath: str, start: int, views: list[memoryview]) -> None:
+        """Fill ``views`` in order with the bytes from ``start`` on, as one request to the kernel
+        per ``IOV_MAX`` views (``preadv``: the kernel copies from the page cache straight into
+        each buffer, the GIL released meanwhile)."""
+        path = self.path(relpath)
+        pending = [v for v in views if v.nbytes]
+        offset = start
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", file=str(path)) from None
+        try:
+            while pending:
+                n = os.preadv(fd, pending[:IOV_MAX], offset)
+                if n == 0:
+                    raise CheckpointError(f"file ends {sum(v.nbytes for v in pending):,} bytes early", file=str(path))
+                offset += n
+                while pending and n >= pending[0].nbytes:  # drop the filled views; a short read leaves a partial one
+                    n -= pending.pop(0).nbytes
+                if n:
+                    pending[0] = pending[0][n:]
+        except OSError as exc:
+            raise CheckpointError(f"cannot read: {exc.strerror}", file=str(path)) from None
+        finally:
+            os.close(fd)
 
     def list_files(self) -> list[str]:
         return sorted(
