@@ -245,11 +245,14 @@ def export(src: Path, out: Path, stats: Path | None, device: str) -> dict:
     # where the caller's thread spends the export: writing tensors into the shards, and the final
     # fsync + rename (the rest is waiting for reads / the device, and the companions)
     CheckpointWriter.write, CheckpointWriter._finish = timed("write_s", plain_write), timed("finish_s", plain_finish)
+    cpu_before = os.times()
     try:
         summary = quantize_checkpoint(src, out, options)
     finally:
         CheckpointWriter.write, CheckpointWriter._finish = plain_write, plain_finish
-    doc = {"device": device, "seconds": summary.seconds, "bytes_read": summary.bytes_read, "bytes_written": summary.bytes_written, "read_gb_per_s": summary.read_gb_per_s, **spent}
+    cpu_after = os.times()
+    cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)  # this process's threads, user + sys
+    doc = {"device": device, "seconds": summary.seconds, "cpu_s": cpu_s, "bytes_read": summary.bytes_read, "bytes_written": summary.bytes_written, "read_gb_per_s": summary.read_gb_per_s, **spent}
     if device.startswith("cuda"):
         doc["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     doc["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in shards(out)}
