@@ -36,6 +36,7 @@ from fp4forge.model.device import resolve_device
 from fp4forge.errors import ConfigError, NumericsError, require_choice
 from fp4forge.model import distributed
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
+from fp4forge.numerics.nvfp4_kernel import kernel_status
 from fp4forge.numerics.nvfp4 import absmax, nvfp4_global_scale, nvfp4_quantize_stacked, nvfp4_scale_2
 from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, relative_error, search_nvfp4
 from fp4forge.quantize.act_scales import ConstantAmax, StatsAmax
@@ -98,6 +99,8 @@ class ExportSummary:
     seconds: float
     resumed_units: int
     weight_error: dict[str, Any] = field(default_factory=dict)
+    # CPU path: which NVFP4 min-max element kernel ran ("c: <library>" or "eager: <why>"); "" elsewhere
+    element_kernel: str = ""
 
     @property
     def read_gb_per_s(self) -> float:
@@ -277,6 +280,14 @@ def _quantize_unit(
         quantized, errors = quantizer.quantize(read.unit, weights)
         tensors.update({name: value.cpu() for name, value in quantized.items()})  # the writer takes host tensors
     return read.unit, tensors, errors, read.nbytes
+
+
+def _element_kernel(quantizer: UnitQuantizer) -> str:
+    """The CPU path's NVFP4 min-max element kernel, for the summary (the bytes do not depend on it)."""
+    if quantizer.device.type != "cpu":
+        return ""
+    status = kernel_status()
+    return f"{status.name}: {status.detail}"
 
 
 def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, workers: int):
@@ -626,6 +637,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
         seconds=time.perf_counter() - started,
         resumed_units=resumed,
         weight_error=summarize_errors(errors) if errors else {},
+        element_kernel=_element_kernel(quantizer),
     )
     return summary
 
