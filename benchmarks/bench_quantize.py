@@ -103,6 +103,7 @@ def run_fp4forge(src_tree: Path, src: Path, out: Path, cached: bool, extra: list
     recipe = OUT / "bench-recipe.toml"
     recipe.write_text(RECIPE)
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out.parent / f".{out.name}.partial", ignore_errors=True)  # a killed run's: never resume it
     if cached:
         read_all(src)
     else:
