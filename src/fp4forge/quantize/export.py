@@ -532,6 +532,10 @@ def _process_units_on_device(
                     future.cancel()
 
 
+#: CPU path: sync written shard data in the background too. With the element kernel the CPU
+#: export is bound by its output writes (writes and the final fsync were ~60 % of the main
+#: thread's wall time in a profile), which the background sync overlaps with the quantizing.
+CPU_WRITEBACK = True
 #: Output bytes after which the shards written so far are synced to disk in the background.
 WRITEBACK_BYTES = 256 << 20
 
@@ -540,8 +544,8 @@ class _Writeback:
     """Moves written shard data to the disk while the export goes on (one ``fdatasync`` at a
     time on a background thread, every ``WRITEBACK_BYTES``): on a machine with much RAM the
     kernel would otherwise keep it all dirty until the output's final fsync (2.8 s of a 14.5 s GPU
-    export on the H200). Used on the GPU path only: on the shared 2-core CPU machine it showed no
-    wall-clock gain in side-by-side runs (benchmarks/RESULTS.md), so that path stays as it was."""
+    export on the H200). The CPU path uses it too since its element kernel made the output writes
+    its limit (``CPU_WRITEBACK``; benchmarks/RESULTS.md)."""
 
     def __init__(self, writer: CheckpointWriter, every: int | None = None, enabled: bool = True):
         self.writer, self.every, self.pending, self.enabled = writer, every or WRITEBACK_BYTES, 0, enabled
@@ -604,7 +608,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             u.key: [LinearError(**e) for e in writer.completed_payloads.get(u.key) or []] for u in plan.units if u.key in writer.completed_units
         }
         done = resumed
-        with _Writeback(writer, enabled=quantizer.device.type != "cpu") as writeback:
+        with _Writeback(writer, enabled=quantizer.device.type != "cpu" or CPU_WRITEBACK) as writeback:
             units = _process_units(pending, ckpt, quantizer, options.workers) if quantizer.device.type == "cpu" else _process_units_on_device(pending, ckpt, quantizer)
             for unit, tensors, unit_errors, unit_bytes in units:
                 for name, tensor in tensors.items():
