@@ -6,8 +6,11 @@ Per checkpoint it measures the raw read rate of the source files (uncached, afte
 from the page cache with posix_fadvise(DONTNEED), and cached), then runs each arm with the source
 evicted ("uncached") and, for fp4forge, again with it in the page cache ("cached"):
 
-* fp4forge (this checkout), default options (error report on, every core);
+* fp4forge (this checkout), default options (error report on, every core, the fused C element
+  kernel for NVFP4 min-max when it builds: the summary names it);
 * fp4forge --no-error-report;
+* fp4forge with the kernel switched off (``FP4FORGE_KERNEL=eager``: the eager torch element path,
+  same bytes, checked), uncached;
 * optionally fp4forge from another source tree (``--baseline-src``, e.g. an export of the
   commit before a change), for before/after in one run;
 * llm-compressor ``model_free_ptq(scheme="NVFP4A16")`` (its defaults: CPU, one worker).
@@ -54,8 +57,8 @@ def synth(layers: int) -> Path:
     return out
 
 
-def _env(src: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(src)}
+def _env(src: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(src), **extra}
 
 
 def evict(ckpt: Path) -> None:
@@ -96,16 +99,17 @@ def quantized_modules(out: Path) -> set[str]:
     return names
 
 
-def run_fp4forge(src_tree: Path, src: Path, out: Path, cached: bool, extra: list[str]):
+def run_fp4forge(src_tree: Path, src: Path, out: Path, cached: bool, extra: list[str], env: dict[str, str] | None = None):
     recipe = OUT / "bench-recipe.toml"
     recipe.write_text(RECIPE)
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out.parent / f".{out.name}.partial", ignore_errors=True)  # a killed run's: never resume it
     if cached:
         read_all(src)
     else:
         evict(src)
     cmd = [sys.executable, "-m", "fp4forge.cli", "quantize", str(src), str(out), "--recipe", str(recipe), "--json", *extra]
-    stats = run_measured(cmd, env=_env(src_tree))
+    stats = run_measured(cmd, env=_env(src_tree, **(env or {})))
     assert stats.returncode == 0, f"fp4forge quantize failed: {stats.stderr[-2000:]!r}"
     return stats
 
@@ -130,6 +134,9 @@ def main() -> None:
     parser.add_argument("--baseline-src", type=Path, help="a src/ tree of another fp4forge version, run as one more arm")
     parser.add_argument("--uncached-only", action="store_true", help="skip the cached fp4forge arms")
     args = parser.parse_args()
+    # build (or load) the element kernel once, outside the timed arms
+    warm = run_measured([sys.executable, "-c", "from fp4forge.numerics.nvfp4_kernel import kernel_status; print(kernel_status())"], env=_env(REPO / "src"))
+    print(f"element kernel: {warm.stdout.decode().strip()} ({warm.wall_s:.1f} s)", flush=True)
     rows = []
     for layers in args.layers:
         src = synth(layers)
@@ -140,23 +147,31 @@ def main() -> None:
         print(f"L{layers}: {gb:.2f} GB BF16 | read uncached {read_uncached:.3f} GB/s, cached {read_cached:.3f} GB/s", flush=True)
         arms = []
         ours = OUT / f"q-fp4forge-L{layers}"
+        eager_out = OUT / f"q-fp4forge-eager-L{layers}"
         for label, tree, extra, cached in [
             ("fp4forge", REPO / "src", [], False),
             ("fp4forge", REPO / "src", [], True),
             ("fp4forge --no-error-report", REPO / "src", ["--no-error-report"], False),
             ("fp4forge --no-error-report", REPO / "src", ["--no-error-report"], True),
+            ("fp4forge eager element path", REPO / "src", [], False),
             *([("fp4forge baseline", args.baseline_src, [], False)] if args.baseline_src else []),
         ]:
             if cached and args.uncached_only:
                 continue
-            stats = run_fp4forge(tree, src, OUT / f"q-fp4forge-baseline-L{layers}" if label.endswith("baseline") else ours, cached, extra)
+            eager = label.endswith("eager element path")
+            out = OUT / f"q-fp4forge-baseline-L{layers}" if label.endswith("baseline") else eager_out if eager else ours
+            stats = run_fp4forge(tree, src, out, cached, extra, {"FP4FORGE_KERNEL": "eager"} if eager else None)
             arms.append((label, "cached" if cached else "uncached", stats))
-            inside = json.loads(stats.stdout)["seconds"]  # from the start of quantize_checkpoint: no imports
+            result = json.loads(stats.stdout)
+            inside = result["seconds"]  # from the start of quantize_checkpoint: no imports
             print(
                 f"  {label} ({arms[-1][1]}): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB; "
-                f"after start-up {inside:.1f} s = {gb / inside:.3f} GB/s",
+                f"after start-up {inside:.1f} s = {gb / inside:.3f} GB/s; element kernel {result.get('element_kernel', '?')}",
                 flush=True,
             )
+        same = shard_digests(ours) == shard_digests(eager_out)
+        print(f"  shards byte-identical, kernel vs eager element path: {same}", flush=True)
+        assert same, "the kernel's shards differ from the eager path's"
         ours_modules = quantized_modules(ours)
         if args.baseline_src:
             same = shard_digests(ours) == shard_digests(OUT / f"q-fp4forge-baseline-L{layers}")

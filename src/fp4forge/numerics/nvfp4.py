@@ -62,6 +62,7 @@ from fp4forge.numerics.e2m1 import (
     unpack_fp4,
 )
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+from fp4forge.numerics import nvfp4_kernel
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -106,6 +107,8 @@ def absmax(w: Tensor) -> Tensor:
     """``max |w|`` as a 0-dim tensor in ``w``'s dtype (exact; combine row chunks with ``torch.maximum``)."""
     if w.numel() == 0:
         return w.abs().amax()  # torch's own error for an empty tensor
+    if nvfp4_kernel.usable_for(w):
+        return nvfp4_kernel.absmax_bf16(w)
     return block_absmax(w.reshape(1, -1))[0]
 
 
@@ -369,6 +372,10 @@ def nvfp4_quantize(
     (``generate_gparam`` + ``calculate_qparams`` + ``NVFP4PackedCompressor.compress``).
     """
     _check_convention(convention)
+    if block_scale is None:
+        fast = kernel_minmax(w, convention, global_amax, global_scale, fp8_max, error=False)
+        if fast is not None:
+            return fast[0]
     blocks = _blocks(w)
     amax_blk = block_absmax(blocks)
     _check_finite(amax_blk)
@@ -376,6 +383,31 @@ def nvfp4_quantize(
     if block_scale is None:
         block_scale = _finish_block_scales(nvfp4_raw_block_scales(amax_blk, g, convention), convention)
     return _quantize_blocks(blocks, block_scale, g, convention, error=False)[0]
+
+
+def kernel_minmax(
+    w: Tensor,
+    convention: Convention,
+    global_amax: Tensor | float | None,
+    global_scale: Tensor | None,
+    fp8_max: float,
+    *,
+    error: bool,
+) -> tuple[Nvfp4Weight, float, float] | None:
+    """Min-max NVFP4 of ``w`` by the fused CPU kernel (:mod:`~fp4forge.numerics.nvfp4_kernel`):
+    the bytes of the eager path, and with ``error`` its (err_sq, ref_sq) up to summation order.
+    None when the kernel does not apply (not a contiguous bf16 CPU tensor, no kernel, or a zero
+    or non-finite step): the caller runs the eager path."""
+    if not nvfp4_kernel.usable_for(w):
+        return None
+    amax = nvfp4_kernel.absmax_bf16(w)
+    _check_finite(amax)
+    g = _resolve_scalar(w, amax.reshape(1), convention, global_amax, global_scale, fp8_max)
+    result = nvfp4_kernel.minmax_bf16(w, convention, g, error)
+    if result is None:
+        return None
+    packed, block_scale, err_sq, ref_sq = result
+    return Nvfp4Weight(packed, block_scale, g, convention), err_sq, ref_sq
 
 
 def _quantize_blocks(

@@ -49,6 +49,7 @@ from fp4forge.numerics.nvfp4 import (
     _finish_block_scales,
     _quantize_blocks,
     _resolve_scalar,
+    kernel_minmax,
     nvfp4_raw_block_scales,
 )
 
@@ -243,6 +244,14 @@ def search_nvfp4(
         global_amax = None
     if fp8_max is None:
         fp8_max = FOUR_OVER_SIX_FP8_MAX if method == "four_over_six" else FP8_E4M3_MAX
+
+    if method == "minmax":
+        fast = kernel_minmax(w, convention, global_amax, global_scale, fp8_max, error=error)
+        if fast is not None:
+            q, err_sq, ref_sq = fast
+            if not error:
+                return ScaleSearchResult(q, method, None, None, None, 0)
+            return ScaleSearchResult(q, method, 0.0 if ref_sq == 0.0 else math.sqrt(err_sq / ref_sq), err_sq, ref_sq, 0)
 
     blocks = _blocks(w)
     amax_blk = block_absmax(blocks)

@@ -37,6 +37,7 @@ from fp4forge.model.device import resolve_device
 from fp4forge.errors import ConfigError, NumericsError, require_choice
 from fp4forge.model import distributed
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX, fp8_dequantize_weight, fp8_quantize_weight
+from fp4forge.numerics.nvfp4_kernel import kernel_status
 from fp4forge.numerics.nvfp4 import absmax, nvfp4_global_scale, nvfp4_quantize_stacked, nvfp4_scale_2
 from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, relative_error, search_nvfp4
 from fp4forge.quantize.act_scales import ConstantAmax, StatsAmax
@@ -99,6 +100,8 @@ class ExportSummary:
     seconds: float
     resumed_units: int
     weight_error: dict[str, Any] = field(default_factory=dict)
+    # CPU path: which NVFP4 min-max element kernel ran ("c: <library>" or "eager: <why>"); "" elsewhere
+    element_kernel: str = ""
 
     @property
     def read_gb_per_s(self) -> float:
@@ -278,6 +281,14 @@ def _quantize_unit(
         quantized, errors = quantizer.quantize(read.unit, weights)
         tensors.update({name: value.cpu() for name, value in quantized.items()})  # the writer takes host tensors
     return read.unit, tensors, errors, read.nbytes
+
+
+def _element_kernel(quantizer: UnitQuantizer) -> str:
+    """The CPU path's NVFP4 min-max element kernel, for the summary (the bytes do not depend on it)."""
+    if quantizer.device.type != "cpu":
+        return ""
+    status = kernel_status()
+    return f"{status.name}: {status.detail}"
 
 
 def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, workers: int):
@@ -557,6 +568,10 @@ def _process_units_on_device(
                     future.cancel()
 
 
+#: CPU path: sync written shard data in the background too. With the element kernel the CPU
+#: export is bound by its output writes (writes and the final fsync were ~60 % of the main
+#: thread's wall time in a profile), which the background sync overlaps with the quantizing.
+CPU_WRITEBACK = True
 #: Output bytes after which the shards written so far are synced to disk in the background.
 WRITEBACK_BYTES = 256 << 20
 
@@ -565,8 +580,8 @@ class _Writeback:
     """Moves written shard data to the disk while the export goes on (one ``fdatasync`` at a
     time on a background thread, every ``WRITEBACK_BYTES``): on a machine with much RAM the
     kernel would otherwise keep it all dirty until the output's final fsync (2.8 s of a 14.5 s GPU
-    export on the H200). Used on the GPU path only: on the shared 2-core CPU machine it showed no
-    wall-clock gain in side-by-side runs (benchmarks/RESULTS.md), so that path stays as it was."""
+    export on the H200). The CPU path uses it too since its element kernel made the output writes
+    its limit (``CPU_WRITEBACK``; benchmarks/RESULTS.md)."""
 
     def __init__(self, writer: CheckpointWriter, every: int | None = None, enabled: bool = True):
         self.writer, self.every, self.pending, self.enabled = writer, every or WRITEBACK_BYTES, 0, enabled
@@ -629,7 +644,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             u.key: [LinearError(**e) for e in writer.completed_payloads.get(u.key) or []] for u in plan.units if u.key in writer.completed_units
         }
         done = resumed
-        with _Writeback(writer, enabled=quantizer.device.type != "cpu") as writeback:
+        with _Writeback(writer, enabled=quantizer.device.type != "cpu" or CPU_WRITEBACK) as writeback:
             units = _process_units(pending, ckpt, quantizer, options.workers) if quantizer.device.type == "cpu" else _process_units_on_device(pending, ckpt, quantizer)
             for unit, tensors, unit_errors, unit_bytes in units:
                 for name, tensor in tensors.items():
@@ -662,6 +677,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
         seconds=time.perf_counter() - started,
         resumed_units=resumed,
         weight_error=summarize_errors(errors) if errors else {},
+        element_kernel=_element_kernel(quantizer),
     )
     return summary
 

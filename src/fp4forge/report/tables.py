@@ -65,5 +65,6 @@ def quantize_summary_rich(summary) -> Table:
         f"{summary.tensors_written:,} tensors, {summary.bytes_written / 2**20:,.1f} MiB written, "
         f"{summary.bytes_read / 1e9:.3f} GB read in {summary.seconds:.1f} s ({summary.read_gb_per_s:.3f} GB/s)"
         + (f"; resumed after {summary.resumed_units} finished units" if summary.resumed_units else "")
+        + (f"; NVFP4 element kernel: {summary.element_kernel}" if getattr(summary, "element_kernel", "") else "")
     )
     return table
