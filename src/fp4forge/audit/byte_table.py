@@ -182,12 +182,12 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     if len(span) != len(set(zip(stored_dtypes, shapes, sizes))):  # not one size per dtype x shape
         span = None
     totals: dict[tuple, list[int]] = {key: [0, 0, 0] for key in dict.fromkeys(keys)}
-    for (key, shape), count in counts.items():
+    for (key, shape), tensors in counts.items():
         total = totals[key]
-        total[0] += count
+        total[0] += tensors
         if span is not None:
-            total[1] += count * span[key[1], shape]
-        total[2] += count * math.prod(shape)
+            total[1] += tensors * span[key[1], shape]
+        total[2] += tensors * math.prod(shape)
     if span is None:
         for key, size in zip(keys, sizes):
             totals[key][1] += size
@@ -198,18 +198,18 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     dtypes: dict[str, dict[str, int]] = {}
     unknown: list[str] = []
     unknown_keys = set()
-    for key, (example, count, nbytes, numel) in groups.items():
+    for key, (example, tensors, nbytes, numel) in groups.items():
         _, dtype, is_packed = key
         role = layout.classify(example, dtype, modelopt_packed=is_packed)
         if role.component == UNKNOWN:
             unknown_keys.add(key)
         entry = components[role.component]
-        entry.tensors += count
+        entry.tensors += tensors
         entry.bytes += nbytes
         entry.params += logical_params(role.kind, dtype, numel)
         by_dtype = dtypes.setdefault(dtype, {"bytes": 0, "tensors": 0})
         by_dtype["bytes"] += nbytes
-        by_dtype["tensors"] += count
+        by_dtype["tensors"] += tensors
     if unknown_keys:
         unknown = list(compress(names, map(unknown_keys.__contains__, keys)))
     total_bytes = sum(c.bytes for c in components.values())

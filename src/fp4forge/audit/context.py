@@ -6,10 +6,10 @@ imports them; nothing here imports a check."""
 from __future__ import annotations
 
 import math
-from itertools import compress
-from operator import itemgetter, not_
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import compress
+from operator import not_
 from typing import Any
 
 from fp4forge.audit.findings import Issue
