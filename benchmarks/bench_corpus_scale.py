@@ -8,7 +8,12 @@ expected-name skeleton cached, the page cache warm) and cold (an empty skeleton 
 shards evicted from the page cache first). The bare loop reads each shard's 8-byte length and
 its JSON header and json-parses it: the floor any header tool pays. Ratios to it are printed.
 
-    .venv/bin/python benchmarks/bench_corpus_scale.py [--runs 3]
+    .venv/bin/python benchmarks/bench_corpus_scale.py [--runs 3] [--baseline-src DIR]
+
+``--baseline-src DIR``: the same commands again with ``PYTHONPATH=DIR`` (an older tree's ``src``,
+e.g. from ``git archive``), interleaved run by run with the current code, so both arms share the
+machine's load. CPU seconds (user + sys of the child) are printed beside wall time: on a shared
+machine they move less than wall time.
 """
 
 from __future__ import annotations
@@ -71,36 +76,56 @@ def bare_in_process(ckpt: Path) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--baseline-src", type=Path, default=None, help="an older tree's src/, run side by side")
     args = parser.parse_args()
     ckpt = build(OUT / f"{ENTRY}-{SHARDS}")
     shards = sorted(ckpt.glob("*.safetensors"))
     fp4forge = str(Path(sys.executable).parent / "fp4forge")
     print(f"{ckpt.name}: {len(shards)} shards, load average {os.getloadavg()[0]:.1f}")
+    arms = {"": dict(os.environ)}
+    if args.baseline_src is not None:
+        arms[" [baseline]"] = {**os.environ, "PYTHONPATH": str(args.baseline_src.resolve())}
 
     bare = [bare_in_process(ckpt) for _ in range(args.runs)]
     tensors = bare[0][1]
     bare_proc = [run_measured([sys.executable, "-c", BARE_LOOP, str(ckpt)]) for _ in range(args.runs)]
-    rows = {"bare loop, in process": [b[0] for b in bare], "bare loop, fresh python": [r.wall_s for r in bare_proc]}
+    rows = {"bare loop, in process": [(b[0], None) for b in bare], "bare loop, fresh python": [(r.wall_s, r.cpu_s) for r in bare_proc]}
+    rss: dict[str, float] = {}
+    docs: dict[str, dict] = {}
 
-    bytes_runs = [run_measured([fp4forge, "bytes", str(ckpt), "--json"]) for _ in range(args.runs)]
-    assert bytes_runs[0].returncode == 0, bytes_runs[0].stdout[:500]
-    rows["fp4forge bytes --json"] = [r.wall_s for r in bytes_runs]
-    run_measured([fp4forge, "audit", str(ckpt), "--json"])  # prime the skeleton cache
-    warm = [run_measured([fp4forge, "audit", str(ckpt), "--json"]) for _ in range(args.runs)]
-    rows["fp4forge audit --json, warm"] = [r.wall_s for r in warm]
-    cold = []
+    def measure(label: str, cmd: list[str], env_of) -> None:
+        for suffix, env in arms.items():
+            run = run_measured(cmd, env=env_of(env))
+            rows.setdefault(label + suffix, []).append((run.wall_s, run.cpu_s))
+            rss[label + suffix] = max(rss.get(label + suffix, 0.0), run.peak_rss_mib)
+            docs[label + suffix] = {"returncode": run.returncode, "stdout": run.stdout}
+
+    same = lambda env: env  # noqa: E731
+    for _ in range(args.runs):
+        measure("fp4forge bytes --json", [fp4forge, "bytes", str(ckpt), "--json"], same)
+    for suffix, env in arms.items():
+        assert docs["fp4forge bytes --json" + suffix]["returncode"] == 0, docs["fp4forge bytes --json" + suffix]["stdout"][:500]
+        run_measured([fp4forge, "audit", str(ckpt), "--json"], env=env)  # prime the skeleton cache
+    for _ in range(args.runs):
+        measure("fp4forge audit --json, warm", [fp4forge, "audit", str(ckpt), "--json"], same)
     for _ in range(args.runs):
         evicted = all(drop_page_cache(p) for p in shards)
-        env = {**os.environ, "FP4FORGE_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")}
-        cold.append(run_measured([fp4forge, "audit", str(ckpt), "--json"], env=env))
-    rows["fp4forge audit --json, cold" + ("" if evicted else " (page cache not evicted)")] = [r.wall_s for r in cold]
-    doc = json.loads(warm[0].stdout)
+        label = "fp4forge audit --json, cold" + ("" if evicted else " (page cache not evicted)")
+        measure(label, [fp4forge, "audit", str(ckpt), "--json"], lambda env: {**env, "FP4FORGE_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")})
+    doc = json.loads(docs["fp4forge audit --json, warm"]["stdout"])
     print(f"{tensors:,} tensors; audit summary {doc['summary']}, rules {sorted({f['rule'] for f in doc['findings']})}")
-    floor = statistics.median(rows["bare loop, fresh python"])
-    for label, walls in rows.items():
-        print(f"  {label:42s} {summarize(walls)} s   x{statistics.median(walls) / floor:.1f} the fresh bare loop")
-    rss = {"bytes": max(r.peak_rss_mib for r in bytes_runs), "audit warm": max(r.peak_rss_mib for r in warm), "audit cold": max(r.peak_rss_mib for r in cold)}
+    if len(arms) > 1:
+        for label in ("fp4forge bytes --json", "fp4forge audit --json, warm"):
+            agree = docs[label]["stdout"] == docs[label + " [baseline]"]["stdout"] and docs[label]["returncode"] == docs[label + " [baseline]"]["returncode"]
+            print(f"  {label}: output and exit code {'identical to' if agree else 'DIFFER from'} the baseline's")
+    floor = statistics.median(w for w, _ in rows["bare loop, fresh python"])
+    for label, runs in rows.items():
+        walls = [w for w, _ in runs]
+        cpus = [c for _, c in runs if c is not None]
+        cpu = f"   cpu {statistics.median(cpus):.2f} s" if cpus else ""
+        print(f"  {label:54s} {summarize(walls)} s   x{statistics.median(walls) / floor:.1f} the fresh bare loop{cpu}")
     print("  peak RSS MiB " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
+from itertools import chain, compress, count, repeat
+from operator import add, itemgetter, methodcaller, sub
 from dataclasses import asdict, dataclass, field
 
 from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout
@@ -88,12 +91,32 @@ def logical_params(kind: str, dtype: str, numel: int) -> int:
 
 def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
     """Names of ModelOpt-style packed FP4 weights: ``U8`` ``<m>.weight`` with an FP8 ``<m>.weight_scale``."""
-    dtypes = {info.name: info.dtype for _, info in ckpt.tensors() if info.dtype in ("U8", "F8_E4M3")}
-    return {
-        name
-        for name, dtype in dtypes.items()
-        if dtype == "U8" and name.endswith(".weight") and dtypes.get(name + "_scale") == "F8_E4M3"
-    }
+    names, dtypes = _names_and_dtypes(ckpt)
+    return _packed_among(names, dtypes)
+
+
+def _names_and_dtypes(ckpt: Checkpoint) -> tuple[list[str], list[str]]:
+    """Every tensor's name and dtype in ``ckpt.tensors()`` order, gathered with C-level passes."""
+    headers = [ckpt.headers[shard] for shard in ckpt.shard_names if shard in ckpt.headers]
+    names = list(chain.from_iterable(h.tensors for h in headers))
+    dtypes = list(map(itemgetter(1), chain.from_iterable(h.tensors.values() for h in headers)))
+    return names, dtypes
+
+
+def _packed_among(names: list[str], dtypes: list[str]) -> set[str]:
+    # Later names win in a dict, as in the per-tensor dict this replaces (a name in two shards).
+    kept = {name: dtype for name, dtype in zip(names, dtypes) if dtype in _PACKED_DTYPES} if len(set(names)) != len(names) else None
+    if kept is not None:
+        u8 = [name for name, dtype in kept.items() if dtype == "U8"]
+        fp8 = {name for name, dtype in kept.items() if dtype == "F8_E4M3"}
+    else:
+        u8 = list(compress(names, map("U8".__eq__, dtypes)))
+        fp8 = set(compress(names, map("F8_E4M3".__eq__, dtypes)))
+    weights = list(compress(u8, map(methodcaller("endswith", ".weight"), u8)))
+    return set(compress(weights, map(fp8.__contains__, map(add, weights, repeat("_scale")))))
+
+
+_PACKED_DTYPES = frozenset({"U8", "F8_E4M3"})
 
 
 # Digit runs masked when grouping, except layer indices: next-n (MTP) layers share every other
@@ -102,42 +125,38 @@ _DIGITS = re.compile(r"(?<!layers\.)(?<!\d)\d+")
 
 
 def masked_digits(names: list[str]) -> list[str]:
-    """Every name with its digit runs masked as ``_DIGITS`` masks them, for 10^5 names at once:
-    the regex over each name (or over all joined) costs as much as parsing the headers, so
-    ASCII names go through C-level string operations on the joined text instead: the digits after
-    ``layers.`` are set aside as control characters, every other digit becomes a marker, marker
-    runs collapse to one ``#``, and the layer digits come back."""
-    joined = "\n".join(names)
-    if not names or not joined.isascii() or not _CONTROL.isdisjoint(joined):  # \d matches non-ASCII digits too
-        return [_DIGITS.sub("#", name) for name in names]
-    pieces = joined.split(_LAYERS)
-    del joined
-    protected: dict[str, str] = {}
-    for position in range(1, len(pieces)):  # in place: 10^5 strings, one list
-        piece = pieces[position]
-        rest = piece.lstrip(_ASCII_DIGITS)
-        head = piece[: len(piece) - len(rest)]  # the layer index
-        shown = protected.get(head)
-        if shown is None:
-            shown = protected[head] = head.translate(_PROTECT)
-        pieces[position] = shown + rest
-    text = _LAYERS.join(pieces)
-    del pieces
-    text = text.translate(_DIGITS_TO_MARK)
-    while _MARK + _MARK in text:
-        text = text.replace(_MARK + _MARK, _MARK)
-    masked = text.replace(_MARK, "#").translate(_UNPROTECT).split("\n")
-    return masked if len(masked) == len(names) else [_DIGITS.sub("#", name) for name in names]  # a name held a newline
+    """Every name with its digit runs masked as ``_DIGITS`` masks them."""
+    return [_DIGITS.sub("#", name) for name in names]
 
 
-_LAYERS = "layers."
+class _Masked(dict):
+    """``_DIGITS.sub("#", part)``, worked out once per distinct part."""
+
+    def __missing__(self, part: str) -> str:
+        masked = self[part] = _DIGITS.sub("#", part)
+        return masked
+
+
 _ASCII_DIGITS = "0123456789"
-_MARK = "\x00"
-_SET_ASIDE = "".join(map(chr, range(0x10, 0x1A)))  # control characters no tensor name holds (checked)
-_PROTECT = str.maketrans(_ASCII_DIGITS, _SET_ASIDE)
-_UNPROTECT = str.maketrans(_SET_ASIDE, _ASCII_DIGITS)
-_DIGITS_TO_MARK = str.maketrans(dict.fromkeys(_ASCII_DIGITS, _MARK))
-_CONTROL = frozenset(_MARK + _SET_ASIDE)
+_LAYERS = "layers."
+
+
+def name_templates(names: list[str]) -> list:
+    """A grouping key per name (a number, or the masked name) with the same equalities as
+    ``masked_digits`` (two names share a key exactly when their masked names are equal), for 10^5 names in C-level passes: a name is
+    split at its first ``layers.``; the part before it and the part after the layer index repeat
+    across layers and experts, so each distinct part is masked once."""
+    if not all(map(str.isascii, names)):  # \d matches non-ASCII digits too: the plain way
+        return masked_digits(names)
+    parts = list(map(methodcaller("partition", _LAYERS), names))
+    tails = list(map(itemgetter(2), parts))
+    rests = list(map(methodcaller("lstrip", _ASCII_DIGITS), tails))
+    cache = _Masked()
+    # Masking the pieces apart equals masking the whole: the head holds no "layers.", the layer
+    # index is kept whole after "layers.", and the rest starts with a non-digit.
+    templates = zip(map(cache.__getitem__, map(itemgetter(0), parts)), map(itemgetter(1), parts), map(str.removesuffix, tails, rests), map(cache.__getitem__, rests))
+    numbers: dict = {}
+    return list(map(numbers.setdefault, templates, count()))  # one number per distinct template
 
 
 def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
@@ -146,41 +165,53 @@ def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
 
 
 def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
-    packed = modelopt_packed_weights(ckpt)
-    # Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): total per
-    # (name with digits masked, dtype) first, then classify one representative of each.
-    infos = [info for _, info in ckpt.tensors()]
-    names = [info.name for info in infos]
-    keys = zip(masked_digits(names), [info.dtype for info in infos], map(packed.__contains__, names))
-    members: dict[tuple[str, str, bool], list[int]] = {}
-    for position, key in enumerate(keys):
-        found = members.get(key)
-        if found is None:
-            members[key] = [position]
-        else:
-            found.append(position)
-    sizes = [info.end - info.begin for info in infos]
-    numels = list(map(math.prod, (info.shape for info in infos)))
-    groups = {
-        key: (names[positions[0]], len(positions), sum(map(sizes.__getitem__, positions)), sum(map(numels.__getitem__, positions)), list(map(names.__getitem__, positions)))
-        for key, positions in members.items()
-    }
+    # Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): count per
+    # (name template, dtype, packed, shape) in C, total per (template, dtype, packed) from the
+    # counts (a tensor's bytes follow from its dtype and shape: the header check made sure), then
+    # classify the first name of each group.
+    headers = [ckpt.headers[shard] for shard in ckpt.shard_names if shard in ckpt.headers]
+    names, stored_dtypes = _names_and_dtypes(ckpt)
+    infos = list(chain.from_iterable(h.tensors.values() for h in headers))
+    packed = _packed_among(names, stored_dtypes)
+    keys = list(zip(name_templates(names), stored_dtypes, map(packed.__contains__, names)))
+    first = dict(zip(reversed(keys), reversed(names)))  # the first name of each group
+    shapes = list(map(itemgetter(2), infos))
+    sizes = list(map(sub, map(itemgetter(4), infos), map(itemgetter(3), infos)))
+    counts = Counter(zip(keys, shapes))
+    span = dict(zip(zip(stored_dtypes, shapes), sizes))  # (dtype, shape) -> bytes of one tensor
+    if len(span) != len(set(zip(stored_dtypes, shapes, sizes))):  # not one size per dtype x shape
+        span = None
+    totals: dict[tuple, list[int]] = {key: [0, 0, 0] for key in dict.fromkeys(keys)}
+    for (key, shape), tensors in counts.items():
+        total = totals[key]
+        total[0] += tensors
+        if span is not None:
+            total[1] += tensors * span[key[1], shape]
+        total[2] += tensors * math.prod(shape)
+    if span is None:
+        for key, size in zip(keys, sizes):
+            totals[key][1] += size
+    groups = {key: (first[key], *total) for key, total in totals.items()}
 
     order = layout.component_names + [KV_SCALES, UNKNOWN]
     components = {name: ComponentBytes(name) for name in order}
     dtypes: dict[str, dict[str, int]] = {}
     unknown: list[str] = []
-    for (_, dtype, is_packed), (example, count, nbytes, numel, group_names) in groups.items():
+    unknown_keys = set()
+    for key, (example, tensors, nbytes, numel) in groups.items():
+        _, dtype, is_packed = key
         role = layout.classify(example, dtype, modelopt_packed=is_packed)
         if role.component == UNKNOWN:
-            unknown.extend(group_names)
+            unknown_keys.add(key)
         entry = components[role.component]
-        entry.tensors += count
+        entry.tensors += tensors
         entry.bytes += nbytes
         entry.params += logical_params(role.kind, dtype, numel)
         by_dtype = dtypes.setdefault(dtype, {"bytes": 0, "tensors": 0})
         by_dtype["bytes"] += nbytes
-        by_dtype["tensors"] += count
+        by_dtype["tensors"] += tensors
+    if unknown_keys:
+        unknown = list(compress(names, map(unknown_keys.__contains__, keys)))
     total_bytes = sum(c.bytes for c in components.values())
     total_params = sum(c.params for c in components.values())
     kept = [c for c in components.values() if c.tensors]

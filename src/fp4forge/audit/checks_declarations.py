@@ -145,11 +145,13 @@ def scheme_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     # share a few hundred (scheme, component, shape, stored tensors) signatures, and a signature
     # found clean once is clean for every module carrying it.
     clean: set[tuple] = set()
+    modules, linear_modules = ctx.modules, ctx.linear_modules
+    with_inputs: dict[tuple[str, ...], bool] = {}  # stored suffixes -> whether one is an input scale
     for module, group in resolution.scheme_of.items():
-        if group.scheme is None or module not in ctx.modules:
+        if group.scheme is None or module not in modules:
             continue  # unsupported scheme (reported), or absent module (a names finding)
-        params = ctx.modules[module]
-        signature = (id(group), ctx.linear_modules.get(module, ""), ctx.linear_shape(module), tuple([(suffix, info.dtype, info.shape) for suffix, info in params.items()]))
+        params = modules[module]
+        signature = (id(group), linear_modules.get(module, ""), ctx.linear_shape(module), tuple([(suffix, info.dtype, info.shape) for suffix, info in params.items()]))
         if signature in clean:
             module_issues = []
         else:
@@ -158,7 +160,11 @@ def scheme_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
                 clean.add(signature)
         if group.scheme == W4A4_SCHEME:
             w4a4_modules += 1
-            w4a4_with_inputs += any(_kind(s) in INPUT_SCALE_KINDS for s in ctx.modules[module])
+            suffixes = tuple(params)
+            has_inputs = with_inputs.get(suffixes)
+            if has_inputs is None:
+                has_inputs = with_inputs[suffixes] = any(_kind(s) in INPUT_SCALE_KINDS for s in suffixes)
+            w4a4_with_inputs += has_inputs
         for found in module_issues:
             (missing_inputs if _is_missing_input_scale(found) else issues).append(found)
     if w4a4_modules and not w4a4_with_inputs:
@@ -316,10 +322,14 @@ def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]
 
 
 def _scale_name(ctx: AuditContext, module: str, kinds: tuple[str, ...]) -> str | None:
-    for suffix in ctx.modules.get(module, {}):
-        if _kind(suffix) in kinds:
-            return f"{module}.{suffix}"
-    return None
+    suffix = _first_of_kinds(tuple(ctx.modules.get(module, ())), kinds)
+    return None if suffix is None else f"{module}.{suffix}"
+
+
+@lru_cache(maxsize=4096)
+def _first_of_kinds(suffixes: tuple[str, ...], kinds: tuple[str, ...]) -> str | None:
+    """The first stored suffix of one of ``kinds`` (10^5 modules share a few suffix lists)."""
+    return next((suffix for suffix in suffixes if _kind(suffix) in kinds), None)
 
 
 # -- scale values ---------------------------------------------------------------------------------

@@ -47,19 +47,25 @@ MTP = "mtp"
 def compare(ctx: AuditContext, expected: dict[str, tuple[int, ...]]) -> NameComparison:
     result = NameComparison()
     found: set[str] = set()
-    for name, (_, info) in ctx.tensors.items():
-        module, _, kind = ctx.roles[name]
-        if kind == "kv_scale" or name in ctx.mtp_tensors:
+    mtp = ctx.mtp_tensors
+    unexpected = result.unexpected
+    owner: dict[str, str] = {}  # module -> the parameter its metadata belongs to (a few tensors each)
+    # roles holds the names of tensors in the same order: one pass, no per-name lookups
+    for (name, (_, info)), (module, _, kind) in zip(ctx.tensors.items(), ctx.roles.values()):
+        if kind == "kv_scale" or name in mtp:
             continue
         parameter = name
         if kind in WEIGHT_METADATA_KINDS:
             # `<m>.weight_scale` belongs to `<m>.weight`; MXFP4's `<p>_blocks` to the suffix-less `<p>`
-            parameter = module if f"{module}.weight" not in expected and module in expected else f"{module}.weight"
+            parameter = owner.get(module)
+            if parameter is None:
+                weight = f"{module}.weight"
+                parameter = owner[module] = module if weight not in expected and module in expected else weight
         if parameter not in expected:
-            result.unexpected.setdefault(parameter, []).append(name)
+            unexpected.setdefault(parameter, []).append(name)
             continue
         found.add(parameter)
-        if name == parameter and not _shape_fits(info.shape, info.dtype, expected[parameter]):
+        if name == parameter and info.shape != expected[parameter] and not _shape_fits(info.shape, info.dtype, expected[parameter]):
             result.wrong_shape.append((name, tuple(info.shape), expected[parameter]))
     result.missing = [name for name in expected if name not in found]
     return result

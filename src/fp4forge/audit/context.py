@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import compress
+from operator import not_
 from typing import Any
 
 from fp4forge.audit.findings import Issue
@@ -38,6 +40,7 @@ COMPONENT_NOUNS = {
 WEIGHT_SUFFIXES = ("weight", "weight_packed")
 SCALE_KINDS = ("weight_scale", "weight_global_scale", "input_scale", "input_global_scale")
 SMALL_SCALE_MAX_ELEMENTS = 1 << 16
+_SCALE_KIND_SET = frozenset(SCALE_KINDS)
 
 
 def modules_noun(component: str) -> str:
@@ -91,10 +94,13 @@ class AuditContext:
     def modules(self) -> dict[str, dict[str, TensorInfo]]:
         """module -> {parameter suffix: header entry}, for names with a known suffix."""
         out: dict[str, dict[str, TensorInfo]] = {}
-        for name, (_, info) in self.tensors.items():
-            module, suffix, kind = self.roles[name]
+        for (_, info), (module, suffix, kind) in zip(self.tensors.values(), self.roles.values()):  # same order
             if kind != UNKNOWN:
-                out.setdefault(module, {})[suffix] = info
+                params = out.get(module)
+                if params is None:
+                    out[module] = {suffix: info}
+                else:
+                    params[suffix] = info
         return out
 
     @property
@@ -128,19 +134,25 @@ class AuditContext:
     def linear_modules(self) -> dict[str, str]:
         """Linear module -> component: present with a 2-D weight, or expected by the architecture."""
         out: dict[str, str] = {}
+        component = self.component
         for module, params in self.modules.items():
-            weight = next((params[s] for s in WEIGHT_SUFFIXES if s in params), None)
+            weight = params.get("weight")  # WEIGHT_SUFFIXES, in order
+            if weight is None:
+                weight = params.get("weight_packed")
             if weight is not None and len(weight.shape) == 2:
-                component = self.component(module)
-                if component in LINEAR_COMPONENTS:
-                    out[module] = component
-        splits = split_suffixes(self.expected_shapes)
-        for name, shape in self.expected_shapes.items():
+                found = component(module)
+                if found in LINEAR_COMPONENTS:
+                    out[module] = found
+        # Only names ending in "weight" can split to the suffix "weight" (a dotted part or a glued ending).
+        expected = self.expected_shapes
+        ending = [name for name in expected if name.endswith("weight")]
+        splits = split_suffixes(ending)
+        for name in ending:
             module, suffix, _ = splits[name]
-            if suffix == "weight" and len(shape) == 2 and module not in out:
-                component = self.component(module)
-                if component in LINEAR_COMPONENTS:
-                    out[module] = component
+            if suffix == "weight" and module not in out and len(expected[name]) == 2:
+                found = component(module)
+                if found in LINEAR_COMPONENTS:
+                    out[module] = found
         return dict(sorted(out.items()))
 
     @cached_property
@@ -175,9 +187,10 @@ class AuditContext:
         together they are megabytes, read with the weights by --deep."""
         names = []
         small: dict[tuple, bool] = {}  # (kind, dtype, shape) -> read: 10^5 scales, a few signatures
-        for name, (_, info) in self.tensors.items():
-            kind = self.roles[name][2]
-            if kind in SCALE_KINDS:
+        scale_kinds = _SCALE_KIND_SET
+        # roles holds the names of tensors in the same order: one pass, no lookups
+        for (name, (_, _, kind)), (_, info) in zip(self.roles.items(), self.tensors.values()):
+            if kind in scale_kinds:
                 signature = (kind, info.dtype, info.shape)
                 read = small.get(signature)
                 if read is None:
@@ -188,10 +201,13 @@ class AuditContext:
 
     def values(self, names: list[str]) -> dict[str, Any]:
         """Flat float32 numpy arrays for small tensors, read in coalesced byte ranges."""
-        wanted = [n for n in names if n not in self._values and n in self.tensors]
+        stored = self._values
+        absent = list(compress(names, map(not_, map(stored.__contains__, names))))
+        wanted = [n for n in absent if n in self.tensors]
         if wanted:
-            self._values.update(decode_all(read_coalesced(self.ckpt, [self.tensors[n] for n in wanted])))
-        return {n: self._values[n] for n in names if n in self._values}
+            stored.update(decode_all(read_coalesced(self.ckpt, [self.tensors[n] for n in wanted])))
+        kept = list(compress(names, map(stored.__contains__, names))) if absent else names
+        return dict(zip(kept, map(stored.__getitem__, kept)))
 
 
 def is_block_scale(kind: str, info: TensorInfo) -> bool:

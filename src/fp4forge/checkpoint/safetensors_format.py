@@ -192,7 +192,7 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     ):
         raise HeaderError("__metadata__ must map strings to strings", file=source)
 
-    tensors = _parse_entries_fast(doc)  # checks the tiling too
+    tensors = _parse_entries_fast(doc, text)  # checks the tiling too
     if tensors is None:  # something is off: the careful per-entry pass names it
         tensors = {name: _parse_entry(name, entry, source) for name, entry in doc.items()}
         _check_tiling(tensors, source)
@@ -204,32 +204,38 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
     )
 
 
-def _parse_entries_fast(doc: dict) -> dict[str, TensorInfo] | None:
+def _parse_entries_fast(doc: dict, text: str | None = None) -> dict[str, TensorInfo] | None:
     """Validate and build all entries with whole-list operations that run in C (map, set, list
     equality; a real header has 10^5 entries), tiling included; None when anything is off, so the
-    caller runs the per-entry pass and ``_check_tiling``, which name the problem."""
+    caller runs the per-entry pass and ``_check_tiling``, which name the problem.
+
+    ``text``, the header's JSON text, spares the search for a negative dimension or offset when
+    it holds no ``-`` (JSON writes a negative number with one)."""
     entries = list(doc.values())
     if not entries:
         return {}
     try:
-        if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
+        if set(map(len, entries)) != {3}:
             return None
+        # A non-dict entry fails these look-ups (TypeError); a dtype that is no DTYPE_BITS key
+        # (unknown, or not a string: JSON makes nothing else equal to one) fails the last.
         dtypes = list(map(itemgetter("dtype"), entries))
         shapes = list(map(itemgetter("shape"), entries))
         offsets = list(map(itemgetter("data_offsets"), entries))
         widths = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: unhashable
     except (KeyError, TypeError):
         return None
-    if set(map(type, dtypes)) != {str} or set(map(type, shapes)) != {list}:
+    unsigned = text is not None and "-" not in text
+    if set(map(type, shapes)) != {list}:
         return None
     dims = list(chain.from_iterable(shapes))
-    if dims and (set(map(type, dims)) != {int} or min(dims) < 0):  # `type is int` excludes bool
+    if dims and (set(map(type, dims)) != {int} or (not unsigned and min(dims) < 0)):  # `type is int` excludes bool
         return None
     if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
     begins = list(map(itemgetter(0), offsets))
     ends = list(map(itemgetter(1), offsets))
-    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or min(begins) < 0:
+    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or (not unsigned and min(begins) < 0):
         return None
     bits = list(map(mul, map(math.prod, shapes), widths))
     if not _SUB_BYTE_WIDTHS.isdisjoint(widths) and any(b % 8 for b in bits):
