@@ -161,3 +161,33 @@ def test_quantize_command_writes_gptq_tensors_and_provenance(moe: Path, routed, 
     provenance = json.loads((out / PROVENANCE_JSON).read_text())
     assert provenance["method"]["method"] == "gptq"
     assert provenance["method"]["settings"]["min_expert_tokens"] == 1
+
+
+def test_sequential_gptq_sees_the_rounded_earlier_layers(moe: Path, routed) -> None:
+    """sequential=True: layer 1's Hessians equal the whole model's with layer 0's Linears replaced by
+    their GPTQ weights (dequantized); layer 0 itself is rounded exactly as without it."""
+    samples, plain = routed
+    ckpt = open_checkpoint(moe)
+    result = gptq_weights(ckpt, load_recipe("nvfp4-all-linear"), GptqOptions(calibration=CAL, min_expert_tokens=1, sequential=True), samples=samples)
+    assert result.provenance()["settings"]["sequential"] is True
+    model = AutoModelForCausalLM.from_pretrained(moe, experts_implementation="eager").eval()
+    replaced = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.startswith("model.layers.0.") and isinstance(module, torch.nn.Linear) and name in result.weights:
+                _same(result.weights[name], plain.weights[name])  # nothing before layer 0 was rounded
+                module.weight.copy_(result.weights[name].dequantize(torch.float32).to(module.weight.dtype))
+                replaced += 1
+    assert replaced >= 4
+    acc = HessianAccumulator(model.config.hidden_size)
+    hook = model.model.layers[LAYER].self_attn.q_proj.register_forward_pre_hook(lambda _m, a: acc.add(a[0]))
+    with torch.inference_mode():
+        for ids in samples.batches(CAL.batch_size):
+            model(input_ids=ids, use_cache=False)
+    hook.remove()
+    prefix = f"model.layers.{LAYER}.self_attn"
+    ws = [ckpt.read_tensor(f"{prefix}.{p}_proj.weight") for p in "qkv"]
+    amax = torch.tensor(max(float(w.abs().max()) for w in ws), dtype=ws[0].dtype)
+    expected = gptq_quantize(ws[0], acc.hessian(), "nvfp4", global_amax=amax).quantized
+    _same(result.weights[f"{prefix}.q_proj"], expected)
+    assert not torch.equal(result.weights[f"{prefix}.q_proj"].packed, plain.weights[f"{prefix}.q_proj"].packed)
