@@ -11,8 +11,9 @@ GPTQ arms (fp4forge's and llm-compressor's) calibrate on the *same token rows* (
 over sequences (2000 resamples, seed 0), and each arm's difference to the RTN arm, to
 llm-compressor's and to fp4forge's default GPTQ is a paired bootstrap over the same sequences.
 
-Arms: ``rtn``, ``rtn-mse``, ``lc-gptq`` and ``gptq-<routed|all>[-mse][-actorder][-damp<X>][-block<N>]``
-(``mse``: the MSE search's global and block scales fixed before the sweep). Each arm's
+Arms: ``rtn``, ``rtn-mse``, ``lc-gptq`` and ``gptq-<routed|all>[-mse][-actorder][-seq][-damp<X>][-block<N>]``
+(``mse``: the MSE search's global and block scales fixed before the sweep; ``seq``: sequential, each
+layer calibrated on the outputs of the already-rounded layers before it). Each arm's
 per-sequence KL is kept in ``per-sequence-kl-<arm>.json``; a later run into the same ``--out``
 (same ``ids.json``, same held-out text) pairs its arms with the earlier ones.
 """
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--teacher", type=Path, default=None, help="a trained-laguna checkpoint (default: the cache's, built if missing)")
     parser.add_argument("--lc-venv", type=Path, default=None, help="llm-compressor venv (omit to skip that arm)")
     parser.add_argument("--arms", nargs="*", default=["rtn", "rtn-mse", "gptq-routed", "gptq-all", "gptq-routed-actorder", "lc-gptq"],
-                        help="rtn, rtn-mse, lc-gptq, gptq-<routed|all>[-mse][-actorder][-damp<X>][-block<N>]")
+                        help="rtn, rtn-mse, lc-gptq, gptq-<routed|all>[-mse][-actorder][-seq][-damp<X>][-block<N>]")
     parser.add_argument("--quantize-only", action="store_true", help="write the arms' checkpoints, measure nothing (a later --eval-only run measures them)")
     parser.add_argument("--eval-only", action="store_true", help="measure the arms already written into --out (e.g. on a GPU machine)")
     parser.add_argument("--device", default=None, help="fidelity's device (default: CUDA when available, else CPU)")
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     extra["block_scales"] = "mse"
                 elif part == "actorder":
                     extra["act_order"] = True
+                elif part == "seq":
+                    extra["sequential"] = True
                 elif part.startswith("damp"):
                     extra["damp"] = float(part[4:])
                 elif part.startswith("block"):
