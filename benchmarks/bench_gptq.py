@@ -96,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="rtn, rtn-mse, lc-gptq, gptq-<routed|all>[-mse][-actorder][-seq][-damp<X>][-block<N>]")
     parser.add_argument("--quantize-only", action="store_true", help="write the arms' checkpoints, measure nothing (a later --eval-only run measures them)")
     parser.add_argument("--eval-only", action="store_true", help="measure the arms already written into --out (e.g. on a GPU machine)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 2)")
     parser.add_argument("--device", default=None, help="fidelity's device (default: CUDA when available, else CPU)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads or max(1, min(2, os.cpu_count() or 1)))
 
     from fp4forge.calibrate.gptq import GptqOptions, gptq_weights
     from fp4forge.calibrate.run import CalibrationOptions
@@ -139,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in heldout))
         teacher_file.write_text(str(teacher))
     teacher = Path(teacher_file.read_text())
-    if args.eval_only and args.teacher is not None:  # the same build copied elsewhere (another machine)
+    if args.teacher is not None and args.teacher != teacher:  # the same build copied elsewhere (another machine)
+        built = json.loads((args.teacher / "fp4forge-training.json").read_text()).get("cache_key")
+        if built != json.loads((teacher_file.parent / "results.json").read_text()).get("build", built):
+            raise SystemExit(f"{args.teacher} is build {built}, not the build this --out was made for")
         teacher = args.teacher
     recipe_file = out / "recipe.toml"
     recipe_file.write_text(RECIPE)
@@ -150,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         calibration_record = json.loads((out / "results.json").read_text())["calibration"]
     else:
         samples = load_samples(tokenizer, samples=args.calib_samples, seq_len=args.seq_len, text_files=[calib_file], builtin=False)
-        (out / "ids.json").write_text(json.dumps(samples.input_ids.tolist()))
+        ids = samples.input_ids.tolist()
+        if (out / "ids.json").is_file() and json.loads((out / "ids.json").read_text()) != ids:  # llm-compressor may have used them
+            raise SystemExit(f"{out / 'ids.json'} holds other calibration ids than --calib-samples/--seq-len give: use a fresh --out")
+        (out / "ids.json").write_text(json.dumps(ids))
         calibration_record = samples.describe()
     calibration = CalibrationOptions(samples=args.calib_samples, seq_len=args.seq_len, text_files=(calib_file,), builtin_corpus=False)
 
@@ -169,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def write_summary() -> dict:
         for arm in per_seq:
-            for ref, key in (("rtn", "kl_minus_rtn"), ("lc-gptq", "kl_minus_lc"), ("gptq-routed", "kl_minus_gptq_routed")):
+            for ref, key in (("rtn", "kl_minus_rtn"), ("lc-gptq", "kl_minus_lc"), ("gptq-routed", "kl_minus_gptq_routed"),
+                             ("gptq-all-mse-actorder", "kl_minus_gptq_all_mse_actorder")):
                 if arm != ref and ref in per_seq and per_seq[arm].shape == per_seq[ref].shape:
                     d, lo, hi = _ci(per_seq[arm] - per_seq[ref])  # paired: the same sequences resampled together
                     results[arm][key] = {"mean": d, "ci95": [lo, hi]}
-        summary = {"teacher": str(teacher), "calibration": calibration_record, "eval_samples": args.eval_samples, "seq_len": args.seq_len, "arms": results}
+        build = json.loads((teacher / "fp4forge-training.json").read_text()).get("cache_key")
+        summary = {"teacher": str(teacher), "build": build, "calibration": calibration_record, "eval_samples": args.eval_samples, "seq_len": args.seq_len, "arms": results}
         (out / "results.json").write_text(json.dumps(summary, indent=1))
         return summary
 
