@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         report = evaluate(teacher, arm_dir, fid)
         results[arm]["eval_s"] = time.perf_counter() - started
-        per_seq[arm] = torch.cat(list(captured))
+        per_seq[arm] = torch.cat(list(captured)).cpu()  # measured on the GPU or not, paired with arms read from files
         (out / f"per-sequence-kl-{arm}.json").write_text(json.dumps(per_seq[arm].tolist()))  # for paired comparisons across runs
         kl, lo, hi = _ci(per_seq[arm])
         m = report.metrics
