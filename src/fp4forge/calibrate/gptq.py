@@ -158,6 +158,22 @@ class _ExpertHessians:
             self._add(self.down, expert, apply_gate(module, F.linear(hidden_states, module.gate_up_proj[expert])))
 
 
+class _PassThrough:
+    """An ExpertTap that observes nothing (the sequential run's propagation pass)."""
+
+    def routed(self, counts: Tensor) -> None:
+        pass
+
+    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
+        return x
+
+    def down_input(self, expert: int, h: Tensor) -> Tensor:
+        return h
+
+    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
+        pass
+
+
 class _LayerHessians:
     """Hooks on one materialised decoder layer; Hessians keyed by disk module name."""
 
@@ -342,7 +358,13 @@ def gptq_weights(
                 del hooks, hessians
                 if options.sequential:  # the next layer sees this layer's rounding
                     _load_rounded(layer, prefix, streamed.plan, {t.module for u in ready for t in u.linears}, result)
-                    store = _run_layer(layer, index, store, batches, calls, space)
+                    # the same expert loop as the observed pass (transformers' own may round differently)
+                    undo = [install_experts_forward(m, _PassThrough()) for m in layer.modules() if is_fused_experts(m)]
+                    try:
+                        store = _run_layer(layer, index, store, batches, calls, space)
+                    finally:
+                        for step in undo:
+                            step()
         for number in range(len(batches)):
             store.drop(number)
     finally:
