@@ -16,6 +16,11 @@ Arms: ``rtn``, ``rtn-mse``, ``lc-gptq`` and ``gptq-<routed|all>[-mse][-actorder]
 layer calibrated on the outputs of the already-rounded layers before it). Each arm's
 per-sequence KL is kept in ``per-sequence-kl-<arm>.json``; a later run into the same ``--out``
 (same ``ids.json``, same held-out text) pairs its arms with the earlier ones.
+
+``--heldout-factor K`` draws K times the build's held-out documents from the same held-out seed
+stream (one build's split holds only about 100 sequences of 256 tokens). ``--quantize-only`` and
+``--eval-only`` split the work: llm-compressor's venv stays on this machine, and the checkpoints
+(``--out`` with the teacher copied, ``--teacher`` naming the copy) can be measured elsewhere.
 """
 
 from __future__ import annotations
