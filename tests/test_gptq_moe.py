@@ -161,3 +161,49 @@ def test_quantize_command_writes_gptq_tensors_and_provenance(moe: Path, routed, 
     provenance = json.loads((out / PROVENANCE_JSON).read_text())
     assert provenance["method"]["method"] == "gptq"
     assert provenance["method"]["settings"]["min_expert_tokens"] == 1
+
+
+def test_sequential_gptq_sees_the_rounded_earlier_layers(moe: Path, routed) -> None:
+    """sequential=True: the last layer's Hessians equal the whole model's with every earlier layer's
+    Linears and experts replaced by their GPTQ weights (dequantized); layer 0 itself is rounded
+    exactly as without it."""
+    samples, plain = routed
+    ckpt = open_checkpoint(moe)
+    result = gptq_weights(ckpt, load_recipe("nvfp4-all-linear"), GptqOptions(calibration=CAL, min_expert_tokens=1, sequential=True), samples=samples)
+    assert result.provenance()["settings"]["sequential"] is True
+    model = AutoModelForCausalLM.from_pretrained(moe, experts_implementation="eager").eval()
+    last = model.config.num_hidden_layers - 1
+    assert last >= 2  # at least one MoE layer (layer 0 is dense) is replaced
+
+    def rounded(name: str) -> torch.Tensor:
+        return result.weights[name].dequantize(torch.float32)
+
+    linears = experts = 0
+    with torch.no_grad():
+        for index in range(last):
+            for name, module in model.model.layers[index].named_modules():
+                full = f"model.layers.{index}.{name}".replace(".shared_experts.", ".shared_expert.")  # Laguna's on-disk name
+                if isinstance(module, torch.nn.Linear) and full in result.weights:
+                    if index == 0:
+                        _same(result.weights[full], plain.weights[full])  # nothing before layer 0 was rounded
+                    module.weight.copy_(rounded(full).to(module.weight.dtype))
+                    linears += 1
+                elif hasattr(module, "gate_up_proj"):  # fused experts: gate rows, then up rows (the test's chunk above)
+                    for e in range(module.num_experts):
+                        base = f"{full}.{e}"
+                        module.gate_up_proj[e].copy_(torch.cat([rounded(f"{base}.gate_proj"), rounded(f"{base}.up_proj")]).to(module.gate_up_proj.dtype))
+                        module.down_proj[e].copy_(rounded(f"{base}.down_proj").to(module.down_proj.dtype))
+                        experts += 1
+    assert linears >= 4 * last and experts >= 16  # at least q/k/v/o of each layer
+    acc = HessianAccumulator(model.config.hidden_size)
+    hook = model.model.layers[last].self_attn.q_proj.register_forward_pre_hook(lambda _m, a: acc.add(a[0]))
+    with torch.inference_mode():
+        for ids in samples.batches(CAL.batch_size):
+            model(input_ids=ids, use_cache=False)
+    hook.remove()
+    prefix = f"model.layers.{last}.self_attn"
+    ws = [ckpt.read_tensor(f"{prefix}.{p}_proj.weight") for p in "qkv"]
+    amax = torch.tensor(max(float(w.abs().max()) for w in ws), dtype=ws[0].dtype)
+    expected = gptq_quantize(ws[0], acc.hessian(), "nvfp4", global_amax=amax).quantized
+    _same(result.weights[f"{prefix}.q_proj"], expected)
+    assert not torch.equal(result.weights[f"{prefix}.q_proj"].packed, plain.weights[f"{prefix}.q_proj"].packed)

@@ -10,9 +10,12 @@ One pass over the calibration samples, one decoder layer at a time (:mod:`fp4for
 2. Right after the layer, its Linears are GPTQ-rounded (:func:`fp4forge.numerics.gptq.gptq_quantize`)
    on the NVFP4 grid with the exporter's per-tensor rule (a fused q/k/v or gate/up group shares one
    global scale from the group's amax), and the layer's Hessians are dropped.
-3. The layer's BF16 outputs feed layer i+1: the run is **not sequential** (the next layer's
-   Hessians come from the unquantized model's activations). This keeps calibration identical to
-   ``fp4forge calibrate``'s and lets one pass serve every layer.
+3. What feeds layer i+1: by default the layer's BF16 outputs (**not sequential**: the next
+   layer's Hessians come from the unquantized model's activations, one forward per layer, the
+   same activations ``fp4forge calibrate`` sees). With ``sequential=True`` the layer runs a second
+   time with its just-rounded weights (dequantized in place) and *those* outputs feed layer i+1,
+   so each layer's Hessians see the error of the layers before it, as llm-compressor's
+   sequential pipeline does (two forwards per layer).
 
 Experts with fewer than ``min_expert_tokens`` routed tokens get the fallback: ``"pooled"``
 (default; the layer's pooled Hessian over all routed expert tokens, per projection) or ``"rtn"``
@@ -41,7 +44,7 @@ from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError, require_choice
 from fp4forge.model.hooks import apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
 from fp4forge.model.samples import Samples
-from fp4forge.model.streaming import SpillSpace, StreamedModel, WeightPlan
+from fp4forge.model.streaming import SpillSpace, StreamedModel, WeightPlan, call_layer
 from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
 from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_quantize
 from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, search_nvfp4
@@ -68,6 +71,8 @@ class GptqOptions:
     # E4M3 block scales fixed before the column sweep: min-max (block max -> 6) or the MSE search's
     # (numerics.scale_search), chosen on the original weight with the same global scale.
     block_scales: Literal["minmax", "mse"] = "minmax"
+    # Feed each layer the outputs of the already-rounded layers before it (see the module doc).
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         require_choice(self.expert_hessian, EXPERT_HESSIANS, "gptq_expert_hessian")
@@ -90,7 +95,7 @@ class GptqOptions:
             "block_size": self.block_size,
             "scale_mode": "static",
             "block_scales": self.block_scales,
-            "sequential": False,
+            "sequential": self.sequential,
             "calibration": {"samples": cal.samples, "seq_len": cal.seq_len, "text_files": [str(p) for p in cal.text_files], "builtin_corpus": cal.builtin_corpus},
         }
 
@@ -151,6 +156,22 @@ class _ExpertHessians:
         for expert in range(module.num_experts):  # every token through every expert (statistics only)
             self._add(self.gate_up, expert, hidden_states)
             self._add(self.down, expert, apply_gate(module, F.linear(hidden_states, module.gate_up_proj[expert])))
+
+
+class _PassThrough:
+    """An ExpertTap that observes nothing (the sequential run's propagation pass)."""
+
+    def routed(self, counts: Tensor) -> None:
+        pass
+
+    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
+        return x
+
+    def down_input(self, expert: int, h: Tensor) -> Tensor:
+        return h
+
+    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
+        pass
 
 
 class _LayerHessians:
@@ -279,6 +300,21 @@ def _quantize_units(ckpt: Checkpoint, units: list[WorkUnit], hessians: dict[str,
                 out.modules[module] = {"tokens": tokens, "hessian": kind, "fallback": "rtn" if result.fallback else None, "loss": result.loss}
 
 
+def _observe_layer(layer: nn.Module, index: int, store: Any, batches: list[Tensor], calls: dict) -> None:
+    """One forward of every batch through ``layer`` for its hooks; the inputs stay, outputs go."""
+    for number, ids in enumerate(batches):
+        call_layer(layer, store.get(number), calls[tuple(ids.shape)][index])
+
+
+def _load_rounded(layer: nn.Module, prefix: str, plan: WeightPlan, modules: set[str], result: GptqWeights) -> None:
+    """Overwrite the materialised layer's slots of ``modules`` with their dequantized GPTQ weights."""
+    for name, param in layer.named_parameters():
+        for placement in plan.for_param(f"{prefix}.{name}"):
+            if placement.disk_name.endswith(".weight") and placement.disk_module in modules:
+                target = placement.target(param)
+                target.copy_(result.weights[placement.disk_module].dequantize(torch.float32).to(target.dtype).reshape(target.shape))
+
+
 @torch.inference_mode()
 def gptq_weights(
     src: str | Path | Checkpoint,
@@ -306,16 +342,29 @@ def gptq_weights(
             if progress:
                 progress(index + 1, total, f"GPTQ layer {index + 1}/{streamed.num_layers}")
             with streamed.layer(index) as layer:
-                hooks = _LayerHessians(layer, streamed.layer_prefix(index), streamed.plan, targets, options.expert_hessian)
+                prefix = streamed.layer_prefix(index)
+                hooks = _LayerHessians(layer, prefix, streamed.plan, targets, options.expert_hessian)
                 try:
-                    store = _run_layer(layer, index, store, batches, calls, space)
+                    if options.sequential:
+                        _observe_layer(layer, index, store, batches, calls)
+                    else:
+                        store = _run_layer(layer, index, store, batches, calls, space)
                 finally:
                     hooks.detach()
-            hessians = hooks.resolve(options.min_expert_tokens, options.fallback, options.expert_hessian)
-            ready = [u for u in pending if all(t.module in hooks.covered for t in u.linears)]
-            _quantize_units(ckpt, ready, hessians, options, result)
-            pending = [u for u in pending if u not in ready]
-            del hooks, hessians
+                hessians = hooks.resolve(options.min_expert_tokens, options.fallback, options.expert_hessian)
+                ready = [u for u in pending if all(t.module in hooks.covered for t in u.linears)]
+                _quantize_units(ckpt, ready, hessians, options, result)
+                pending = [u for u in pending if u not in ready]
+                del hooks, hessians
+                if options.sequential:  # the next layer sees this layer's rounding
+                    _load_rounded(layer, prefix, streamed.plan, {t.module for u in ready for t in u.linears}, result)
+                    # the same expert loop as the observed pass (transformers' own may round differently)
+                    undo = [install_experts_forward(m, _PassThrough()) for m in layer.modules() if is_fused_experts(m)]
+                    try:
+                        store = _run_layer(layer, index, store, batches, calls, space)
+                    finally:
+                        for step in undo:
+                            step()
         for number in range(len(batches)):
             store.drop(number)
     finally:

@@ -40,6 +40,7 @@ def quantize_command(
     gptq_fallback: str = typer.Option("pooled", "--gptq-fallback", help="pooled (the layer's pooled expert Hessian) | rtn (round to nearest)."),
     gptq_act_order: bool = typer.Option(False, "--gptq-act-order", help="Quantize columns in decreasing Hessian diagonal."),
     gptq_damp: float = typer.Option(0.01, "--gptq-damp", help="Relative damping of the Hessian diagonal."),
+    gptq_sequential: bool = typer.Option(False, "--gptq-sequential", help="Calibrate each layer on the outputs of the already-rounded layers before it (two forwards per layer)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Quantize a BF16 MoE checkpoint by a recipe, streaming one fused group at a time (resumable)."""
@@ -64,6 +65,7 @@ def quantize_command(
             fallback=gptq_fallback,
             act_order=gptq_act_order,
             damp=gptq_damp,
+            sequential=gptq_sequential,
             block_scales=block_scales,  # type: ignore[arg-type]  # GPTQ fixes minmax or mse scales before its sweep
         )
         with progress_bar("GPTQ", not as_json) as progress:

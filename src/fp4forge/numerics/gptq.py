@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -308,29 +308,18 @@ def gptq_quantize(
     hessian: Tensor,
     fmt: str,
     *,
-    group_size: int | None = None,
-    block_size: int = 128,
-    damp: float = 0.01,
-    act_order: bool = False,
-    scale_mode: ScaleMode = "static",
     global_amax: Tensor | float | None = None,
     block_scale: Tensor | None = None,
     global_scale: Tensor | None = None,
+    **settings: Any,
 ) -> GptqResult:
-    """GPTQ-quantize ``weight`` ``[N, K]`` with the input Hessian ``hessian`` ``[K, K]`` to ``fmt``.
-
-    ``fmt``: ``"nvfp4"`` | ``"mxfp4"`` | ``"int2"`` .. ``"int8"`` (symmetric). ``group_size``: INT-N
-    only (None = one group per row); NVFP4/MXFP4 blocks are fixed (16 / 32). ``block_size``: columns
-    per lazy-batch update (rounded up to a multiple of the group). ``damp``: relative diagonal
-    damping. ``global_amax``: NVFP4's per-tensor amax (default the weight's own; pass a fused
-    group's max so q/k/v or gate/up share one scalar). ``block_scale``: NVFP4 E4M3 block scales to
-    use instead of the min-max ones (implies static scales).
-    """
+    """GPTQ-quantize one ``weight`` ``[N, K]`` with the input Hessian ``hessian`` ``[K, K]`` to ``fmt``:
+    :func:`gptq_quantize_batch` of a batch of one. ``settings`` are that function's keywords
+    (``group_size``, ``block_size``, ``damp``, ``act_order``, ``scale_mode``), documented there."""
     if weight.ndim != 2:
         raise NumericsError(f"GPTQ needs a 2-D weight, got shape {list(weight.shape)} (gptq_quantize_batch takes [B, N, K])")
     return gptq_quantize_batch(
-        weight.unsqueeze(0), hessian.unsqueeze(0), fmt, group_size=group_size, block_size=block_size, damp=damp, act_order=act_order,
-        scale_mode=scale_mode, global_amax=[global_amax], block_scale=[block_scale], global_scale=[global_scale],
+        weight.unsqueeze(0), hessian.unsqueeze(0), fmt, global_amax=[global_amax], block_scale=[block_scale], global_scale=[global_scale], **settings,
     )[0]
 
 
@@ -348,9 +337,17 @@ def gptq_quantize_batch(
     block_scale: list[Tensor | None] | None = None,
     global_scale: list[Tensor | None] | None = None,
 ) -> list[GptqResult]:
-    """:func:`gptq_quantize` of ``B`` weights of one shape at once: ``weights`` ``[B, N, K]``,
-    ``hessians`` ``[B, K, K]``, ``global_amax`` / ``block_scale`` one entry per weight (or None).
-    Each result is exactly what :func:`gptq_quantize` gives for that weight alone."""
+    """GPTQ-quantize ``B`` weights of one shape at once: ``weights`` ``[B, N, K]`` with their input
+    Hessians ``hessians`` ``[B, K, K]``; each result is what a batch of that weight alone gives.
+
+    ``fmt``: ``"nvfp4"`` | ``"mxfp4"`` | ``"int2"`` .. ``"int8"`` (symmetric). ``group_size``: INT-N
+    only (None = one group per row); NVFP4/MXFP4 blocks are fixed (16 / 32). ``block_size``: columns
+    per lazy-batch update (rounded up to a multiple of the group). ``damp``: relative diagonal
+    damping. Per weight (one entry each, or None): ``global_amax``, NVFP4's per-tensor amax
+    (default the weight's own; pass a fused group's max so q/k/v or gate/up share one scalar);
+    ``block_scale``, NVFP4 E4M3 block scales to use instead of the min-max ones (implies static
+    scales); ``global_scale``, NVFP4's per-tensor scale itself (instead of ``global_amax``).
+    """
     fmt = fmt.lower()
     if weights.ndim != 3 or not weights.is_floating_point():
         raise NumericsError(f"GPTQ needs float weights [B, N, K], got {weights.dtype} {list(weights.shape)}")
