@@ -42,7 +42,7 @@ from fp4forge.checkpoint.layout import layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError, require_choice
-from fp4forge.model.hooks import apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
+from fp4forge.model.hooks import NoTap, apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
 from fp4forge.model.samples import Samples
 from fp4forge.model.streaming import SpillSpace, StreamedModel, WeightPlan, call_layer
 from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
@@ -156,22 +156,6 @@ class _ExpertHessians:
         for expert in range(module.num_experts):  # every token through every expert (statistics only)
             self._add(self.gate_up, expert, hidden_states)
             self._add(self.down, expert, apply_gate(module, F.linear(hidden_states, module.gate_up_proj[expert])))
-
-
-class _PassThrough:
-    """An ExpertTap that observes nothing (the sequential run's propagation pass)."""
-
-    def routed(self, counts: Tensor) -> None:
-        pass
-
-    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
-        return x
-
-    def down_input(self, expert: int, h: Tensor) -> Tensor:
-        return h
-
-    def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
-        pass
 
 
 class _LayerHessians:
@@ -359,7 +343,7 @@ def gptq_weights(
                 if options.sequential:  # the next layer sees this layer's rounding
                     _load_rounded(layer, prefix, streamed.plan, {t.module for u in ready for t in u.linears}, result)
                     # the same expert loop as the observed pass (transformers' own may round differently)
-                    undo = [install_experts_forward(m, _PassThrough()) for m in layer.modules() if is_fused_experts(m)]
+                    undo = [install_experts_forward(m, NoTap()) for m in layer.modules() if is_fused_experts(m)]
                     try:
                         store = _run_layer(layer, index, store, batches, calls, space)
                     finally:
