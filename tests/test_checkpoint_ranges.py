@@ -15,7 +15,7 @@ from fp4forge.checkpoint import ranges
 from fp4forge.checkpoint.ranges import ByteRun, Extent, coalesce, split_run
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.checkpoint.source import LocalSource
-from fp4forge.errors import CheckpointError
+from fp4forge.errors import CheckpointError, ConfigError
 
 
 def test_coalesce_merges_small_gaps_per_shard_in_file_order() -> None:
@@ -61,7 +61,7 @@ def test_split_run_cuts_requests_and_straddles_tensors() -> None:
     # one request for the whole run when it is large enough; lengths always add up to the run
     (whole,) = split_run(run, request_bytes=1 << 20)
     assert (whole.offset, whole.nbytes, sum(n for _, _, n in whole.targets)) == (100, 300, 300)
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         split_run(run, request_bytes=0)
 
 

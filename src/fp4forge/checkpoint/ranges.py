@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Iterable, Mapping
 
-from fp4forge.errors import CheckpointError
+from fp4forge.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from fp4forge.checkpoint.reader import Checkpoint
@@ -94,7 +94,7 @@ def split_run(run: ByteRun, request_bytes: int = REQUEST_BYTES) -> list[ReadRequ
     """``run`` as requests of at most ``request_bytes`` each (the last one shorter), in file order;
     a tensor that straddles a request boundary is filled by two requests."""
     if request_bytes < 1:
-        raise ValueError(f"request_bytes must be positive, got {request_bytes}")
+        raise ConfigError(f"request_bytes must be positive, got {request_bytes}")
     segments: list[tuple[Hashable | None, int, int]] = []  # (key or None for a gap, file start, length)
     position = run.start
     for extent in run.extents:

@@ -1,4 +1,4 @@
-"""The fused CPU kernel for NVFP4 min-max quantization of bf16 weights (docs/quantization.md#the-cpu-element-kernel).
+"""The fused CPU kernel for NVFP4 min-max quantization of bf16 weights (docs/quantization.md#export-speed).
 
 The eager torch path makes ~25 passes over every element (block maxima, scale rounding, division,
 E2M1 rounding, packing, error sums); ``nvfp4_minmax.c`` does one loop per 16-element block with
