@@ -42,7 +42,7 @@ def load_json(raw: bytes | str) -> Any:
         raise JsonTextError("not usable JSON (nested too deeply)") from None
     except ValueError as exc:  # int() of a number with more digits than Python converts
         raise JsonTextError(f"not usable JSON (a number too long to read: {str(exc).split(';')[0]})") from None
-    if _SURROGATE_ESCAPE.search(text) and _holds_lone_surrogate(doc):
+    if "\\" in text and _SURROGATE_ESCAPE.search(text) and _holds_lone_surrogate(doc):  # no backslash: no escape
         raise JsonTextError("not valid JSON text (a string holds a lone UTF-16 surrogate, which UTF-8 cannot encode)")
     return doc
 

@@ -7,13 +7,14 @@ The checks mirror the Rust reference loader so that what we accept, safetensors 
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import struct
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import chain, repeat
-from operator import itemgetter, mul, rshift, sub
+from functools import cached_property, partial
+from itertools import chain
+from operator import itemgetter, sub
 from typing import NamedTuple
 
 from fp4forge.checkpoint.json_text import JsonTextError, load_json
@@ -70,17 +71,37 @@ class TensorInfo(NamedTuple):
         return math.prod(self.shape)
 
 
-_END = itemgetter(4)  # TensorInfo.end
+class HeaderColumns(NamedTuple):
+    """A header's entries as parallel lists, in stored order (what whole-checkpoint passes such as
+    the byte table read: no per-tensor object is built for them)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    begins: list[int]
+    ends: list[int]
 
 
 @dataclass(frozen=True)
 class ShardHeader:
-    """A parsed, validated safetensors header."""
+    """A parsed, validated safetensors header: its entries as columns, and as a name ->
+    TensorInfo dict (``tensors``) built from them on first use."""
 
     source: str
     header_len: int
     metadata: dict[str, str]
-    tensors: dict[str, TensorInfo] = field(repr=False)
+    columns: HeaderColumns = field(repr=False)
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorInfo]:
+        names, dtypes, shapes, begins, ends = self.columns
+        enabled = gc.isenabled()
+        gc.disable()  # 10^5 acyclic tuples: collections their allocation triggers are wasted work
+        try:
+            return dict(zip(names, map(_new_info, zip(names, dtypes, shapes, begins, ends))))
+        finally:
+            if enabled:
+                gc.enable()
 
     @property
     def data_start(self) -> int:
@@ -89,7 +110,7 @@ class ShardHeader:
 
     @property
     def data_len(self) -> int:
-        return max(map(_END, self.tensors.values()), default=0)
+        return max(self.columns.ends, default=0)
 
     @property
     def declared_file_size(self) -> int:
@@ -153,14 +174,6 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]
     return out
 
 
-def _may_hold_duplicates(text: str, doc: dict) -> bool:
-    """A duplicate key collapses in the parsed dict: compare against occurrences in the text.
-
-    (Quotes inside JSON strings are escaped, so `"data_offsets"` only occurs as a key.)"""
-    entries = len(doc) - ("__metadata__" in doc)
-    return text.count('"__metadata__"') > 1 or any(text.count(key) != entries for key in ('"data_offsets"', '"dtype"', '"shape"'))
-
-
 def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> ShardHeader:
     """Validate header JSON bytes (without the length prefix) into a ShardHeader.
 
@@ -176,81 +189,110 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
         doc = load_json(text)
     except JsonTextError as exc:
         raise HeaderError(f"header is {exc.reason}", file=source) from None
-    if isinstance(doc, dict) and _may_hold_duplicates(text, doc):
-        try:  # slow path, only to name the duplicate precisely
-            json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-        except HeaderError as exc:
-            raise HeaderError(exc.message, file=source) from None
     if not isinstance(doc, dict):
         raise HeaderError("header JSON is not an object", file=source)
 
+    has_metadata = "__metadata__" in doc
     metadata_raw = doc.pop("__metadata__", None)
     if metadata_raw is None:  # absent, or null: the reference loader reads both as no metadata
         metadata_raw = {}
-    if not isinstance(metadata_raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
-    ):
+    metadata_ok = isinstance(metadata_raw, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items())
+    columns = _columns_fast(doc, text)  # checks the tiling too; None when anything is off
+    # Duplicate keys first, then the metadata, then the entries: the order the errors are named in.
+    if columns is None or not metadata_ok or _string_count(text) != 2 * (len(doc) + has_metadata + 4 * len(doc) + 2 * len(metadata_raw)):
+        if _may_hold_duplicates(text, len(doc)):
+            try:  # slow path, only to name the duplicate precisely
+                json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+            except HeaderError as exc:
+                raise HeaderError(exc.message, file=source) from None
+    if not metadata_ok:
         raise HeaderError("__metadata__ must map strings to strings", file=source)
-
-    tensors = _parse_entries_fast(doc, text)  # checks the tiling too
-    if tensors is None:  # something is off: the careful per-entry pass names it
+    if columns is None:  # something is off: the careful per-entry pass names it
         tensors = {name: _parse_entry(name, entry, source) for name, entry in doc.items()}
         _check_tiling(tensors, source)
+        infos = list(tensors.values())
+        columns = HeaderColumns(list(tensors), [i.dtype for i in infos], [i.shape for i in infos], [i.begin for i in infos], [i.end for i in infos])
     return ShardHeader(
         source=source,
         header_len=len(raw) if header_len is None else header_len,
         metadata=dict(metadata_raw),
-        tensors=tensors,
+        columns=columns,
     )
 
 
-def _parse_entries_fast(doc: dict, text: str | None = None) -> dict[str, TensorInfo] | None:
-    """Validate and build all entries with whole-list operations that run in C (map, set, list
-    equality; a real header has 10^5 entries), tiling included; None when anything is off, so the
-    caller runs the per-entry pass and ``_check_tiling``, which name the problem.
+def _string_count(text: str) -> int:
+    """Quotes in JSON text that holds no backslash: each one opens or closes a string, so this is
+    twice the number of strings written (-1 when a backslash may hide an escaped quote).
+
+    A validated header whose parsed dict holds as many strings (each entry: three keys and its
+    dtype; each top-level key; the metadata's keys and values) has no duplicate key: a duplicate
+    collapses in the dict, so its text holds more strings than the dict."""
+    return -1 if "\\" in text else text.count('"')
+
+
+def _may_hold_duplicates(text: str, entries: int) -> bool:
+    """A duplicate key collapses in the parsed dict: compare against occurrences in the text.
+
+    (Quotes inside JSON strings are escaped, so `"data_offsets"` only occurs as a key.)"""
+    return text.count('"__metadata__"') > 1 or any(text.count(key) != entries for key in ('"data_offsets"', '"dtype"', '"shape"'))
+
+
+class _SpanBytes(dict):
+    """(dtype, shape) -> the bytes a tensor of it spans, worked out once per distinct pair (None
+    when not a whole number of bytes); an unknown dtype raises KeyError."""
+
+    def __missing__(self, key: tuple) -> int | None:
+        dtype, shape = key
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        span = self[key] = None if bits % 8 else bits >> 3
+        return span
+
+
+def _columns_fast(doc: dict, text: str | None = None) -> HeaderColumns | None:
+    """Validate all entries and build the columns with whole-list operations that run in C (map,
+    set, list equality; a real header has 10^5 entries), tiling included; None when anything is
+    off, so the caller runs the per-entry pass and ``_check_tiling``, which name the problem.
 
     ``text``, the header's JSON text, spares the search for a negative dimension or offset when
     it holds no ``-`` (JSON writes a negative number with one)."""
+    names = list(doc)
+    if not names:
+        return HeaderColumns([], [], [], [], [])
     entries = list(doc.values())
-    if not entries:
-        return {}
     try:
         if set(map(len, entries)) != {3}:
             return None
-        # A non-dict entry fails these look-ups (TypeError); a dtype that is no DTYPE_BITS key
-        # (unknown, or not a string: JSON makes nothing else equal to one) fails the last.
+        # A non-dict entry fails these look-ups (TypeError); so does a data_offsets without len.
         dtypes = list(map(itemgetter("dtype"), entries))
         shapes = list(map(itemgetter("shape"), entries))
         offsets = list(map(itemgetter("data_offsets"), entries))
-        widths = list(map(DTYPE_BITS.__getitem__, dtypes))  # KeyError: unknown; TypeError: unhashable
+        if set(map(type, shapes)) != {list} or set(map(len, offsets)) != {2}:
+            return None
+        begins = list(map(itemgetter(0), offsets))  # a 2-long string or dict: caught by the type test
+        ends = list(map(itemgetter(1), offsets))
     except (KeyError, TypeError):
         return None
-    unsigned = text is not None and "-" not in text
-    if set(map(type, shapes)) != {list}:
-        return None
     dims = list(chain.from_iterable(shapes))
-    if dims and (set(map(type, dims)) != {int} or (not unsigned and min(dims) < 0)):  # `type is int` excludes bool
+    # `type is int` excludes bool (and 1.0, which would also share a _SpanBytes key with 1)
+    if dims and set(map(type, dims)) != {int} or set(map(type, begins)) != {int} or set(map(type, ends)) != {int}:
         return None
-    if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+    if (text is None or "-" in text) and (min(dims, default=0) < 0 or min(begins) < 0):
         return None
-    begins = list(map(itemgetter(0), offsets))
-    ends = list(map(itemgetter(1), offsets))
-    if set(map(type, begins)) != {int} or set(map(type, ends)) != {int} or (not unsigned and min(begins) < 0):
+    shapes = list(map(tuple, shapes))
+    span_bytes = _SpanBytes()
+    try:  # KeyError: a dtype that is no DTYPE_BITS key (JSON makes nothing else equal to one); TypeError: unhashable
+        spans = list(map(span_bytes.__getitem__, zip(dtypes, shapes)))
+    except (KeyError, TypeError):
         return None
-    bits = list(map(mul, map(math.prod, shapes), widths))
-    if not _SUB_BYTE_WIDTHS.isdisjoint(widths) and any(b % 8 for b in bits):
-        return None
-    if list(map(sub, ends, begins)) != list(map(rshift, bits, repeat(3))):
-        return None  # a span that is not its dtype x shape (or ends before it begins)
+    if None in span_bytes.values() or list(map(sub, ends, begins)) != spans:
+        return None  # not whole bytes, or a span that is not its dtype x shape (or ends before it begins)
     if not (begins[0] == 0 and begins[1:] == ends[:-1]):  # not stored in offset order: sort first
-        spans = sorted(zip(begins, ends))
-        if spans[0][0] != 0 or [b for b, _ in spans[1:]] != [e for _, e in spans[:-1]]:
+        ordered = sorted(zip(begins, ends))
+        if ordered[0][0] != 0 or [b for b, _ in ordered[1:]] != [e for _, e in ordered[:-1]]:
             return None
-    names = list(doc)
-    return dict(zip(names, map(_new_info, zip(names, dtypes, map(tuple, shapes), begins, ends))))
+    return HeaderColumns(names, dtypes, shapes, begins, ends)
 
 
-_SUB_BYTE_WIDTHS = frozenset(w for w in DTYPE_BITS.values() if w % 8)
 _new_info = partial(tuple.__new__, TensorInfo)  # TensorInfo from one 5-tuple, without a Python-level call
 
 
