@@ -21,12 +21,13 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from itertools import chain, compress, count, repeat
-from operator import add, itemgetter, methodcaller, sub
+from itertools import compress, count, repeat
+from operator import add, itemgetter, methodcaller
 from dataclasses import asdict, dataclass, field
 
 from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout
 from fp4forge.checkpoint.reader import Checkpoint, gc_paused
+from fp4forge.checkpoint.safetensors_format import DTYPE_BITS
 
 EXPERTS = "routed_experts"
 
@@ -91,19 +92,29 @@ def logical_params(kind: str, dtype: str, numel: int) -> int:
 
 def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
     """Names of ModelOpt-style packed FP4 weights: ``U8`` ``<m>.weight`` with an FP8 ``<m>.weight_scale``."""
-    names, dtypes = _names_and_dtypes(ckpt)
+    names, dtypes, _ = _columns(ckpt)
     return _packed_among(names, dtypes)
 
 
-def _names_and_dtypes(ckpt: Checkpoint) -> tuple[list[str], list[str]]:
-    """Every tensor's name and dtype in ``ckpt.tensors()`` order, gathered with C-level passes."""
-    headers = [ckpt.headers[shard] for shard in ckpt.shard_names if shard in ckpt.headers]
-    names = list(chain.from_iterable(h.tensors for h in headers))
-    dtypes = list(map(itemgetter(1), chain.from_iterable(h.tensors.values() for h in headers)))
-    return names, dtypes
+def _columns(ckpt: Checkpoint) -> tuple[list[str], list[str], list[tuple[int, ...]]]:
+    """Every tensor's name, dtype and shape in ``ckpt.tensors()`` order, joined from the headers'
+    columns (no per-tensor object)."""
+    columns = [ckpt.headers[shard].columns for shard in ckpt.shard_names if shard in ckpt.headers]
+    if len(columns) == 1:
+        return columns[0].names, columns[0].dtypes, columns[0].shapes
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    for column in columns:
+        names += column.names
+        dtypes += column.dtypes
+        shapes += column.shapes
+    return names, dtypes, shapes
 
 
 def _packed_among(names: list[str], dtypes: list[str]) -> set[str]:
+    if "U8" not in dtypes or "F8_E4M3" not in dtypes:
+        return set()
     # Later names win in a dict, as in the per-tensor dict this replaces (a name in two shards).
     kept = {name: dtype for name, dtype in zip(names, dtypes) if dtype in _PACKED_DTYPES} if len(set(names)) != len(names) else None
     if kept is not None:
@@ -159,6 +170,21 @@ def name_templates(names: list[str]) -> list:
     return list(map(numbers.setdefault, templates, count()))  # one number per distinct template
 
 
+def _first_names(names: list[str], templates: list, dtypes: list[str], flags: list[bool], groups: dict) -> dict[tuple, str]:
+    """(template, dtype, packed) -> the first name of that group: the first name of its template,
+    unless the template spans several groups (then those templates' names are walked)."""
+    by_template = dict(zip(reversed(templates), reversed(names)))
+    per_template = Counter(template for template, _, _ in groups)
+    if len(per_template) == len(groups):  # one group per template
+        return {key: by_template[key[0]] for key in groups}
+    split = {template for template, seen in per_template.items() if seen > 1}
+    first = {key: by_template[key[0]] for key in groups if key[0] not in split}
+    for name, key in zip(names, zip(templates, dtypes, flags)):
+        if key[0] in split and key not in first:
+            first[key] = name
+    return first
+
+
 def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     with gc_paused():  # 10^5 names grouped: see gc_paused
         return _compute_byte_table(ckpt, layout)
@@ -169,28 +195,21 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     # (name template, dtype, packed, shape) in C, total per (template, dtype, packed) from the
     # counts (a tensor's bytes follow from its dtype and shape: the header check made sure), then
     # classify the first name of each group.
-    headers = [ckpt.headers[shard] for shard in ckpt.shard_names if shard in ckpt.headers]
-    names, stored_dtypes = _names_and_dtypes(ckpt)
-    infos = list(chain.from_iterable(h.tensors.values() for h in headers))
+    names, stored_dtypes, shapes = _columns(ckpt)
     packed = _packed_among(names, stored_dtypes)
-    keys = list(zip(name_templates(names), stored_dtypes, map(packed.__contains__, names)))
-    first = dict(zip(reversed(keys), reversed(names)))  # the first name of each group
-    shapes = list(map(itemgetter(2), infos))
-    sizes = list(map(sub, map(itemgetter(4), infos), map(itemgetter(3), infos)))
-    counts = Counter(zip(keys, shapes))
-    span = dict(zip(zip(stored_dtypes, shapes), sizes))  # (dtype, shape) -> bytes of one tensor
-    if len(span) != len(set(zip(stored_dtypes, shapes, sizes))):  # not one size per dtype x shape
-        span = None
-    totals: dict[tuple, list[int]] = {key: [0, 0, 0] for key in dict.fromkeys(keys)}
-    for (key, shape), tensors in counts.items():
-        total = totals[key]
+    templates = name_templates(names)
+    flags = list(map(packed.__contains__, names)) if packed else [False] * len(names)
+    counts = Counter(zip(templates, stored_dtypes, flags, shapes))
+    totals: dict[tuple, list[int]] = {}
+    for (template, dtype, is_packed, shape), tensors in counts.items():
+        total = totals.get((template, dtype, is_packed))
+        if total is None:
+            total = totals[template, dtype, is_packed] = [0, 0, 0]
+        numel = math.prod(shape)
         total[0] += tensors
-        if span is not None:
-            total[1] += tensors * span[key[1], shape]
-        total[2] += tensors * math.prod(shape)
-    if span is None:
-        for key, size in zip(keys, sizes):
-            totals[key][1] += size
+        total[1] += tensors * (numel * DTYPE_BITS[dtype] >> 3)
+        total[2] += tensors * numel
+    first = _first_names(names, templates, stored_dtypes, flags, totals)
     groups = {key: (first[key], *total) for key, total in totals.items()}
 
     order = layout.component_names + [KV_SCALES, UNKNOWN]
@@ -211,7 +230,7 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         by_dtype["bytes"] += nbytes
         by_dtype["tensors"] += tensors
     if unknown_keys:
-        unknown = list(compress(names, map(unknown_keys.__contains__, keys)))
+        unknown = list(compress(names, map(unknown_keys.__contains__, zip(templates, stored_dtypes, flags))))
     total_bytes = sum(c.bytes for c in components.values())
     total_params = sum(c.params for c in components.values())
     kept = [c for c in components.values() if c.tensors]

@@ -5,36 +5,43 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-import typer
 
-from fp4forge.cli.common import console, emit_json
+def register(app) -> None:
+    import typer
 
+    def bytes_command(
+        location: str = typer.Argument(..., metavar="PATH_OR_REPO", help="Checkpoint directory, .safetensors file, HF repo id, or https://…/resolve/<rev> URL."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object: total, components, dtypes."),
+        markdown: bool = typer.Option(False, "--markdown", help="A Markdown table, for model cards."),
+        layout: Optional[str] = typer.Option(None, "--layout", help="Architecture layout when config.json is absent or unknown."),
+    ) -> None:
+        """Where the bytes are: stored bytes, parameters and bits/param per component, from headers only."""
+        show_byte_table(location, as_json=as_json, markdown=markdown, layout=layout)
 
-def register(app: typer.Typer) -> None:
     app.command("bytes")(bytes_command)
 
 
-def bytes_command(
-    location: str = typer.Argument(..., metavar="PATH_OR_REPO", help="Checkpoint directory, .safetensors file, HF repo id, or https://…/resolve/<rev> URL."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object: total, components, dtypes."),
-    markdown: bool = typer.Option(False, "--markdown", help="A Markdown table, for model cards."),
-    layout: Optional[str] = typer.Option(None, "--layout", help="Architecture layout when config.json is absent or unknown."),
-) -> None:
-    """Where the bytes are: stored bytes, parameters and bits/param per component, from headers only."""
+def show_byte_table(location: str, as_json: bool = False, markdown: bool = False, layout: str | None = None) -> None:
+    """The command itself (also run without typer by ``fp4forge.cli.fast``): rich (and the
+    report tables) load only for the text and Markdown forms."""
     from fp4forge.audit.byte_table import compute_byte_table
     from fp4forge.checkpoint.layout import layout_or_inferred
     from fp4forge.checkpoint.reader import open_checkpoint
-    from fp4forge.report.tables import byte_table_markdown, byte_table_rich
+    from fp4forge.cli.common import console, emit_json
 
     ckpt = open_checkpoint(location)
     chosen = layout_or_inferred(ckpt.config, layout)
     table = compute_byte_table(ckpt, chosen)
-    out = console()
     if as_json:
         emit_json(table.to_json())
     elif markdown:
+        from fp4forge.report.tables import byte_table_markdown
+
         sys.stdout.write(byte_table_markdown(table))
     else:
+        from fp4forge.report.tables import byte_table_rich
+
+        out = console()
         for rich_table in byte_table_rich(table):
             out.print(rich_table)
         out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
