@@ -115,14 +115,13 @@ def _columns(ckpt: Checkpoint) -> tuple[list[str], list[str], list[tuple[int, ..
 def _packed_among(names: list[str], dtypes: list[str]) -> set[str]:
     if "U8" not in dtypes or "F8_E4M3" not in dtypes:
         return set()
-    # Later names win in a dict, as in the per-tensor dict this replaces (a name in two shards).
-    kept = {name: dtype for name, dtype in zip(names, dtypes) if dtype in _PACKED_DTYPES} if len(set(names)) != len(names) else None
-    if kept is not None:
+    u8 = list(compress(names, map("U8".__eq__, dtypes)))
+    fp8 = set(compress(names, map("F8_E4M3".__eq__, dtypes)))
+    if not fp8.isdisjoint(u8):  # a name stored twice, as U8 and as FP8: the later one counts,
+        # as in the per-tensor dict this replaces (a repeat of the same dtype changes nothing)
+        kept = {name: dtype for name, dtype in zip(names, dtypes) if dtype in _PACKED_DTYPES}
         u8 = [name for name, dtype in kept.items() if dtype == "U8"]
         fp8 = {name for name, dtype in kept.items() if dtype == "F8_E4M3"}
-    else:
-        u8 = list(compress(names, map("U8".__eq__, dtypes)))
-        fp8 = set(compress(names, map("F8_E4M3".__eq__, dtypes)))
     weights = list(compress(u8, map(methodcaller("endswith", ".weight"), u8)))
     return set(compress(weights, map(fp8.__contains__, map(add, weights, repeat("_scale")))))
 

@@ -211,9 +211,9 @@ def layout_or_inferred(config: dict[str, Any] | None, name: str | None = None) -
 
 
 def layout_by_name(name: str, config: dict[str, Any] | None = None) -> Layout:
-    for layout in all_layouts():
-        if layout.name == name:
-            return _specialised(layout.name, mtp_layer_pattern(config))
+    for doc in _layout_docs():  # the tables' text: only the chosen one's patterns are compiled
+        if doc["name"] == name:
+            return _specialised(name, mtp_layer_pattern(config))
     raise LayoutError(f"no layout named {name!r}; known: {', '.join(l.name for l in all_layouts())}")
 
 
@@ -225,8 +225,8 @@ def layout_for_config(config: dict[str, Any] | None) -> Layout:
     model_types = {config.get("model_type")}
     if isinstance(config.get("text_config"), dict):  # wrappers name the text model's type inside
         model_types.add(config["text_config"].get("model_type"))
-    for layout in all_layouts():
-        if any(a in layout.architectures for a in architectures) or model_types & set(layout.model_types):
-            return _specialised(layout.name, mtp_layer_pattern(config))
+    for doc in _layout_docs():  # the tables' text: only the chosen one's patterns are compiled
+        if any(a in doc.get("architectures", ()) for a in architectures) or model_types & set(doc.get("model_types", ())):
+            return _specialised(doc["name"], mtp_layer_pattern(config))
     known = ", ".join(a for l in all_layouts() for a in l.architectures)
     raise LayoutError(f"no layout for architecture {architectures or config.get('model_type')!r}; known: {known}", option="layout")
