@@ -154,19 +154,19 @@ _LAYERS = "layers."
 def name_templates(names: list[str]) -> list:
     """A grouping key per name (a number, or the masked name) with the same equalities as
     ``masked_digits`` (two names share a key exactly when their masked names are equal), for 10^5 names in C-level passes: a name is
-    split at its first ``layers.``; the part before it and the part after the layer index repeat
+    cut after the layer index of its first ``layers.``; the part up to there and the rest repeat
     across layers and experts, so each distinct part is masked once."""
     if not all(map(str.isascii, names)):  # \d matches non-ASCII digits too: the plain way
         return masked_digits(names)
-    # The pieces flow through tee'd iterators in lockstep: no list of 10^5 split names is kept
-    # (that peak of tens of MB cost page faults, as much time as the splitting).
-    heads, seps, parts = tee(map(methodcaller("partition", _LAYERS), names), 3)
-    tails, tails_too = tee(map(itemgetter(2), parts))
-    rests, rests_too = tee(map(methodcaller("lstrip", _ASCII_DIGITS), tails_too))
+    # A name = prefix (up to the end of its first "layers.<index>") + rest (from the first
+    # non-digit after it): both repeat across layers and experts, so each distinct one is masked
+    # once. Masking them apart equals masking the whole: the rest starts with a non-digit (or is
+    # empty), so no digit run crosses the cut, and "layers." cannot straddle it (the prefix ends
+    # in the layer index or in "layers."; "layers." has no border). The pieces flow through
+    # iterators in lockstep: no list of 10^5 split names is kept (its peak cost page faults).
+    rests, rests_too = tee(map(methodcaller("lstrip", _ASCII_DIGITS), map(itemgetter(2), map(methodcaller("partition", _LAYERS), names))))
     cache = _Masked()
-    # Masking the pieces apart equals masking the whole: the head holds no "layers.", the layer
-    # index is kept whole after "layers.", and the rest starts with a non-digit.
-    templates = zip(map(cache.__getitem__, map(itemgetter(0), heads)), map(itemgetter(1), seps), map(str.removesuffix, tails, rests), map(cache.__getitem__, rests_too))
+    templates = zip(map(cache.__getitem__, map(str.removesuffix, names, rests)), map(cache.__getitem__, rests_too))
     numbers: dict = {}
     return list(map(numbers.setdefault, templates, count()))  # one number per distinct template
 

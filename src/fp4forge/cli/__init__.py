@@ -35,6 +35,8 @@ def __getattr__(name: str) -> Any:
 def _quiet_unless_rank0() -> None:
     """Under torchrun every rank runs the command; rank 0 alone prints its result
     (docs/distributed.md). Errors still reach stderr from every rank."""
+    if "WORLD_SIZE" not in os.environ:  # not launched: spares importing the launcher's module
+        return
     from fp4forge.model.distributed import speaks
 
     if not speaks():
