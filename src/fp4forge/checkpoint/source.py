@@ -7,6 +7,7 @@ A source answers byte-range reads by relative path and never lets a path escape 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Protocol
 
@@ -64,6 +65,12 @@ class LocalSource:
     def path(self, relpath: str) -> Path:
         check_relpath(relpath)
         candidate = self.root / relpath
+        if "/" not in relpath and "\\" not in relpath:  # a direct child (163 shards): one lstat, not a
+            try:  # realpath of every component; only a symbolic link can lead it out of the root
+                if not stat.S_ISLNK(os.lstat(candidate).st_mode):
+                    return candidate
+            except OSError:
+                pass  # missing or unreadable: the full check below, then the reader names it
         real = candidate.resolve()
         if real != self._real_root and self._real_root not in real.parents:
             raise CheckpointError(f"{relpath!r} resolves outside the checkpoint (to {real}); refusing to read it", file=str(candidate))
