@@ -215,3 +215,32 @@ def test_ct_and_modelopt_layouts_count_the_same_parameters(lc_nvfp4_kv_dir: Path
         assert (ct_c[name].tensors, ct_c[name].params) == (mo_c[name].tensors, mo_c[name].params), name
         if name != "kv_cache_scales":  # BF16 [1] -> F32 []: 2 more bytes per KV scale
             assert ct_c[name].bytes == mo_c[name].bytes, name
+
+
+def test_fast_path_prints_what_the_typer_command_prints(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`fp4forge bytes` runs without typer for plain command lines (fp4forge.cli.fast): its JSON and
+    Markdown equal the typer command's, byte for byte, and a bad path exits with the same code."""
+    from typer.testing import CliRunner
+
+    from fp4forge.checkpoint.safetensors_format import encode_header
+    from fp4forge.cli import app, main
+
+    prefix, _ = encode_header([("model.embed_tokens.weight", "BF16", (4, 2)), ("model.layers.0.mlp.experts.0.down_proj.weight", "U8", (2, 2)),
+                               ("model.layers.0.mlp.experts.0.down_proj.weight_scale", "F8_E4M3", (2, 1))], None)
+    (tmp_path / "model.safetensors").write_bytes(prefix + bytes(16 + 4 + 2))
+    for args in (["--json"], ["--markdown"], ["--json", "--layout", "qwen3_moe"], ["--layout", "no-such-layout"]):
+        typer_run = CliRunner().invoke(app, ["bytes", str(tmp_path), *args])
+        monkeypatched = ["fp4forge", "bytes", str(tmp_path), *args]
+        sys.argv, saved = monkeypatched, sys.argv
+        try:
+            main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        finally:
+            sys.argv = saved
+        fast = capsys.readouterr()
+        expected_code = typer_run.exit_code if typer_run.exception is None or isinstance(typer_run.exception, SystemExit) else typer_run.exception.exit_code
+        assert code == expected_code, (args, fast.err, typer_run.output)
+        if code == 0:
+            assert fast.out == typer_run.stdout, args

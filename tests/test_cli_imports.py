@@ -46,3 +46,32 @@ def test_a_command_loads_its_own_stack_only(tmp_path) -> None:
     modules = modules_after(code)
     assert "fp4forge.serve.doctor" in modules
     assert loaded(modules, ("fp4forge.quality", "fp4forge.bench", "torch", "numpy")) == set()
+
+
+def test_plain_bytes_runs_without_typer_or_rich(tmp_path) -> None:
+    """`fp4forge bytes PATH --json` takes the fast path (fp4forge.cli.fast): typer (and the pydantic
+    it coerces options through) and rich stay unloaded; the JSON is the command's usual document."""
+    from fp4forge.checkpoint.safetensors_format import encode_header
+
+    prefix, _ = encode_header([("model.embed_tokens.weight", "F32", (2, 2))], None)
+    (tmp_path / "model.safetensors").write_bytes(prefix + bytes(16))
+    code = (
+        "import sys, io, contextlib\nfrom fp4forge.cli import main\n"
+        f"sys.argv = ['fp4forge', 'bytes', {str(tmp_path)!r}, '--json']\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n    main()\n"
+        "assert json.loads(out.getvalue())['total']['bytes'] == 16\n"
+    )
+    modules = modules_after("import json\n" + code)
+    assert loaded(modules, ("typer", "click", "pydantic", "rich")) == set()
+
+
+def test_the_fast_path_takes_only_plain_command_lines() -> None:
+    from fp4forge.cli.fast import fast_call
+
+    assert fast_call(["bytes", "ckpt", "--json"]) is not None
+    assert fast_call(["bytes", "--layout", "qwen3_moe", "ckpt", "--markdown"]) is not None
+    for argv in (["bytes"], ["bytes", "--help"], ["bytes", "ckpt", "--json", "--json"], ["bytes", "ckpt", "--layout=x"],
+                 ["bytes", "ckpt", "--layout"], ["bytes", "ckpt", "--layout", "--json"], ["bytes", "a", "b"], ["bytes", "ckpt", "-x"],
+                 ["bytes", ""], ["audit", "ckpt"], []):
+        assert fast_call(argv) is None, argv
