@@ -17,10 +17,14 @@ import re
 import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from fp4forge.errors import LayoutError
+
+# The tables (package data beside this module; pathlib, not importlib.resources, which alone
+# imports tempfile, shutil and the compression modules into every `fp4forge bytes`).
+LAYOUTS_DIR = Path(__file__).with_name("layouts")
 
 UNKNOWN = "unknown"
 KV_SCALES = "kv_cache_scales"
@@ -135,7 +139,7 @@ def split_suffixes(names) -> dict[str, tuple[str, str, str]]:
 
 
 def _load_toml(file_name: str) -> dict[str, Any]:
-    text = resources.files("fp4forge.checkpoint").joinpath("layouts", file_name).read_text(encoding="utf-8")
+    text = (LAYOUTS_DIR / file_name).read_text(encoding="utf-8")
     return tomllib.loads(text)
 
 
@@ -170,7 +174,7 @@ def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False) -> 
 @lru_cache(maxsize=None)
 def _layout_docs() -> tuple[dict[str, Any], ...]:
     docs = []
-    directory = resources.files("fp4forge.checkpoint").joinpath("layouts")
+    directory = LAYOUTS_DIR
     for entry in sorted(directory.iterdir(), key=lambda e: e.name):
         if not entry.name.endswith(".toml") or entry.name.startswith("_"):
             continue

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import re
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,6 +229,8 @@ def _read_headers_and_json(source: Source, shard_names: list[str], index: IndexF
             return shard, exc
 
     if source.is_remote:  # latency-bound: overlap the requests
+        from concurrent.futures import ThreadPoolExecutor  # (its import, with logging's, only when needed)
+
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(load, shard_names))
     else:
