@@ -30,10 +30,14 @@ def parse_index(raw: bytes, *, source: str) -> IndexFile:
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise IndexFileError("index has no weight_map object", file=source)
     weight_map = doc["weight_map"]
-    if not set(map(type, weight_map.values())) <= {str}:  # one C-level pass over 10^5 values
+    try:
+        shards = set(weight_map.values())  # a few distinct shard names, 10^5 entries
+    except TypeError:  # an unhashable value (a list, an object): not a file name either
+        shards = None
+    if shards is None or not set(map(type, shards)) <= {str}:
         name, shard = next((n, s) for n, s in weight_map.items() if type(s) is not str)
         raise IndexFileError(f"weight_map value {shard!r} is not a file name", file=source, tensor=name)
-    for shard in set(weight_map.values()):  # a few distinct shard names, 10^5 entries
+    for shard in shards:
         try:
             check_relpath(shard)
         except Fp4forgeError as exc:
