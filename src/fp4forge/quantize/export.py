@@ -330,7 +330,6 @@ def _read_unit_coalesced(unit: WorkUnit, ckpt: Checkpoint) -> _ReadUnit:
     return _ReadUnit(unit, passthrough, weights, nbytes)
 
 
-
 def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, workers: int, read_ahead_bytes: int | None = None):
     """Yield processed units in plan order, `workers` of them computed at a time.
 
