@@ -22,6 +22,11 @@ limit keeps what it measured; optional phases are skipped when ``--budget-s`` ru
     python3 benchmarks/bench_gpu.py --out $OUT --layers 4 --samples 128 --seq-len 2048   # on the H200
     python3 benchmarks/bench_gpu.py --out $OUT --skip calibrate,cached-export --export-variants 256:4:256:0,128:4:256:1   # exports only
 
+**Share of the disk** (``--pairs N``, default 3): after the first disk read, N cold exports with the
+default settings alternate with N more cold disk reads; each export is set against the read just
+before it and the mean of the two around it, and ``pairs.json`` holds every pair and the medians
+(the lent disk's rate moves by a third between runs: one pair is not a measurement).
+
 Each export records the caller's time in the writer's ``write`` and in the final fsync + rename;
 ``--export-variants BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED[:COALESCED[:REQUEST_MIB]]]``
 adds cold GPU exports with other settings of the batched path (all compared by sha256 with the
@@ -43,6 +48,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -365,6 +371,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated phases to skip: calibrate (the exports then use a constant activation amax; implies warm,profile,lc,equality,fidelity,all-experts),cached-export,warm,profile,lc,all-experts,cpu-export,equality,fidelity")
     parser.add_argument("--export-variants", default="", help="more cold GPU exports, comma-separated BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED[:COALESCED[:REQUEST_MIB]]] (e.g. 256:4:256:0:0 = tensor-by-tensor reads; fields left out keep the defaults)")
     parser.add_argument("--cpu-reference", type=Path, default=None, help="with --skip cpu-export: the export.json of an earlier run over the same source whose CPU export's sha256 the GPU exports are compared with")
+    parser.add_argument("--pairs", type=int, default=3, help="cold disk reads and cold GPU exports, alternating (disk, export, disk, ..., disk): every export's share of the read before it and of the mean around it, and the medians (0: one cold export against the first disk read)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Laguna testbed on whatever device there is (a smoke test of this script)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -406,8 +413,42 @@ def main() -> None:
         log("fp4forge calibrate", {k: v for k, v in calib["fp4forge_routed"].items() if k not in ("timings", "experts_without_tokens")})
 
     exports: dict = {}
-    evict(shards(src))
-    exports["cold"] = export(src, args.work / "export-gpu", stats_path, device)
+    if args.pairs:
+        # The lent disk's cold rate moved by a third between runs minutes apart (1.37-1.81 GB/s): one
+        # disk read and one export give a share that is mostly noise. So: disk, export, disk, export, ...,
+        # disk, every read and every export from evicted shards; each export against the read just
+        # before it (its pair) and against the mean of the reads on both sides; medians over the pairs.
+        reads = [disk["cold_gb_per_s"]]
+        pairs = []
+        for i in range(args.pairs):
+            key = "cold" if i == 0 else f"cold #{i + 1}"
+            evict(shards(src))
+            exports[key] = export(src, args.work / "export-gpu", stats_path, device)
+            again = disk_phase(src)
+            reads.append(again["cold_gb_per_s"])
+            rate = exports[key]["read_gb_per_s"]
+            pairs.append({"export": key, "disk_before_gb_per_s": reads[-2], "export_gb_per_s": rate, "disk_after_gb_per_s": reads[-1],
+                          "share_of_disk_before": rate / reads[-2], "share_of_disk_around": rate / ((reads[-2] + reads[-1]) / 2)})
+            log(f"pair {i + 1}: disk {reads[-2]:.3f} GB/s, export {rate:.3f} GB/s = {100 * rate / reads[-2]:.1f} % (disk after {reads[-1]:.3f})")
+            save(args.out, "pairs", {"disk_reads_gb_per_s": reads, "pairs": pairs})
+            save(args.out, "export", exports)
+        summary = {
+            "disk_reads_gb_per_s": reads,
+            "pairs": pairs,
+            "median_share_of_disk_before": statistics.median(p["share_of_disk_before"] for p in pairs),
+            "median_share_of_disk_around": statistics.median(p["share_of_disk_around"] for p in pairs),
+            "median_export_gb_per_s": statistics.median(p["export_gb_per_s"] for p in pairs),
+            "median_disk_gb_per_s": statistics.median(reads),
+        }
+        save(args.out, "pairs", summary)
+        for pair in pairs:
+            print(f"PAIR {pair['export']:<8} disk {pair['disk_before_gb_per_s']:.3f} -> export {pair['export_gb_per_s']:.3f} GB/s = {100 * pair['share_of_disk_before']:.1f} % "
+                  f"(disk after {pair['disk_after_gb_per_s']:.3f}; {100 * pair['share_of_disk_around']:.1f} % of the mean around it)", flush=True)
+        print(f"MEDIAN share {100 * summary['median_share_of_disk_before']:.1f} % of the disk read before (of the mean around: {100 * summary['median_share_of_disk_around']:.1f} %); "
+              f"median export {summary['median_export_gb_per_s']:.3f} GB/s, median disk {summary['median_disk_gb_per_s']:.3f} GB/s over {len(reads)} reads", flush=True)
+    else:
+        evict(shards(src))
+        exports["cold"] = export(src, args.work / "export-gpu", stats_path, device)
     if "cached-export" not in skip:
         exports["cached"] = export(src, args.work / "export-gpu", stats_path, device)
     save(args.out, "export", exports)

@@ -18,7 +18,11 @@ evicted ("uncached") and, for fp4forge, again with it in the page cache ("cached
 Reported per arm: wall seconds, GB/s of BF16 input, CPU seconds (user + system of the process),
 GB per CPU-second, peak RSS, and the ratios to llm-compressor.
 
-    .venv/bin/python benchmarks/bench_quantize.py [--layers 1 2] [--lc-venv .venv-lc] [--baseline-src DIR] [--no-lc]
+Every uncached arm runs between two raw reads of the source (each after eviction) and is reported
+as a share of their mean: this VM's "uncached" disk rate moves between runs (its host caches
+below the guest's page cache), so only a share measured beside the arm means anything.
+
+    .venv/bin/python benchmarks/bench_quantize.py [--layers 1 2 | --source DIR] [--lc-venv .venv-lc] [--baseline-src DIR] [--no-lc] [--repeat N]
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._util import OUT, REPO, drop_page_cache, run_measured  # noqa: E402
+from benchmarks._util import OUT, REPO, drop_page_cache, run_measured, summarize  # noqa: E402
 
 # NVFP4A16 on every Linear but lm_head, the router and Laguna's per-head gate, in both tools.
 RECIPE = """
@@ -126,82 +131,119 @@ def run_llm_compressor(lc_venv: Path, src: Path, out: Path, cached: bool):
     return stats
 
 
+def raw_read(src: Path) -> float:
+    """One raw read of the source files after evicting them (GB/s): the disk's rate for this run."""
+    evict(src)
+    return read_all(src)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[1])
+    parser.add_argument("--source", type=Path, help="an existing laguna-s-2.1-like synth checkpoint to use instead of building one per --layers (read only)")
     parser.add_argument("--lc-venv", type=Path, default=REPO / ".venv-lc")
     parser.add_argument("--no-lc", action="store_true", help="fp4forge arms only")
-    parser.add_argument("--baseline-src", type=Path, help="a src/ tree of another fp4forge version, run as one more arm")
+    parser.add_argument("--baseline-src", type=Path, help="a src/ tree of another fp4forge version, run as one more arm (uncached, every repeat)")
     parser.add_argument("--uncached-only", action="store_true", help="skip the cached fp4forge arms")
+    parser.add_argument("--no-eager", action="store_true", help="skip the eager element path arm")
+    parser.add_argument("--repeat", type=int, default=1, help="uncached fp4forge (and baseline) arms, each between two raw reads")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     # build (or load) the element kernel once, outside the timed arms
     warm = run_measured([sys.executable, "-c", "from fp4forge.numerics.nvfp4_kernel import kernel_status; print(kernel_status())"], env=_env(REPO / "src"))
     print(f"element kernel: {warm.stdout.decode().strip()} ({warm.wall_s:.1f} s)", flush=True)
     rows = []
-    for layers in args.layers:
-        src = synth(layers)
+    sources = [(args.source, None)] if args.source else [(synth(layers), layers) for layers in args.layers]
+    for src, layers in sources:
+        layers = layers if layers is not None else json.loads((src / "config.json").read_text()).get("num_hidden_layers")
         gb = sum(p.stat().st_size for p in src.glob("*.safetensors")) / 1e9
-        evict(src)
-        read_uncached = read_all(src)
+        # The "uncached" rate of this VM's disk moves from run to run (a first read after eviction ran at
+        # 0.2-0.6 GB/s, repeats at 0.6-2.7 GB/s: the host caches below the guest's page cache). So every
+        # uncached arm runs between two raw reads, each after eviction, and is compared with their mean.
+        raws: list[float] = [raw_read(src)]
         read_cached = read_all(src)
-        print(f"L{layers}: {gb:.2f} GB BF16 | read uncached {read_uncached:.3f} GB/s, cached {read_cached:.3f} GB/s", flush=True)
+        print(f"L{layers}: {gb:.2f} GB BF16 | raw read uncached {raws[0]:.3f} GB/s, cached {read_cached:.3f} GB/s", flush=True)
         arms = []
         ours = OUT / f"q-fp4forge-L{layers}"
         eager_out = OUT / f"q-fp4forge-eager-L{layers}"
-        for label, tree, extra, cached in [
-            ("fp4forge", REPO / "src", [], False),
+        base_out = OUT / f"q-fp4forge-baseline-L{layers}"
+        plan = []
+        for _ in range(args.repeat):
+            plan.append(("fp4forge", REPO / "src", [], False))
+            if args.baseline_src:
+                plan.append(("fp4forge baseline", args.baseline_src, [], False))
+        plan += [
             ("fp4forge", REPO / "src", [], True),
             ("fp4forge --no-error-report", REPO / "src", ["--no-error-report"], False),
             ("fp4forge --no-error-report", REPO / "src", ["--no-error-report"], True),
-            ("fp4forge eager element path", REPO / "src", [], False),
-            *([("fp4forge baseline", args.baseline_src, [], False)] if args.baseline_src else []),
-        ]:
+            *([] if args.no_eager else [("fp4forge eager element path", REPO / "src", [], False)]),
+        ]
+        digests: dict[str, dict[str, str]] = {}
+        for label, tree, extra, cached in plan:
             if cached and args.uncached_only:
                 continue
             eager = label.endswith("eager element path")
-            out = OUT / f"q-fp4forge-baseline-L{layers}" if label.endswith("baseline") else eager_out if eager else ours
+            out = base_out if label.endswith("baseline") else eager_out if eager else ours
             stats = run_fp4forge(tree, src, out, cached, extra, {"FP4FORGE_KERNEL": "eager"} if eager else None)
-            arms.append((label, "cached" if cached else "uncached", stats))
             result = json.loads(stats.stdout)
             inside = result["seconds"]  # from the start of quantize_checkpoint: no imports
+            row = {"label": label, "source": "cached" if cached else "uncached", "stats": stats, "inside_s": inside}
+            note = ""
+            if not cached:
+                raws.append(raw_read(src))
+                disk = (raws[-2] + raws[-1]) / 2  # the raw reads just before and just after this arm
+                row["disk"] = disk
+                note = f"; raw reads around it {raws[-2]:.3f} / {raws[-1]:.3f} GB/s: {100 * gb / inside / disk:.0f} % of their mean"
+            arms.append(row)
+            digest = shard_digests(out)
+            if out == ours and label in digests and digests[label] != digest:
+                raise AssertionError(f"{label}: two runs wrote different shards")
+            digests[label] = digest
             print(
-                f"  {label} ({arms[-1][1]}): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB; "
-                f"after start-up {inside:.1f} s = {gb / inside:.3f} GB/s; element kernel {result.get('element_kernel', '?')}",
+                f"  {label} ({row['source']}): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB; "
+                f"after start-up {inside:.1f} s = {gb / inside:.3f} GB/s{note}; element kernel {result.get('element_kernel', '?')}",
                 flush=True,
             )
-        same = shard_digests(ours) == shard_digests(eager_out)
-        print(f"  shards byte-identical, kernel vs eager element path: {same}", flush=True)
-        assert same, "the kernel's shards differ from the eager path's"
+        reference = digests["fp4forge"]
+        for label, digest in digests.items():
+            same = digest == reference
+            print(f"  shards byte-identical, {label} vs fp4forge: {same}", flush=True)
+            assert same, f"{label}'s shards differ from fp4forge's"
         ours_modules = quantized_modules(ours)
-        if args.baseline_src:
-            same = shard_digests(ours) == shard_digests(OUT / f"q-fp4forge-baseline-L{layers}")
-            print(f"  shards byte-identical to the baseline's: {same}", flush=True)
-            assert same, "the shards differ from the baseline's"
         if not args.no_lc:
             theirs = OUT / f"q-lc-L{layers}"
             stats = run_llm_compressor(args.lc_venv, src, theirs, cached=False)
-            arms.append(("llm-compressor model_free_ptq", "uncached", stats))
-            print(f"  llm-compressor (uncached): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB", flush=True)
+            raws.append(raw_read(src))
+            arms.append({"label": "llm-compressor model_free_ptq", "source": "uncached", "stats": stats, "disk": (raws[-2] + raws[-1]) / 2})
+            print(f"  llm-compressor (uncached): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB; raw read after it {raws[-1]:.3f} GB/s", flush=True)
             lc_modules = quantized_modules(theirs)
             assert ours_modules == lc_modules, f"the tools quantized different Linears: only fp4forge {sorted(ours_modules - lc_modules)[:5]}, only llm-compressor {sorted(lc_modules - ours_modules)[:5]}"
             print(f"  both quantized the same {len(ours_modules)} Linears", flush=True)
-        rows.append((layers, gb, read_uncached, read_cached, arms))
+        print(f"  raw uncached reads, in run order: {' '.join(f'{r:.3f}' for r in raws)} GB/s ({summarize(raws)})", flush=True)
+        rows.append((layers, gb, raws, read_cached, arms))
     # what each tool's process pays before its first byte: the imports (same run, same load)
     ours_start = run_measured([sys.executable, "-c", "import fp4forge.cli, fp4forge.quantize.export, fp4forge.report.tables"], env=_env(REPO / "src"))
     print(f"start-up (imports) fp4forge: {ours_start.wall_s:.1f} s wall, {ours_start.cpu_s:.1f} s CPU", flush=True)
     if not args.no_lc:
         lc_start = run_measured([str(args.lc_venv / "bin" / "python"), "-c", "import llmcompressor; from llmcompressor import model_free_ptq"])
         print(f"start-up (imports) llm-compressor: {lc_start.wall_s:.1f} s wall, {lc_start.cpu_s:.1f} s CPU", flush=True)
+    load_after = os.getloadavg()
+    print(f"load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after {'/'.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} CPUs")
 
-    print("\n| layers | BF16 GB | source | tool | wall s | GB/s | CPU s | GB per CPU-s | peak RSS MiB | GB/s vs llm-compressor | RSS vs llm-compressor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for layers, gb, unc, cac, arms in rows:
-        lc = next((s for label, _, s in arms if label.startswith("llm-compressor")), None)
-        for label, source, s in arms:
+    print("\n| layers | BF16 GB | source | tool | wall s | GB/s | after start-up GB/s | % of the raw reads around it | CPU s | GB per CPU-s | peak RSS MiB | GB/s vs llm-compressor | RSS vs llm-compressor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for layers, gb, raws, cac, arms in rows:
+        lc = next((a["stats"] for a in arms if a["label"].startswith("llm-compressor")), None)
+        for arm in arms:
+            s = arm["stats"]
             speed = f"x{lc.wall_s / s.wall_s:.2f}" if lc else "—"
             rss = f"{s.peak_rss_mib / lc.peak_rss_mib:.2f}" if lc else "—"
-            print(f"| {layers} | {gb:.2f} | {source} | {label} | {s.wall_s:.1f} | {gb / s.wall_s:.3f} | {s.cpu_s:.1f} | {gb / s.cpu_s:.3f} | {s.peak_rss_mib:,.0f} | {speed} | {rss} |")
-        print(f"| {layers} | {gb:.2f} | uncached / cached | raw read of the files | | {unc:.3f} / {cac:.3f} | | | | | |")
+            inside = f"{gb / arm['inside_s']:.3f}" if "inside_s" in arm else "—"
+            rate = gb / arm["inside_s"] if "inside_s" in arm else gb / s.wall_s
+            share = f"{100 * rate / arm['disk']:.0f} %" if "disk" in arm else "—"
+            print(f"| {layers} | {gb:.2f} | {arm['source']} | {arm['label']} | {s.wall_s:.1f} | {gb / s.wall_s:.3f} | {inside} | {share} | {s.cpu_s:.1f} | {gb / s.cpu_s:.3f} | {s.peak_rss_mib:,.0f} | {speed} | {rss} |")
+        print(f"| {layers} | {gb:.2f} | uncached | raw read of the files ({len(raws)}×, median, min–max) | | {statistics.median(raws):.3f} ({min(raws):.3f}–{max(raws):.3f}) | | | | | | | |")
+        print(f"| {layers} | {gb:.2f} | cached | raw read of the files | | {cac:.3f} | | | | | | | |")
 
 
 if __name__ == "__main__":

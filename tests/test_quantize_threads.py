@@ -60,3 +60,40 @@ def test_a_thread_count_below_one_is_refused_before_any_output(source, tmp_path)
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert "--threads" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cpu_reader_reads_ahead_within_its_budget(source, monkeypatch):
+    """The reader queues units in plan order until the bytes held (queued, read, computing) reach
+    the budget, never further (plus the unit that crosses it), whatever the compute does; the
+    coalesced reads give the same tensors as the per-tensor reads."""
+    import torch
+
+    from fp4forge.checkpoint.layout import layout_for_config
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.quantize import export
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.plan import plan_export
+    from fp4forge.quantize.recipe import load_recipe
+
+    ckpt = open_checkpoint(source)
+    options = export.QuantizeOptions(load_recipe(RECIPE), act_amax=ConstantAmax(8.0), workers=2)
+    units = plan_export(export._source_specs(ckpt), layout_for_config(ckpt.config), options.recipe, options.layout_format).units
+    sizes = {u.key: sum(ckpt.locate(n)[1].nbytes for n in [*(f"{t.module}.weight" for t in u.linears), *u.passthrough]) for u in units}
+    assert len(units) > 8 and any(len(u.linears) > 1 for u in units)
+    for unit in units:
+        coalesced, plain = export._read_unit_coalesced(unit, ckpt), export._read_unit(unit, ckpt)
+        assert coalesced.nbytes == plain.nbytes == sizes[unit.key]
+        assert coalesced.passthrough == plain.passthrough
+        assert coalesced.weights.keys() == plain.weights.keys()
+        assert all(torch.equal(coalesced.weights[m], plain.weights[m]) and coalesced.weights[m].dtype == plain.weights[m].dtype for m in plain.weights)
+
+    queued: list[str] = []
+    real = export._unit_nbytes
+    monkeypatch.setattr(export, "_unit_nbytes", lambda unit, c: queued.append(unit.key) or real(unit, c))
+    budget = 4 * max(sizes.values())
+    quantizer = export.UnitQuantizer(options)
+    for i, (unit, tensors, _, nbytes) in enumerate(export._process_units(units, ckpt, quantizer, 2, read_ahead_bytes=budget)):
+        assert unit.key == units[i].key and nbytes == sizes[unit.key] and queued == [u.key for u in units[: len(queued)]]
+        held = sum(sizes[key] for key in queued[i + 1 :])  # queued, not yet yielded
+        assert held < budget + max(sizes.values())
+        assert held >= budget or len(queued) == len(units), (i, held, len(queued))

@@ -291,16 +291,57 @@ def _element_kernel(quantizer: UnitQuantizer) -> str:
     return f"{status.name}: {status.detail}"
 
 
-def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, workers: int):
+#: CPU path: bytes of work units (their stored tensors) read ahead of the computing threads, those
+#: being computed included. The reader thread keeps this much queued in plan order, so an uncached
+#: disk never idles while the threads compute (a window of ``workers + 1`` units was too shallow:
+#: the disk waited for every unit's compute to start); memory: this plus one unit.
+CPU_READ_AHEAD_BYTES = 512 << 20
+
+
+#: Stored dtypes of Linear weights the CPU reader fills straight from the file (anything else: per tensor).
+_STORED_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def _unit_nbytes(unit: WorkUnit, ckpt: Checkpoint) -> int:
+    """The stored bytes of the unit's tensors (its Linears' weights and its pass-through tensors)."""
+    return sum(ckpt.locate(name)[1].nbytes for name in [*(f"{t.module}.weight" for t in unit.linears), *unit.passthrough])
+
+
+def _read_unit_coalesced(unit: WorkUnit, ckpt: Checkpoint) -> _ReadUnit:
+    """``_read_unit`` on the CPU path: the unit's weights (a fused group's members lie next to each
+    other in their shard) as one coalesced run of large ``preadv`` requests straight into the
+    tensors (:mod:`fp4forge.checkpoint.ranges`) instead of one open + read per tensor; where the
+    weights cannot be read as stored bytes (a converting source), the per-tensor reads."""
+    weights: dict[str, torch.Tensor] = {}
+    buffers: dict[str, memoryview] = {}
+    for target in unit.linears:
+        name = f"{target.module}.weight"
+        _, info = ckpt.locate(name)
+        dtype = _STORED_DTYPES.get(info.dtype)
+        if dtype is None or not info.nbytes:
+            return _read_unit(unit, ckpt)
+        tensor = torch.empty(list(info.shape), dtype=dtype)
+        weights[target.module] = tensor
+        buffers[name] = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    if buffers and not ranges.read_into(ckpt, buffers):
+        return _read_unit(unit, ckpt)
+    passthrough = {name: ckpt.read_raw(name) for name in unit.passthrough}
+    nbytes = sum(len(b) for b in passthrough.values()) + sum(w.numel() * w.element_size() for w in weights.values())
+    return _ReadUnit(unit, passthrough, weights, nbytes)
+
+
+def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantizer, workers: int, read_ahead_bytes: int | None = None):
     """Yield processed units in plan order, `workers` of them computed at a time.
 
-    One reader thread reads the units in plan order, ahead of the computing threads, so that
-    reading overlaps computing (an uncached source costs no extra wall time while compute is the
-    limit). Torch kernels release the GIL, so threads with one intra-op thread each keep every
-    core busy without the oversubscription of nested OpenMP pools, and every sum runs on one
-    thread: the error report does not depend on `workers`. The window of in-flight units
-    (workers + 1) bounds memory to a few units whatever the model's size. Writing stays on the
-    caller's thread."""
+    One reader thread reads the units in plan order (coalesced requests per unit) up to
+    ``read_ahead_bytes`` (:data:`CPU_READ_AHEAD_BYTES`) ahead of the yielded ones, so reading
+    overlaps computing and writing: the disk is never idle while there is room in the budget, and
+    an uncached source costs little wall time beyond its read. Torch kernels release the GIL, so
+    threads with one intra-op thread each keep every core busy without the oversubscription of
+    nested OpenMP pools, and every sum runs on one thread: the error report does not depend on
+    `workers`. ``workers + 1`` units are computed at a time; memory is bounded by the read-ahead
+    budget plus one unit whatever the model's size. Writing stays on the caller's thread."""
+    budget = CPU_READ_AHEAD_BYTES if read_ahead_bytes is None else read_ahead_bytes
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -308,17 +349,36 @@ def _process_units(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuant
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-read") as reader,
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp4forge-quantize") as pool,
         ):
-            window: deque = deque()
+            todo = iter(units)
+            reads: deque = deque()  # (read future, bytes): queued or read, not yet computing
+            window: deque = deque()  # (compute future, bytes), in plan order
+            held = 0  # bytes of the units in `reads` and `window`
+
+            def read_ahead() -> None:
+                nonlocal held
+                while held < budget or not (reads or window):
+                    unit = next(todo, None)
+                    if unit is None:
+                        return
+                    size = _unit_nbytes(unit, ckpt)
+                    reads.append((reader.submit(_read_unit_coalesced, unit, ckpt), size))
+                    held += size
+
             try:
-                for unit in units:
-                    read = reader.submit(_read_unit, unit, ckpt)
-                    window.append(pool.submit(lambda r=read: _quantize_unit(r.result(), quantizer)))
-                    if len(window) > workers:
-                        yield window.popleft().result()
-                while window:
-                    yield window.popleft().result()
+                while True:
+                    read_ahead()
+                    while reads and len(window) <= workers:
+                        read, size = reads.popleft()
+                        window.append((pool.submit(lambda r=read: _quantize_unit(r.result(), quantizer)), size))
+                    if not window:
+                        return
+                    future, size = window.popleft()
+                    result = future.result()
+                    held -= size
+                    read_ahead()  # before the caller writes this unit
+                    yield result
             finally:
-                for future in window:  # an error or a closed generator: drop what is queued
+                for future, _ in [*reads, *window]:  # an error or a closed generator: drop what is queued
                     future.cancel()
     finally:
         torch.set_num_threads(previous_threads)
@@ -568,10 +628,6 @@ def _process_units_on_device(
                     future.cancel()
 
 
-#: CPU path: sync written shard data in the background too. With the element kernel the CPU
-#: export is bound by its output writes (writes and the final fsync were ~60 % of the main
-#: thread's wall time in a profile), which the background sync overlaps with the quantizing.
-CPU_WRITEBACK = True
 #: Output bytes after which the shards written so far are synced to disk in the background.
 WRITEBACK_BYTES = 256 << 20
 
@@ -580,17 +636,18 @@ class _Writeback:
     """Moves written shard data to the disk while the export goes on (one ``fdatasync`` at a
     time on a background thread, every ``WRITEBACK_BYTES``): on a machine with much RAM the
     kernel would otherwise keep it all dirty until the output's final fsync (2.8 s of a 14.5 s GPU
-    export on the H200). The CPU path uses it too since its element kernel made the output writes
-    its limit (``CPU_WRITEBACK``; benchmarks/RESULTS.md)."""
+    export on the H200). Both paths use it: on the CPU the element kernel made the output writes
+    the export's limit (writes and the final fsync were ~60 % of the main thread's wall time in a
+    profile; benchmarks/RESULTS.md), and the background sync overlaps them with the quantizing."""
 
-    def __init__(self, writer: CheckpointWriter, every: int | None = None, enabled: bool = True):
-        self.writer, self.every, self.pending, self.enabled = writer, every or WRITEBACK_BYTES, 0, enabled
+    def __init__(self, writer: CheckpointWriter, every: int | None = None):
+        self.writer, self.every, self.pending = writer, every or WRITEBACK_BYTES, 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-writeback")
         self.running: Any = None
 
     def wrote(self, nbytes: int) -> None:
         self.pending += nbytes
-        if self.enabled and self.pending >= self.every and (self.running is None or self.running.done()):
+        if self.pending >= self.every and (self.running is None or self.running.done()):
             self.pending = 0
             self.running = self.pool.submit(self.writer.flush_data)
 
@@ -644,7 +701,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, options: QuantizeOptio
             u.key: [LinearError(**e) for e in writer.completed_payloads.get(u.key) or []] for u in plan.units if u.key in writer.completed_units
         }
         done = resumed
-        with _Writeback(writer, enabled=quantizer.device.type != "cpu" or CPU_WRITEBACK) as writeback:
+        with _Writeback(writer) as writeback:
             units = _process_units(pending, ckpt, quantizer, options.workers) if quantizer.device.type == "cpu" else _process_units_on_device(pending, ckpt, quantizer)
             for unit, tensors, unit_errors, unit_bytes in units:
                 for name, tensor in tensors.items():
