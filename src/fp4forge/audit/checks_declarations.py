@@ -9,6 +9,7 @@ Scales are read even without --deep: they are a few bytes each, read in coalesce
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from functools import lru_cache
@@ -31,7 +32,9 @@ W4A4_SCHEME = "nvfp4"
 
 
 def run(ctx: AuditContext) -> list[Issue]:
-    ctx.values(ctx.small_scales)  # every small scale in a few coalesced reads, up front
+    # every small scale in a few coalesced reads, up front: the one-element ones as plain numbers
+    scalars = ctx.scalar_scales
+    ctx.values([n for n in ctx.small_scales if n not in scalars])
     issues = format_issues(ctx)
     decl = ctx.declaration
     if decl is None:
@@ -309,12 +312,19 @@ def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]
             if None in names:
                 continue  # a missing scale is its own finding
             compared.append((parent, name, shards, rule, names))
-    loaded = ctx.values([n for *_, names in compared for n in names])  # one batch, not one per group
+    scalars = ctx.scalar_scales  # 10^4 groups' scales: plain numbers, read once
+    loaded = ctx.values([n for *_, names in compared for n in names if n not in scalars])  # one batch, not one per group
+
+    def single(n: str) -> float | None:
+        value = scalars.get(n)
+        if value is None and n in loaded and loaded[n].size == 1:
+            value = float(loaded[n][0])
+        return value
+
     for parent, name, shards, rule, names in compared:
-        values = {n: loaded[n] for n in names if n in loaded}
-        if len(values) != len(names) or any(v.size != 1 for v in values.values()):
+        floats = [single(n) for n in names]
+        if None in floats:
             continue
-        floats = [float(values[n][0]) for n in names]
         if len(set(floats)) > 1 and min(floats) > 0:
             kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
             issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
@@ -340,31 +350,45 @@ IMPLAUSIBLE_SCALE_SIDE = {"weight_global_scale": "below", "weight_scale_2": "abo
 
 
 def scale_value_issues(ctx: AuditContext) -> list[Issue]:
-    import numpy as np
-
     issues = []
-    loaded = ctx.values(ctx.small_scales)
-    # one vectorised pass over the 10^5 one-element scales; only the others and the failures loop
-    scalars = [n for n, v in loaded.items() if v.size == 1]
-    stacked = np.array([loaded[n][0] for n in scalars], dtype=np.float64)
-    ok = ((stacked > 0) & np.isfinite(stacked)).tolist()
-    fine = {n: v for n, v, good in zip(scalars, stacked.tolist(), ok) if good}
-    for name, values in loaded.items():
-        if name in fine or is_finite_positive(values):
-            suffix = ctx.roles[name][1]
-            side = IMPLAUSIBLE_SCALE_SIDE.get(suffix)
-            if side is None:
+    scalars = ctx.scalar_scales  # the 10^5 one-element scales as plain numbers; the others as arrays
+    arrays = ctx.values([n for n in ctx.small_scales if n not in scalars])
+    roles = ctx.roles
+    for name in ctx.small_scales:
+        value = scalars.get(name)
+        if value is not None:
+            if 0 < value < math.inf:  # NaN compares false
+                side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
+                if side is not None and ((side == "below" and value < 1.0) or (side == "above" and value > 1.0)):
+                    issues.append(_convention_issue(ctx, name, _as_array(value)))
                 continue
-            high, low = (fine[name], fine[name]) if name in fine else (float(values.max()), float(values.min()))
-            if (side == "below" and high < 1.0) or (side == "above" and low > 1.0):
-                issues.append(issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
-            continue
-        module, suffix, kind = ctx.roles[name]
+            values = _as_array(value)
+        else:
+            values = arrays.get(name)
+            if values is None:
+                continue
+            if is_finite_positive(values):
+                side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
+                if side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+                    issues.append(_convention_issue(ctx, name, values))
+                continue
+        module, suffix, kind = roles[name]
         if kind in INPUT_SCALE_KINDS and ctx.component(module) == EXPERTS:
             issues.append(issue("moe-input-scale-invalid", f"routed experts whose {suffix} is not finite and positive", module, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
         else:
             issues.append(issue("scale-invalid", f"{suffix} tensors that are NaN, Inf, zero or negative", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
     return issues
+
+
+def _as_array(value: float):
+    import numpy as np  # only for a finding: a clean audit of F32 scales never imports numpy
+
+    return np.array([value], dtype=np.float32)
+
+
+def _convention_issue(ctx: AuditContext, name: str, values) -> Issue:
+    suffix = ctx.roles[name][1]
+    return issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name))
 
 
 # -- scale magnitude against the weights (--deep) ------------------------------------------------------

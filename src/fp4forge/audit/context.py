@@ -6,6 +6,8 @@ imports them; nothing here imports a check."""
 from __future__ import annotations
 
 import math
+import sys
+from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
@@ -16,9 +18,9 @@ from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.declarations import READ_FORMATS, QuantDeclaration
 from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON
-from fp4forge.checkpoint.raw import decode_all, read_coalesced, tensor_index
+from fp4forge.checkpoint.raw import can_decode, decode, decode_all, read_coalesced, read_many_small, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint
-from fp4forge.checkpoint.safetensors_format import TensorInfo
+from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, TensorInfo
 from fp4forge.checkpoint.skeleton_cache import expected_specs_or_reason
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError
@@ -199,10 +201,49 @@ class AuditContext:
                     names.append(name)
         return names
 
+    @cached_property
+    def scalar_scales(self) -> dict[str, float]:
+        """name -> value of every one-element small scale (10^5 in a large MoE), in small_scales
+        order: read in coalesced ranges and decoded in one call per dtype, with no array per name."""
+        tensors = self.tensors
+        one: dict[tuple[int, ...], bool] = {}  # shape -> one element: a few shapes
+        names = []
+        for name in self.small_scales:
+            shape = tensors[name][1].shape
+            single = one.get(shape)
+            if single is None:
+                single = one[shape] = math.prod(shape) == 1
+            if single:
+                names.append(name)
+        entries = [tensors[n] for n in names]
+        blobs = read_many_small(self.ckpt, entries)
+        by_dtype: dict[str, tuple[list[str], list[bytes]]] = {}
+        for name, (_, info), blob in zip(names, entries, blobs):
+            members = by_dtype.get(info.dtype)
+            if members is None:
+                members = by_dtype[info.dtype] = ([], [])
+            members[0].append(name)
+            members[1].append(blob)
+        out: dict[str, float] = {}
+        for dtype, (members, member_blobs) in by_dtype.items():
+            width = DTYPE_BITS.get(dtype, 0) // 8
+            native = dtype == "F32" and sys.byteorder == "little"  # the usual scale dtype: no numpy needed
+            if not width or any(len(blob) != width for blob in member_blobs) or not (native or can_decode(dtype)):
+                continue  # torn or undecodable: values() reads these one by one and says why
+            joined = b"".join(member_blobs)
+            out.update(zip(members, array("f", joined).tolist() if native else decode(dtype, joined).tolist()))
+        return {n: out[n] for n in names if n in out}
+
     def values(self, names: list[str]) -> dict[str, Any]:
         """Flat float32 numpy arrays for small tensors, read in coalesced byte ranges."""
         stored = self._values
         absent = list(compress(names, map(not_, map(stored.__contains__, names))))
+        if absent and "scalar_scales" in self.__dict__:  # decoded already: no second read
+            import numpy as np
+
+            scalars = self.scalar_scales
+            stored.update((n, np.array([scalars[n]], dtype=np.float32)) for n in absent if n in scalars)
+            absent = [n for n in absent if n not in stored]
         wanted = [n for n in absent if n in self.tensors]
         if wanted:
             stored.update(decode_all(read_coalesced(self.ckpt, [self.tensors[n] for n in wanted])))
