@@ -287,12 +287,11 @@ def run(ctx: AuditContext) -> list[Issue]:
     issues = quirk_issues(ctx)
     if not ctx.ckpt.config:
         return issues  # config-missing is reported by the integrity checks
-    specs, reason = ctx.expected
+    expected, reason = ctx.expected
     architecture = ", ".join(ctx.ckpt.config.get("architectures") or []) or str(ctx.ckpt.config.get("model_type"))
-    if specs is None:
+    if expected is None:
         hint = "" if ctx.trust_remote_code else " (a remote-code model needs --trust-remote-code)"
         return issues + [issue("names-not-checked", "expected names", architecture, detail=(reason or "unknown reason") + hint)]
-    expected = {spec.name: tuple(spec.shape) for spec in specs}
     issues += name_issues(ctx, compare(ctx, expected), architecture)
     return issues + mtp_issues(ctx)
 

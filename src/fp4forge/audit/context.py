@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
-from operator import not_
+from operator import itemgetter, not_
 from typing import Any
 
 from fp4forge.audit.findings import Issue
@@ -21,8 +21,7 @@ from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.checkpoint.raw import can_decode, decode, decode_all, read_coalesced, read_many_small, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, TensorInfo
-from fp4forge.checkpoint.skeleton_cache import expected_specs_or_reason
-from fp4forge.checkpoint.writer import TensorSpec
+from fp4forge.checkpoint.skeleton_cache import expected_shapes_or_reason
 from fp4forge.errors import ConfigError
 
 # Components whose 2-D weights are Linear layers (vLLM builds routers and lm_head as Linears too,
@@ -85,9 +84,15 @@ class AuditContext:
         patterns = dict(self.layout.components).get("mtp", ()) if self.layout else ()
         if not patterns:
             return frozenset()
-        modules = {module for module, _, _ in self.roles.values()}  # fewer modules than names
-        mtp = {module for module in modules if any(p.match(module) for p in patterns)}
+        mtp = {module for module in self.role_modules if any(p.match(module) for p in patterns)}  # fewer modules than names
+        if not mtp:
+            return frozenset()
         return frozenset(n for n, (module, _, _) in self.roles.items() if module in mtp)
+
+    @cached_property
+    def role_modules(self) -> set[str]:
+        """The module part of every tensor's role (unknown names are their own module)."""
+        return set(map(itemgetter(0), self.roles.values()))
 
     def kind(self, name: str) -> str:
         return self.roles[name][2]
@@ -118,19 +123,16 @@ class AuditContext:
         return self.layout.component_of(module) if self.layout else UNKNOWN
 
     @cached_property
-    def expected(self) -> tuple[list[TensorSpec] | None, str | None]:
-        """(on-disk tensor specs save_pretrained writes for config.json, None) or (None, why not)."""
+    def expected(self) -> tuple[dict[str, tuple[int, ...]] | None, str | None]:
+        """({on-disk name: shape} of what save_pretrained writes for config.json, None), or
+        (None, why not)."""
         if not self.ckpt.config:
             return None, f"no {CONFIG_JSON}"
-        return expected_specs_or_reason(self.ckpt.config, trust_remote_code=self.trust_remote_code)
+        return expected_shapes_or_reason(self.ckpt.config, trust_remote_code=self.trust_remote_code)
 
     @property
-    def expected_specs(self) -> list[TensorSpec] | None:
-        return self.expected[0]
-
-    @cached_property
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {spec.name: tuple(spec.shape) for spec in self.expected_specs or []}
+        return self.expected[0] or {}
 
     @cached_property
     def linear_modules(self) -> dict[str, str]:
@@ -189,16 +191,15 @@ class AuditContext:
         together they are megabytes, read with the weights by --deep."""
         names = []
         small: dict[tuple, bool] = {}  # (kind, dtype, shape) -> read: 10^5 scales, a few signatures
-        scale_kinds = _SCALE_KIND_SET
-        # roles holds the names of tensors in the same order: one pass, no lookups
-        for (name, (_, _, kind)), (_, info) in zip(self.roles.items(), self.tensors.values()):
-            if kind in scale_kinds:
-                signature = (kind, info.dtype, info.shape)
-                read = small.get(signature)
-                if read is None:
-                    read = small[signature] = info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info)
-                if read:
-                    names.append(name)
+        # roles holds the names of tensors in the same order: the scales picked out in C first
+        is_scale = map(_SCALE_KIND_SET.__contains__, map(itemgetter(2), self.roles.values()))
+        for (name, (_, _, kind)), (_, info) in compress(zip(self.roles.items(), self.tensors.values()), is_scale):
+            signature = (kind, info.dtype, info.shape)
+            read = small.get(signature)
+            if read is None:
+                read = small[signature] = info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info)
+            if read:
+                names.append(name)
         return names
 
     @cached_property
@@ -217,13 +218,17 @@ class AuditContext:
                 names.append(name)
         entries = [tensors[n] for n in names]
         blobs = read_many_small(self.ckpt, entries)
+        dtypes = list(map(itemgetter(1), map(itemgetter(1), entries)))  # TensorInfo.dtype
         by_dtype: dict[str, tuple[list[str], list[bytes]]] = {}
-        for name, (_, info), blob in zip(names, entries, blobs):
-            members = by_dtype.get(info.dtype)
-            if members is None:
-                members = by_dtype[info.dtype] = ([], [])
-            members[0].append(name)
-            members[1].append(blob)
+        if len(set(dtypes)) == 1:  # the usual case: every scale F32
+            by_dtype[dtypes[0]] = (names, blobs)
+        else:
+            for name, dtype, blob in zip(names, dtypes, blobs):
+                members = by_dtype.get(dtype)
+                if members is None:
+                    members = by_dtype[dtype] = ([], [])
+                members[0].append(name)
+                members[1].append(blob)
         out: dict[str, float] = {}
         for dtype, (members, member_blobs) in by_dtype.items():
             width = DTYPE_BITS.get(dtype, 0) // 8
