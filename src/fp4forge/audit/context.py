@@ -16,7 +16,7 @@ from typing import Any
 
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.declarations import READ_FORMATS, QuantDeclaration
-from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffixes
+from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffix, split_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.checkpoint.raw import can_decode, decode, decode_all, read_coalesced, read_many_small, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint
@@ -147,12 +147,19 @@ class AuditContext:
                 found = component(module)
                 if found in LINEAR_COMPONENTS:
                     out[module] = found
-        # Only names ending in "weight" can split to the suffix "weight" (a dotted part or a glued ending).
+        # Only names ending in "weight" can split to the suffix "weight" (a dotted part or a glued
+        # ending); those ending in ".weight" split at that dot, and most name a module seen above.
         expected = self.expected_shapes
         ending = [name for name in expected if name.endswith("weight")]
-        splits = split_suffixes(ending)
+        dotted = [name for name in ending if name.endswith(".weight")] if split_suffix("m.weight")[:2] == ("m", "weight") else []
+        glued = [name for name in ending if not name.endswith(".weight")] if dotted else ending
+        splits = split_suffixes(glued)
+        splits.update((name, (name[:-7], "weight", "")) for name in dotted if name[:-7] not in out)
         for name in ending:
-            module, suffix, _ = splits[name]
+            split = splits.get(name)
+            if split is None:
+                continue  # its module is a Linear found above
+            module, suffix, _ = split
             if suffix == "weight" and module not in out and len(expected[name]) == 2:
                 found = component(module)
                 if found in LINEAR_COMPONENTS:
