@@ -17,8 +17,6 @@ import re
 import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import compress
-from operator import itemgetter, methodcaller
 from importlib import resources
 from typing import Any
 
@@ -118,27 +116,21 @@ def split_suffixes(names) -> dict[str, tuple[str, str, str]]:
     """``split_suffix`` of every name (10^5 of them): the split depends only on the last dotted
     part, so it is worked out once per distinct last part (a few dozen) and applied by slicing."""
     rules: dict[str, tuple[int | None, str, str]] = {}  # last part -> (chars cut from the end | None for the dot, suffix, kind)
-    names = list(names)
-    splits = list(map(methodcaller("rpartition", "."), names))
-    lasts = list(map(itemgetter(2), splits))
-    for last in set(lasts):
-        split_module, suffix, kind = split_suffix(last)
-        if not suffix:  # unknown: the whole name is the module
-            cut: int | None = 0
-        elif suffix == last:  # a whole dotted part
-            cut = None
-        else:  # an ending glued to the module
-            cut = len(last) - len(split_module)
-        rules[last] = (cut, suffix, kind)
-    # Every name split at its last dot, in C; then the few whose last part is not a dotted suffix.
-    suffix_of = {last: suffix for last, (_, suffix, _) in rules.items()}
-    kind_of = {last: kind for last, (_, _, kind) in rules.items()}
-    out = dict(zip(names, zip(map(itemgetter(0), splits), map(suffix_of.__getitem__, lasts), map(kind_of.__getitem__, lasts))))
-    special = {last for last, (cut, _, _) in rules.items() if cut is not None}
-    if special:
-        for name, last in compress(zip(names, lasts), map(special.__contains__, lasts)):
-            cut, suffix, kind = rules[last]
-            out[name] = (name[: len(name) - cut], suffix, kind)
+    out: dict[str, tuple[str, str, str]] = {}
+    for name in names:
+        module, _, last = name.rpartition(".")
+        rule = rules.get(last)
+        if rule is None:
+            split_module, suffix, kind = split_suffix(last)
+            if not suffix:  # unknown: the whole name is the module
+                cut: int | None = 0
+            elif suffix == last:  # a whole dotted part
+                cut = None
+            else:  # an ending glued to the module
+                cut = len(last) - len(split_module)
+            rule = rules[last] = (cut, suffix, kind)
+        cut, suffix, kind = rule
+        out[name] = (module if cut is None else name[: len(name) - cut], suffix, kind)
     return out
 
 
