@@ -198,15 +198,16 @@ class AuditContext:
         together they are megabytes, read with the weights by --deep."""
         names = []
         small: dict[tuple, bool] = {}  # (kind, dtype, shape) -> read: 10^5 scales, a few signatures
-        # roles holds the names of tensors in the same order: the scales picked out in C first
-        is_scale = map(_SCALE_KIND_SET.__contains__, map(itemgetter(2), self.roles.values()))
-        for (name, (_, _, kind)), (_, info) in compress(zip(self.roles.items(), self.tensors.values()), is_scale):
-            signature = (kind, info.dtype, info.shape)
-            read = small.get(signature)
-            if read is None:
-                read = small[signature] = info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info)
-            if read:
-                names.append(name)
+        scale_kinds = _SCALE_KIND_SET
+        # roles holds the names of tensors in the same order: one pass, no lookups
+        for (name, (_, _, kind)), (_, info) in zip(self.roles.items(), self.tensors.values()):
+            if kind in scale_kinds:
+                signature = (kind, info.dtype, info.shape)
+                read = small.get(signature)
+                if read is None:
+                    read = small[signature] = info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info)
+                if read:
+                    names.append(name)
         return names
 
     @cached_property
