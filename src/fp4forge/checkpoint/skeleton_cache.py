@@ -115,13 +115,6 @@ def _shapes_for(config_json: str, trust_remote_code: bool) -> tuple[dict[str, tu
     return (None, reason) if specs is None else ({spec.name: tuple(spec.shape) for spec in specs}, None)
 
 
-def expected_specs_or_reason(config: dict[str, Any], *, trust_remote_code: bool = False) -> tuple[list[TensorSpec] | None, str | None]:
-    """(the unquantized model's on-disk specs for ``config``, None), or (None, why they cannot be
-    built) — an unknown architecture, or transformers' own complaint about the config."""
-    specs, reason = _expected_for(json.dumps(config, sort_keys=True), trust_remote_code)
-    return (list(specs) if specs is not None else None), reason
-
-
 @lru_cache(maxsize=8)
 def _expected_for(config_json: str, trust_remote_code: bool) -> tuple[tuple[TensorSpec, ...] | None, str | None]:
     config = json.loads(config_json)
