@@ -9,10 +9,12 @@ Scales are read even without --deep: they are a few bytes each, read in coalesce
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from functools import lru_cache
 from importlib import resources
+from operator import itemgetter, methodcaller
 
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.findings import Issue, natural_key
@@ -31,7 +33,9 @@ W4A4_SCHEME = "nvfp4"
 
 
 def run(ctx: AuditContext) -> list[Issue]:
-    ctx.values(ctx.small_scales)  # every small scale in a few coalesced reads, up front
+    # every small scale in a few coalesced reads, up front: the one-element ones as plain numbers
+    scalars = ctx.scalar_scales
+    ctx.values([n for n in ctx.small_scales if n not in scalars])
     issues = format_issues(ctx)
     decl = ctx.declaration
     if decl is None:
@@ -91,7 +95,7 @@ def target_issues(ctx: AuditContext, decl: QuantDeclaration, resolution: Resolut
     # module of the checkpoint at all are noise worth a warning.
     if not resolution.unmatched_ignores:
         return issues
-    modules = {module for module, _, _ in ctx.roles.values()} | {name.rpartition(".")[0] for name in ctx.tensors}
+    modules = ctx.role_modules | set(map(itemgetter(0), map(methodcaller("rpartition", "."), ctx.tensors)))
     names = NameSet(sorted(modules))
     nowhere = [p for p in resolution.unmatched_ignores if p not in modules and not names.matching(p, decl.matcher)]
     issues += [issue("target-matches-nothing", "ignore entries that match no module", pattern) for pattern in nowhere]
@@ -147,11 +151,18 @@ def scheme_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     clean: set[tuple] = set()
     modules, linear_modules = ctx.modules, ctx.linear_modules
     with_inputs: dict[tuple[str, ...], bool] = {}  # stored suffixes -> whether one is an input scale
+    expected_shapes, linear_shape = ctx.expected_shapes, ctx.linear_shape
     for module, group in resolution.scheme_of.items():
-        if group.scheme is None or module not in modules:
-            continue  # unsupported scheme (reported), or absent module (a names finding)
-        params = modules[module]
-        signature = (id(group), linear_modules.get(module, ""), ctx.linear_shape(module), tuple([(suffix, info.dtype, info.shape) for suffix, info in params.items()]))
+        if group.scheme is None:
+            continue  # unsupported scheme (reported)
+        params = modules.get(module)
+        if params is None:
+            continue  # absent module (a names finding)
+        suffixes = tuple(params)
+        # linear_shape(module), with its usual case (a 2-D expected weight) inline
+        shape = expected_shapes.get(module + ".weight")
+        shape = shape if shape is not None and len(shape) == 2 else linear_shape(module)
+        signature = (id(group), linear_modules.get(module, ""), shape, suffixes, tuple(map(_DTYPE_AND_SHAPE, params.values())))
         if signature in clean:
             module_issues = []
         else:
@@ -160,7 +171,6 @@ def scheme_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
                 clean.add(signature)
         if group.scheme == W4A4_SCHEME:
             w4a4_modules += 1
-            suffixes = tuple(params)
             has_inputs = with_inputs.get(suffixes)
             if has_inputs is None:
                 has_inputs = with_inputs[suffixes] = any(_kind(s) in INPUT_SCALE_KINDS for s in suffixes)
@@ -174,6 +184,9 @@ def scheme_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     for module in sorted(resolution.ignored | resolution.untargeted):
         issues += unexpected_quantization(ctx, module, "ignored" if module in resolution.ignored else "untargeted")
     return issues
+
+
+_DTYPE_AND_SHAPE = itemgetter(1, 2)  # TensorInfo.dtype, .shape
 
 
 def _is_missing_input_scale(found: Issue) -> bool:
@@ -298,32 +311,46 @@ def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Is
 
 
 # -- fused groups ---------------------------------------------------------------------------------
+FUSED_SCALE_RULES = ((("weight_global_scale",), "fused-weight-scale-mismatch"), (INPUT_SCALE_KINDS, "fused-input-scale-mismatch"))
+
+
 def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     issues = []
     compared = []
+    scheme_of, modules = resolution.scheme_of, ctx.modules
+    scale_suffixes: dict[tuple[str, ...], tuple[str | None, ...]] = {}  # stored suffixes -> the scale of each kind: a few lists
     for parent, name, shards in fused_groups(ctx):
-        if not all(s in resolution.scheme_of for s in shards):
+        if not all(map(scheme_of.__contains__, shards)):
             continue
-        for kinds, rule in ((("weight_global_scale",), "fused-weight-scale-mismatch"), (INPUT_SCALE_KINDS, "fused-input-scale-mismatch")):
-            names = [_scale_name(ctx, s, kinds) for s in shards]
-            if None in names:
+        found = []
+        for shard in shards:
+            suffixes = tuple(modules.get(shard, ()))
+            scales = scale_suffixes.get(suffixes)
+            if scales is None:
+                scales = scale_suffixes[suffixes] = tuple(_first_of_kinds(suffixes, kinds) for kinds, _ in FUSED_SCALE_RULES)
+            found.append(scales)
+        for position, (_, rule) in enumerate(FUSED_SCALE_RULES):
+            suffixes = [scales[position] for scales in found]
+            if None in suffixes:
                 continue  # a missing scale is its own finding
-            compared.append((parent, name, shards, rule, names))
-    loaded = ctx.values([n for *_, names in compared for n in names])  # one batch, not one per group
+            compared.append((parent, name, shards, rule, [f"{shard}.{suffix}" for shard, suffix in zip(shards, suffixes)]))
+    scalars = ctx.scalar_scales  # 10^4 groups' scales: plain numbers, read once
+    loaded = ctx.values([n for *_, names in compared for n in names if n not in scalars])  # one batch, not one per group
+
+    def single(n: str) -> float | None:
+        value = scalars.get(n)
+        if value is None and n in loaded and loaded[n].size == 1:
+            value = float(loaded[n][0])
+        return value
+
     for parent, name, shards, rule, names in compared:
-        values = {n: loaded[n] for n in names if n in loaded}
-        if len(values) != len(names) or any(v.size != 1 for v in values.values()):
+        floats = [single(n) for n in names]
+        if None in floats:
             continue
-        floats = [float(values[n][0]) for n in names]
         if len(set(floats)) > 1 and min(floats) > 0:
             kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
             issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
     return issues
-
-
-def _scale_name(ctx: AuditContext, module: str, kinds: tuple[str, ...]) -> str | None:
-    suffix = _first_of_kinds(tuple(ctx.modules.get(module, ())), kinds)
-    return None if suffix is None else f"{module}.{suffix}"
 
 
 @lru_cache(maxsize=4096)
@@ -340,31 +367,45 @@ IMPLAUSIBLE_SCALE_SIDE = {"weight_global_scale": "below", "weight_scale_2": "abo
 
 
 def scale_value_issues(ctx: AuditContext) -> list[Issue]:
-    import numpy as np
-
     issues = []
-    loaded = ctx.values(ctx.small_scales)
-    # one vectorised pass over the 10^5 one-element scales; only the others and the failures loop
-    scalars = [n for n, v in loaded.items() if v.size == 1]
-    stacked = np.array([loaded[n][0] for n in scalars], dtype=np.float64)
-    ok = ((stacked > 0) & np.isfinite(stacked)).tolist()
-    fine = {n: v for n, v, good in zip(scalars, stacked.tolist(), ok) if good}
-    for name, values in loaded.items():
-        if name in fine or is_finite_positive(values):
-            suffix = ctx.roles[name][1]
-            side = IMPLAUSIBLE_SCALE_SIDE.get(suffix)
-            if side is None:
+    scalars = ctx.scalar_scales  # the 10^5 one-element scales as plain numbers; the others as arrays
+    arrays = ctx.values([n for n in ctx.small_scales if n not in scalars])
+    roles = ctx.roles
+    for name in ctx.small_scales:
+        value = scalars.get(name)
+        if value is not None:
+            if 0 < value < math.inf:  # NaN compares false
+                side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
+                if side is not None and ((side == "below" and value < 1.0) or (side == "above" and value > 1.0)):
+                    issues.append(_convention_issue(ctx, name, _as_array(value)))
                 continue
-            high, low = (fine[name], fine[name]) if name in fine else (float(values.max()), float(values.min()))
-            if (side == "below" and high < 1.0) or (side == "above" and low > 1.0):
-                issues.append(issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
-            continue
-        module, suffix, kind = ctx.roles[name]
+            values = _as_array(value)
+        else:
+            values = arrays.get(name)
+            if values is None:
+                continue
+            if is_finite_positive(values):
+                side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
+                if side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+                    issues.append(_convention_issue(ctx, name, values))
+                continue
+        module, suffix, kind = roles[name]
         if kind in INPUT_SCALE_KINDS and ctx.component(module) == EXPERTS:
             issues.append(issue("moe-input-scale-invalid", f"routed experts whose {suffix} is not finite and positive", module, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
         else:
             issues.append(issue("scale-invalid", f"{suffix} tensors that are NaN, Inf, zero or negative", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
     return issues
+
+
+def _as_array(value: float):
+    import numpy as np  # only for a finding: a clean audit of F32 scales never imports numpy
+
+    return np.array([value], dtype=np.float32)
+
+
+def _convention_issue(ctx: AuditContext, name: str, values) -> Issue:
+    suffix = ctx.roles[name][1]
+    return issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name))
 
 
 # -- scale magnitude against the weights (--deep) ------------------------------------------------------

@@ -12,7 +12,8 @@ reader's error propagates (exit code 2).
 from __future__ import annotations
 
 import stat
-from itertools import repeat
+from itertools import chain
+from operator import itemgetter, sub
 from pathlib import Path
 
 import statistics
@@ -112,22 +113,26 @@ def _size_differs(ckpt: Checkpoint, shard: str) -> bool:
 
 
 def index_issues(ckpt: Checkpoint) -> list[Issue]:
-    if _index_agrees(ckpt):  # the usual case, settled with set operations over 10^5 names
-        return _total_size_issues(ckpt, sum(info.end - info.begin for _, info in ckpt.tensors()))
+    if _index_agrees(ckpt):  # the usual case, settled with C-level passes over 10^5 names
+        infos = list(chain.from_iterable(header.tensors.values() for header in ckpt.headers.values()))
+        return _total_size_issues(ckpt, sum(map(sub, map(itemgetter(4), infos), map(itemgetter(3), infos))))  # end - begin
     return _index_issues_one_by_one(ckpt)
 
 
 def _index_agrees(ckpt: Checkpoint) -> bool:
-    """No name stored twice, and weight_map maps exactly every stored name to the shard holding it
-    (one dict comparison in C)."""
-    stored: dict[str, str] = {}
-    count = 0
-    for shard, header in ckpt.headers.items():
-        stored.update(zip(header.tensors, repeat(shard)))
-        count += len(header.tensors)
-    if len(stored) != count:
-        return False
-    return ckpt.index is None or stored == ckpt.index.weight_map
+    """No name stored twice, and weight_map maps exactly every stored name to the shard holding it."""
+    count = sum(len(header.tensors) for header in ckpt.headers.values())
+    if ckpt.index is not None:
+        # as many entries as stored tensors, each stored name mapped to its own shard: then no name
+        # is stored twice (weight_map names one shard per name) and weight_map lists nothing else
+        weight_map = ckpt.index.weight_map
+        return len(weight_map) == count and all(
+            all(map(shard.__eq__, map(weight_map.get, header.tensors))) for shard, header in ckpt.headers.items()
+        )
+    stored: set[str] = set()
+    for header in ckpt.headers.values():
+        stored.update(header.tensors)
+    return len(stored) == count
 
 
 def _total_size_issues(ckpt: Checkpoint, stored: int) -> list[Issue]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import operator
 import re
+from itertools import compress, filterfalse
+from operator import itemgetter, ne, not_
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -46,29 +48,41 @@ MTP = "mtp"
 
 def compare(ctx: AuditContext, expected: dict[str, tuple[int, ...]]) -> NameComparison:
     result = NameComparison()
-    found: set[str] = set()
     mtp = ctx.mtp_tensors
-    unexpected = result.unexpected
     owner: dict[str, str] = {}  # module -> the parameter its metadata belongs to (a few tensors each)
-    # roles holds the names of tensors in the same order: one pass, no per-name lookups
-    for (name, (_, info)), (module, _, kind) in zip(ctx.tensors.items(), ctx.roles.values()):
-        if kind == "kv_scale" or name in mtp:
-            continue
-        parameter = name
-        if kind in WEIGHT_METADATA_KINDS:
-            # `<m>.weight_scale` belongs to `<m>.weight`; MXFP4's `<p>_blocks` to the suffix-less `<p>`
-            parameter = owner.get(module)
-            if parameter is None:
-                weight = f"{module}.weight"
-                parameter = owner[module] = module if weight not in expected and module in expected else weight
-        if parameter not in expected:
+
+    def owner_of(module: str) -> str:
+        # `<m>.weight_scale` belongs to `<m>.weight`; MXFP4's `<p>_blocks` to the suffix-less `<p>`
+        weight = f"{module}.weight"
+        parameter = owner[module] = module if weight not in expected and module in expected else weight
+        return parameter
+
+    metadata = _METADATA_KINDS
+    names = list(ctx.tensors)
+    # the parameter each tensor stands for (None: KV scales and MTP layers, checked elsewhere);
+    # roles holds the names in the same order: one pass, then C-level passes over the columns
+    parameters = [
+        None if kind == "kv_scale" or name in mtp else ((owner.get(module) or owner_of(module)) if kind in metadata else name)
+        for name, (module, _, kind) in zip(names, ctx.roles.values())
+    ]
+    known = list(map(expected.__contains__, parameters))
+    unexpected = result.unexpected
+    for name, parameter in compress(zip(names, parameters), map(not_, known)):
+        if parameter is not None:
             unexpected.setdefault(parameter, []).append(name)
-            continue
-        found.add(parameter)
-        if name == parameter and info.shape != expected[parameter] and not _shape_fits(info.shape, info.dtype, expected[parameter]):
-            result.wrong_shape.append((name, tuple(info.shape), expected[parameter]))
-    result.missing = [name for name in expected if name not in found]
+    found = set(compress(parameters, known))
+    # shapes of the tensors that are their own parameter (metadata tensors have their own shapes)
+    own = [name for name, parameter, hit in zip(names, parameters, known) if hit and parameter is name]
+    infos = list(map(itemgetter(1), map(ctx.tensors.__getitem__, own)))
+    differs = map(ne, map(itemgetter(2), infos), map(expected.__getitem__, own))
+    for name, info in compress(zip(own, infos), differs):
+        if not _shape_fits(info.shape, info.dtype, expected[name]):
+            result.wrong_shape.append((name, tuple(info.shape), expected[name]))
+    result.missing = list(filterfalse(found.__contains__, expected))
     return result
+
+
+_METADATA_KINDS = frozenset(WEIGHT_METADATA_KINDS)
 
 
 def _shape_fits(stored: tuple[int, ...], dtype: str, expected: tuple[int, ...]) -> bool:
@@ -273,12 +287,11 @@ def run(ctx: AuditContext) -> list[Issue]:
     issues = quirk_issues(ctx)
     if not ctx.ckpt.config:
         return issues  # config-missing is reported by the integrity checks
-    specs, reason = ctx.expected
+    expected, reason = ctx.expected
     architecture = ", ".join(ctx.ckpt.config.get("architectures") or []) or str(ctx.ckpt.config.get("model_type"))
-    if specs is None:
+    if expected is None:
         hint = "" if ctx.trust_remote_code else " (a remote-code model needs --trust-remote-code)"
         return issues + [issue("names-not-checked", "expected names", architecture, detail=(reason or "unknown reason") + hint)]
-    expected = {spec.name: tuple(spec.shape) for spec in specs}
     issues += name_issues(ctx, compare(ctx, expected), architecture)
     return issues + mtp_issues(ctx)
 

@@ -6,21 +6,22 @@ imports them; nothing here imports a check."""
 from __future__ import annotations
 
 import math
+import sys
+from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
-from operator import not_
+from operator import itemgetter, not_
 from typing import Any
 
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.declarations import READ_FORMATS, QuantDeclaration
-from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffixes
+from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffix, split_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON
-from fp4forge.checkpoint.raw import decode_all, read_coalesced, tensor_index
+from fp4forge.checkpoint.raw import can_decode, decode, decode_all, read_coalesced, read_many_small, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint
-from fp4forge.checkpoint.safetensors_format import TensorInfo
-from fp4forge.checkpoint.skeleton_cache import expected_specs_or_reason
-from fp4forge.checkpoint.writer import TensorSpec
+from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, TensorInfo
+from fp4forge.checkpoint.skeleton_cache import expected_shapes_or_reason
 from fp4forge.errors import ConfigError
 
 # Components whose 2-D weights are Linear layers (vLLM builds routers and lm_head as Linears too,
@@ -83,9 +84,15 @@ class AuditContext:
         patterns = dict(self.layout.components).get("mtp", ()) if self.layout else ()
         if not patterns:
             return frozenset()
-        modules = {module for module, _, _ in self.roles.values()}  # fewer modules than names
-        mtp = {module for module in modules if any(p.match(module) for p in patterns)}
+        mtp = {module for module in self.role_modules if any(p.match(module) for p in patterns)}  # fewer modules than names
+        if not mtp:
+            return frozenset()
         return frozenset(n for n, (module, _, _) in self.roles.items() if module in mtp)
+
+    @cached_property
+    def role_modules(self) -> set[str]:
+        """The module part of every tensor's role (unknown names are their own module)."""
+        return set(map(itemgetter(0), self.roles.values()))
 
     def kind(self, name: str) -> str:
         return self.roles[name][2]
@@ -116,19 +123,16 @@ class AuditContext:
         return self.layout.component_of(module) if self.layout else UNKNOWN
 
     @cached_property
-    def expected(self) -> tuple[list[TensorSpec] | None, str | None]:
-        """(on-disk tensor specs save_pretrained writes for config.json, None) or (None, why not)."""
+    def expected(self) -> tuple[dict[str, tuple[int, ...]] | None, str | None]:
+        """({on-disk name: shape} of what save_pretrained writes for config.json, None), or
+        (None, why not)."""
         if not self.ckpt.config:
             return None, f"no {CONFIG_JSON}"
-        return expected_specs_or_reason(self.ckpt.config, trust_remote_code=self.trust_remote_code)
+        return expected_shapes_or_reason(self.ckpt.config, trust_remote_code=self.trust_remote_code)
 
     @property
-    def expected_specs(self) -> list[TensorSpec] | None:
-        return self.expected[0]
-
-    @cached_property
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {spec.name: tuple(spec.shape) for spec in self.expected_specs or []}
+        return self.expected[0] or {}
 
     @cached_property
     def linear_modules(self) -> dict[str, str]:
@@ -143,12 +147,19 @@ class AuditContext:
                 found = component(module)
                 if found in LINEAR_COMPONENTS:
                     out[module] = found
-        # Only names ending in "weight" can split to the suffix "weight" (a dotted part or a glued ending).
+        # Only names ending in "weight" can split to the suffix "weight" (a dotted part or a glued
+        # ending); those ending in ".weight" split at that dot, and most name a module seen above.
         expected = self.expected_shapes
         ending = [name for name in expected if name.endswith("weight")]
-        splits = split_suffixes(ending)
+        dotted = [name for name in ending if name.endswith(".weight")] if split_suffix("m.weight")[:2] == ("m", "weight") else []
+        glued = [name for name in ending if not name.endswith(".weight")] if dotted else ending
+        splits = split_suffixes(glued)
+        splits.update((name, (name[:-7], "weight", "")) for name in dotted if name[:-7] not in out)
         for name in ending:
-            module, suffix, _ = splits[name]
+            split = splits.get(name)
+            if split is None:
+                continue  # its module is a Linear found above
+            module, suffix, _ = split
             if suffix == "weight" and module not in out and len(expected[name]) == 2:
                 found = component(module)
                 if found in LINEAR_COMPONENTS:
@@ -199,10 +210,53 @@ class AuditContext:
                     names.append(name)
         return names
 
+    @cached_property
+    def scalar_scales(self) -> dict[str, float]:
+        """name -> value of every one-element small scale (10^5 in a large MoE), in small_scales
+        order: read in coalesced ranges and decoded in one call per dtype, with no array per name."""
+        tensors = self.tensors
+        one: dict[tuple[int, ...], bool] = {}  # shape -> one element: a few shapes
+        names = []
+        for name in self.small_scales:
+            shape = tensors[name][1].shape
+            single = one.get(shape)
+            if single is None:
+                single = one[shape] = math.prod(shape) == 1
+            if single:
+                names.append(name)
+        entries = [tensors[n] for n in names]
+        blobs = read_many_small(self.ckpt, entries)
+        dtypes = list(map(itemgetter(1), map(itemgetter(1), entries)))  # TensorInfo.dtype
+        by_dtype: dict[str, tuple[list[str], list[bytes]]] = {}
+        if len(set(dtypes)) == 1:  # the usual case: every scale F32
+            by_dtype[dtypes[0]] = (names, blobs)
+        else:
+            for name, dtype, blob in zip(names, dtypes, blobs):
+                members = by_dtype.get(dtype)
+                if members is None:
+                    members = by_dtype[dtype] = ([], [])
+                members[0].append(name)
+                members[1].append(blob)
+        out: dict[str, float] = {}
+        for dtype, (members, member_blobs) in by_dtype.items():
+            width = DTYPE_BITS.get(dtype, 0) // 8
+            native = dtype == "F32" and sys.byteorder == "little"  # the usual scale dtype: no numpy needed
+            if not width or any(len(blob) != width for blob in member_blobs) or not (native or can_decode(dtype)):
+                continue  # torn or undecodable: values() reads these one by one and says why
+            joined = b"".join(member_blobs)
+            out.update(zip(members, array("f", joined).tolist() if native else decode(dtype, joined).tolist()))
+        return {n: out[n] for n in names if n in out}
+
     def values(self, names: list[str]) -> dict[str, Any]:
         """Flat float32 numpy arrays for small tensors, read in coalesced byte ranges."""
         stored = self._values
         absent = list(compress(names, map(not_, map(stored.__contains__, names))))
+        if absent and "scalar_scales" in self.__dict__:  # decoded already: no second read
+            import numpy as np
+
+            scalars = self.scalar_scales
+            stored.update((n, np.array([scalars[n]], dtype=np.float32)) for n in absent if n in scalars)
+            absent = [n for n in absent if n not in stored]
         wanted = [n for n in absent if n in self.tensors]
         if wanted:
             stored.update(decode_all(read_coalesced(self.ckpt, [self.tensors[n] for n in wanted])))

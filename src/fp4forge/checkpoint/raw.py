@@ -153,3 +153,38 @@ def decode_all(raw: dict[str, tuple[str, bytes]]) -> dict[str, Any]:
         ends = list(accumulate(len(blob) // width for blob in blobs))
         decoded.update(zip(names, [values[start:end] for start, end in zip([0] + ends[:-1], ends)]))
     return {name: decoded[name] for name in raw}
+
+
+def read_many_small(ckpt: Checkpoint, entries: list[tuple[str, TensorInfo]]) -> list[bytes]:
+    """The raw bytes of many small tensors (10^5 scales), in ``entries`` order: each local shard is
+    mapped into memory once and sliced in C, with no read request per tensor (their neighbours are
+    megabytes of weights, so ranges rarely coalesce); other sources go through read_coalesced. A
+    slice past a truncated file's end comes back short: the caller checks lengths."""
+    import mmap
+
+    by_shard: dict[str, list[int]] = {}
+    for position, (shard, _) in enumerate(entries):
+        by_shard.setdefault(shard, []).append(position)
+    out: list[bytes] = [b""] * len(entries)
+    path_of = getattr(ckpt.source, "path", None) if not getattr(ckpt.source, "is_remote", True) else None
+    for shard, positions in by_shard.items():
+        infos = [entries[p][1] for p in positions]
+        mapped = None
+        if path_of is not None:
+            try:
+                with open(path_of(shard), "rb") as fh:
+                    mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):  # an empty or unmappable file: read it the plain way
+                mapped = None
+        if mapped is None:
+            raw = read_coalesced(ckpt, [(shard, info) for info in infos])
+            for p, info in zip(positions, infos):
+                out[p] = raw[info.name][1]
+            continue
+        with mapped:
+            base = ckpt.headers[shard].data_start
+            starts = [base + info.begin for info in infos]
+            slices = list(map(slice, starts, [start + info.end - info.begin for start, info in zip(starts, infos)]))
+            for p, blob in zip(positions, [mapped[s] for s in slices]):
+                out[p] = blob
+    return out

@@ -14,6 +14,7 @@ import json
 import os
 from functools import lru_cache
 from importlib import metadata
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +50,25 @@ def cache_key(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def _read(path: Path) -> list[TensorSpec] | None:
+def _read_rows(path: Path) -> list | None:
+    """The cached [name, dtype, shape] rows, or None when absent or damaged (then: rebuild)."""
     try:
         rows = json.loads(path.read_text())
-        return [TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in rows]
+        if isinstance(rows, list) and all(map(_ROW_SHAPE.__eq__, map(len, rows))):
+            return rows
     except (OSError, ValueError, TypeError):
+        pass
+    return None
+
+
+_ROW_SHAPE = 3
+
+
+def _read(path: Path) -> list[TensorSpec] | None:
+    try:
+        rows = _read_rows(path)
+        return None if rows is None else [TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in rows]
+    except (ValueError, TypeError):
         return None  # absent or damaged: rebuild
 
 
@@ -79,11 +94,25 @@ def expected_tensor_specs(config: dict[str, Any], *, use_cache: bool = True) -> 
     return specs
 
 
-def expected_specs_or_reason(config: dict[str, Any], *, trust_remote_code: bool = False) -> tuple[list[TensorSpec] | None, str | None]:
-    """(the unquantized model's on-disk specs for ``config``, None), or (None, why they cannot be
-    built) — an unknown architecture, or transformers' own complaint about the config."""
-    specs, reason = _expected_for(json.dumps(config, sort_keys=True), trust_remote_code)
-    return (list(specs) if specs is not None else None), reason
+def expected_shapes_or_reason(config: dict[str, Any], *, trust_remote_code: bool = False) -> tuple[dict[str, tuple[int, ...]] | None, str | None]:
+    """({on-disk name: shape} of the unquantized model, None) or (None, why not): what the audit's
+    name checks need, read from the cache without a TensorSpec per name (10^5 of them)."""
+    return _shapes_for(json.dumps(config, sort_keys=True), trust_remote_code)
+
+
+@lru_cache(maxsize=8)
+def _shapes_for(config_json: str, trust_remote_code: bool) -> tuple[dict[str, tuple[int, ...]] | None, str | None]:
+    if not trust_remote_code:
+        config = json.loads(config_json)
+        config.pop("quantization_config", None)
+        rows = _read_rows(cache_dir() / f"{cache_key(config)}.json")
+        if rows is not None:
+            try:
+                return dict(zip(map(itemgetter(0), rows), map(tuple, map(itemgetter(2), rows)))), None
+            except TypeError:
+                pass  # damaged: rebuilt below
+    specs, reason = _expected_for(config_json, trust_remote_code)
+    return (None, reason) if specs is None else ({spec.name: tuple(spec.shape) for spec in specs}, None)
 
 
 @lru_cache(maxsize=8)
