@@ -22,6 +22,9 @@ from dataclasses import replace
 from pathlib import Path
 
 OLD_WEIGHTS = (("one_call", 10), ("restraint", 2), ("session", 0))
+# The suite's restraint kinds (answer, ask, decline steps) as a larger share of the transcripts.
+MIX_RESTRAINT = (("one_call", 6), ("restraint", 5), ("missing_tool", 3), ("ask_missing_date", 2), ("refuse_wipe", 2), ("no_tool_needed", 2), ("session", 12))
+MIX_SESSION = (("one_call", 3), ("restraint", 3), ("missing_tool", 2), ("session", 18))
 
 # name -> (TrainingConfig overrides, CorpusSpec overrides)
 VARIANTS: dict[str, tuple[dict, dict]] = {
@@ -36,6 +39,22 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "steps1000": ({"steps": 1000}, {}),
     "steps2000": ({"steps": 2000}, {}),
     "lr1e-2-steps1000": ({"steps": 1000, "lr": 1e-2, "warmup_steps": 30}, {}),
+    # Session 7: the CPU budget with logits only where the loss counts (context_sample) and two
+    # threads is about 1M training tokens; every variant below stays inside it (one reference twice).
+    "cs-1024x3-330": ({"steps": 330, "context_sample": 0.1}, {}),
+    "cs-512x3-660": ({"steps": 660, "seq_len": 512, "context_sample": 0.1}, {}),
+    "cs-512x3-660-lr5e-3": ({"steps": 660, "seq_len": 512, "context_sample": 0.1, "lr": 5e-3}, {}),
+    "cs-512x2-1000-lr2e-3": ({"steps": 1000, "seq_len": 512, "batch_size": 2, "context_sample": 0.1, "lr": 2e-3}, {}),
+    "cs-512x3-660-mixR": ({"steps": 660, "seq_len": 512, "context_sample": 0.1}, {"family_weights": MIX_RESTRAINT}),
+    "cs-512x3-660-mixR-2x": ({"steps": 660, "seq_len": 512, "context_sample": 0.1}, {"family_weights": MIX_RESTRAINT, "train_transcripts": 1920}),
+    "cs-512x3-660-2x": ({"steps": 660, "seq_len": 512, "context_sample": 0.1}, {"train_transcripts": 1920}),
+    "cs-512x3-660-ctx03": ({"steps": 660, "seq_len": 512, "context_sample": 0.03, "context_loss_weight": 0.03}, {}),
+    "cs-1024x3-330-mixR": ({"steps": 330, "context_sample": 0.1}, {"family_weights": MIX_RESTRAINT}),
+    "cs-512x3-660-mixS": ({"steps": 660, "seq_len": 512, "context_sample": 0.1}, {"family_weights": MIX_SESSION}),
+    "cs-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {}),
+    "cs-512x3-1320": ({"steps": 1320, "seq_len": 512, "context_sample": 0.1}, {}),
+    "cs-768x3-440-mixS": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"family_weights": MIX_SESSION}),
+    "cs-768x3-880": ({"steps": 880, "seq_len": 768, "context_sample": 0.1}, {}),
 }
 
 
@@ -57,14 +76,17 @@ def run_variant(name: str, out: Path, device: str, steps: int | None, max_new_to
             yield
 
         trained.deterministic_torch = loose
-    overrides, corpus_overrides = VARIANTS[name]
+    # NAME@SEED: the same recipe from another seed (corpus and training), to see the spread.
+    recipe, _, seed_text = name.partition("@")
+    seed = int(seed_text or 0)
+    overrides, corpus_overrides = VARIANTS[recipe]
     config = replace(trained.TrainingConfig(), **overrides, **({"steps": steps} if steps else {}))
     spec = replace(CorpusSpec(), **corpus_overrides)
     started = time.monotonic()
-    corpus = build_corpus(spec, 0, build_tokenizer())
+    corpus = build_corpus(spec, seed, build_tokenizer())
     corpus_s = time.monotonic() - started
     model_dir = out / name / "model"
-    result = trained.train_laguna(model_dir, corpus.train, corpus.heldout, seed=0, config=config, device=device)
+    result = trained.train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, device=device)
     train_s = time.monotonic() - started - corpus_s
     suite = evaluate(model_dir, device=device, max_new_tokens=max_new_tokens)
     indist = evaluate(model_dir, device=device, max_new_tokens=48, generated=40)
@@ -85,7 +107,7 @@ def run_variant(name: str, out: Path, device: str, steps: int | None, max_new_to
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; NAME@SEED trains NAME from another seed")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=None, help="override every variant's steps (smoke tests)")
     parser.add_argument("--max-new-tokens", type=int, default=96)

@@ -181,7 +181,8 @@ def test_tail_stats_hand_computed() -> None:
 
 # -- determinism and the cache key ---------------------------------------------------------------------
 SMALL_SPEC = CorpusSpec(train_transcripts=24, heldout_transcripts=6, train_structured=8, heldout_structured=2)
-SMALL_CONFIG = TrainingConfig(steps=3, batch_size=2, seq_len=96, warmup_steps=1, threads=1, eval_windows=2)
+# Two threads and a sampled prompt side, as the default recipe: the bytes must still repeat.
+SMALL_CONFIG = TrainingConfig(steps=3, batch_size=2, seq_len=96, warmup_steps=1, threads=2, eval_windows=2, context_sample=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -302,3 +303,41 @@ def test_cli_refuses_a_device_it_cannot_build_on_before_writing(tmp_path: Path, 
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sampled_loss_is_the_weighted_loss_where_it_keeps_every_position_and_unbiased_otherwise() -> None:
+    from fp4forge.testbed.trained import sampled_loss, weighted_loss
+
+    torch.manual_seed(0)
+    vocab, hidden = 11, 8
+
+    class Tiny(torch.nn.Module):  # a model with LagunaForCausalLM's two halves: .model and .lm_head
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, hidden)
+            self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+            outer = self
+
+            class Body(torch.nn.Module):
+                def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> Any:
+                    return type("Out", (), {"last_hidden_state": outer.embed(input_ids)})()
+
+            self.model = Body()
+
+        def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> Any:
+            return type("Out", (), {"logits": self.lm_head(self.model(input_ids).last_hidden_state)})()
+
+    model = Tiny()
+    batch = torch.randint(0, vocab, (2, 13))
+    weights = torch.full((2, 13), 0.1)
+    weights[:, 5:9] = 1.0  # an assistant turn
+    full = weighted_loss(model(batch[:, :-1]).logits, batch[:, 1:], weights[:, 1:]).detach()
+    exact = sampled_loss(model, batch, weights, 0.1, 1.0, torch.Generator().manual_seed(0))
+    assert torch.allclose(exact, full)
+    # Sampling a quarter of the prompt side: every draw differs, their mean is the full loss.
+    with torch.no_grad():
+        draws = torch.stack([sampled_loss(model, batch, weights, 0.1, 0.25, torch.Generator().manual_seed(k)) for k in range(400)])
+    assert draws.std() > 0
+    assert abs(float(draws.mean() - full)) < 4 * float(draws.std()) / math.sqrt(len(draws))
+    with pytest.raises(Exception, match="context_sample"):
+        TrainingConfig(context_sample=0.0)
