@@ -19,17 +19,20 @@ $(BIN)/.fp4forge-ready: pyproject.toml constraints.txt
 
 install: $(BIN)/.fp4forge-ready
 
-# The main job on the built-in tiny Laguna testbed, as one resumable `fp4forge pipeline`: calibrate
+# The main job on the built-in trained tiny Laguna testbed (trained here from scratch once, about ten
+# minutes on 2 cores, then cached by content hash), as one resumable `fp4forge pipeline`: calibrate
 # it layer by layer, export NVFP4 W4A4 experts + FP8 attention/shared expert + calibrated FP8 KV
-# scales, check the KV scales, audit, byte table, fidelity against the BF16 teacher, the serve line,
+# scales, check the KV scales, audit, byte table, fidelity against the BF16 teacher (calibration and
+# fidelity on the text the testbed ships: its own training and held-out documents), the serve line,
 # and (when the vLLM venv exists: `make vllm`, or after `make test`) serve it with vLLM CPU + the
 # fp4forge-vllm plugin, bench perf and quality; then write the model card
-# $(DEMO)/tiny-laguna-nvfp4/README.md. Re-running skips every step whose inputs did not change.
+# $(DEMO)/trained-laguna-nvfp4/README.md. Re-running skips every step whose inputs did not change.
 COMMA := ,
 DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_VENV) --bench perf$(COMMA)quality --quality-teacher,)
 demo: install
-	@if [ ! -d $(DEMO)/tiny-laguna ]; then $(BIN)/fp4forge testbed tiny-laguna $(DEMO)/tiny-laguna --seed 0; fi
-	$(BIN)/fp4forge pipeline $(DEMO)/tiny-laguna $(DEMO)/tiny-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn $(DEMO_SERVE)
+	@if [ ! -d $(DEMO)/trained-laguna ]; then $(BIN)/fp4forge testbed trained-laguna $(DEMO)/trained-laguna --cache; fi
+	$(BIN)/fp4forge pipeline $(DEMO)/trained-laguna $(DEMO)/trained-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn \
+	  --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE)
 
 # The vLLM CPU venv with the fp4forge-vllm plugin (about 3 min and 3.4 GB, once).
 vllm:

@@ -126,6 +126,11 @@ def test_samples_are_deterministic_packed_and_split(laguna: Path, tmp_path: Path
     assert docs[0].messages and docs[1].text
     only_files = load_samples(tokenizer, samples=1, seq_len=32, text_files=[jsonl], builtin=False)
     assert only_files.sources == ("extra.jsonl",)
+    # The built-in corpus is named as a source only when the files ran out and it filled the rest.
+    enough = load_samples(tokenizer, samples=1, seq_len=32, text_files=[jsonl])
+    assert enough.sources == ("extra.jsonl",) and enough.documents_used == 1
+    topped_up = load_samples(tokenizer, samples=4, seq_len=64, text_files=[jsonl])
+    assert topped_up.sources == ("extra.jsonl", "builtin:calibration") and topped_up.documents_used > 2
     with pytest.raises(ConfigError, match="tokens but"):
         load_samples(tokenizer, samples=50, seq_len=512, text_files=[jsonl], builtin=False)
     jsonl.write_text('{"neither": 1}\n')

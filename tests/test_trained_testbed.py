@@ -215,6 +215,26 @@ def test_a_few_training_steps_are_byte_identical(small_corpus: Corpus, tmp_path:
     biases = {k: v for p in first.path.glob("*.safetensors") for k, v in load_file(p).items() if k.endswith("e_score_correction_bias")}
     assert len(biases) == 3 and all(float(b.float().abs().sum()) > 0 for b in biases.values())
     assert torch.are_deterministic_algorithms_enabled() is False  # the caller's setting is restored
+    _assert_ships_its_own_text(first.path, small_corpus)
+
+
+def _assert_ships_its_own_text(directory: Path, corpus: Corpus) -> None:
+    """The text files beside the weights are what calibration and fidelity read with
+    ``--calib-text`` / ``--fidelity-text``: held-out documents only for fidelity, training documents
+    only for calibration, and the tokens those loaders make equal the tokens training saw."""
+    from fp4forge.model.samples import file_documents, load_samples
+    from fp4forge.testbed.trained import CALIBRATION_TEXT_FILE, HELDOUT_TEXT_FILE
+
+    heldout = [d.text for d in file_documents([directory / HELDOUT_TEXT_FILE])]
+    calibration = [d.text for d in file_documents([directory / CALIBRATION_TEXT_FILE])]
+    assert heldout == list(corpus.heldout)
+    assert calibration and set(calibration) <= set(corpus.train) and not set(calibration) & set(corpus.heldout)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    samples = load_samples(tokenizer, samples=1, seq_len=64, text_files=[directory / HELDOUT_TEXT_FILE], split="heldout", builtin=False)
+    expected = [t for doc in corpus.heldout for t in tokenizer(doc, add_special_tokens=False).input_ids][:64]
+    assert samples.input_ids[0].tolist() == expected and expected[0] == tokenizer.bos_token_id
 
 
 def test_cache_key_tracks_every_input(small_corpus: Corpus, tokenizer) -> None:  # type: ignore[no-untyped-def]

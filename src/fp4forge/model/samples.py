@@ -196,13 +196,16 @@ def load_samples(
     split: str = "calibration",
     builtin: bool = True,
 ) -> Samples:
-    """User files first (in the order given), then the built-in corpus's ``split``."""
-    documents: Iterable[Document] = file_documents(text_files)
-    sources = [Path(p).name for p in text_files]
+    """User files first (in the order given), then the built-in corpus's ``split`` when they run out.
+    ``sources`` names the built-in corpus only when a document of it was used."""
+    user_documents = file_documents(text_files)
+    documents: Iterable[Document] = user_documents
     if builtin:
-        documents = itertools.chain(documents, builtin_documents(split))
-        sources.append(f"builtin:{split}")
+        documents = itertools.chain(user_documents, builtin_documents(split))
     ids, used = pack(tokenizer, documents, samples, seq_len)
+    sources = [Path(p).name for p in text_files]
+    if used > len(user_documents):
+        sources.append(f"builtin:{split}")
     return Samples(ids, tuple(sources), used)
 
 

@@ -45,6 +45,11 @@ ASSISTANT_OPEN_TOKEN = "<assistant>"
 
 Progress = Callable[[int, int, str], None] | None
 REPORT_FILE = "fp4forge-training.json"
+# The testbed ships text from its own distribution, so calibration and fidelity can be run on what
+# the model knows (on foreign text a tiny model predicts no better than chance and KL says little).
+HELDOUT_TEXT_FILE = "fp4forge-heldout.jsonl"  # every held-out document: never trained on
+CALIBRATION_TEXT_FILE = "fp4forge-calibration.jsonl"  # an even spread over the training documents
+CALIBRATION_DOCUMENTS = 48
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,19 @@ def sampled_loss(model: torch.nn.Module, batch: torch.Tensor, weights: torch.Ten
 def tokenize_documents(tokenizer: Any, documents: list[str]) -> list[list[int]]:
     # Documents carry their own BOS (the chat template writes it), so no special tokens are added.
     return [tokenizer(doc, add_special_tokens=False).input_ids for doc in documents]
+
+
+def text_corpus_files(train_documents: list[str], heldout_documents: list[str]) -> dict[str, str]:
+    """The JSONL files (``{"text": ...}`` per line, as ``--calib-text`` / ``--fidelity-text`` read them)
+    the testbed ships beside its weights: all held-out documents, and a calibration set taken at an
+    even stride through the training documents so every family is in it."""
+    stride = max(1, len(train_documents) // CALIBRATION_DOCUMENTS)
+    calibration = train_documents[::stride][:CALIBRATION_DOCUMENTS]
+
+    def jsonl(documents: list[str]) -> str:
+        return "".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in documents)
+
+    return {HELDOUT_TEXT_FILE: jsonl(heldout_documents), CALIBRATION_TEXT_FILE: jsonl(calibration)}
 
 
 def _lr_at(step: int, config: TrainingConfig) -> float:
@@ -429,9 +447,11 @@ def train_laguna(
         with quiet_transformers_progress():
             model.save_pretrained(staging, max_shard_size=TINY_MAX_SHARD_BYTES)
         tokenizer.save_pretrained(staging)
+        for name, text in text_corpus_files(train_documents, heldout_documents).items():
+            write_text_atomic(staging / name, text)
         write_text_atomic(staging / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     return TrainingResult(out, report)
 
 
-__all__ = ["REPORT_FILE", "TrainingConfig", "TrainingResult", "deterministic_torch", "tail_stats", "train_laguna"]
+__all__ = ["CALIBRATION_TEXT_FILE", "HELDOUT_TEXT_FILE", "REPORT_FILE", "TrainingConfig", "TrainingResult", "deterministic_torch", "tail_stats", "text_corpus_files", "train_laguna"]
 
