@@ -218,6 +218,18 @@ def test_tensor_missing_from_weight_map(tiny: Path) -> None:
     assert_exactly(report, "index-tensor-unlisted")
 
 
+def test_a_name_renamed_in_weight_map_is_both_unlisted_and_missing(tiny: Path) -> None:
+    # Same number of entries as stored tensors, so only a per-name comparison can see it.
+    def rename(d: dict) -> None:
+        d["weight_map"]["model.layers.2.self_attn.q_norm.weights"] = d["weight_map"].pop("model.layers.2.self_attn.q_norm.weight")
+
+    patch_json(tiny / INDEX_JSON, rename)
+    report = audit(tiny)
+    assert_exactly(report, "index-tensor-unlisted", "index-tensor-not-in-shard")
+    assert finding(report, "index-tensor-unlisted").tensors == ["model.layers.2.self_attn.q_norm.weight"]
+    assert finding(report, "index-tensor-not-in-shard").tensors == ["model.layers.2.self_attn.q_norm.weights"]
+
+
 def test_total_size_mismatch_is_a_warning(tiny: Path) -> None:
     patch_json(tiny / INDEX_JSON, lambda d: d["metadata"].update(total_size=d["metadata"]["total_size"] + 2))
     report = audit(tiny)

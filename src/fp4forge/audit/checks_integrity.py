@@ -12,8 +12,8 @@ reader's error propagates (exit code 2).
 from __future__ import annotations
 
 import stat
-from itertools import chain
-from operator import itemgetter, sub
+from itertools import chain, repeat
+from operator import eq, itemgetter, sub
 from pathlib import Path
 
 import statistics
@@ -126,8 +126,10 @@ def _index_agrees(ckpt: Checkpoint) -> bool:
         # as many entries as stored tensors, each stored name mapped to its own shard: then no name
         # is stored twice (weight_map names one shard per name) and weight_map lists nothing else
         weight_map = ckpt.index.weight_map
+        # operator.eq, not shard.__eq__: str.__eq__(None) is NotImplemented, which is truthy, so a
+        # name missing from weight_map would pass
         return len(weight_map) == count and all(
-            all(map(shard.__eq__, map(weight_map.get, header.tensors))) for shard, header in ckpt.headers.items()
+            all(map(eq, repeat(shard), map(weight_map.get, header.tensors))) for shard, header in ckpt.headers.items()
         )
     stored: set[str] = set()
     for header in ckpt.headers.values():
