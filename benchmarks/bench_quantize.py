@@ -22,6 +22,17 @@ Every uncached arm runs between two raw reads of the source (each after eviction
 as a share of their mean: this VM's "uncached" disk rate moves between runs (its host caches
 below the guest's page cache), so only a share measured beside the arm means anything.
 
+The raw read is not the export's whole I/O: it also writes its output (2.6 GB for the 2-layer
+checkpoint) to the same disk while reading. So the bench also runs, each between raw reads:
+
+* the job's I/O bound: the source read as the raw read does while another thread writes the
+  output's size to the output's disk in step with it, with the exporter's background
+  ``fdatasync`` every 256 MiB (no computing at all: no export on this disk can beat it);
+* fp4forge writing its output to /dev/shm (RAM): the export without the output competing for the
+  disk;
+* fp4forge with its compute threads at the reader's scheduling priority
+  (``FP4FORGE_COMPUTE_NICE=0``; the default runs them 5 nice steps below the reader and writer).
+
     .venv/bin/python benchmarks/bench_quantize.py [--layers 1 2 | --source DIR] [--lc-venv .venv-lc] [--baseline-src DIR] [--no-lc] [--repeat N]
 """
 
@@ -131,6 +142,65 @@ def run_llm_compressor(lc_venv: Path, src: Path, out: Path, cached: bool):
     return stats
 
 
+def io_bound(src: Path, out_bytes: int, out_dir: Path) -> tuple[float, float]:
+    """Read the source (evicted first) as :func:`read_all` does while a second thread writes
+    ``out_bytes`` into a file of ``out_dir`` in step with the reading, synced in the background every
+    256 MiB like the exporter's writeback and fsynced at the end: the export's I/O without its
+    computing. Returns (GB/s of input over the whole job, GB/s of the reading alone)."""
+    import queue
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sorted(src.glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in files)
+    evict(src)
+    target = out_dir / ".io-bound.bin"
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    steps: queue.Queue = queue.Queue(maxsize=64)
+    writeback_every = 256 << 20
+
+    def write() -> None:
+        zeros = bytes(16 << 20)
+        pending, running = 0, None
+        with ThreadPoolExecutor(max_workers=1) as syncer:
+            while (n := steps.get()) is not None:
+                while n > 0:
+                    k = os.write(fd, memoryview(zeros)[: min(n, len(zeros))])
+                    n -= k
+                    pending += k
+                    if pending >= writeback_every and (running is None or running.done()):
+                        pending, running = 0, syncer.submit(os.fdatasync, fd)
+        os.fsync(fd)
+
+    writer = threading.Thread(target=write)
+    buffer = bytearray(16 * 2**20)
+    written = 0
+    try:
+        start = time.perf_counter()
+        writer.start()
+        read = 0
+        for path in files:
+            with open(path, "rb", buffering=0) as fh:
+                while n := fh.readinto(buffer):
+                    read += n
+                    share = out_bytes * read // size - written  # the output's bytes in step with the input's
+                    written += share
+                    steps.put(share)
+        read_s = time.perf_counter() - start
+        steps.put(out_bytes - written)
+        steps.put(None)
+        writer.join()
+        total_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        target.unlink(missing_ok=True)
+    return size / 1e9 / total_s, size / 1e9 / read_s
+
+
+def output_bytes(out: Path) -> int:
+    return sum(p.stat().st_size for p in out.glob("*.safetensors"))
+
+
 def raw_read(src: Path) -> float:
     """One raw read of the source files after evicting them (GB/s): the disk's rate for this run."""
     evict(src)
@@ -147,6 +217,8 @@ def main() -> None:
     parser.add_argument("--uncached-only", action="store_true", help="skip the cached fp4forge arms")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager element path arm")
     parser.add_argument("--repeat", type=int, default=1, help="uncached fp4forge (and baseline) arms, each between two raw reads")
+    parser.add_argument("--no-bound", action="store_true", help="skip the I/O-bound arm, the /dev/shm output arm and the COMPUTE_NICE=0 arm")
+    parser.add_argument("--shm", type=Path, default=Path("/dev/shm"), help="a RAM file system for the output of the /dev/shm arm")
     args = parser.parse_args()
     load_before = os.getloadavg()
     # build (or load) the element kernel once, outside the timed arms
@@ -172,6 +244,13 @@ def main() -> None:
             plan.append(("fp4forge", REPO / "src", [], False))
             if args.baseline_src:
                 plan.append(("fp4forge baseline", args.baseline_src, [], False))
+        if not args.no_bound:
+            plan += [("I/O bound: raw read + writing the output's size", None, [], False)]
+            if args.shm.is_dir() and shutil.disk_usage(args.shm).free > 4 * gb * 1e9 / 6.5 + 2e9:
+                plan += [("fp4forge, output in RAM (/dev/shm)", REPO / "src", [], False)]
+            else:
+                print(f"  (no /dev/shm arm: {args.shm} is missing or has too little room)", flush=True)
+            plan += [("fp4forge, compute threads not niced", REPO / "src", [], False)]
         plan += [
             ("fp4forge", REPO / "src", [], True),
             ("fp4forge --no-error-report", REPO / "src", ["--no-error-report"], False),
@@ -182,9 +261,23 @@ def main() -> None:
         for label, tree, extra, cached in plan:
             if cached and args.uncached_only:
                 continue
+            if tree is None:  # the I/O bound: no process, no imports
+                rate, read_rate = io_bound(src, output_bytes(ours), ours.parent)
+                raws.append(raw_read(src))
+                disk = (raws[-2] + raws[-1]) / 2
+                arms.append({"label": label, "source": "uncached", "stats": None, "rate": rate, "disk": disk})
+                print(f"  {label}: {rate:.3f} GB/s of input (the reads alone {read_rate:.3f}); raw reads around it {raws[-2]:.3f} / {raws[-1]:.3f} GB/s: {100 * rate / disk:.0f} % of their mean", flush=True)
+                continue
             eager = label.endswith("eager element path")
-            out = base_out if label.endswith("baseline") else eager_out if eager else ours
-            stats = run_fp4forge(tree, src, out, cached, extra, {"FP4FORGE_KERNEL": "eager"} if eager else None)
+            in_ram = label.endswith("(/dev/shm)")
+            out = base_out if label.endswith("baseline") else eager_out if eager else args.shm / f"fp4forge-bench-{os.getpid()}" if in_ram else ours
+            env = {"FP4FORGE_KERNEL": "eager"} if eager else {"FP4FORGE_COMPUTE_NICE": "0"} if label.endswith("not niced") else None
+            try:
+                stats = run_fp4forge(tree, src, out, cached, extra, env)
+                digest = shard_digests(out)
+            finally:
+                if in_ram:
+                    shutil.rmtree(out, ignore_errors=True)
             result = json.loads(stats.stdout)
             inside = result["seconds"]  # from the start of quantize_checkpoint: no imports
             row = {"label": label, "source": "cached" if cached else "uncached", "stats": stats, "inside_s": inside}
@@ -195,10 +288,10 @@ def main() -> None:
                 row["disk"] = disk
                 note = f"; raw reads around it {raws[-2]:.3f} / {raws[-1]:.3f} GB/s: {100 * gb / inside / disk:.0f} % of their mean"
             arms.append(row)
-            digest = shard_digests(out)
             if out == ours and label in digests and digests[label] != digest:
                 raise AssertionError(f"{label}: two runs wrote different shards")
             digests[label] = digest
+            row["rate"] = gb / inside
             print(
                 f"  {label} ({row['source']}): {stats.wall_s:.1f} s wall, {stats.cpu_s:.1f} s CPU, peak {stats.peak_rss_mib:.0f} MiB; "
                 f"after start-up {inside:.1f} s = {gb / inside:.3f} GB/s{note}; element kernel {result.get('element_kernel', '?')}",
@@ -230,20 +323,28 @@ def main() -> None:
     load_after = os.getloadavg()
     print(f"load average (1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after {'/'.join(f'{x:.2f}' for x in load_after)}; {os.cpu_count()} CPUs")
 
-    print("\n| layers | BF16 GB | source | tool | wall s | GB/s | after start-up GB/s | % of the raw reads around it | CPU s | GB per CPU-s | peak RSS MiB | GB/s vs llm-compressor | RSS vs llm-compressor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| layers | BF16 GB | source | tool | wall s | GB/s | after start-up GB/s | % of the raw reads around it | % of the I/O bound | CPU s | GB per CPU-s | peak RSS MiB | GB/s vs llm-compressor | RSS vs llm-compressor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for layers, gb, raws, cac, arms in rows:
         lc = next((a["stats"] for a in arms if a["label"].startswith("llm-compressor")), None)
+        # the I/O bound's own share of the raw reads around it: an arm's share over this one is its
+        # share of what the disk can do for this job (reads and output writes together)
+        bound = next((100 * a["rate"] / a["disk"] for a in arms if a["stats"] is None), None)
         for arm in arms:
             s = arm["stats"]
+            rate = arm.get("rate") or gb / s.wall_s
+            share = 100 * rate / arm["disk"] if "disk" in arm else None
+            of_bound = f"{100 * share / bound:.0f} %" if share is not None and bound else "—"
+            share_text = f"{share:.0f} %" if share is not None else "—"
+            if s is None:
+                print(f"| {layers} | {gb:.2f} | {arm['source']} | {arm['label']} | | | {rate:.3f} | {share_text} | {of_bound} | | | | | |")
+                continue
             speed = f"x{lc.wall_s / s.wall_s:.2f}" if lc else "—"
             rss = f"{s.peak_rss_mib / lc.peak_rss_mib:.2f}" if lc else "—"
             inside = f"{gb / arm['inside_s']:.3f}" if "inside_s" in arm else "—"
-            rate = gb / arm["inside_s"] if "inside_s" in arm else gb / s.wall_s
-            share = f"{100 * rate / arm['disk']:.0f} %" if "disk" in arm else "—"
-            print(f"| {layers} | {gb:.2f} | {arm['source']} | {arm['label']} | {s.wall_s:.1f} | {gb / s.wall_s:.3f} | {inside} | {share} | {s.cpu_s:.1f} | {gb / s.cpu_s:.3f} | {s.peak_rss_mib:,.0f} | {speed} | {rss} |")
-        print(f"| {layers} | {gb:.2f} | uncached | raw read of the files ({len(raws)}×, median, min–max) | | {statistics.median(raws):.3f} ({min(raws):.3f}–{max(raws):.3f}) | | | | | | | |")
-        print(f"| {layers} | {gb:.2f} | cached | raw read of the files | | {cac:.3f} | | | | | | | |")
+            print(f"| {layers} | {gb:.2f} | {arm['source']} | {arm['label']} | {s.wall_s:.1f} | {gb / s.wall_s:.3f} | {inside} | {share_text} | {of_bound} | {s.cpu_s:.1f} | {gb / s.cpu_s:.3f} | {s.peak_rss_mib:,.0f} | {speed} | {rss} |")
+        print(f"| {layers} | {gb:.2f} | uncached | raw read of the files ({len(raws)}×, median, min–max) | | {statistics.median(raws):.3f} ({min(raws):.3f}–{max(raws):.3f}) | | | | | | | | |")
+        print(f"| {layers} | {gb:.2f} | cached | raw read of the files | | {cac:.3f} | | | | | | | | |")
 
 
 if __name__ == "__main__":

@@ -97,3 +97,35 @@ def test_the_cpu_reader_reads_ahead_within_its_budget(source, monkeypatch):
         held = sum(sizes[key] for key in queued[i + 1 :])  # queued, not yet yielded
         assert held < budget + max(sizes.values())
         assert held >= budget or len(queued) == len(units), (i, held, len(queued))
+
+
+@pytest.mark.parametrize("nice", [5, 0])
+def test_the_compute_threads_yield_the_cores_to_the_reader_and_the_writer(source, monkeypatch, nice):
+    """The compute threads run ``COMPUTE_NICE`` steps below the process (on two cores they can keep
+    both busy, and a reader waiting for a core idles the disk); the reader's and the caller's (the
+    writer's) priority is the process's; 0 leaves every thread alone."""
+    import os
+    import threading
+
+    from fp4forge.checkpoint.layout import layout_for_config
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.quantize import export
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.plan import plan_export
+    from fp4forge.quantize.recipe import load_recipe
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    ckpt = open_checkpoint(source)
+    options = export.QuantizeOptions(load_recipe(RECIPE), act_amax=ConstantAmax(8.0), workers=2)
+    units = plan_export(export._source_specs(ckpt), layout_for_config(ckpt.config), options.recipe, options.layout_format).units
+    seen: dict[str, set[int]] = {"compute": set(), "read": set()}
+    real_quantize, real_read = export._quantize_unit, export._read_unit_coalesced
+    monkeypatch.setattr(export, "COMPUTE_NICE", nice)
+    monkeypatch.setattr(export, "_quantize_unit", lambda *a: seen["compute"].add(priority()) or real_quantize(*a))
+    monkeypatch.setattr(export, "_read_unit_coalesced", lambda *a: seen["read"].add(priority()) or real_read(*a))
+    base = priority()
+    results = list(export._process_units(units, ckpt, export.UnitQuantizer(options), 2))
+    assert len(results) == len(units)
+    assert seen["compute"] == {min(base + nice, 19)} and seen["read"] == {base} and priority() == base
