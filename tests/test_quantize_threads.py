@@ -101,9 +101,9 @@ def test_the_cpu_reader_reads_ahead_within_its_budget(source, monkeypatch):
 
 @pytest.mark.parametrize("nice", [5, 0])
 def test_the_compute_threads_yield_the_cores_to_the_reader_and_the_writer(source, monkeypatch, nice):
-    """The compute threads run ``COMPUTE_NICE`` steps below the process (on two cores they can keep
-    both busy, and a reader waiting for a core idles the disk); the reader's and the caller's (the
-    writer's) priority is the process's; 0 leaves every thread alone."""
+    """With ``COMPUTE_NICE`` set (``FP4FORGE_COMPUTE_NICE``; the benchmark's niced arm) the compute
+    threads run that many steps below the process, the reader and the caller (the writer) at the
+    process's priority; 0, the default, leaves every thread alone."""
     import os
     import threading
 

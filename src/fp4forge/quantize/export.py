@@ -331,11 +331,12 @@ def _read_unit_coalesced(unit: WorkUnit, ckpt: Checkpoint) -> _ReadUnit:
     return _ReadUnit(unit, passthrough, weights, nbytes)
 
 
-#: How much lower than the reader's and the writer's the compute threads' scheduling priority is
-#: (``nice`` steps, per thread): on two cores the compute threads can keep both busy, and a reader
-#: or writer waiting for a core leaves the disk idle.
-#: ``FP4FORGE_COMPUTE_NICE=0`` runs them at the reader's priority (the benchmark's comparison arm).
-COMPUTE_NICE = int(_nice) if (_nice := os.environ.get("FP4FORGE_COMPUTE_NICE", "").strip()).isdigit() else 5
+#: How many ``nice`` steps below the reader's and the writer's the compute threads run (per thread;
+#: within the process's autogroup on Linux). 0, the default: on a loaded two-core machine it made no
+#: difference (the export was bound by the CPU it got), and on a machine shared without autogroups it
+#: would cost the export its share; the benchmark's niced arm (``FP4FORGE_COMPUTE_NICE=5``) measures
+#: whether it lets the reader keep an idle machine's disk busier (benchmarks/RESULTS.md).
+COMPUTE_NICE = int(_nice) if (_nice := os.environ.get("FP4FORGE_COMPUTE_NICE", "").strip()).isdigit() else 0
 
 
 def _lower_priority() -> None:
