@@ -33,7 +33,7 @@ checkpoint) to the same disk while reading. So the bench also runs, each between
 * fp4forge with its compute threads 5 nice steps below the reader and the writer
   (``FP4FORGE_COMPUTE_NICE=5``; the default runs every thread at the process's priority).
 
-    .venv/bin/python benchmarks/bench_quantize.py [--layers 1 2 | --source DIR] [--lc-venv .venv-lc] [--baseline-src DIR] [--no-lc] [--repeat N]
+    .venv/bin/python benchmarks/bench_quantize.py [--layers 1 2 | --source DIR] [--lc-venv .venv-lc] [--baseline-src DIR] [--no-lc] [--repeat N] [--no-bound] [--shm DIR]
 """
 
 from __future__ import annotations
