@@ -1,7 +1,9 @@
 """The expected-tensor skeleton of a config, cached on disk so the audit skips building it.
 
-Building the skeleton imports torch and transformers and instantiates the model on the meta
-device: most of an audit's time on a large MoE. The result depends only on the config, the
+Model classes fp4forge has name tables for (``skeleton_data``, ``skeletons/*.json``) expand
+from the config in milliseconds, with no cache. For the others, building the skeleton imports
+torch and transformers and instantiates the model on the meta device: most of an audit's time on
+a large MoE. The result depends only on the config, the
 transformers and torch versions and fp4forge's skeleton code, so it is stored under a hash of
 those in ``$FP4FORGE_CACHE_DIR/skeletons`` (default ``~/.cache/fp4forge/skeletons``). Checking
 the cache imports neither torch nor transformers.
@@ -18,6 +20,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
+from fp4forge.checkpoint import skeleton_data
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import Fp4forgeError
@@ -105,6 +108,9 @@ def _shapes_for(config_json: str, trust_remote_code: bool) -> tuple[dict[str, tu
     if not trust_remote_code:
         config = json.loads(config_json)
         config.pop("quantization_config", None)
+        expanded = skeleton_data.expected_rows(config)  # the tables, when they cover this config
+        if expanded is not None:
+            return dict(zip(map(itemgetter(0), expanded), map(itemgetter(2), expanded))), None
         rows = _read_rows(cache_dir() / f"{cache_key(config)}.json")
         if rows is not None:
             try:
