@@ -1,14 +1,15 @@
 """Write and check fp4forge's skeleton tables (src/fp4forge/checkpoint/skeletons/*.json) from
 transformers.
 
-    python scripts/skeleton_templates.py fields MODEL_TYPE          # the config class's fields and defaults (JSON)
+    python scripts/skeleton_templates.py fields MODEL_TYPE
+        # the config class's fields, their defaults and those that may be null (JSON)
     python scripts/skeleton_templates.py templates CONFIG.json [JSON-OVERRIDES]
         # transformers' skeleton for that config collapsed to templates: `{layer}`/`{expert}` for
         # the indices, each template with its shape and the layers that hold it, in save order
     python scripts/skeleton_templates.py check CONFIG.json [JSON-OVERRIDES]
         # the table's expansion against transformers' skeleton: the first difference, or "same"
 
-`fields` gives a table's "fields"; `templates` the names, order and layer kinds of its "tensors"
+`fields` gives a table's "fields" and "nullable"; `templates` the names, order and layer kinds of its "tensors"
 (the shapes there are written as expressions over the fields, so that they hold for any config);
 `check` is what tests/test_skeleton_data.py asserts for the corpus configs and their variations.
 """
@@ -29,6 +30,15 @@ def _config(path: str, overrides: str | None) -> dict:
     config.pop("quantization_config", None)
     config.update(json.loads(overrides) if overrides else {})
     return config
+
+
+def nullable(model_type: str) -> list[str]:
+    """The fields whose annotation admits None (transformers' strict validation refuses None elsewhere)."""
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    generic = {f.name for f in dataclasses.fields(PreTrainedConfig)}
+    return [f.name for f in dataclasses.fields(CONFIG_MAPPING[model_type]) if f.name not in generic and "None" in str(f.type)]
 
 
 def fields(model_type: str) -> dict:
@@ -75,7 +85,7 @@ def check(config: dict) -> str:
 def main() -> None:
     command, arg, *rest = sys.argv[1:]
     if command == "fields":
-        print(json.dumps(fields(arg), indent=1))
+        print(json.dumps({"fields": fields(arg), "nullable": nullable(arg)}, indent=1))
     elif command == "templates":
         print("\n".join(templates(_config(arg, rest[0] if rest else None))))
     elif command == "check":

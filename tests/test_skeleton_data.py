@@ -17,6 +17,7 @@ from fp4forge.checkpoint.skeleton import checkpoint_specs
 from fp4forge.checkpoint.skeleton_data import expected_rows, model_types
 
 CORPUS = Path(__file__).parent / "corpus"
+DROP = object()  # a variation that removes the key
 SMALL = {"num_hidden_layers": 5, "n_routed_experts": 3, "num_experts": 3, "num_local_experts": 3}
 
 # Per model type: config changes that switch a layer kind or an optional tensor on or off.
@@ -35,6 +36,25 @@ VARIATIONS = {
         {"torch_dtype": "float32"},
         {"dtype": "float16", "torch_dtype": None},
         {"v_head_dim": 96, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "kv_lora_rank": 256},
+    ],
+    "qwen3_moe": [
+        {},
+        {"mlp_only_layers": [1, 3]},
+        {"mlp_only_layers": None},
+        {"decoder_sparse_step": 2},
+        {"num_experts": 0},
+        {"attention_bias": True},
+        {"head_dim": DROP},
+        {"head_dim": 64},
+        {"tie_word_embeddings": True},
+        {"use_sliding_window": True, "sliding_window": 64},
+    ],
+    "mixtral": [
+        {},
+        {"head_dim": 64},
+        {"head_dim": None},
+        {"tie_word_embeddings": True},
+        {"torch_dtype": "float16"},
     ],
 }
 
@@ -59,7 +79,12 @@ def _truth(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     return [(s.name, s.dtype, tuple(s.shape)) for s in checkpoint_specs(config)]
 
 
-CASES = [(f"{name}-{i}", {**_small(config), **change}) for name, config in _corpus_configs() for i, change in enumerate(VARIATIONS.get(config["model_type"], [{}]))]
+def _varied(config: dict, change: dict) -> dict:
+    out = {**config, **change}
+    return {k: v for k, v in out.items() if v is not DROP}
+
+
+CASES = [(f"{name}-{i}", _varied(_small(config), change)) for name, config in _corpus_configs() for i, change in enumerate(VARIATIONS.get(config["model_type"], [{}]))]
 
 
 def test_every_table_has_corpus_configs_and_variations():
@@ -98,4 +123,17 @@ def test_full_size_corpus_config_expands_like_transformers():
 )
 def test_configs_the_tables_do_not_cover_fall_back(change):
     _, config = next((n, c) for n, c in _corpus_configs() if n == "deepseek-r1-nvfp4-modelopt")
+    assert expected_rows({**_small(config), **change}) is None
+
+
+@pytest.mark.parametrize(
+    ("entry", "change"),
+    [
+        ("mixtral-8x7b-instruct", {"num_key_value_heads": None}),  # transformers refuses None here
+        ("qwen3-30b-a3b", {"head_dim": None}),  # not a field: transformers would build Linear(None)
+        ("qwen3-30b-a3b", {"mlp_only_layers": "1,2"}),
+    ],
+)
+def test_values_transformers_refuses_fall_back(entry, change):
+    _, config = next((n, c) for n, c in _corpus_configs() if n == entry)
     assert expected_rows({**_small(config), **change}) is None

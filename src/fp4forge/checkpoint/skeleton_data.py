@@ -58,7 +58,7 @@ def check_counts(config: dict[str, Any], where: str = "") -> None:
 _ALLOWED_NODES = (
     ast.Expression, ast.Name, ast.Load, ast.Constant, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv,
     ast.Mod, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Is, ast.IsNot, ast.In,
-    ast.NotIn, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.IfExp, ast.Subscript,
+    ast.NotIn, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.IfExp, ast.Subscript, ast.List,
 )  # fmt: skip
 
 
