@@ -49,6 +49,14 @@ VARIATIONS = {
         {"tie_word_embeddings": True},
         {"use_sliding_window": True, "sliding_window": 64},
     ],
+    "gpt_oss": [
+        {},
+        {"attention_bias": False},
+        {"layer_types": None},
+        {"layer_types": DROP},
+        {"head_dim": 128},
+        {"tie_word_embeddings": True},
+    ],
     "mixtral": [
         {},
         {"head_dim": 64},
@@ -72,7 +80,10 @@ def _corpus_configs() -> list[tuple[str, dict]]:
 
 
 def _small(config: dict) -> dict:
-    return {**config, **{k: v for k, v in SMALL.items() if k in config}}
+    out = {**config, **{k: v for k, v in SMALL.items() if k in config}}
+    if isinstance(config.get("layer_types"), list):
+        out["layer_types"] = config["layer_types"][: out["num_hidden_layers"]]
+    return out
 
 
 def _truth(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -132,6 +143,9 @@ def test_configs_the_tables_do_not_cover_fall_back(change):
         ("mixtral-8x7b-instruct", {"num_key_value_heads": None}),  # transformers refuses None here
         ("qwen3-30b-a3b", {"head_dim": None}),  # not a field: transformers would build Linear(None)
         ("qwen3-30b-a3b", {"mlp_only_layers": "1,2"}),
+        ("gpt-oss-20b", {"layer_types": ["full_attention"]}),  # one per layer or transformers refuses
+        ("gpt-oss-20b", {"layer_types": ["chunked"] * 5}),
+        ("gpt-oss-20b", {"head_dim": None}),
     ],
 )
 def test_values_transformers_refuses_fall_back(entry, change):

@@ -5,7 +5,8 @@ transformers.
 ``save_pretrained`` writes, in its order: plain names, and blocks repeated per decoder layer
 (``{layer}``) and per routed expert (``{expert}``), each with a shape made of config values and a
 condition deciding whether a layer or config has it (a dense or MoE layer, ``q_lora_rank`` set,
-biases on, tied embeddings). Shapes and conditions are small Python expressions over the config's
+biases on, tied embeddings), and the conditions transformers' validation puts on the config
+(``requires``). Shapes and conditions are small Python expressions over the config's
 values, evaluated with no builtins.
 
 The data covers exactly the configs it was written and tested for (``scripts/skeleton_templates.py``
@@ -58,7 +59,8 @@ def check_counts(config: dict[str, Any], where: str = "") -> None:
 _ALLOWED_NODES = (
     ast.Expression, ast.Name, ast.Load, ast.Constant, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.FloorDiv,
     ast.Mod, ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Is, ast.IsNot, ast.In,
-    ast.NotIn, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.IfExp, ast.Subscript, ast.List,
+    ast.NotIn, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.IfExp, ast.Subscript, ast.List, ast.Set,
+    ast.Call,  # only the functions in _FUNCTIONS exist to be called: config values are JSON data
 )  # fmt: skip
 
 
@@ -71,10 +73,13 @@ def _compiled(expression: str):
     return compile(tree, f"<skeleton {expression}>", "eval")
 
 
+_FUNCTIONS = {"__builtins__": {}, "len": len, "set": set}
+
+
 def _eval(expression: str | int, values: dict[str, Any]) -> Any:
     if isinstance(expression, int):
         return expression
-    return eval(_compiled(expression), {"__builtins__": {}}, values)  # noqa: S307 - whitelisted nodes, no builtins
+    return eval(_compiled(expression), _FUNCTIONS, values)  # noqa: S307 - whitelisted nodes, no other builtins
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -130,6 +135,8 @@ def _values(spec: dict[str, Any], config: dict[str, Any]) -> dict[str, Any] | No
             return None
     for name, expression in spec.get("derived", ()):
         values[name] = _eval(expression, values)
+    if not all(_eval(expression, values) for expression in spec.get("requires", ())):
+        return None  # transformers' own validation would refuse it, in its words
     return values
 
 
