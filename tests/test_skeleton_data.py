@@ -57,6 +57,13 @@ VARIATIONS = {
         {"head_dim": 128},
         {"tie_word_embeddings": True},
     ],
+    "granitemoe": [
+        {},
+        {"attention_bias": True},
+        {"tie_word_embeddings": False},
+        {"num_key_value_heads": None},
+        {"head_dim": 32},
+    ],
     "mixtral": [
         {},
         {"head_dim": 64},
@@ -146,6 +153,7 @@ def test_configs_the_tables_do_not_cover_fall_back(change):
         ("gpt-oss-20b", {"layer_types": ["full_attention"]}),  # one per layer or transformers refuses
         ("gpt-oss-20b", {"layer_types": ["chunked"] * 5}),
         ("gpt-oss-20b", {"head_dim": None}),
+        ("granite-3.1-1b-a400m", {"head_dim": None}),  # not a field: transformers would build Linear(None)
     ],
 )
 def test_values_transformers_refuses_fall_back(entry, change):
