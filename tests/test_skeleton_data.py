@@ -57,6 +57,18 @@ VARIATIONS = {
         {"head_dim": 128},
         {"tie_word_embeddings": True},
     ],
+    "qwen3_next": [
+        {},
+        {"full_attention_interval": 2},
+        {"full_attention_interval": DROP},
+        {"layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"]},
+        {"mlp_only_layers": [0, 4]},
+        {"decoder_sparse_step": 2},
+        {"num_experts": 0},
+        {"attention_bias": True},
+        {"tie_word_embeddings": True},
+        {"linear_num_key_heads": 8, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 3},
+    ],
     "granitemoe": [
         {},
         {"attention_bias": True},
@@ -153,6 +165,7 @@ def test_configs_the_tables_do_not_cover_fall_back(change):
         ("gpt-oss-20b", {"layer_types": ["full_attention"]}),  # one per layer or transformers refuses
         ("gpt-oss-20b", {"layer_types": ["chunked"] * 5}),
         ("gpt-oss-20b", {"head_dim": None}),
+        ("qwen3-next-80b-a3b", {"layer_types": ["mamba"] * 5}),  # a legacy spelling transformers renames: not in the table
         ("granite-3.1-1b-a400m", {"head_dim": None}),  # not a field: transformers would build Linear(None)
     ],
 )
