@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +64,12 @@ _ALLOWED_NODES = (
 )  # fmt: skip
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiled(expression: str):
     tree = ast.parse(expression, mode="eval")
     for node in ast.walk(tree):
         if not isinstance(node, _ALLOWED_NODES):
-            raise ValueError(f"skeleton data: {type(node).__name__} not allowed in {expression!r}")
+            raise TypeError(f"skeleton data: {type(node).__name__} not allowed in {expression!r}")
     return compile(tree, f"<skeleton {expression}>", "eval")
 
 
@@ -79,11 +79,11 @@ _FUNCTIONS = {"__builtins__": {}, "len": len, "set": set}
 def _eval(expression: str | int, values: dict[str, Any]) -> Any:
     if isinstance(expression, int):
         return expression
-    return eval(_compiled(expression), _FUNCTIONS, values)  # noqa: S307 - whitelisted nodes, no other builtins
+    return eval(_compiled(expression), _FUNCTIONS, values)  # whitelisted nodes, no other builtins
 
 
 # -- tables ---------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
+@cache
 def table(model_type: str) -> dict[str, Any] | None:
     path = DATA_DIR / f"{model_type}.json"
     if "/" in model_type or "\\" in model_type or model_type.startswith(".") or not path.is_file():
