@@ -69,6 +69,17 @@ VARIATIONS = {
         {"tie_word_embeddings": True},
         {"linear_num_key_heads": 8, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 3},
     ],
+    "qwen3_5_moe_text": [
+        {},
+        {"architectures": ["Qwen3_5MoeForCausalLM"]},  # the text model itself: `model.` names
+        {"architectures": DROP},
+        {"layer_types": DROP},
+        {"layer_types": DROP, "full_attention_interval": 2},
+        {"attention_bias": True},
+        {"tie_word_embeddings": True},
+        {"dtype": "bfloat16"},
+        {"attn_output_gate": False, "mlp_only_layers": [1]},  # keys this model class does not read
+    ],
     "granitemoe": [
         {},
         {"attention_bias": True},
@@ -165,6 +176,7 @@ def test_configs_the_tables_do_not_cover_fall_back(change):
         ("gpt-oss-20b", {"layer_types": ["full_attention"]}),  # one per layer or transformers refuses
         ("gpt-oss-20b", {"layer_types": ["chunked"] * 5}),
         ("gpt-oss-20b", {"head_dim": None}),
+        ("qwen3.5-18b-reap-a3b", {"architectures": ["Qwen3NextForConditionalGeneration"]}),  # a wrapper the table does not name
         ("qwen3-next-80b-a3b", {"layer_types": ["mamba"] * 5}),  # a legacy spelling transformers renames: not in the table
         ("granite-3.1-1b-a400m", {"head_dim": None}),  # not a field: transformers would build Linear(None)
     ],

@@ -1,7 +1,8 @@
 """The expected-tensor skeleton of a config from name templates (package data), without torch or
 transformers.
 
-``skeletons/<model_type>.json`` lists, for one transformers model class, the tensors
+``skeletons/<model_type>.json`` lists, for one transformers model class (and the wrapper classes
+that store it under another prefix), the tensors
 ``save_pretrained`` writes, in its order: plain names, and blocks repeated per decoder layer
 (``{layer}``) and per routed expert (``{expert}``), each with a shape made of config values and a
 condition deciding whether a layer or config has it (a dense or MoE layer, ``q_lora_rank`` set,
@@ -43,6 +44,7 @@ GENERIC_KEYS = frozenset(
         "_name_or_path", "output_attentions", "use_return_dict",
     }
 )  # fmt: skip
+TEXT_PREFIX = "model."  # a text model's names, replaced by a wrapper's prefix (as checkpoint.skeleton does)
 DTYPES = {None: "BF16", "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
 
 
@@ -158,8 +160,14 @@ def expected_rows(config: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...
         return None
     config = {k: v for k, v in config.items() if not k.startswith("_fp4forge")}
     architectures = config.get("architectures")
-    if architectures is not None and not (isinstance(architectures, list) and architectures and architectures[0] in spec["classes"]):
-        return None
+    wrappers: dict[str, str] = spec.get("wrappers", {})
+    prefix = None
+    if architectures is not None:
+        named = architectures[0] if isinstance(architectures, list) and architectures else None
+        if named in wrappers:  # a vision-language class over a text config: its text model's prefix
+            prefix = wrappers[named]
+        elif named not in spec["classes"]:
+            return None
     try:
         check_counts(config)
     except ConfigError:
@@ -179,6 +187,8 @@ def expected_rows(config: dict[str, Any]) -> list[tuple[str, str, tuple[int, ...
         for dim in shape:
             if type(dim) is not int or dim < 0:
                 return None
+    if prefix is not None:
+        rows = [(prefix + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name, dtype, shape) for name, dtype, shape in rows]
     return rows
 
 
