@@ -248,6 +248,8 @@ class AuditContext:
                 continue  # torn or undecodable: values() reads these one by one and says why
             joined = b"".join(member_blobs)
             out.update(zip(members, array("f", joined).tolist() if native else decode(dtype, joined).tolist()))
+        if len(by_dtype) == 1 and len(out) == len(names):
+            return out  # one dtype, every value decoded: already in small_scales order
         return {n: out[n] for n in names if n in out}
 
     def values(self, names: list[str]) -> dict[str, Any]:
