@@ -186,3 +186,23 @@ def test_every_rule_has_a_planted_defect_test() -> None:
                                                                           "test_audit_scale_magnitude.py", "test_corpus.py"))
     untested = [rule_id for rule_id in rule_table() if f'"{rule_id}"' not in tests]
     assert not untested, untested
+
+
+def test_plain_audit_runs_without_typer_and_prints_what_typer_does(app, broken: Path) -> None:
+    """`fp4forge audit PATH --json` takes the fast path (fp4forge.cli.fast → cli.audit_run): typer,
+    click, pydantic and rich stay unloaded, and the document and exit code are the typer
+    command's."""
+    code = (
+        "import json, sys, io, contextlib\nfrom fp4forge.cli import main\n"
+        f"sys.argv = ['fp4forge', 'audit', {str(broken)!r}, '--json', '--vllm-version', '0.32']\n"
+        "out = io.StringIO()\nexit_code = 0\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    try:\n        main()\n    except SystemExit as exc:\n        exit_code = exc.code\n"
+        "print(json.dumps({'code': exit_code, 'out': out.getvalue(), 'modules': sorted(sys.modules)}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    fast = json.loads(proc.stdout.splitlines()[-1])
+    assert not {m for m in fast["modules"] if m.split(".")[0] in ("typer", "click", "pydantic", "rich")}
+    typed = invoke(app, "audit", str(broken), "--json", "--vllm-version", "0.32")
+    assert (fast["code"], fast["out"]) == (typed.exit_code, typed.stdout)
+    assert fast["code"] == 1  # a deleted shard is an error

@@ -73,5 +73,6 @@ def test_the_fast_path_takes_only_plain_command_lines() -> None:
     assert fast_call(["bytes", "--layout", "qwen3_moe", "ckpt", "--markdown"]) is not None
     for argv in (["bytes"], ["bytes", "--help"], ["bytes", "ckpt", "--json", "--json"], ["bytes", "ckpt", "--layout=x"],
                  ["bytes", "ckpt", "--layout"], ["bytes", "ckpt", "--layout", "--json"], ["bytes", "a", "b"], ["bytes", "ckpt", "-x"],
-                 ["bytes", ""], ["audit", "ckpt"], []):
+                 ["bytes", ""], ["audit"], ["audit", "--list-rules"], ["audit", "ckpt", "--format=modelopt"], ["diff", "a", "b"], []):
         assert fast_call(argv) is None, argv
+    assert fast_call(["audit", "ckpt", "--json", "--format", "modelopt", "--vllm-version", "0.31"]) is not None

@@ -122,8 +122,10 @@ def _fused_groups(ctx: AuditContext) -> list[tuple[str, str, list[str]]]:
         if leaf not in leaf_group:
             continue
         name, members = leaf_group[leaf]
+        if (parent, name) in seen:
+            continue
         shards = [f"{parent}.{m}" for m in members]
-        if (parent, name) not in seen and all(s in linears for s in shards):
+        if all(map(linears.__contains__, shards)):
             seen.add((parent, name))
             out.append((parent, name, shards))
     return out

@@ -75,8 +75,13 @@ def compare(ctx: AuditContext, expected: dict[str, tuple[int, ...]]) -> NameComp
     own = [name for name, parameter, hit in zip(names, parameters, known) if hit and parameter is name]
     infos = list(map(itemgetter(1), map(ctx.tensors.__getitem__, own)))
     differs = map(ne, map(itemgetter(2), infos), map(expected.__getitem__, own))
+    fits: dict[tuple, bool] = {}  # (stored shape, dtype, expected shape) -> fits: 10^4 packed weights, a few shapes
     for name, info in compress(zip(own, infos), differs):
-        if not _shape_fits(info.shape, info.dtype, expected[name]):
+        signature = (info.shape, info.dtype, expected[name])
+        fit = fits.get(signature)
+        if fit is None:
+            fit = fits[signature] = _shape_fits(*signature)
+        if not fit:
             result.wrong_shape.append((name, tuple(info.shape), expected[name]))
     result.missing = list(filterfalse(found.__contains__, expected))
     return result

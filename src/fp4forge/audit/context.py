@@ -6,6 +6,7 @@ imports them; nothing here imports a check."""
 from __future__ import annotations
 
 import math
+import re
 import sys
 from array import array
 from dataclasses import dataclass, field
@@ -84,10 +85,14 @@ class AuditContext:
         patterns = dict(self.layout.components).get("mtp", ()) if self.layout else ()
         if not patterns:
             return frozenset()
-        mtp = {module for module in self.role_modules if any(p.match(module) for p in patterns)}  # fewer modules than names
+        # one alternation matched at the start is any one pattern matched there: one C-level call
+        # per module (fewer modules than names), and the names picked by C-level passes
+        either = re.compile("|".join(f"(?:{p.pattern})" for p in patterns))
+        mtp = set(filter(either.match, self.role_modules))
         if not mtp:
             return frozenset()
-        return frozenset(n for n, (module, _, _) in self.roles.items() if module in mtp)
+        roles = self.roles
+        return frozenset(compress(roles, map(mtp.__contains__, map(itemgetter(0), roles.values()))))
 
     @cached_property
     def role_modules(self) -> set[str]:
@@ -149,18 +154,16 @@ class AuditContext:
                     out[module] = found
         # Only names ending in "weight" can split to the suffix "weight" (a dotted part or a glued
         # ending); those ending in ".weight" split at that dot, and most name a module seen above.
+        # Which name adds a module does not matter (its component depends on the module alone):
+        # only the names whose module is not a Linear found above are looked at.
         expected = self.expected_shapes
         ending = [name for name in expected if name.endswith("weight")]
         dotted = [name for name in ending if name.endswith(".weight")] if split_suffix("m.weight")[:2] == ("m", "weight") else []
         glued = [name for name in ending if not name.endswith(".weight")] if dotted else ending
-        splits = split_suffixes(glued)
-        splits.update((name, (name[:-7], "weight", "")) for name in dotted if name[:-7] not in out)
-        for name in ending:
-            split = splits.get(name)
-            if split is None:
-                continue  # its module is a Linear found above
-            module, suffix, _ = split
-            if suffix == "weight" and module not in out and len(expected[name]) == 2:
+        candidates = [(module, name) for name in dotted if (module := name[:-7]) not in out]
+        candidates += [(module, name) for name, (module, suffix, _) in split_suffixes(glued).items() if suffix == "weight"]
+        for module, name in candidates:
+            if module not in out and len(expected[name]) == 2:
                 found = component(module)
                 if found in LINEAR_COMPONENTS:
                     out[module] = found
@@ -245,6 +248,8 @@ class AuditContext:
                 continue  # torn or undecodable: values() reads these one by one and says why
             joined = b"".join(member_blobs)
             out.update(zip(members, array("f", joined).tolist() if native else decode(dtype, joined).tolist()))
+        if len(by_dtype) == 1 and len(out) == len(names):
+            return out  # one dtype, every value decoded: already in small_scales order
         return {n: out[n] for n in names if n in out}
 
     def values(self, names: list[str]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from fp4forge.checkpoint.skeleton_data import MAX_COUNT, check_counts  # noqa: F401 - MAX_COUNT: re-exported
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError
 
@@ -30,25 +31,10 @@ def model_config_dict(config: dict[str, Any]) -> dict[str, Any]:
 
 
 
-# The skeleton holds one Python module per layer, expert and head even on the meta device: a
-# config.json claiming 10^12 experts would exhaust memory before transformers says anything. Real
-# models stay far below this (the largest MoEs have a few hundred experts, ~100 layers).
-MAX_COUNT = 1 << 16
-
-
-def _check_counts(config: dict[str, Any], where: str = "") -> None:
-    """Refuse a ``num_*`` / ``n_*`` count no model has (nested configs included)."""
-    for key, value in config.items():
-        if isinstance(value, dict):
-            _check_counts(value, f"{where}{key}.")
-        elif key.startswith(("num_", "n_")) and type(value) is int and value > MAX_COUNT:
-            raise ConfigError(f"config.json: {where}{key} = {value:,} exceeds {MAX_COUNT:,}; no model has that many")
-
-
 def to_transformers_config(config: dict[str, Any] | PreTrainedConfig) -> PreTrainedConfig:
     if isinstance(config, PreTrainedConfig):
         return config
-    _check_counts(config)
+    check_counts(config)
     model_type = config.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ConfigError(f"model_type {model_type!r} is not known to this transformers version")

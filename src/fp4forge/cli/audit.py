@@ -17,19 +17,15 @@ from typing import Optional
 
 import typer
 
+from fp4forge.cli.audit_run import _fail, run_audit
 from fp4forge.cli.common import emit_json as _emit
-from fp4forge.cli.common import error_text, fail
-from fp4forge.errors import ExitCode, Fp4forgeError
+from fp4forge.cli.common import error_text
+from fp4forge.errors import Fp4forgeError
 
 
 def register(app: typer.Typer) -> None:
     app.command("audit")(audit_command)
     app.command("diff")(diff_command)
-
-
-def _fail(message: str, as_json: bool, **context: object) -> SystemExit:
-    """Exit 2 with a one-line message (and a JSON error document when --json)."""
-    return fail(message, ExitCode.UNUSABLE, as_json, **context)
 
 
 def audit_command(
@@ -43,57 +39,7 @@ def audit_command(
     list_rules: bool = typer.Option(False, "--list-rules", help="Print every rule the audit applies and exit."),
 ) -> None:
     """Will this checkpoint load, and load right? Integrity, declarations vs tensors, names vs the architecture."""
-    if list_rules:
-        _print_rules(as_json, markdown)
-        return
-    if location is None:
-        raise _fail("give a checkpoint (PATH_OR_REPO), or --list-rules", as_json)
-    from fp4forge.audit.engine import audit_checkpoint
-
-    try:
-        report = audit_checkpoint(location, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code)
-    except Fp4forgeError as exc:
-        raise _fail(f"could not audit: {error_text(exc)}", as_json, checkpoint=location) from None
-    except (OSError, MemoryError, RecursionError) as exc:  # hostile input the checks did not foresee
-        raise _fail(f"could not audit: {type(exc).__name__}: {exc}", as_json, checkpoint=location) from None
-    _print_report(report, as_json, markdown)
-    # SystemExit, not typer.Exit: `app(standalone_mode=False)` (fp4forge.cli.main) returns a
-    # typer.Exit's code instead of exiting with it, and the exit code is this command's answer.
-    raise SystemExit(report.exit_code)
-
-
-def _print_rules(as_json: bool, markdown: bool) -> None:
-    from dataclasses import asdict
-
-    from fp4forge.audit.findings import rule_table, rules_markdown
-
-    if as_json:
-        _emit({"rules": [asdict(r) for r in rule_table().values()]})
-    elif markdown:
-        sys.stdout.write(rules_markdown())
-    else:
-        from rich.console import Console
-
-        from fp4forge.report.audit_tables import rules_rich
-
-        Console().print(rules_rich())
-
-
-def _print_report(report, as_json: bool, markdown: bool) -> None:
-    from rich.console import Console
-
-    from fp4forge.report.audit_tables import findings_markdown, findings_rich, summary_line
-
-    if as_json:
-        _emit(report.to_json())
-    elif markdown:
-        sys.stdout.write(findings_markdown(report))
-    else:
-        console = Console()
-        for block in findings_rich(report) if report.findings else []:
-            console.print(block)
-        style = "bold red" if report.summary["errors"] else "bold green"
-        console.print(summary_line(report), style=style, highlight=False)
+    run_audit(location, as_json=as_json, markdown=markdown, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code, list_rules=list_rules)
 
 
 def diff_command(

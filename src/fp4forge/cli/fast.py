@@ -27,6 +27,11 @@ class FastCommand:
 
 FAST_COMMANDS = {
     "bytes": FastCommand("fp4forge.cli.bytes", "show_byte_table", 1, flags={"--json": "as_json", "--markdown": "markdown"}, values={"--layout": "layout"}),
+    "audit": FastCommand(
+        "fp4forge.cli.audit_run", "run_audit", 1,
+        flags={"--json": "as_json", "--markdown": "markdown", "--deep": "deep", "--trust-remote-code": "trust_remote_code", "--list-rules": "list_rules"},
+        values={"--format": "fmt", "--vllm-version": "vllm_version"},
+    ),
 }
 
 
