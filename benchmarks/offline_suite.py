@@ -99,18 +99,20 @@ def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log:
     return post
 
 
-def generated_one_call_scenarios(count: int) -> list[Any]:
-    """Held-out one-call scenarios of the training generator (its held-out seed stream): in-distribution requests."""
+def generated_one_call_scenarios(count: int, entities: str = "pools") -> list[Any]:
+    """Held-out one-call scenarios of the training generator (its held-out seed stream): in-distribution requests,
+    entity values from the pools or fresh pseudo-words (``entities``: the points then say whether the model copies)."""
     from fp4forge.quality.training_corpus import FAMILIES, HELDOUT_SEED_OFFSET, generate_scenarios
 
     weights = tuple((name, 1 if name == "one_call" else 0) for name in FAMILIES)
-    return [g.scenario for g in generate_scenarios(count, HELDOUT_SEED_OFFSET + 1, weights)]
+    return [g.scenario for g in generate_scenarios(count, HELDOUT_SEED_OFFSET + 1, weights, entities)]
 
 
-def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None, generated: int = 0) -> dict[str, Any]:
+def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None, generated: int = 0,
+             entities: str = "pools") -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LagunaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
-    scenarios = generated_one_call_scenarios(generated) if generated else load_suite().scenarios
+    scenarios = generated_one_call_scenarios(generated, entities) if generated else load_suite().scenarios
     log: list[dict[str, Any]] = []
     post = make_post(model, tokenizer, device, max_new_tokens, log)
     config = RunConfig(base_url="http://offline.invalid", model="offline", max_tokens=max_new_tokens)
