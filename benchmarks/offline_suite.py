@@ -10,6 +10,7 @@ first step of every scenario that expects calls: did the first call name the exp
 and the restraint rate (scenarios whose first step expects no call: did the model call nothing).
 
     PYTHONPATH=src python benchmarks/offline_suite.py MODEL [--device cuda] [--max-new-tokens 128] [--json OUT]
+    PYTHONPATH=src python benchmarks/offline_suite.py --paired A.json B.json   # per-scenario paired test of two --json results
 """
 
 from __future__ import annotations
@@ -142,15 +143,39 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
             "turns": len(log), "scenarios": per_scenario}
 
 
+def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """B minus A, scenario by scenario (points): exact sign test on the scenarios that differ,
+    sign-flip permutation p of the total, 95 % bootstrap CI of the mean per-scenario difference."""
+    from fp4forge.quality.stats import paired_bootstrap_ci, sign_flip_p, sign_test
+
+    points_a = {s["id"]: s["earned"] for s in a["scenarios"]}
+    points_b = {s["id"]: s["earned"] for s in b["scenarios"]}
+    if points_a.keys() != points_b.keys():
+        raise SystemExit("the two results did not play the same scenarios")
+    diffs = [points_b[k] - points_a[k] for k in sorted(points_a)]
+    better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    low, high = paired_bootstrap_ci(diffs)
+    return {"a": a["model"], "b": b["model"], "a_points": sum(points_a.values()), "b_points": sum(points_b.values()),
+            "difference": sum(diffs), "scenarios": len(diffs), "b_better": better, "b_worse": worse,
+            "sign_test_p": sign_test(better, worse), "sign_flip_p": sign_flip_p(diffs),
+            "mean_difference_ci95": [low, high]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path)
+    parser.add_argument("model", type=Path, nargs="?")
+    parser.add_argument("--paired", type=Path, nargs=2, metavar=("A_JSON", "B_JSON"), help="compare two --json results instead of playing")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--generated", type=int, default=0, help="play N held-out generated one-call scenarios instead of the suite")
     args = parser.parse_args(argv)
+    if args.paired:
+        print(json.dumps(paired(*(json.loads(path.read_text()) for path in args.paired)), indent=1))
+        return 0
+    if args.model is None:
+        parser.error("MODEL is required unless --paired")
     torch.manual_seed(0)
     result = evaluate(args.model, args.device, args.max_new_tokens, args.limit, args.generated)
     if args.json:
