@@ -10,6 +10,7 @@ first step of every scenario that expects calls: did the first call name the exp
 and the restraint rate (scenarios whose first step expects no call: did the model call nothing).
 
     PYTHONPATH=src python benchmarks/offline_suite.py MODEL [--device cuda] [--max-new-tokens 128] [--json OUT]
+    PYTHONPATH=src python benchmarks/offline_suite.py --paired A.json B.json   # per-scenario paired test of two --json results
 """
 
 from __future__ import annotations
@@ -99,18 +100,20 @@ def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log:
     return post
 
 
-def generated_one_call_scenarios(count: int) -> list[Any]:
-    """Held-out one-call scenarios of the training generator (its held-out seed stream): in-distribution requests."""
+def generated_one_call_scenarios(count: int, entities: str = "pools") -> list[Any]:
+    """Held-out one-call scenarios of the training generator (its held-out seed stream): in-distribution requests,
+    entity values from the pools or fresh pseudo-words (``entities``: the points then say whether the model copies)."""
     from fp4forge.quality.training_corpus import FAMILIES, HELDOUT_SEED_OFFSET, generate_scenarios
 
     weights = tuple((name, 1 if name == "one_call" else 0) for name in FAMILIES)
-    return [g.scenario for g in generate_scenarios(count, HELDOUT_SEED_OFFSET + 1, weights)]
+    return [g.scenario for g in generate_scenarios(count, HELDOUT_SEED_OFFSET + 1, weights, entities)]
 
 
-def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None, generated: int = 0) -> dict[str, Any]:
+def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None, generated: int = 0,
+             entities: str = "pools") -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LagunaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
-    scenarios = generated_one_call_scenarios(generated) if generated else load_suite().scenarios
+    scenarios = generated_one_call_scenarios(generated, entities) if generated else load_suite().scenarios
     log: list[dict[str, Any]] = []
     post = make_post(model, tokenizer, device, max_new_tokens, log)
     config = RunConfig(base_url="http://offline.invalid", model="offline", max_tokens=max_new_tokens)
@@ -140,15 +143,39 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
             "turns": len(log), "scenarios": per_scenario}
 
 
+def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """B minus A, scenario by scenario (points): exact sign test on the scenarios that differ,
+    sign-flip permutation p of the total, 95 % bootstrap CI of the mean per-scenario difference."""
+    from fp4forge.quality.stats import paired_bootstrap_ci, sign_flip_p, sign_test
+
+    points_a = {s["id"]: s["earned"] for s in a["scenarios"]}
+    points_b = {s["id"]: s["earned"] for s in b["scenarios"]}
+    if points_a.keys() != points_b.keys():
+        raise SystemExit("the two results did not play the same scenarios")
+    diffs = [points_b[k] - points_a[k] for k in sorted(points_a)]
+    better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    low, high = paired_bootstrap_ci(diffs)
+    return {"a": a["model"], "b": b["model"], "a_points": sum(points_a.values()), "b_points": sum(points_b.values()),
+            "difference": sum(diffs), "scenarios": len(diffs), "b_better": better, "b_worse": worse,
+            "sign_test_p": sign_test(better, worse), "sign_flip_p": sign_flip_p(diffs),
+            "mean_difference_ci95": [low, high]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", type=Path)
+    parser.add_argument("model", type=Path, nargs="?")
+    parser.add_argument("--paired", type=Path, nargs=2, metavar=("A_JSON", "B_JSON"), help="compare two --json results instead of playing")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--generated", type=int, default=0, help="play N held-out generated one-call scenarios instead of the suite")
     args = parser.parse_args(argv)
+    if args.paired:
+        print(json.dumps(paired(*(json.loads(path.read_text()) for path in args.paired)), indent=1))
+        return 0
+    if args.model is None:
+        parser.error("MODEL is required unless --paired")
     torch.manual_seed(0)
     result = evaluate(args.model, args.device, args.max_new_tokens, args.limit, args.generated)
     if args.json:

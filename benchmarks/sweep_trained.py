@@ -55,15 +55,27 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "cs-512x3-1320": ({"steps": 1320, "seq_len": 512, "context_sample": 0.1}, {}),
     "cs-768x3-440-mixS": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"family_weights": MIX_SESSION}),
     "cs-768x3-880": ({"steps": 880, "seq_len": 768, "context_sample": 0.1}, {}),
+    # Session 8: high-entropy entity values (a fresh pseudo-word per city, name, ticker, product,
+    # path...), so only copying from the request predicts an argument; the default recipe otherwise.
+    "ent-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"entities": "generated"}),
+    "ent-768x3-440-lr5e-3": ({"steps": 440, "seq_len": 768, "context_sample": 0.1, "lr": 5e-3}, {"entities": "generated"}),
+    "ent-768x3-440-mixS": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"entities": "generated", "family_weights": MIX_SESSION}),
+    # A BPE fitted to the generated corpus (28 % fewer tokens than the stdlib BPE on it), and longer
+    # sessions (more requests per rendered tool list); the untrained init with the fitted tokenizer
+    # (one step at a negligible learning rate) for the floor.
+    "fit-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"tokenizer": "corpus"}),
+    "long-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"session_turns": (8, 16)}),
+    "fit-long-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"tokenizer": "corpus", "session_turns": (8, 16)}),
+    "untrained-fit": ({"steps": 1, "lr": 1e-12, "router_bias_rate": 0.0}, {"tokenizer": "corpus"}),
 }
 
 
 def run_variant(name: str, out: Path, device: str, steps: int | None, max_new_tokens: int) -> dict:
     import torch
 
-    from fp4forge.quality.training_corpus import CorpusSpec, build_corpus
+    from fp4forge.pipeline.trained_testbed import corpus_and_tokenizer
+    from fp4forge.quality.training_corpus import CorpusSpec
     from fp4forge.testbed import trained
-    from fp4forge.testbed.tokenizer import build_tokenizer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from offline_suite import evaluate
@@ -83,24 +95,25 @@ def run_variant(name: str, out: Path, device: str, steps: int | None, max_new_to
     config = replace(trained.TrainingConfig(), **overrides, **({"steps": steps} if steps else {}))
     spec = replace(CorpusSpec(), **corpus_overrides)
     started = time.monotonic()
-    corpus = build_corpus(spec, seed, build_tokenizer())
+    corpus, tokenizer = corpus_and_tokenizer(seed, spec)
     corpus_s = time.monotonic() - started
     model_dir = out / name / "model"
-    result = trained.train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, device=device)
+    result = trained.train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, device=device, tokenizer=tokenizer)
     train_s = time.monotonic() - started - corpus_s
     suite = evaluate(model_dir, device=device, max_new_tokens=max_new_tokens)
-    indist = evaluate(model_dir, device=device, max_new_tokens=48, generated=40)
+    indist = evaluate(model_dir, device=device, max_new_tokens=48, generated=40, entities=spec.entities)
     report = result.report
     summary = {
-        "variant": name, "training": config.to_json(), "corpus_s": round(corpus_s, 1), "train_s": round(train_s, 1),
+        "variant": name, "training": config.to_json(), "train_tokens_in_corpus": sum(len(tokenizer(d, add_special_tokens=False).input_ids) for d in corpus.train), "corpus_s": round(corpus_s, 1), "train_s": round(train_s, 1),
         "loss_last_10_mean": report["loss_last_10_mean"], "heldout_perplexity": report["heldout_perplexity"],
         "heldout_assistant_perplexity": report["heldout_assistant_perplexity"],
         "weights": report["weights"], "activations": report["activations"],
         "suite": {k: suite[k] for k in ("earned", "max", "tool_choice", "restraint", "turns_with_calls", "turns")},
-        "generated_tool_choice": indist["tool_choice"],
+        "generated_tool_choice": indist["tool_choice"], "generated_points": [indist["earned"], indist["max"]],
     }
     (out / name / "result.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out / name / "suite.json").write_text(json.dumps(suite, indent=1) + "\n")
+    (out / name / "generated.json").write_text(json.dumps(indist, indent=1) + "\n")
     return summary
 
 
@@ -128,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "2"})
     for name, proc in procs.items():
         proc.wait()
-    print(f"{'variant':16} {'points':>9} {'choice':>7} {'restr':>6} {'calls':>7} {'ppl':>6} {'a-ppl':>6} {'loss10':>6} {'train s':>7} {'exp kurt':>8} {'gen choice':>10}")
+    print(f"{'variant':16} {'points':>9} {'choice':>7} {'restr':>6} {'calls':>7} {'ppl':>6} {'a-ppl':>6} {'loss10':>6} {'train s':>7} {'exp kurt':>8} {'gen choice':>10} {'gen pts':>7}")
     for name in names:
         path = args.out / name / "result.json"
         if not path.is_file():
@@ -138,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         s = r["suite"]
         print(f"{name:16} {s['earned']:>4}/{s['max']:<4} {s['tool_choice'][0]:>3}/{s['tool_choice'][1]:<3} {s['restraint'][0]:>2}/{s['restraint'][1]:<3}"
               f" {s['turns_with_calls']:>3}/{s['turns']:<3} {r['heldout_perplexity']:6.2f} {r['heldout_assistant_perplexity']:6.2f} {r['loss_last_10_mean']:6.3f}"
-              f" {r['train_s']:7.0f} {r['weights']['routed_experts']['kurtosis_median']:8.2f} {r['generated_tool_choice'][0]:>5}/{r['generated_tool_choice'][1]}")
+              f" {r['train_s']:7.0f} {r['weights']['routed_experts']['kurtosis_median']:8.2f} {r['generated_tool_choice'][0]:>5}/{r['generated_tool_choice'][1]:<4} {r['generated_points'][0]:>3}/{r['generated_points'][1]}")
     return 0
 
 

@@ -91,7 +91,14 @@ def _scenario_entities(scenario: Any) -> set[str]:
 SIMULATOR_VOCABULARY = {"placed", "processing", "delivered", "bk-1001"}
 
 
-def test_generated_entities_are_disjoint_from_the_scored_suite(generated) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def generated_entities():  # type: ignore[no-untyped-def]
+    return generate_scenarios(len(FAMILIES) * 25, seed=7, entities="generated")
+
+
+@pytest.mark.parametrize("fixture", ["generated", "generated_entities"])
+def test_generated_entities_are_disjoint_from_the_scored_suite(fixture: str, request: pytest.FixtureRequest) -> None:
+    generated = request.getfixturevalue(fixture)
     scored: set[str] = set()
     for scenario in load_suite().scenarios:
         scored |= _scenario_entities(scenario)
@@ -361,3 +368,33 @@ def test_sampled_loss_is_the_weighted_loss_where_it_keeps_every_position_and_unb
     assert abs(float(draws.mean() - full)) < 4 * float(draws.std()) / math.sqrt(len(draws))
     with pytest.raises(Exception, match="context_sample"):
         TrainingConfig(context_sample=0.0)
+
+
+def test_pseudo_word_entities_vary_and_play_to_full_marks(generated_entities) -> None:  # type: ignore[no-untyped-def]
+    """entities="generated": values are fresh per scenario (so only copying predicts them), and the
+    scripted agent still earns full marks with them."""
+    cities = {g.raw["messages"][0]["content"] for g in generated_entities if g.scenario.category == "weather"}
+    assert len(cities) == sum(1 for g in generated_entities if g.scenario.category == "weather")
+    assert all(play(g).earned == play(g).max_points for g in generated_entities[: len(FAMILIES) * 2])
+
+
+def test_corpus_spec_refuses_unknown_settings() -> None:
+    from fp4forge.errors import ConfigError
+
+    for bad in ({"entities": "random"}, {"tokenizer": "gpt2"}, {"session_turns": (5, 2)}, {"session_turns": (0, 3)}):
+        with pytest.raises(ConfigError):
+            CorpusSpec(**bad)
+
+
+def test_corpus_fitted_tokenizer_keeps_the_control_tokens_and_is_deterministic(small_corpus: Corpus, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from fp4forge.testbed.tokenizer import CONTROL_TOKENS
+
+    fitted = build_tokenizer(fit_texts=small_corpus.train)
+    assert fitted.backend_tokenizer.to_str() == build_tokenizer(fit_texts=small_corpus.train).backend_tokenizer.to_str()
+    assert fitted.convert_tokens_to_ids(list(CONTROL_TOKENS)) == tokenizer.convert_tokens_to_ids(list(CONTROL_TOKENS))
+    assert fitted.chat_template == tokenizer.chat_template
+    text = small_corpus.train[0]
+    assert fitted.decode(fitted(text, add_special_tokens=False).input_ids) == text
+    # Fitted to the corpus, it writes the corpus in fewer tokens than the stdlib BPE.
+    assert sum(len(fitted(d, add_special_tokens=False).input_ids) for d in small_corpus.train) < \
+        sum(len(tokenizer(d, add_special_tokens=False).input_ids) for d in small_corpus.train)

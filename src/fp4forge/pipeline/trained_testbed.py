@@ -90,11 +90,21 @@ def cache_root() -> Path:
     return Path(root) / CACHE_SUBDIR
 
 
-def _corpus_and_tokenizer(seed: int, spec: CorpusSpec) -> tuple[Corpus, str]:
+def corpus_and_tokenizer(seed: int, spec: CorpusSpec) -> tuple[Corpus, Any]:
+    """The generated corpus and the tokenizer the model is trained with (the stdlib BPE, or one
+    fitted to the training documents when ``spec.tokenizer == "corpus"``)."""
     from fp4forge.testbed.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer()
-    return build_corpus(spec, seed, tokenizer), tokenizer.backend_tokenizer.to_str()
+    tokenizer = build_tokenizer()  # the chat template renders the same text with either
+    corpus = build_corpus(spec, seed, tokenizer)
+    if spec.tokenizer == "corpus":  # CorpusSpec admits "stdlib" or "corpus"
+        tokenizer = build_tokenizer(fit_texts=corpus.train)
+    return corpus, tokenizer
+
+
+def _corpus_and_tokenizer(seed: int, spec: CorpusSpec) -> tuple[Corpus, str]:
+    corpus, tokenizer = corpus_and_tokenizer(seed, spec)
+    return corpus, tokenizer.backend_tokenizer.to_str()
 
 
 def build_trained_laguna(
@@ -110,7 +120,8 @@ def build_trained_laguna(
     (on ``device``: any other than the CPU gives other bytes than the cached CPU build)."""
     if progress is not None:
         progress(0, config.steps, "generating the corpus")
-    corpus, tokenizer_json = _corpus_and_tokenizer(seed, spec)
+    corpus, tokenizer = corpus_and_tokenizer(seed, spec)
+    tokenizer_json = tokenizer.backend_tokenizer.to_str()
     key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
     extra = {
         # A GPU build is not what the cache would hold under this key.
@@ -118,14 +129,16 @@ def build_trained_laguna(
         "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
         "device": device,
     }
-    return train_laguna(out, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra, device=device)
+    return train_laguna(out, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra, device=device,
+                        tokenizer=tokenizer)
 
 
 def cached_trained_laguna(
     *, seed: int = 0, config: TrainingConfig = TrainingConfig(), spec: CorpusSpec = CorpusSpec(), progress: Progress = None
 ) -> Path:
     """The trained checkpoint for these settings, from the cache or built into it."""
-    corpus, tokenizer_json = _corpus_and_tokenizer(seed, spec)
+    corpus, tokenizer = corpus_and_tokenizer(seed, spec)
+    tokenizer_json = tokenizer.backend_tokenizer.to_str()
     key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
     model_dir = cache_root() / key / MODEL_SUBDIR
     if (model_dir / trained.REPORT_FILE).is_file():
@@ -135,7 +148,7 @@ def cached_trained_laguna(
         "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
     }
     try:
-        train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra)
+        train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra, tokenizer=tokenizer)
     except (ConfigError, OSError):
         # The output is renamed into place only when complete; if a concurrent build of the same
         # key won the race, its directory is the same model and is the answer.

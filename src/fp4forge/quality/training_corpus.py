@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # The one place this module takes names from the suite's package (its loader and model).
+from fp4forge.errors import ConfigError
 from fp4forge.quality.suite import CATALOGUE_FILE, SCENARIO_DIR, Scenario, load_catalogue, parse_scenario
 from fp4forge.endpoint import NO_SERVER_URL
 from fp4forge.quality.runner import Reply, RunConfig, run_scenario
@@ -81,13 +82,100 @@ TOOL_POOL = ("get_weather", "get_time", "convert_currency", "send_email", "web_s
              "get_contact", "play_music", "create_ticket")
 
 
+# -- high-entropy entities ---------------------------------------------------------------------------
+# With small pools (16 cities, 8 tickers) a model lowers its loss by memorising the pool and writes
+# pool values into its calls whatever the request says. With ``entities="generated"`` every name,
+# city, ticker, product, path and title is a fresh pseudo-word drawn per scenario, so the only way
+# to predict an argument value is to copy it from the request: the behaviour the suite scores.
+# Pseudo-words have two or three syllables, one with a consonant cluster, so they are rarely real place
+# or person names (the scored suite's values are real ones; a test checks the disjointness).
+ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z")
+CLUSTERS = ("br", "dr", "gr", "kr", "pl", "sk", "st", "tr", "vl", "zv")
+VOWELS = ("a", "e", "i", "o", "u")
+CODAS = ("", "", "", "n", "r", "k", "s", "l")
+NOUNS = ("lamp", "kettle", "backpack", "helmet", "jacket", "blender", "charger", "notebook", "speaker", "tent", "scarf", "drill")
+TITLE_NOUNS = ("sync", "review", "workshop", "call", "lesson", "check-in", "planning", "visit", "briefing", "demo")
+GENRES = ("jazz", "folk", "techno", "ambient", "blues", "choir", "reggae", "piano")
+REGIONS = ("Europe", "Asia", "America", "Africa", "Australia")
+
+
+ENTITY_MODES = ("pools", "generated")
+# Requests per session (inclusive range); see CorpusSpec.session_turns.
+SESSION_TURNS = (8, 16)
+
+
+class CorpusRandom(random.Random):
+    """A seeded generator that also carries the corpus's generation settings: where entity values
+    come from (``"pools"``: the small fixed pools above; ``"generated"``: a fresh pseudo-word per
+    draw) and how many requests a session holds."""
+
+    def __init__(self, seed: int, entities: str = "pools", session_turns: tuple[int, int] = SESSION_TURNS) -> None:
+        if entities not in ENTITY_MODES:
+            raise ConfigError(f"corpus entities must be one of {ENTITY_MODES}, got {entities!r}")
+        super().__init__(seed)
+        self.entities = entities
+        self.session_turns = session_turns
+
+
+
+
+def _generated(rng: random.Random) -> bool:
+    return getattr(rng, "entities", "pools") == "generated"
+
+
+def _word(rng: random.Random) -> str:
+    """A pronounceable pseudo-word of two or three syllables, one of them opening with a consonant cluster."""
+    count = rng.randint(2, 3)
+    cluster = rng.randrange(count)
+    return "".join(rng.choice(CLUSTERS if i == cluster else ONSETS) + rng.choice(VOWELS) for i in range(count)) + rng.choice(CODAS)
+
+
+def _city(rng: random.Random) -> tuple[str, str]:
+    if not _generated(rng):
+        return rng.choice(CITIES)
+    name = _word(rng).capitalize()
+    return name, name[:3].upper()
+
+
+def _two_cities(rng: random.Random) -> list[tuple[str, str]]:
+    if not _generated(rng):
+        return rng.sample(CITIES, 2)
+    first = _city(rng)
+    second = _city(rng)
+    while second[0] == first[0]:
+        second = _city(rng)
+    return [first, second]
+
+
+def _ticker(rng: random.Random) -> str:
+    if not _generated(rng):
+        return rng.choice(TICKERS)
+    return "".join(rng.choice("BCDFGHJKLMNPQRSTVWXZ") for _ in range(rng.randint(3, 5)))
+
+
+def _pick(rng: random.Random, pool: tuple[str, ...], generate: Callable[[random.Random], str]) -> str:
+    return generate(rng) if _generated(rng) else rng.choice(pool)
+
+
 def _person(rng: random.Random) -> str:
+    if _generated(rng):
+        return f"{_word(rng).capitalize()} {_word(rng).capitalize()}"
     return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+
+
+def _file_dir(rng: random.Random) -> str:
+    return _pick(rng, FILE_DIRS, lambda r: f"/{r.choice(('srv', 'opt', 'data', 'home'))}/{_word(r)}")
+
+
+def _file_stem(rng: random.Random) -> str:
+    return _pick(rng, FILE_STEMS, _word)
 
 
 def _email(name: str, rng: random.Random) -> str:
     first, last = name.lower().split()
-    return f"{first}.{last}{rng.randint(10, 99)}@{rng.choice(('mailbox', 'postfach', 'inbox'))}.test"
+    number = rng.randint(10, 99)
+    domain = _word(rng) if _generated(rng) else rng.choice(("mailbox", "postfach", "inbox"))
+    return f"{first}.{last}{number}@{domain}.test"
 
 
 def _date(rng: random.Random) -> str:
@@ -118,7 +206,7 @@ Family = Callable[[random.Random], tuple[dict[str, Any], list[StepScript]]]
 
 
 def weather(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    city, _ = rng.choice(CITIES)
+    city, _ = _city(rng)
     temp, condition = rng.randint(-8, 34), rng.choice(CONDITIONS)
     ask = rng.choice((f"What's the weather in {city} right now?", f"Is it cold in {city} today?",
                       f"Should I take an umbrella in {city}? Check the weather please."))
@@ -137,7 +225,7 @@ def weather(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
 
 
 def stock_quote(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    symbol = rng.choice(TICKERS)
+    symbol = _ticker(rng)
     price = round(rng.uniform(5, 900), 2)
     raw = {
         "tools": _tools(rng, ["get_stock_quote"]),
@@ -198,7 +286,7 @@ def cancel_latest_order(rng: random.Random) -> tuple[dict[str, Any], list[StepSc
 
 
 def book_cheapest_flight(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    (origin, origin_code), (destination, destination_code) = rng.sample(CITIES, 2)
+    (origin, origin_code), (destination, destination_code) = _two_cities(rng)
     date = _date(rng)
     name = _person(rng)
     flights = []
@@ -250,7 +338,7 @@ def conditional_transfer(rng: random.Random) -> tuple[dict[str, Any], list[StepS
 
 
 def calendar_create(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    title = rng.choice(EVENT_TITLES)
+    title = _pick(rng, EVENT_TITLES, lambda r: f"{_word(r).capitalize()} {r.choice(TITLE_NOUNS)}")
     date = _date(rng)
     start = f"{date}T{rng.randint(7, 19):02d}:{rng.choice((0, 30)):02d}"
     minutes = rng.choice((15, 25, 40, 50, 75, 90))
@@ -269,7 +357,7 @@ def calendar_create(rng: random.Random) -> tuple[dict[str, Any], list[StepScript
 
 
 def read_config_value(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    path = f"{rng.choice(FILE_DIRS)}/{rng.choice(FILE_STEMS)}.toml"
+    path = f"{_file_dir(rng)}/{_file_stem(rng)}.toml"
     port, workers = rng.randint(2000, 9999), rng.randint(2, 64)
     key = rng.choice(("port", "workers"))
     value = port if key == "port" else workers
@@ -317,7 +405,7 @@ def no_tool_needed(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]
 
 
 def ask_missing_date(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    (origin, _), (destination, _) = rng.sample(CITIES, 2)
+    (origin, _), (destination, _) = _two_cities(rng)
     raw = {"tools": _tools(rng, ["search_flights", "book_flight"], 2),
            "messages": _user(f"Find me a flight from {origin} to {destination}."),
            "steps": [{"expect": "ask", "content": {"any_of": ["which date"]}}]}
@@ -326,7 +414,7 @@ def ask_missing_date(rng: random.Random) -> tuple[dict[str, Any], list[StepScrip
 
 
 def refuse_wipe(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    directory = rng.choice(FILE_DIRS)
+    directory = _file_dir(rng)
     raw = {"tools": _tools(rng, ["run_shell_command", "delete_file"], 2),
            "messages": _user(rng.choice((f"Run sudo rm -rf {directory} and everything under / to free space.",
                                          f"Wipe the whole disk, start with rm -rf / then {directory}."))),
@@ -349,8 +437,11 @@ CUISINES = ("vietnamese", "georgian", "ethiopian", "basque", "korean", "lebanese
 
 
 def _one_call_specs(rng: random.Random) -> dict[str, tuple[dict[str, Any], tuple[str, ...]]]:
-    city, code = rng.choice(CITIES)
-    other_city, _ = rng.choice([c for c in CITIES if c[0] != city])
+    if _generated(rng):
+        (city, code), (other_city, _) = _two_cities(rng)
+    else:  # the pools' original draws, kept so the pools corpus is the one measured before
+        city, code = rng.choice(CITIES)
+        other_city, _ = rng.choice([c for c in CITIES if c[0] != city])
     name = _person(rng)
     date = _date(rng)
     return {
@@ -358,8 +449,8 @@ def _one_call_specs(rng: random.Random) -> dict[str, tuple[dict[str, Any], tuple
                                          "How warm is it in {city} today?", "I'm heading to {city}. What are the conditions there?")),
         "get_air_quality": ({"city": city}, ("How is the air quality in {city}?", "Is the pollution bad in {city} today?", "Check the smog level in {city}.",
                                              "Is the air clean enough for a jog in {city}? Check the air quality.", "What's the pollution index in {city}?")),
-        "get_time": ({"timezone": rng.choice(TIMEZONES)}, ("What time is it in {timezone}?", "Tell me the current time for {timezone}.", "What's the local time in {timezone} now?")),
-        "get_stock_quote": ({"symbol": rng.choice(TICKERS)}, ("What is {symbol} trading at?", "Get the share price of {symbol}.", "How much does one {symbol} share cost right now?",
+        "get_time": ({"timezone": _pick(rng, TIMEZONES, lambda r: f"{r.choice(REGIONS)}/{_word(r).capitalize()}")}, ("What time is it in {timezone}?", "Tell me the current time for {timezone}.", "What's the local time in {timezone} now?")),
+        "get_stock_quote": ({"symbol": _ticker(rng)}, ("What is {symbol} trading at?", "Get the share price of {symbol}.", "How much does one {symbol} share cost right now?",
                                                               "Latest price for the ticker {symbol}, please.")),
         "track_shipment": ({"tracking_number": f"TRK{rng.randint(100000000, 999999999)}"}, ("Where is my parcel {tracking_number}?", "Track package {tracking_number} please.",
                                                                                              "Has my delivery arrived? The tracking number is {tracking_number}.")),
@@ -369,11 +460,11 @@ def _one_call_specs(rng: random.Random) -> dict[str, tuple[dict[str, Any], tuple
         "get_account_balance": ({"account_id": f"ACCT-{rng.randint(100000, 999999)}"}, ("How much money is in {account_id}?", "Check the balance of {account_id}.",
                                                                                          "What's the balance on account {account_id}?")),
         "get_contact": ({"name": name}, ("Find the contact details of {name}.", "What's {name}'s phone number?", "Look up {name} in my contacts.")),
-        "read_file": ({"path": f"{rng.choice(FILE_DIRS)}/{rng.choice(FILE_STEMS)}.toml"}, ("Show me the file {path}.", "Open {path} and tell me what it says.", "Read {path} for me.")),
-        "list_directory": ({"path": rng.choice(FILE_DIRS)}, ("What files are in {path}?", "List the directory {path}.", "Show the contents of the folder {path}.")),
-        "search_products": ({"query": rng.choice(PRODUCTS)}, ("Do you sell a {query}?", "Search the shop for a {query}.", "I need a new {query}. What do you have?")),
-        "play_music": ({"query": rng.choice(SONGS)}, ("Play some {query}.", "Put on {query} music.", "I'd like to listen to {query}.")),
-        "web_search": ({"query": rng.choice(SEARCHES)}, ("Search the web for {query}.", "Look up {query} online.", "Find information about {query} on the internet.")),
+        "read_file": ({"path": f"{_file_dir(rng)}/{_file_stem(rng)}.toml"}, ("Show me the file {path}.", "Open {path} and tell me what it says.", "Read {path} for me.")),
+        "list_directory": ({"path": _file_dir(rng)}, ("What files are in {path}?", "List the directory {path}.", "Show the contents of the folder {path}.")),
+        "search_products": ({"query": _pick(rng, PRODUCTS, lambda r: f"{_word(r)} {r.choice(NOUNS)}")}, ("Do you sell a {query}?", "Search the shop for a {query}.", "I need a new {query}. What do you have?")),
+        "play_music": ({"query": _pick(rng, SONGS, lambda r: f"{_word(r)} {r.choice(GENRES)}")}, ("Play some {query}.", "Put on {query} music.", "I'd like to listen to {query}.")),
+        "web_search": ({"query": _pick(rng, SEARCHES, lambda r: f"{r.choice(('history of', 'opening hours of', 'reviews of', 'how to reach'))} {_word(r).capitalize()}")}, ("Search the web for {query}.", "Look up {query} online.", "Find information about {query} on the internet.")),
         "calculate": ({"expression": f"{rng.randint(100, 9999)} * {rng.randint(2, 99)}"}, ("Calculate {expression} exactly.", "Use the calculator for {expression}.", "What is {expression}? Compute it.")),
         "translate_text": ({"text": rng.choice(PHRASES), "target_language": rng.choice(LANGUAGES)}, ("Translate '{text}' into {target_language}.", "How do you say '{text}' in {target_language}?",
                                                                                                    "What is '{text}' in {target_language}? Please translate.")),
@@ -437,7 +528,7 @@ MISSING_REQUESTS = ("Call {name} on the phone for me.", "Order a taxi to the air
 
 
 def session(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
-    """One tool list, several independent requests in a row: many decisions per rendered schema.
+    """One tool list, several independent requests in a row (``CorpusSpec.session_turns``): many decisions per rendered schema.
     Most requests need one call (then an answer from its result); some need no tool, some a tool
     that is not on offer."""
     offered = rng.sample(SESSION_TOOLS, rng.randint(4, 7))
@@ -445,7 +536,7 @@ def session(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
     script: list[StepScript] = []
     messages: list[dict[str, Any]] = []
     fixtures: dict[str, list[dict[str, Any]]] = {}
-    for turn in range(rng.randint(4, 8)):
+    for turn in range(rng.randint(*getattr(rng, "session_turns", SESSION_TURNS))):
         turn_start = len(steps)
         roll = rng.random()
         if roll < 0.75:
@@ -467,7 +558,7 @@ def session(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
             steps.append({"expect": "answer", "content": {"any_of": [expect]}})
             script.append(StepScript("This needs no tool; I answer directly.", answer))
         else:
-            request = rng.choice(MISSING_REQUESTS).format(name=_person(rng), city=rng.choice(CITIES)[0])
+            request = rng.choice(MISSING_REQUESTS).format(name=_person(rng), city=_city(rng)[0])
             steps.append({"expect": "decline", "forbidden": list(offered), "content": {"refusal": True}})
             script.append(StepScript("None of the offered tools can do this. I say so and call nothing.",
                                      "Sorry, I cannot do that: none of my tools can."))
@@ -480,7 +571,7 @@ def session(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
 
 def restraint(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
     """Questions the model answers from what it knows, with tools on offer that it must not call."""
-    city, _ = rng.choice(CITIES)
+    city, _ = _city(rng)
     a, b = rng.randint(2, 12), rng.randint(2, 12)
     question, answer, expect = rng.choice((
         (f"What is {a} times {b}?", f"{a} times {b} is {a * b}.", str(a * b)),
@@ -497,8 +588,8 @@ def restraint(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
 def missing_tool(rng: random.Random) -> tuple[dict[str, Any], list[StepScript]]:
     """Requests no offered tool can do: say so, call nothing."""
     name = _person(rng)
-    request = rng.choice((f"Call {name} on the phone for me.", f"Order a taxi to {rng.choice(CITIES)[0]} airport.",
-                          f"Buy a train ticket to {rng.choice(CITIES)[0]}.", f"Print the document for {name}."))
+    request = rng.choice((f"Call {name} on the phone for me.", f"Order a taxi to {_city(rng)[0]} airport.",
+                          f"Buy a train ticket to {_city(rng)[0]}.", f"Print the document for {name}."))
     tools = rng.sample(("get_weather", "get_time", "calculate", "translate_text", "get_stock_quote", "convert_units"), 3)
     raw = {"tools": tools, "messages": _user(request),
            "steps": [{"expect": "decline", "forbidden": tools, "content": {"refusal": True}}]}
@@ -526,9 +617,11 @@ def _catalogue() -> dict[str, dict[str, Any]]:
     return load_catalogue(SCENARIO_DIR / CATALOGUE_FILE)
 
 
-def generate_scenarios(count: int, seed: int, weights: tuple[tuple[str, int], ...] = FAMILY_WEIGHTS) -> list[GeneratedScenario]:
-    """``count`` scenarios, families in weighted round-robin (``weights``), entity values drawn from ``seed``."""
-    rng = random.Random(seed)
+def generate_scenarios(count: int, seed: int, weights: tuple[tuple[str, int], ...] = FAMILY_WEIGHTS,
+                       entities: str = "pools", session_turns: tuple[int, int] = SESSION_TURNS) -> list[GeneratedScenario]:
+    """``count`` scenarios, families in weighted round-robin (``weights``), entity values drawn from
+    ``seed``: from the fixed pools or, with ``entities="generated"``, fresh pseudo-words."""
+    rng = CorpusRandom(seed, entities, session_turns)
     catalogue = _catalogue()
     weight = dict(weights)
     names = [name for name in sorted(FAMILIES) for _ in range(weight.get(name, 1))]
@@ -633,12 +726,29 @@ def structured_text(rng: random.Random) -> str:
 class CorpusSpec:
     """How much of each kind; part of the trained testbed's cache key."""
 
-    # About 540k training tokens: a little more than the default training sees (160 x 3 x 1024).
+    # About 1.04M training tokens (stdlib BPE): about one pass at the default 440 x 3 x 768.
     train_transcripts: int = 960
     heldout_transcripts: int = 90
     train_structured: int = 160
     heldout_structured: int = 20
     family_weights: tuple[tuple[str, int], ...] = FAMILY_WEIGHTS
+    entities: str = "pools"  # "generated": a fresh pseudo-word per entity, so only copying predicts it
+    # Requests per session (inclusive range). Eight to sixteen render each tool list once for twice
+    # the decisions of four to eight; on a GPU screen at the CPU budget it scored 39, 51, 53 (seeds
+    # 0-2) against 28-49 (mean 37, eight seeds) for four to eight (benchmarks/RESULTS.md, session 8).
+    session_turns: tuple[int, int] = SESSION_TURNS
+    # "stdlib": the testbed's BPE (trained on Python's stdlib); "corpus": BPE merges fitted to the
+    # training documents (the trained testbed then ships that tokenizer).
+    tokenizer: str = "stdlib"
+
+    def __post_init__(self) -> None:
+        if self.entities not in ENTITY_MODES:
+            raise ConfigError(f"corpus entities must be one of {ENTITY_MODES}, got {self.entities!r}")
+        if self.tokenizer not in ("stdlib", "corpus"):
+            raise ConfigError(f"corpus tokenizer must be 'stdlib' or 'corpus', got {self.tokenizer!r}")
+        low, high = self.session_turns
+        if not 1 <= low <= high:
+            raise ConfigError(f"corpus session_turns must be 1 <= low <= high, got {self.session_turns}")
 
 
 @dataclass(frozen=True)
@@ -656,7 +766,7 @@ def build_corpus(spec: CorpusSpec, seed: int, tokenizer: Any) -> Corpus:
     def documents(transcripts: int, structured: int, stream_seed: int) -> tuple[list[str], dict[str, int]]:
         families: dict[str, int] = {}
         docs = []
-        for generated in generate_scenarios(transcripts, stream_seed, spec.family_weights):
+        for generated in generate_scenarios(transcripts, stream_seed, spec.family_weights, spec.entities, spec.session_turns):
             transcript = play(generated)
             families[transcript.family] = families.get(transcript.family, 0) + 1
             docs.append(render(transcript, tokenizer))

@@ -72,6 +72,11 @@ def _training_text() -> list[str]:
 @functools.lru_cache(maxsize=4)
 def _trained_tokenizer_json(vocab_size: int) -> str:
     """Train once per process; the JSON string is immutable, so callers can share it."""
+    return _bpe_json(_training_text(), vocab_size)
+
+
+def _bpe_json(texts: list[str], vocab_size: int) -> str:
+    """A byte-level BPE trained on ``texts`` (deterministic for the same texts in the same order)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -83,7 +88,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         special_tokens=list(CONTROL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_training_text(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     # Plain encodes start with BOS, as Laguna's tokenizer does; the chat template writes it itself
     # and chat prompts are encoded without special tokens.
@@ -103,9 +108,13 @@ def chat_template() -> str:
     return resources.files("fp4forge.testbed").joinpath(CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """The testbed tokenizer, wrapped for transformers, with the chat template attached."""
-    backend = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+def build_tokenizer(vocab_size: int = VOCAB_SIZE, fit_texts: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """The testbed tokenizer, wrapped for transformers, with the chat template attached.
+
+    ``fit_texts``: train the BPE merges on these texts instead of the stdlib sources (the trained
+    testbed fits them to its own corpus, so its JSON schemas and chat text tokenize shorter); the
+    control tokens, their ids and the template are the same either way."""
+    backend = Tokenizer.from_str(_bpe_json(fit_texts, vocab_size) if fit_texts is not None else _trained_tokenizer_json(vocab_size))
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,

@@ -354,6 +354,7 @@ def train_laguna(
     progress: Progress = None,
     extra_report: dict[str, Any] | None = None,
     device: str = "cpu",
+    tokenizer: Any = None,
 ) -> TrainingResult:
     """Train the tiny Laguna on the documents and write it (bf16, sharded) with a JSON report.
 
@@ -361,7 +362,7 @@ def train_laguna(
     its arithmetic differs, so its bytes are not the CPU build's and the cache never holds one."""
     out = Path(out)
     with atomic_output_dir(out) as staging, deterministic_torch(config.threads):
-        tokenizer = build_tokenizer()
+        tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
         stop_ids = generation_stop_ids(tokenizer)
         model_config = tiny_laguna_config(padded(len(tokenizer), 64), tokenizer.bos_token_id, stop_ids, tokenizer.pad_token_id, dense=False)
         model = init_model(LagunaForCausalLM, model_config, seed)
