@@ -124,3 +124,44 @@ def test_mutated_headers_compact_path_agrees_or_declines(seed: int):
             got = (type(exc), str(exc))
         assert got == oracle or isinstance(got[0], type) and "UTF-8" in got[1], text
     assert taken > 50 and declined > 1000, (taken, declined)  # both paths exercised
+
+
+EDGE_CASES = [
+    '{"a":{"dtype":"U8","shape":[' + ",".join(["1" + "0" * 200] * 30) + '],"data_offsets":[0,1]}}',  # a span past str()'s digit limit
+    '{"a":{"dtype":"U8","shape":[01],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,01]}}',
+    '{"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}',
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]},"b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"__metadata__":{"k":"v"}}',
+    '{"__metadata__":null,"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    '{"__metadata__":{},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    '{"__metadata__":{"k":"v","k":"w"},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    '{"__metadata__":{"k":"v"},"__metadata__":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}} ',
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}\n',
+    '{"a\\u0062":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    '{"a\tb":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}}',
+    '{"a":{"dtype":"X9","shape":[1],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,1]}}',
+    '{"a":{"dtype":"U8","shape":[2,3],"data_offsets":[0,6]},"b":{"dtype":"F4","shape":[],"data_offsets":[6,6]}}',
+    '{"a":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},"b":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}',
+    '{}',
+    '{"__metadata__":{"k":"v"}}',
+]
+
+
+@pytest.mark.parametrize("text", EDGE_CASES)
+def test_edge_cases_same_header_or_same_error(text: str):
+    compact = parse_compact_header(text)
+    oracle = _json_path(text)
+    if compact is not None:
+        assert (tuple(compact[0]), compact[1]) == oracle
+    try:
+        header = parse_header(text.encode("utf-8"), source="h", header_len=len(text))
+        got = (tuple(header.columns), header.metadata)
+    except Fp4forgeError as exc:
+        got = (type(exc), str(exc))
+    assert got == oracle

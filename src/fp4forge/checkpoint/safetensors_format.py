@@ -382,7 +382,10 @@ def parse_compact_header(text: str, raw: bytes | None = None) -> tuple[HeaderCol
         return None
     ends = list(accumulate(map(itemgetter(2), kinds)))
     begins = [0, *ends[:-1]]
-    end_texts = list(map(str, ends))
+    try:
+        end_texts = list(map(str, ends))
+    except ValueError:  # an end past int -> str's digit limit (shapes whose product is that large)
+        return None
     # The stored offsets' text, entry by entry (no entry's text holds a newline), must be these.
     expected = "".join(chain.from_iterable(zip(chain(("0",), end_texts), repeat(","), end_texts, repeat("]},\n:["))))
     if "\n".join(tokens[10::10]) != ":[" + expected[: -len(",\n:[")]:
@@ -420,11 +423,20 @@ def _parse_entry(name: str, entry: object, source: str) -> TensorInfo:
         raise HeaderError(f"{dtype}{shape} is not a whole number of bytes", file=source, tensor=name)
     if end - begin != bits // 8:
         raise OffsetError(
-            f"byte range {begin}..{end} holds {end - begin} bytes but {dtype}{shape} needs {bits // 8}",
+            f"byte range {begin}..{end} holds {end - begin} bytes but {dtype}{shape} needs {_decimal(bits // 8)}",
             file=source,
             tensor=name,
         )
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+
+
+def _decimal(count: int) -> str:
+    """A count in decimal, or a bound for one past int -> str's digit limit (a hostile shape's
+    product can be; its dimensions each were within it)."""
+    try:
+        return str(count)
+    except ValueError:
+        return f"more than 10^{int(count.bit_length() * 0.30103)}"
 
 
 def _by_offsets(info: TensorInfo) -> tuple[int, int]:
