@@ -317,10 +317,11 @@ _CONTROL_BYTES = bytes(range(0x20))  # not allowed raw in a JSON string; the com
 
 
 class _Kinds(dict):
-    """(dtype text, shape text ``:[2,3],``) -> (dtype, shape, bytes spanned or None when not a
-    whole number); worked out once per distinct pair, KeyError when either is not valid."""
+    """(dtype text, shape text ``:[2,3],``) -> (dtype, shape, bytes spanned); worked out once per
+    distinct pair and kept for the process (a checkpoint's 10^5 entries have ~10^2 of them),
+    KeyError when either is not valid or the span is not a whole number of bytes."""
 
-    def __missing__(self, key: tuple[str, str]) -> tuple[str, tuple[int, ...], int | None]:
+    def __missing__(self, key: tuple[str, str]) -> tuple[str, tuple[int, ...], int]:
         dtype_text, shape_text = key
         found = _SHAPE_TEXT.fullmatch(shape_text)
         if found is None:
@@ -328,8 +329,16 @@ class _Kinds(dict):
         dtype = _DTYPE_NAMES[dtype_text]
         shape = tuple(map(int, found[1].split(","))) if found[1] else ()  # ValueError past int()'s digit limit
         bits = math.prod(shape) * DTYPE_BITS[dtype]
-        kind = self[key] = (dtype, shape, None if bits % 8 else bits >> 3)
+        if bits % 8:
+            raise KeyError(key)
+        if len(self) >= _KINDS_KEPT:
+            self.clear()
+        kind = self[key] = (dtype, shape, bits >> 3)
         return kind
+
+
+_KINDS_KEPT = 1 << 14
+_KINDS = _Kinds()
 
 
 def parse_compact_header(text: str, raw: bytes | None = None) -> tuple[HeaderColumns, dict[str, str]] | None:
@@ -373,12 +382,9 @@ def parse_compact_header(text: str, raw: bytes | None = None) -> tuple[HeaderCol
     ):
         return None
     names = tokens[1::10]
-    kinds_of = _Kinds()
     try:
-        kinds = list(map(kinds_of.__getitem__, zip(tokens[5::10], tokens[8::10])))
+        kinds = list(map(_KINDS.__getitem__, zip(tokens[5::10], tokens[8::10])))
     except (KeyError, ValueError):
-        return None
-    if any(span is None for _, _, span in kinds_of.values()):
         return None
     ends = list(accumulate(map(itemgetter(2), kinds)))
     begins = [0, *ends[:-1]]
