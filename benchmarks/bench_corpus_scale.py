@@ -8,12 +8,13 @@ expected-name skeleton cached, the page cache warm) and cold (an empty skeleton 
 shards evicted from the page cache first). The bare loop reads each shard's 8-byte length and
 its JSON header and json-parses it: the floor any header tool pays. Ratios to it are printed.
 
-    .venv/bin/python benchmarks/bench_corpus_scale.py [--runs 3] [--baseline-src DIR]
+    .venv/bin/python benchmarks/bench_corpus_scale.py [--runs 3] [--baseline-src DIR] [--bytes-only]
 
 ``--baseline-src DIR``: the same commands again with ``PYTHONPATH=DIR`` (an older tree's ``src``,
 e.g. from ``git archive``), interleaved run by run with the current code, so both arms share the
 machine's load. CPU seconds (user + sys of the child) are printed beside wall time: on a shared
-machine they move less than wall time.
+machine they move less than wall time. ``--bytes-only`` skips the audit runs (more `bytes` runs
+in the same time, when only the header path changed).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--baseline-src", type=Path, default=None, help="an older tree's src/, run side by side")
+    parser.add_argument("--bytes-only", action="store_true", help="skip the audit runs")
     args = parser.parse_args()
     ckpt = build(OUT / f"{ENTRY}-{SHARDS}")
     shards = sorted(ckpt.glob("*.safetensors"))
@@ -105,24 +107,29 @@ def main() -> None:
         measure("fp4forge bytes --json", [fp4forge, "bytes", str(ckpt), "--json"], same)
     for suffix, env in arms.items():
         assert docs["fp4forge bytes --json" + suffix]["returncode"] == 0, docs["fp4forge bytes --json" + suffix]["stdout"][:500]
-        run_measured([fp4forge, "audit", str(ckpt), "--json"], env=env)  # prime the skeleton cache
-    for _ in range(args.runs):
-        measure("fp4forge audit --json, warm", [fp4forge, "audit", str(ckpt), "--json"], same)
-    for _ in range(args.runs):
-        evicted = all(drop_page_cache(p) for p in shards)
-        label = "fp4forge audit --json, cold" + ("" if evicted else " (page cache not evicted)")
-        measure(label, [fp4forge, "audit", str(ckpt), "--json"], lambda env: {**env, "FP4FORGE_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")})
-    doc = json.loads(docs["fp4forge audit --json, warm"]["stdout"])
-    print(f"{tensors:,} tensors; audit summary {doc['summary']}, rules {sorted({f['rule'] for f in doc['findings']})}")
+    compared = ["fp4forge bytes --json"]
+    if not args.bytes_only:
+        for env in arms.values():
+            run_measured([fp4forge, "audit", str(ckpt), "--json"], env=env)  # prime the skeleton cache
+        for _ in range(args.runs):
+            measure("fp4forge audit --json, warm", [fp4forge, "audit", str(ckpt), "--json"], same)
+        for _ in range(args.runs):
+            evicted = all(drop_page_cache(p) for p in shards)
+            label = "fp4forge audit --json, cold" + ("" if evicted else " (page cache not evicted)")
+            measure(label, [fp4forge, "audit", str(ckpt), "--json"], lambda env: {**env, "FP4FORGE_CACHE_DIR": tempfile.mkdtemp(prefix="bench-cache-")})
+        doc = json.loads(docs["fp4forge audit --json, warm"]["stdout"])
+        print(f"{tensors:,} tensors; audit summary {doc['summary']}, rules {sorted({f['rule'] for f in doc['findings']})}")
+        compared.append("fp4forge audit --json, warm")
     if len(arms) > 1:
-        for label in ("fp4forge bytes --json", "fp4forge audit --json, warm"):
+        for label in compared:
             agree = docs[label]["stdout"] == docs[label + " [baseline]"]["stdout"] and docs[label]["returncode"] == docs[label + " [baseline]"]["returncode"]
             print(f"  {label}: output and exit code {'identical to' if agree else 'DIFFER from'} the baseline's")
     floor = statistics.median(w for w, _ in rows["bare loop, fresh python"])
+    floor_cpu = statistics.median(c for _, c in rows["bare loop, fresh python"])
     for label, runs in rows.items():
         walls = [w for w, _ in runs]
         cpus = [c for _, c in runs if c is not None]
-        cpu = f"   cpu {statistics.median(cpus):.2f} s" if cpus else ""
+        cpu = f"   cpu {statistics.median(cpus):.2f} s (x{statistics.median(cpus) / floor_cpu:.1f} its)" if cpus else ""
         print(f"  {label:54s} {summarize(walls)} s   x{statistics.median(walls) / floor:.1f} the fresh bare loop{cpu}")
     print("  peak RSS MiB " + ", ".join(f"{k} {v:.0f}" for k, v in rss.items()))
     print(f"load average at the end {os.getloadavg()[0]:.1f}")

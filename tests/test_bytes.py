@@ -244,3 +244,21 @@ def test_fast_path_prints_what_the_typer_command_prints(tmp_path: Path, capsys: 
         assert code == expected_code, (args, fast.err, typer_run.output)
         if code == 0:
             assert fast.out == typer_run.stdout, args
+
+
+def test_name_templates_group_names_exactly_as_their_masked_digits():
+    """The joined-text masking against the per-name regex (its oracle) on names built from pieces
+    that stress it: layer indices, digits next to "layers.", runs at either end, non-ASCII."""
+    import random
+
+    from fp4forge.audit.byte_table import masked_digits, name_templates
+
+    pieces = ["model.", "layers.", "0", "12", "61", "sublayers.", "experts.", "7", "255", ".w", "x", "layers", ".", "١", "mtp"]
+    rng = random.Random(3)
+    for ascii_only in (True, False):
+        names = ["".join(rng.choice(pieces[:-2] if ascii_only else pieces) for _ in range(rng.randint(0, 7))) for _ in range(3000)]
+        keys, masked = name_templates(names), masked_digits(names)
+        assert len(keys) == len(names)
+        by_key = dict(zip(keys, masked))
+        by_masked = dict(zip(masked, keys))
+        assert all(by_key[k] == m and by_masked[m] == k for k, m in zip(keys, masked))

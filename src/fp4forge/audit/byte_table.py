@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from itertools import compress, count, repeat, tee
-from operator import add, itemgetter, methodcaller
+from itertools import compress, repeat
+from operator import add, methodcaller
 from dataclasses import asdict, dataclass, field
 
 from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout
@@ -139,36 +139,20 @@ def masked_digits(names: list[str]) -> list[str]:
     return [_DIGITS.sub("#", name) for name in names]
 
 
-class _Masked(dict):
-    """``_DIGITS.sub("#", part)``, worked out once per distinct part."""
-
-    def __missing__(self, part: str) -> str:
-        masked = self[part] = _DIGITS.sub("#", part)
-        return masked
-
-
-_ASCII_DIGITS = "0123456789"
-_LAYERS = "layers."
+# The same runs as _DIGITS, ASCII only, found from their first digit (so the search skips ahead
+# to digits in C): a run's first digit, not preceded by "layers." or by another digit.
+_RUN_START = re.compile(r"[0-9](?<!layers\.[0-9])(?<![0-9][0-9])[0-9]*")
 
 
 def name_templates(names: list[str]) -> list:
-    """A grouping key per name (a number, or the masked name) with the same equalities as
-    ``masked_digits`` (two names share a key exactly when their masked names are equal), for 10^5 names in C-level passes: a name is
-    cut after the layer index of its first ``layers.``; the part up to there and the rest repeat
-    across layers and experts, so each distinct part is masked once."""
-    if not all(map(str.isascii, names)):  # \d matches non-ASCII digits too: the plain way
-        return masked_digits(names)
-    # A name = prefix (up to the end of its first "layers.<index>") + rest (from the first
-    # non-digit after it): both repeat across layers and experts, so each distinct one is masked
-    # once. Masking them apart equals masking the whole: the rest starts with a non-digit (or is
-    # empty), so no digit run crosses the cut, and "layers." cannot straddle it (the prefix ends
-    # in the layer index or in "layers."; "layers." has no border). The pieces flow through
-    # iterators in lockstep: no list of 10^5 split names is kept (its peak cost page faults).
-    rests, rests_too = tee(map(methodcaller("lstrip", _ASCII_DIGITS), map(itemgetter(2), map(methodcaller("partition", _LAYERS), names))))
-    cache = _Masked()
-    templates = zip(map(cache.__getitem__, map(str.removesuffix, names, rests)), map(cache.__getitem__, rests_too))
-    numbers: dict = {}
-    return list(map(numbers.setdefault, templates, count()))  # one number per distinct template
+    """A grouping key per name with the same equalities as ``masked_digits`` (two names share a
+    key exactly when their masked names are equal), for 10^5 names in C-level passes: the names
+    joined by newlines are masked in one regex pass and split again (a newline is not a digit and
+    not part of "layers.", so no run or look-behind crosses it)."""
+    joined = "\n".join(names)
+    if not joined.isascii() or joined.count("\n") != len(names) - 1:  # \d matches non-ASCII digits too; a
+        return masked_digits(names)  # name holding a newline would split apart: the plain way
+    return _RUN_START.sub("#", joined).split("\n")
 
 
 def _first_names(names: list[str], templates: list, dtypes: list[str], flags: list[bool], groups: dict) -> dict[tuple, str]:

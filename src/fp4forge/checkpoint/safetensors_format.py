@@ -10,10 +10,11 @@ from __future__ import annotations
 import gc
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from itertools import chain
+from itertools import accumulate, chain, repeat
 from operator import itemgetter, sub
 from typing import NamedTuple
 
@@ -185,6 +186,15 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise HeaderError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})", file=source) from None
+    compact = parse_compact_header(text, raw)
+    if compact is not None:
+        columns, metadata = compact
+        return ShardHeader(source=source, header_len=len(raw) if header_len is None else header_len, metadata=metadata, columns=columns)
+    return _parse_header_json(text, source=source, header_len=len(raw) if header_len is None else header_len)
+
+
+def _parse_header_json(text: str, *, source: str, header_len: int) -> ShardHeader:
+    """The general path (any valid JSON layout), and the one that names every error."""
     try:
         doc = load_json(text)
     except JsonTextError as exc:
@@ -212,12 +222,7 @@ def parse_header(raw: bytes, *, source: str, header_len: int | None = None) -> S
         _check_tiling(tensors, source)
         infos = list(tensors.values())
         columns = HeaderColumns(list(tensors), [i.dtype for i in infos], [i.shape for i in infos], [i.begin for i in infos], [i.end for i in infos])
-    return ShardHeader(
-        source=source,
-        header_len=len(raw) if header_len is None else header_len,
-        metadata=dict(metadata_raw),
-        columns=columns,
-    )
+    return ShardHeader(source=source, header_len=header_len, metadata=dict(metadata_raw), columns=columns)
 
 
 def _string_count(text: str) -> int:
@@ -295,6 +300,108 @@ def _columns_fast(doc: dict, text: str | None = None) -> HeaderColumns | None:
     return HeaderColumns(names, dtypes, shapes, begins, ends)
 
 
+# -- the compact layout every safetensors writer emits, parsed in C-level passes ------------------
+# `{"__metadata__":{"k":"v",...},"name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},...}`
+# (no whitespace, keys in this order, strings without escapes, tensors stored in offset order),
+# then spaces up to a multiple of 8. The text is split at its quotes (with no backslash, every
+# quote opens or closes a string), each entry's fixed pieces are counted in place, the offsets
+# are worked out from the dtypes and shapes (back to back from 0), and their text, rebuilt, must
+# equal the stored text: only then is the header taken, and it is exactly what the JSON path
+# would make of it. Anything else returns None and the JSON path decides (and names the error).
+_COUNT_TEXT = r"(?:0|[1-9][0-9]*)"  # a non-negative JSON integer (no sign, no leading zero)
+_SHAPE_TEXT = re.compile(rf":\[((?:{_COUNT_TEXT}(?:,{_COUNT_TEXT})*)?)\],")
+_STRING_CHARS = r'[^"\\\x00-\x1f]*'  # a JSON string's characters without escapes
+_COMPACT_METADATA = re.compile(rf'\{{"__metadata__":\{{((?:"{_STRING_CHARS}":"{_STRING_CHARS}",)*"{_STRING_CHARS}":"{_STRING_CHARS}")?\}},')
+_METADATA_PAIR = re.compile(rf'"({_STRING_CHARS})":"({_STRING_CHARS})"')
+_CONTROL_BYTES = bytes(range(0x20))  # not allowed raw in a JSON string; the compact layout has none outside
+
+
+class _Kinds(dict):
+    """(dtype text, shape text ``:[2,3],``) -> (dtype, shape, bytes spanned); worked out once per
+    distinct pair and kept for the process (a checkpoint's 10^5 entries have ~10^2 of them),
+    KeyError when either is not valid or the span is not a whole number of bytes."""
+
+    def __missing__(self, key: tuple[str, str]) -> tuple[str, tuple[int, ...], int]:
+        dtype_text, shape_text = key
+        found = _SHAPE_TEXT.fullmatch(shape_text)
+        if found is None:
+            raise KeyError(key)
+        dtype = _DTYPE_NAMES[dtype_text]
+        shape = tuple(map(int, found[1].split(","))) if found[1] else ()  # ValueError past int()'s digit limit
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if bits % 8:
+            raise KeyError(key)
+        if len(self) >= _KINDS_KEPT:
+            self.clear()
+        kind = self[key] = (dtype, shape, bits >> 3)
+        return kind
+
+
+_KINDS_KEPT = 1 << 14
+_KINDS = _Kinds()
+
+
+def parse_compact_header(text: str, raw: bytes | None = None) -> tuple[HeaderColumns, dict[str, str]] | None:
+    """A header in the compact layout -> (columns, metadata), exactly as the JSON path parses it;
+    None for anything else. ``raw``: the same text as UTF-8 bytes, when the caller has them."""
+    if "\\" in text:
+        return None
+    if raw is None:
+        raw = text.encode("utf-8")
+    if len(raw.translate(None, _CONTROL_BYTES)) != len(raw):
+        return None
+    body = text.rstrip(" ")
+    metadata: dict[str, str] = {}
+    if not body.endswith("]}}"):
+        return None
+    if body.startswith('{"__metadata__":'):
+        found = _COMPACT_METADATA.match(body)
+        if found is None:
+            return None
+        pairs = _METADATA_PAIR.findall(found[1]) if found[1] else []
+        metadata = dict(pairs)
+        if len(metadata) != len(pairs):
+            return None  # a duplicate key
+        body = body[found.end() : -1]
+    elif body.startswith('{"'):
+        body = body[1:-1]
+    else:
+        return None
+    # body: "name":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},"name2":{...}...]}
+    tokens = body.split('"')
+    count, rest = divmod(len(tokens) - 1, 10)
+    if rest or not count or tokens[0]:
+        return None
+    if (
+        tokens[2::10].count(":{") != count
+        or tokens[3::10].count("dtype") != count
+        or tokens[4::10].count(":") != count
+        or tokens[6::10].count(",") != count
+        or tokens[7::10].count("shape") != count
+        or tokens[9::10].count("data_offsets") != count
+    ):
+        return None
+    names = tokens[1::10]
+    try:
+        kinds = list(map(_KINDS.__getitem__, zip(tokens[5::10], tokens[8::10])))
+    except (KeyError, ValueError):
+        return None
+    ends = list(accumulate(map(itemgetter(2), kinds)))
+    begins = [0, *ends[:-1]]
+    try:
+        end_texts = list(map(str, ends))
+    except ValueError:  # an end past int -> str's digit limit (shapes whose product is that large)
+        return None
+    # The stored offsets' text, entry by entry (no entry's text holds a newline), must be these.
+    expected = "".join(chain.from_iterable(zip(chain(("0",), end_texts), repeat(","), end_texts, repeat("]},\n:["))))
+    if "\n".join(tokens[10::10]) != ":[" + expected[: -len(",\n:[")]:
+        return None
+    distinct = set(names)
+    if len(distinct) != count or "__metadata__" in distinct:
+        return None
+    return HeaderColumns(names, list(map(itemgetter(0), kinds)), list(map(itemgetter(1), kinds)), begins, ends), metadata
+
+
 _DTYPE_NAMES = {dtype: dtype for dtype in DTYPE_BITS}  # JSON makes nothing but a string equal to one
 _new_info = partial(tuple.__new__, TensorInfo)  # TensorInfo from one 5-tuple, without a Python-level call
 
@@ -322,11 +429,20 @@ def _parse_entry(name: str, entry: object, source: str) -> TensorInfo:
         raise HeaderError(f"{dtype}{shape} is not a whole number of bytes", file=source, tensor=name)
     if end - begin != bits // 8:
         raise OffsetError(
-            f"byte range {begin}..{end} holds {end - begin} bytes but {dtype}{shape} needs {bits // 8}",
+            f"byte range {begin}..{end} holds {end - begin} bytes but {dtype}{shape} needs {_decimal(bits // 8)}",
             file=source,
             tensor=name,
         )
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
+
+
+def _decimal(count: int) -> str:
+    """A count in decimal, or a bound for one past int -> str's digit limit (a hostile shape's
+    product can be; its dimensions each were within it)."""
+    try:
+        return str(count)
+    except ValueError:
+        return f"more than 10^{int(count.bit_length() * 0.30103)}"
 
 
 def _by_offsets(info: TensorInfo) -> tuple[int, int]:
