@@ -65,6 +65,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # (one step at a negligible learning rate) for the floor.
     "fit-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"tokenizer": "corpus"}),
     "long-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"session_turns": (8, 16)}),
+    # Longer sessions with the suite's restraint kinds as a larger share: does the model keep the
+    # restraint points the untrained model collects while it learns tool choice?
+    "long-mixR-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"session_turns": (8, 16), "family_weights": MIX_RESTRAINT}),
     "fit-long-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"tokenizer": "corpus", "session_turns": (8, 16)}),
     "untrained-fit": ({"steps": 1, "lr": 1e-12, "router_bias_rate": 0.0}, {"tokenizer": "corpus"}),
 }
