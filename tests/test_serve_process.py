@@ -130,3 +130,35 @@ def test_ctrl_c_while_waiting_stops_the_server_and_its_record(vllm_venv: Path, t
     assert not _alive(record.pid)
     with pytest.raises(ProcessLookupError):
         os.killpg(record.pid, 0)  # the whole group is gone, not only its leader
+
+
+def test_ctrl_c_right_after_the_record_is_written_stops_the_server(tiny_laguna_dense_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A Ctrl-C that lands between writing the record and waiting for readiness (while the log
+    doctor is built) must still stop the server's group and drop its record: a stand-in server
+    (`sleep` in its own session) replaces vLLM, and the doctor's constructor raises the interrupt."""
+    import subprocess
+
+    from fp4forge.serve import process
+    from fp4forge.serve.launcher import VllmServer
+
+    started: list[subprocess.Popen] = []
+
+    def fake_launch(model, *, venv, served_model_name, log_path, port, extra_args, env):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        started.append(proc)
+        return VllmServer(proc, 1, served_model_name, Path(model), log_path, ["sleep", "60"], {})
+
+    def interrupted_doctor():
+        assert read_records(state), "the record is written before the doctor is built"
+        raise KeyboardInterrupt
+
+    state = tmp_path / "state"
+    monkeypatch.setattr(process, "launch_vllm", fake_launch)
+    monkeypatch.setattr(process, "LogDoctor", interrupted_doctor)
+    with pytest.raises(KeyboardInterrupt):
+        serve_up(tiny_laguna_dense_dir, venv=tmp_path / "no-venv", name="cancelled", vllm_version="0.32.0", directory=state)
+    (proc,) = started
+    assert proc.wait(timeout=30) is not None  # stopped, and reaped
+    assert read_records(state) == []

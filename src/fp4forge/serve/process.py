@@ -185,12 +185,14 @@ def serve_up(
         model, venv=venv, served_model_name=name, log_path=log_path, port=port, extra_args=args, env={**rec.env, **(env or {})}
     )
     record = ServeRecord(name, server.pid, server.port, str(model), str(log_path), server.command, time.time(), server.env)
-    write_record(directory, record)
-    doctor = LogDoctor()
-    follower = _LogFollower(log_path, doctor, on_finding, on_line)
+    # From here on a Ctrl-C (or any failure) must stop the server and drop its record, including one
+    # that lands between writing the record and waiting (building the doctor takes milliseconds).
     try:
+        write_record(directory, record)
+        doctor = LogDoctor()
+        follower = _LogFollower(log_path, doctor, on_finding, on_line)
         _wait_ready(server, record, follower, doctor, ready_timeout_s)
-    except BaseException:  # not ready, or Ctrl-C while waiting: the server must not be orphaned
+    except BaseException:  # not ready, or Ctrl-C while starting: the server must not be orphaned
         stop_group(server.pid)
         _record_path(directory, name).unlink(missing_ok=True)
         raise
