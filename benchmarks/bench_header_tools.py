@@ -80,7 +80,6 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     fp4forge = str(Path(sys.executable).parent / "fp4forge")
-    rows = []
     for layout_format in ("modelopt", "compressed-tensors"):
         ckpt = build_sparse_quantized(layout_format, OUT / f"laguna-s-2.1-like-nvfp4-{layout_format}")
         shards = sorted(ckpt.glob("*.safetensors"))

@@ -12,8 +12,8 @@ reader's error propagates (exit code 2).
 from __future__ import annotations
 
 import stat
-from itertools import chain, repeat
-from operator import eq, itemgetter, sub
+from itertools import repeat
+from operator import eq
 from pathlib import Path
 
 import statistics
@@ -114,8 +114,9 @@ def _size_differs(ckpt: Checkpoint, shard: str) -> bool:
 
 def index_issues(ckpt: Checkpoint) -> list[Issue]:
     if _index_agrees(ckpt):  # the usual case, settled with C-level passes over 10^5 names
-        infos = list(chain.from_iterable(header.tensors.values() for header in ckpt.headers.values()))
-        return _total_size_issues(ckpt, sum(map(sub, map(itemgetter(4), infos), map(itemgetter(3), infos))))  # end - begin
+        # the sum of (end - begin) over every entry, from the columns (each name once, as in
+        # ``tensors``: both header parsers build them from distinct names), with no list of entries
+        return _total_size_issues(ckpt, sum(sum(header.columns.ends) - sum(header.columns.begins) for header in ckpt.headers.values()))
     return _index_issues_one_by_one(ckpt)
 
 

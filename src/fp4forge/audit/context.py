@@ -43,6 +43,8 @@ WEIGHT_SUFFIXES = ("weight", "weight_packed")
 SCALE_KINDS = ("weight_scale", "weight_global_scale", "input_scale", "input_global_scale")
 SMALL_SCALE_MAX_ELEMENTS = 1 << 16
 _SCALE_KIND_SET = frozenset(SCALE_KINDS)
+# A numbered or named back-reference: group numbers shift when patterns are joined into one.
+_BACKREFERENCE = re.compile(r"\\[1-9]|\(\?P=")
 
 
 def modules_noun(component: str) -> str:
@@ -175,7 +177,19 @@ class AuditContext:
         lm_head, and the modules the layout lists (``unquantized``)."""
         if self.layout is None:
             return set()
-        return {m for m, c in self.linear_modules.items() if c in ("router", "lm_head") or self.layout.is_engine_unquantized(m)}
+        linears = self.linear_modules
+        out = {m for m, c in linears.items() if c in ("router", "lm_head")}
+        patterns = self.layout.unquantized
+        if not patterns:
+            return out
+        either = None
+        if len({p.flags for p in patterns}) == 1 and not any(_BACKREFERENCE.search(p.pattern) for p in patterns):
+            try:  # one alternation matched at the start is any one pattern matched there: one C call per module
+                either = re.compile("|".join(f"(?:{p.pattern})" for p in patterns), patterns[0].flags)
+            except re.error:  # (e.g. an inline global flag, valid only at the start of a whole pattern)
+                either = None
+        out.update(filter(either.match, linears) if either is not None else filter(self.layout.is_engine_unquantized, linears))
+        return out
 
     def linear_shape(self, module: str) -> tuple[int, int] | None:
         """[out, in] of a Linear: from the architecture, else from the stored weight."""
@@ -199,35 +213,36 @@ class AuditContext:
         """Per-tensor and per-channel scales: read even without --deep. Block scales (NVFP4's F8
         per 16 values, MXFP4's U8 exponents, block-wise FP8's 2-D weight_scale_inv) are not:
         together they are megabytes, read with the weights by --deep."""
+        return self._small_scales[0]
+
+    @cached_property
+    def _small_scales(self) -> tuple[list[str], list[str], list[tuple[str, TensorInfo]]]:
+        """(small_scales, the one-element ones among them, their (shard, entry)): one pass."""
         names = []
-        small: dict[tuple, bool] = {}  # (kind, dtype, shape) -> read: 10^5 scales, a few signatures
+        single_names = []
+        single_entries = []
+        small: dict[tuple, tuple[bool, bool]] = {}  # (kind, dtype, shape) -> (read, one element): 10^5 scales, a few signatures
         scale_kinds = _SCALE_KIND_SET
         # roles holds the names of tensors in the same order: one pass, no lookups
-        for (name, (_, _, kind)), (_, info) in zip(self.roles.items(), self.tensors.values()):
+        for (name, (_, _, kind)), entry in zip(self.roles.items(), self.tensors.values()):
             if kind in scale_kinds:
+                info = entry[1]
                 signature = (kind, info.dtype, info.shape)
                 read = small.get(signature)
                 if read is None:
-                    read = small[signature] = info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info)
-                if read:
+                    read = small[signature] = (info.numel <= SMALL_SCALE_MAX_ELEMENTS and not is_block_scale(kind, info), math.prod(info.shape) == 1)
+                if read[0]:
                     names.append(name)
-        return names
+                    if read[1]:
+                        single_names.append(name)
+                        single_entries.append(entry)
+        return names, single_names, single_entries
 
     @cached_property
     def scalar_scales(self) -> dict[str, float]:
         """name -> value of every one-element small scale (10^5 in a large MoE), in small_scales
         order: read in coalesced ranges and decoded in one call per dtype, with no array per name."""
-        tensors = self.tensors
-        one: dict[tuple[int, ...], bool] = {}  # shape -> one element: a few shapes
-        names = []
-        for name in self.small_scales:
-            shape = tensors[name][1].shape
-            single = one.get(shape)
-            if single is None:
-                single = one[shape] = math.prod(shape) == 1
-            if single:
-                names.append(name)
-        entries = [tensors[n] for n in names]
+        _, names, entries = self._small_scales
         blobs = read_many_small(self.ckpt, entries)
         dtypes = list(map(itemgetter(1), map(itemgetter(1), entries)))  # TensorInfo.dtype
         by_dtype: dict[str, tuple[list[str], list[bytes]]] = {}

@@ -474,6 +474,8 @@ class NameSet:
         self._by_ancestor: dict[str, list[str]] | None = None
         self._joined: str | None = None
         self._starts: list[int] = []
+        self._scans = 0  # full scans so far: the layer buckets are built after LAYER_BUCKETS_AFTER
+        self._buckets: dict[str | None, tuple[list[int], str, list[int]]] | None = None
 
     @property
     def by_ancestor(self) -> dict[str, list[str]]:
@@ -482,20 +484,30 @@ class NameSet:
         return self._by_ancestor
 
     def containing(self, text: str) -> list[str]:
-        """Names holding ``text`` as a substring, by one scan of all names joined."""
-        if self._joined is None:
-            self._joined = "\n".join(self.names)
-            position = 0
-            for name in self.names:
-                self._starts.append(position)
-                position += len(name) + 1
-        out: list[str] = []
-        at = self._joined.find(text)
-        while at >= 0:
-            index = bisect.bisect_right(self._starts, at) - 1
-            out.append(self.names[index])
-            at = self._joined.find(text, self._starts[index + 1] if index + 1 < len(self._starts) else len(self._joined))
-        return out
+        """Names holding ``text`` as a substring, in ``names`` order.
+
+        By one scan of all names joined; once many texts have been looked up (ModelOpt's
+        exclude_modules lists hundreds, one or more per layer), a text holding a layer index
+        (``layers.<digits>.``) scans only the names with that one layer index (see
+        ``_layer_buckets``) and the names with no single ``layers.`` (which could hold it anywhere)."""
+        key = None
+        if self._buckets is None and self._scans >= LAYER_BUCKETS_AFTER:
+            self._buckets = _layer_buckets(self.names)
+        if self._buckets is not None and "\n" not in text:  # (a newline may match across two joined names)
+            found = _LAYER_KEY.search(text)
+            key = found.group(1) if found is not None else None
+        if key is None:
+            self._scans += 1
+            if self._joined is None:
+                self._joined, self._starts = _joined_with_starts(self.names)
+            return [self.names[i] for i in _positions_holding(self._joined, self._starts, text)]
+        hits: list[int] = []
+        for bucket in (key, None):
+            members = self._buckets.get(bucket)
+            if members is not None:
+                indices, joined, starts = members
+                hits += [indices[i] for i in _positions_holding(joined, starts, text)]
+        return [self.names[i] for i in sorted(hits)]
 
     def matching(self, pattern: str, match: Callable[[str, str], bool]) -> list[str]:
         if pattern in (LINEAR_CLASS_TARGET, "*"):
@@ -518,6 +530,59 @@ class NameSet:
             wildcard = re.compile(fnmatch.translate(pattern))
             return [m for m in self.names if any(wildcard.match(prefix) for prefix in _self_and_parents(m))]
         return [m for m in self.names if match(pattern, m)]
+
+
+LAYER_BUCKETS_AFTER = 64  # full scans first: building the buckets costs about as much as 60-70 full scans (measured)
+# A layer index in a name: "layers." and a whole run of digits followed by a dot.
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.")
+
+
+def _joined_with_starts(names: list[str]) -> tuple[str, list[int]]:
+    """The names joined by newlines, and where each one starts."""
+    starts = []
+    position = 0
+    for name in names:
+        starts.append(position)
+        position += len(name) + 1
+    return "\n".join(names), starts
+
+
+def _positions_holding(joined: str, starts: list[int], text: str) -> list[int]:
+    """Positions (in the joined list) of the names holding ``text``, one scan of ``joined``. A text
+    holding a newline may match across two names: the name it starts in is reported, as before.
+    (The scan stops after the last name: ``find`` of an empty text past the end still answers the
+    end, which made an empty exclude entry loop forever.)"""
+    out: list[int] = []
+    at = joined.find(text)
+    while at >= 0:
+        index = bisect.bisect_right(starts, at) - 1
+        out.append(index)
+        if index + 1 >= len(starts):
+            break
+        at = joined.find(text, starts[index + 1])
+    return out
+
+
+def _layer_buckets(names: list[str]) -> dict[str | None, tuple[list[int], str, list[int]]]:
+    """Names by layer index: a name holding "layers." exactly once, followed by a digit run and a
+    dot, goes under that run; every other name under None. A text holding ``layers.K.`` (K a whole
+    digit run) can only be a substring of a name under K or under None: a name with one "layers."
+    holding the text holds "layers.K." at that one place, so its run there is K."""
+    grouped: dict[str | None, list[int]] = {}
+    search = _LAYER_KEY.match
+    for i, name in enumerate(names):
+        at = name.find("layers.")
+        key = None
+        if at >= 0 and name.find("layers.", at + 1) < 0:
+            found = search(name, at)
+            if found is not None:
+                key = found.group(1)
+        members = grouped.get(key)
+        if members is None:
+            grouped[key] = [i]
+        else:
+            members.append(i)
+    return {key: (indices, *_joined_with_starts([names[i] for i in indices])) for key, indices in grouped.items()}
 
 
 def _by_ancestor(linears: list[str]) -> dict[str, list[str]]:
