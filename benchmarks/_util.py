@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,19 +25,36 @@ class RunStats:
     stderr: bytes = b""
 
 
+# Runs the command as its own child and reports that child's wall time, peak RSS and CPU time.
+# Why a separate small process: on Linux a child's ru_maxrss starts from the RSS of the process that
+# forked it (the high-water mark of the old address space is carried over at exec), so measured
+# straight from a benchmark that holds hundreds of MiB, every command "peaked" at least that high.
+_SPAWNER = """
+import json, os, subprocess, sys, time
+start = time.perf_counter()
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+wall = time.perf_counter() - start
+with open(sys.argv[1], "w") as f:
+    json.dump({"wall_s": wall, "maxrss_kib": usage.ru_maxrss, "cpu_s": usage.ru_utime + usage.ru_stime,
+               "returncode": os.waitstatus_to_exitcode(status)}, f)
+"""
+
+
 def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> RunStats:
-    """Wall time, peak RSS and CPU time (ru_maxrss, ru_utime + ru_stime of this one child, via
-    wait4). stderr goes to a temporary file, so a chatty child cannot block on a full pipe."""
-    with tempfile.TemporaryFile() as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, env=env)
+    """Wall time, peak RSS and CPU time (ru_maxrss, ru_utime + ru_stime) of ``cmd`` alone, measured
+    by a small spawner process around it (see _SPAWNER). stderr goes to a temporary file, so a
+    chatty child cannot block on a full pipe."""
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r", suffix=".json") as report:
+        proc = subprocess.Popen([sys.executable, "-c", _SPAWNER, report.name, *cmd], stdout=subprocess.PIPE, stderr=err, env=env)
         stdout = proc.stdout.read()
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.wait()
         err.seek(0)
         stderr = err.read()
-    return RunStats(wall, usage.ru_maxrss / 1024, proc.returncode, stdout, usage.ru_utime + usage.ru_stime, stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the measuring spawner failed ({proc.returncode}): {stderr.decode(errors='replace')[-2000:]}")
+        measured = json.load(report)
+    return RunStats(measured["wall_s"], measured["maxrss_kib"] / 1024, measured["returncode"], stdout, measured["cpu_s"], stderr)
 
 
 def summarize(values: list[float]) -> str:
