@@ -147,3 +147,32 @@ def test_export_says_which_kernel_ran_and_writes_the_same_shards(monkeypatch, tm
     assert shards(tmp_path / "fast") and shards(tmp_path / "fast") == shards(tmp_path / "slow")
     for key, entry in slow.weight_error["by_component"].items():
         assert math.isclose(fast.weight_error["by_component"][key]["mean"], entry["mean"], rel_tol=SUM_RTOL)
+
+
+def test_self_check_refuses_a_kernel_whose_sums_or_bytes_are_wrong(monkeypatch):
+    # GCC 12's auto-vectoriser once built this kernel with error sums an eighth of the truth (bytes
+    # right): the load-time self-check must catch such a build and the export fall back to eager.
+    import ctypes
+
+    assert nvfp4_kernel.kernel_status().available
+    real = nvfp4_kernel._LIB
+
+    class Corrupt:
+        def __init__(self, what: str) -> None:
+            self.what = what
+
+        def fp4forge_nvfp4_minmax_bf16(self, w, n, convention, g, g6, packed, scales, sums):
+            irregular = real.fp4forge_nvfp4_minmax_bf16(w, n, convention, g, g6, packed, scales, sums)
+            if self.what == "sums":
+                sums[1] *= 0.125
+            else:
+                ctypes.c_uint8.from_address(packed).value ^= 1
+            return irregular
+
+    assert nvfp4_kernel.self_check(real) is None
+    assert "ref_sq" in nvfp4_kernel.self_check(Corrupt("sums"))
+    assert "different bytes" in nvfp4_kernel.self_check(Corrupt("bytes"))
+    monkeypatch.setattr(nvfp4_kernel, "self_check", lambda lib: "compressed-tensors: ref_sq 1 against 8")
+    nvfp4_kernel.reset()
+    status = nvfp4_kernel.kernel_status()
+    assert status.name == "eager" and "self-check" in status.detail and "ref_sq 1 against 8" in status.detail

@@ -376,13 +376,28 @@ def nvfp4_quantize(
         fast = kernel_minmax(w, convention, global_amax, global_scale, fp8_max, error=False)
         if fast is not None:
             return fast[0]
+    return _eager_quantize(w, convention, global_amax, global_scale, block_scale, fp8_max, error=False)[0]
+
+
+def _eager_quantize(
+    w: Tensor, convention: Convention, global_amax: Tensor | float | None, global_scale: Tensor | None,
+    block_scale: Tensor | None, fp8_max: float, *, error: bool,
+) -> tuple[Nvfp4Weight, float, float]:
+    """nvfp4_quantize's torch path (min-max block scales unless given), with error sums on request."""
     blocks = _blocks(w)
     amax_blk = block_absmax(blocks)
     _check_finite(amax_blk)
     g = _resolve_scalar(w, amax_blk, convention, global_amax, global_scale, fp8_max)
     if block_scale is None:
         block_scale = _finish_block_scales(nvfp4_raw_block_scales(amax_blk, g, convention), convention)
-    return _quantize_blocks(blocks, block_scale, g, convention, error=False)[0]
+    return _quantize_blocks(blocks, block_scale, g, convention, error=error)
+
+
+def eager_minmax(w: Tensor, convention: Convention = "compressed-tensors") -> tuple[Nvfp4Weight, float, float]:
+    """Min-max NVFP4 of ``w`` by the eager torch path alone (never the kernel), with its error sums
+    (err_sq, ref_sq): the reference the compiled kernel is held to."""
+    _check_convention(convention)
+    return _eager_quantize(w, convention, None, None, None, FP8_E4M3_MAX, error=True)
 
 
 def kernel_minmax(

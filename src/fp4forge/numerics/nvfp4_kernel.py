@@ -34,7 +34,12 @@ __all__ = ["KernelStatus", "kernel_status", "minmax_bf16", "absmax_bf16", "usabl
 
 _SOURCE = Path(__file__).with_name("nvfp4_minmax.c")
 # -ffp-contract=off: no fused multiply-add (the eager path rounds every product); no -ffast-math.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
+# -fno-tree-vectorize: the AVX2 intrinsics carry the vector work. GCC 12's auto-vectoriser with
+# -march=native on an AVX-512 AMD EPYC turned the error-sum lanes wrong (ref_sq an eighth of the
+# true sum; the bytes right); the export is as fast without it (benchmarks/RESULTS.md).
+_FLAGS = ["-O3", "-march=native", "-fno-tree-vectorize", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
+# The error sums may differ from the eager path's by summation order only (tests/test_nvfp4_kernel.py).
+SELF_CHECK_RTOL = 1e-5
 ENV_SWITCH = "FP4FORGE_KERNEL"  # "eager" disables the kernel
 
 
@@ -106,7 +111,33 @@ def _build() -> tuple[ctypes.CDLL | None, KernelStatus]:
     lib.fp4forge_nvfp4_minmax_bf16.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ]
+    problem = self_check(lib)
+    if problem is not None:
+        return None, KernelStatus("eager", f"the compiled kernel disagreed with the eager path on its self-check ({problem}); {compiler} {' '.join(_FLAGS)}")
     return lib, KernelStatus("c", str(target))
+
+
+def self_check(lib: ctypes.CDLL) -> str | None:
+    """Run the loaded kernel against the eager path on a fixed input that takes both its 8-block
+    and its one-block loops, both conventions, with error sums: None if bytes and sums agree, else
+    what differs. A compiler that builds the kernel wrong (it happened: see _FLAGS) then costs
+    speed, not correctness."""
+    from fp4forge.numerics.nvfp4 import eager_minmax  # (nvfp4 imports this module)
+
+    generator = torch.Generator().manual_seed(0x5EED)
+    w = torch.randn(3, 19 * 16, generator=generator).to(torch.bfloat16)  # 19 blocks a row: 2 x 8 + 3
+    for convention in ("compressed-tensors", "modelopt"):
+        expected, err_sq, ref_sq = eager_minmax(w, convention)
+        got = _minmax(lib, w, convention, expected.global_scale, True)
+        if got is None:
+            return f"{convention}: the kernel refused a regular input"
+        packed, block_scale, kernel_err, kernel_ref = got
+        if not torch.equal(packed, expected.packed) or not torch.equal(block_scale.view(torch.uint8), expected.block_scale.view(torch.uint8)):
+            return f"{convention}: different bytes"
+        for name, a, b in (("err_sq", kernel_err, err_sq), ("ref_sq", kernel_ref, ref_sq)):
+            if abs(a - b) > SELF_CHECK_RTOL * abs(b):
+                return f"{convention}: {name} {a:.6g} against {b:.6g}"
+    return None
 
 
 def kernel_status() -> KernelStatus:
@@ -153,6 +184,10 @@ def minmax_bf16(w: Tensor, convention: str, scalar: Tensor, error: bool) -> tupl
     convention's per-tensor ``scalar`` (CT ``weight_global_scale`` / ModelOpt ``weight_scale_2``).
     None when some block's step is zero or not finite: the caller takes the general path."""
     assert _LIB is not None
+    return _minmax(_LIB, w, convention, scalar, error)
+
+
+def _minmax(lib: ctypes.CDLL, w: Tensor, convention: str, scalar: Tensor, error: bool) -> tuple[Tensor, Tensor, float, float] | None:
     g = scalar.to(torch.float32).reshape(())
     # ModelOpt's divisor 6 * scale_2, computed by torch exactly as the eager path does
     g6 = (6.0 * g).reshape(()) if convention == "modelopt" else g
@@ -160,7 +195,7 @@ def minmax_bf16(w: Tensor, convention: str, scalar: Tensor, error: bool) -> tupl
     packed = torch.empty((*w.shape[:-1], w.shape[-1] // 2), dtype=torch.uint8)
     scales = torch.empty((*w.shape[:-1], w.shape[-1] // 16), dtype=torch.uint8)
     sums = (ctypes.c_double * 2)(0.0, 0.0)
-    irregular = _LIB.fp4forge_nvfp4_minmax_bf16(
+    irregular = lib.fp4forge_nvfp4_minmax_bf16(
         w.data_ptr(), n_blocks, 0 if convention == "compressed-tensors" else 1, float(g), float(g6),
         packed.data_ptr(), scales.data_ptr(), sums if error else None,
     )
