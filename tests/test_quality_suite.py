@@ -19,6 +19,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from fp4forge.errors import ConfigError
 from fp4forge.cli.quality import register
 from fp4forge.quality.suite import Scenario, Suite, load_suite
 from fp4forge.quality.report import ReportError, compare_document
@@ -134,6 +135,7 @@ class FakeAgent:
         self.degrade, self.flaky, self.fail, self.garbage = set(degrade), set(flaky), set(fail), set(garbage)
         self.visits: Counter[str] = Counter()
         self.requests = 0
+        self.seeds: list[tuple[Any, Any]] = []  # (temperature, seed) of every chat request, in order
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -145,6 +147,7 @@ class FakeAgent:
             return httpx.Response(200, json={"version": "fake-1"})
         body = json.loads(request.content)
         self.requests += 1
+        self.seeds.append((body.get("temperature"), body.get("seed")))
         scenario = self.scenario_of(body["messages"])
         opening = sum(1 for m in scenario.messages if m["role"] == "assistant")
         step_index = sum(1 for m in body["messages"] if m["role"] == "assistant") - opening
@@ -233,6 +236,25 @@ def test_oracle_agent_earns_every_point_and_transcripts_rescore_identically(suit
     assert transfer["turns"][0]["tool_results"][0]["result"]["balance"] == 1450.0
     assert transfer["final_state"]["accounts"]["ACC-CHK-01"]["balance"] == 520.0
     assert [m["role"] for m in transfer["messages"]] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+
+
+def test_sampled_runs_each_send_their_own_seed_greedy_runs_one(suite: Suite, tmp_path: Path) -> None:
+    # With one seed for every sampled run, a server honouring per-request seeds replays the same
+    # samples and the A/A floor reads zero: each sampled run must send its own seed.
+    only = list(suite.scenarios[:3])
+    per_run = sum(len(s.steps) for s in only)
+    sampled = FakeAgent(suite)
+    with httpx.Client(transport=sampled.transport()) as client:
+        paths = run_suite(RunConfig(base_url="http://fake/v1", model="fake", runs=3, temperature=0.7, seed=10), suite, tmp_path / "t07",
+                          scenarios=only, client=client)
+    assert [sorted(set(sampled.seeds[k * per_run:(k + 1) * per_run])) for k in range(3)] == [[(0.7, 10)], [(0.7, 11)], [(0.7, 12)]]
+    assert [read_transcript(p)[0]["request"]["seed"] for p in paths] == [10, 11, 12]
+    greedy = FakeAgent(suite)
+    with httpx.Client(transport=greedy.transport()) as client:
+        run_suite(RunConfig(base_url="http://fake/v1", model="fake", runs=2, seed=10), suite, tmp_path / "t0", scenarios=only, client=client)
+    assert set(greedy.seeds) == {(0.0, 10)} and len(greedy.seeds) == 2 * per_run
+    with pytest.raises(ConfigError, match="temperature"):
+        RunConfig(base_url="http://fake/v1", model="fake", temperature=-0.1)
 
 
 def test_concurrency_does_not_change_scores(suite: Suite, tmp_path: Path) -> None:

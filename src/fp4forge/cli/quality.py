@@ -2,7 +2,7 @@
 
     fp4forge quality list [--json] [--markdown] [--category C]
     fp4forge quality run --url URL --model NAME --out DIR [--arm A] [--runs 2] [--max-tokens 512]
-                         [--seed 0] [--concurrency 1] [--system-prefix TEXT] [--chat-template-kwargs JSON]
+                         [--seed 0] [--temperature 0] [--concurrency 1] [--system-prefix TEXT] [--chat-template-kwargs JSON]
                          [--only ID,ID] [--category C,C] [--no-stream] [--allow-unreadable] [--json]
     fp4forge quality score TRANSCRIPT.jsonl... [--out DIR] [--json] [--markdown] [--allow-unreadable]
     fp4forge quality compare RUNS_A... -- RUNS_B... [--out DIR] [--json] [--markdown] [--no-plots]
@@ -130,7 +130,10 @@ def run_command(
     arm: str = typer.Option("A", "--arm", help="Arm label, used in file names and reports."),
     runs: int = typer.Option(1, "--runs", min=1, help="Runs of the whole suite; 2+ gives this arm's noise floor."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Request seed; sampled runs use seed, seed + 1, ... run by run."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 (default): greedy, the measurement protocol. Above 0: sampled "
+                                      "runs, each with its own seed, so --runs 2+ measures how much the arm moves between samples "
+                                      "(vLLM CPU 0.32: serve with --no-enable-chunked-prefill, or a seeded request kills the engine)."),
     concurrency: int = typer.Option(1, "--concurrency", min=1, help="Scenarios in flight; 1 (default) keeps batches of one."),
     timeout_s: float = typer.Option(600.0, "--timeout", help="Per request, seconds."),
     system_prefix: Optional[str] = typer.Option(None, "--system-prefix", help="Text prepended to every system prompt (a request variant)."),
@@ -157,7 +160,8 @@ def run_command(
         progress.print(f"run {run} {record['id']}: {score.get('earned', '?')}/{score.get('max', '?')}{failed}", highlight=False)
 
     try:
-        config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, concurrency=concurrency,
+        config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                           concurrency=concurrency,
                            timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs, stream=stream)
         outcome = run_and_score(config, out, only=_csv(only), categories=_csv(category), on_scenario=on_scenario, write=write_score,
                                 allow_unreadable=allow_unreadable)

@@ -4,7 +4,8 @@ One run = one file ``<arm>-run<NN>.jsonl``: a ``header`` line (suite version and
 every request parameter), one ``scenario`` line per scenario written the moment it finishes (the
 full conversation, every raw assistant message, every simulated tool result, the score), and a
 ``footer`` line with the scenario count actually written. Defaults follow the measurement
-protocol: temperature 0, concurrency 1, a fixed seed. Request failures (transport, HTTP status,
+protocol: temperature 0, concurrency 1, a fixed seed (sampled runs, temperature > 0, take seed,
+seed + 1, ... run by run: ``config_for_run``). Request failures (transport, HTTP status,
 unparseable body) are recorded in the transcript and counted, never raised; a run that writes
 fewer scenarios than the suite holds is marked incomplete and raises ``IncompleteRunError`` after
 its footer is written.
@@ -38,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,8 @@ class RunConfig:
         for option, value in (("runs", self.runs), ("max_tokens", self.max_tokens), ("concurrency", self.concurrency)):
             if value < 1:
                 raise ConfigError(f"{option.replace('_', ' ')} must be >= 1, not {value}", option=option)
+        if not (0.0 <= self.temperature <= 2.0):
+            raise ConfigError(f"temperature must be in [0, 2], not {self.temperature}", option="temperature")
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise ConfigError("chat template kwargs must be a JSON object", option="chat_template_kwargs")
 
@@ -319,8 +322,18 @@ def run_suite(
         for run in range(1, config.runs + 1):
             path = transcript_path(out_dir, config.arm, run)
             paths.append(path)
-            _run_once(config, suite, chosen, described, post, run, path, on_scenario)
+            _run_once(config_for_run(config, run), suite, chosen, described, post, run, path, on_scenario)
         return paths
+
+
+def config_for_run(config: RunConfig, run: int) -> RunConfig:
+    """The request parameters of run ``run`` (1-based). Sampled runs (temperature > 0) get seed
+    ``seed + run - 1``: with one seed for every run, a server that honours per-request seeds would
+    replay the same samples, and the A/A noise floor would read zero for a model that is not stable
+    at all. Greedy runs keep the one seed (it does not change a greedy answer)."""
+    if config.temperature > 0 and config.seed is not None:
+        return replace(config, seed=config.seed + run - 1)
+    return config
 
 
 def _run_once(
