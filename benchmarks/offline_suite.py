@@ -11,6 +11,8 @@ and the restraint rate (scenarios whose first step expects no call: did the mode
 
     PYTHONPATH=src python benchmarks/offline_suite.py MODEL [--device cuda] [--max-new-tokens 128] [--json OUT]
     PYTHONPATH=src python benchmarks/offline_suite.py --paired A.json B.json   # per-scenario paired test of two --json results
+    PYTHONPATH=src python benchmarks/offline_suite.py MODEL --temperature 0.7 --seed 3 --json OUT   # one sampled run
+    PYTHONPATH=src python benchmarks/offline_suite.py --compare A1.json A2.json --against B1.json B2.json   # the suite's verdict
 """
 
 from __future__ import annotations
@@ -80,15 +82,20 @@ def _loads(text: Any) -> Any:
         return {}
 
 
-def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log: list[dict[str, Any]]) -> Any:
+def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log: list[dict[str, Any]], temperature: float = 0.0,
+              seed: int = 0) -> Any:
+    """Greedy at temperature 0; else sampled at ``temperature`` (no top-k/top-p, as the suite's request),
+    each request seeded by (seed, request number) so a run replays exactly."""
     stop = model.generation_config.eos_token_id
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None} if temperature > 0 else {"do_sample": False}
 
     def post(body: dict[str, Any]) -> Reply:
         prompt = tokenizer.apply_chat_template(wire_for_template(body["messages"]), tools=body["tools"], tokenize=False, add_generation_prompt=True)
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
         started = time.monotonic()
+        torch.manual_seed(seed * 1_000_003 + len(log))
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, **sampling)
         new = out[0, ids.shape[1]:].tolist()
         finished = bool(new) and new[-1] in (stop if isinstance(stop, list) else [stop])
         text = tokenizer.decode(new, skip_special_tokens=False)
@@ -110,12 +117,12 @@ def generated_one_call_scenarios(count: int, entities: str = "pools") -> list[An
 
 
 def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, limit: int | None = None, generated: int = 0,
-             entities: str = "pools") -> dict[str, Any]:
+             entities: str = "pools", temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LagunaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     scenarios = generated_one_call_scenarios(generated, entities) if generated else load_suite().scenarios
     log: list[dict[str, Any]] = []
-    post = make_post(model, tokenizer, device, max_new_tokens, log)
+    post = make_post(model, tokenizer, device, max_new_tokens, log, temperature, seed)
     config = RunConfig(base_url="http://offline.invalid", model="offline", max_tokens=max_new_tokens)
     earned = maximum = 0
     choice_hits = choice_total = restraint_hits = restraint_total = 0
@@ -137,7 +144,7 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
         per_scenario.append({"id": scenario.id, "earned": record["score"]["earned"], "max": record["score"]["max"],
                              "expected_first": [c.name for c in first.calls] if first.expect == "call" else first.expect,
                              "called_first": called, "texts": [entry["text"] for entry in log[start:]]})
-    return {"model": str(model_dir), "earned": earned, "max": maximum,
+    return {"model": str(model_dir), "temperature": temperature, "seed": seed, "earned": earned, "max": maximum,
             "tool_choice": [choice_hits, choice_total], "restraint": [restraint_hits, restraint_total],
             "turns_with_calls": sum(1 for s in per_scenario for t in s["texts"] if "<tool_call>" in t),
             "turns": len(log), "scenarios": per_scenario}
@@ -161,6 +168,23 @@ def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "mean_difference_ci95": [low, high]}
 
 
+def compare_runs(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]]) -> dict[str, Any]:
+    """The suite's own arm comparison (fp4forge.quality.stats.compare_arms: noise floor, paired tests,
+    verdict) over several --json results per arm (e.g. sampled runs with different seeds)."""
+    from fp4forge.quality.stats import compare_arms
+    from fp4forge.quality.suite import load_suite
+
+    categories = {s.id: s.category for s in load_suite().scenarios}
+    def as_run(result: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        return {s["id"]: (s["earned"], s["max"]) for s in result["scenarios"]}
+
+    result = compare_arms([as_run(r) for r in runs_a], [as_run(r) for r in runs_b], categories)
+    keep = ("points", "mean_fraction_diff", "bootstrap_ci", "sign_test", "sign_flip_p", "discordant", "verdict")
+    out = {k: result[k] for k in keep}
+    out["noise_floor"] = {arm: {k: floor[k] for k in ("total_per_run", "band_points", "max_discordant")} for arm, floor in result["noise_floor"].items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", type=Path, nargs="?")
@@ -169,15 +193,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="only the first N scenarios")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sampled")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of this run")
+    parser.add_argument("--compare", type=Path, nargs="+", metavar="A_JSON", help="arm A's --json results (one per run): the suite's verdict vs --against")
+    parser.add_argument("--against", type=Path, nargs="+", metavar="B_JSON", help="arm B's --json results, with --compare")
     parser.add_argument("--generated", type=int, default=0, help="play N held-out generated one-call scenarios instead of the suite")
     args = parser.parse_args(argv)
     if args.paired:
         print(json.dumps(paired(*(json.loads(path.read_text()) for path in args.paired)), indent=1))
         return 0
+    if args.compare or args.against:
+        if not (args.compare and args.against):
+            parser.error("--compare A.json... needs --against B.json...")
+        runs_a, runs_b = ([json.loads(path.read_text()) for path in paths] for paths in (args.compare, args.against))
+        print(json.dumps(compare_runs(runs_a, runs_b), indent=1))
+        return 0
     if args.model is None:
         parser.error("MODEL is required unless --paired")
     torch.manual_seed(0)
-    result = evaluate(args.model, args.device, args.max_new_tokens, args.limit, args.generated)
+    result = evaluate(args.model, args.device, args.max_new_tokens, args.limit, args.generated, temperature=args.temperature, seed=args.seed)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{args.model}: {result['earned']}/{result['max']} points; first-step tool choice {result['tool_choice'][0]}/{result['tool_choice'][1]};"
