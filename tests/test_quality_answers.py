@@ -169,7 +169,8 @@ def test_pipeline_summary_shows_points_of_the_maximum_and_the_refusal() -> None:
 
     suite = load_suite()
     trained, untrained = rescore_transcript(TRAINED, suite), rescore_transcript(RANDOM, suite)
-    assert _points([untrained, trained]) == "1 / 20, 3 / 20"
+    # every untrained turn was cut at max_tokens: no restraint point for a turn that never ended
+    assert _points([untrained, trained]) == "0 / 20, 3 / 20"
     assert _answers_summary(score_document([trained], suite)["answers"]) == {}
     summary = _answers_summary(score_document([untrained], suite)["answers"])
     assert summary == {"REFUSED (not scored)": "random-laguna: 4 of 4 turns unread (4 cut at max tokens, 4 reasoning only)"}

@@ -20,10 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fp4forge.errors import UnreadableAnswersError
-from fp4forge.quality.scorer import ModelTurn
+from fp4forge.quality.scorer import LENGTH_FINISH, ModelTurn
 
 UNREADABLE_SHARE = 0.5  # "mostly": more than half of the answered turns
-TRUNCATED = "length"
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class AnswerHealth:
             if turn.error is not None:
                 continue
             has_content = bool((turn.content or "").strip())
-            truncated = turn.finish_reason == TRUNCATED
+            truncated = turn.finish_reason == LENGTH_FINISH
             silent = not has_content and not turn.calls
             counts["turns"] += 1
             counts["truncated"] += truncated

@@ -16,7 +16,9 @@ Rules (also in docs/quality.md, which is the reference):
   step, never below 0); leftover expected calls are ``missing_call``.
 * **answer / ask** steps: ``points`` for making no call at all, plus the content check.
   **decline** steps: any forbidden call zeroes the step; otherwise ``points`` plus the content check;
-  calls that are not forbidden are neutral.
+  calls that are not forbidden are neutral. A turn cut at ``max_tokens`` (``finish_reason:
+  length``) earns no ``points`` on these steps (``truncated``): not calling yet is not a decision
+  not to call, so a model that only ever runs out of tokens does not collect the restraint points.
 * **State checks** compare the simulated world's end state, so another valid route earns them. A
   check with ``only_if`` ("nothing else was damaged") earns only when the named earlier check
   passed, so an agent that does nothing does not collect it.
@@ -56,6 +58,8 @@ UNEXPECTED_CALL = "unexpected_call"
 FORBIDDEN_CALL = "forbidden_call"
 CONTENT_MISMATCH = "content_mismatch"
 ENDED_EARLY = "ended_early"
+TRUNCATED = "truncated"
+LENGTH_FINISH = "length"  # the OpenAI finish_reason of a turn cut at max_tokens
 REQUEST_FAILED = "request_failed"
 STATE_MISMATCH = "state_mismatch"
 
@@ -438,15 +442,23 @@ def score_step(step: Step, index: int, turn: ModelTurn | None, tools: dict[str, 
     elif step.expect in ("answer", "ask"):
         for call in turn.calls:
             errors.append(Error(UNEXPECTED_CALL, call.name or "<empty>"))
-        earned = (0 if turn.calls else step.points) + content_points
+        earned = (0 if turn.calls or _cut_short(turn, errors) else step.points) + content_points
     else:  # decline
         hits = [call for call in turn.calls if any(is_forbidden(call, f) for f in step.forbidden)]
         for call in hits:
             errors.append(Error(FORBIDDEN_CALL, f"{call.name}({_short(call.arguments_raw)})"))
-        earned = 0 if hits else step.points + content_points
+        earned = 0 if hits else (0 if _cut_short(turn, errors) else step.points) + content_points
     for error in errors:
         error.step = index
     return StepScore(index, step.expect, earned, full, errors)
+
+
+def _cut_short(turn: ModelTurn, errors: list[Error]) -> bool:
+    """A turn that ended at max_tokens made no decision about calling: no credit for not calling."""
+    if turn.finish_reason != LENGTH_FINISH:
+        return False
+    errors.append(Error(TRUNCATED, "cut at max_tokens before the turn ended: not calling is not credited"))
+    return True
 
 
 def score_state_check(check: StateCheck, state: dict[str, Any]) -> Earned:
