@@ -225,6 +225,34 @@ def test_a_few_training_steps_are_byte_identical(small_corpus: Corpus, tmp_path:
     _assert_ships_its_own_text(first.path, small_corpus)
 
 
+def test_zero_steps_write_the_untrained_init_of_the_same_seed(small_corpus: Corpus, tmp_path: Path) -> None:
+    """--steps 0, the control arm: the init the build of that seed starts from, in bf16 as shipped,
+    with the build's tokenizer and text files; a model with a few steps differs from it."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig, LagunaForCausalLM
+
+    from fp4forge.report.training_tables import training_summary_rich
+    from fp4forge.testbed.tiny import init_model
+
+    control = train_laguna(tmp_path / "init", small_corpus.train, small_corpus.heldout, seed=1, config=replace(SMALL_CONFIG, steps=0))
+    trained = train_laguna(tmp_path / "trained", small_corpus.train, small_corpus.heldout, seed=1, config=SMALL_CONFIG)
+    # transformers' own loader reads the shards back (per-expert names on disk, fused in memory)
+    stored = LagunaForCausalLM.from_pretrained(control.path, dtype=torch.bfloat16).state_dict()
+    init = init_model(LagunaForCausalLM, AutoConfig.from_pretrained(control.path), 1).to(torch.bfloat16).state_dict()
+    assert stored.keys() == init.keys() and all(torch.equal(stored[k], init[k]) for k in init)
+    assert _weights(control.path) != _weights(trained.path)
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (control.path / name).read_bytes() == (trained.path / name).read_bytes()
+    report = control.report
+    assert report["loss_first"] is None and report["loss_last_10_mean"] is None and report["train_tokens_seen"] == 0
+    assert report["router_bias_abs_mean"] == 0.0
+    # the held-out perplexity as shipped (bf16) is the init's (fp32) up to the cast
+    assert report["heldout_perplexity"] == pytest.approx(report["untrained_heldout_perplexity"], rel=0.02)
+    _assert_ships_its_own_text(control.path, small_corpus)
+    assert training_summary_rich(report).row_count >= 5  # renders without a loss to show
+
+
 def _assert_ships_its_own_text(directory: Path, corpus: Corpus) -> None:
     """The text files beside the weights are what calibration and fidelity read with
     ``--calib-text`` / ``--fidelity-text``: held-out documents only for fidelity, training documents
@@ -266,11 +294,11 @@ def test_cli_refuses_bad_settings_before_writing(tmp_path: Path) -> None:
 
     out = tmp_path / "model"
     result = subprocess.run(
-        [sys.executable, "-m", "fp4forge.cli", "testbed", "trained-laguna", str(out), "--steps", "0"],
+        [sys.executable, "-m", "fp4forge.cli", "testbed", "trained-laguna", str(out), "--steps", "-1"],
         capture_output=True, text=True, check=False,
     )
     assert result.returncode == 2
-    assert "training steps must be at least 1" in result.stderr and "Traceback" not in result.stderr
+    assert "training steps must be at least 0" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

@@ -18,7 +18,7 @@ def register(testbed_app: typer.Typer) -> None:
 def testbed_trained_laguna(
     out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to create."),
     seed: int = typer.Option(0, help="Seed: the same seed (and code, torch build, threads) gives byte-identical weights."),
-    steps: int = typer.Option(None, "--steps", help="Optimizer steps (default 440, the ten-minute CPU build; part of the cache key)."),
+    steps: int = typer.Option(None, "--steps", help="Optimizer steps (default 440, the ten-minute CPU build; part of the cache key). 0 writes the untrained init of the same seed: the control arm."),
     threads: int = typer.Option(None, "--threads", help="Torch CPU threads, fixed for determinism (default 2; part of the cache key)."),
     device: str = typer.Option("cpu", "--device", help="cpu (default: the deterministic reference build) | cuda | cuda:N: a GPU trains longer recipes in minutes, but its bytes are not the CPU build's and it is never cached."),
     cache: bool = typer.Option(False, "--cache", help="Copy the build cached for these settings (building it into the cache first if missing)."),

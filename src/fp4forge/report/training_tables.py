@@ -20,10 +20,13 @@ def training_summary_rich(report: dict[str, Any]) -> Table:
     table.add_row("vocabulary size", str(report["vocab_size"]))
     table.add_row("held-out tokens scored", f"{report['heldout_tokens']:,}")
     table.add_row("training tokens seen", f"{report['train_tokens_seen']:,}")
-    table.add_row("loss: first step / last 10 steps", f"{report['loss_first']:.3f} / {report['loss_last_10_mean']:.3f}")
+    if report["loss_first"] is None:
+        table.add_row("training", "none: the untrained init (--steps 0)")
+    else:
+        table.add_row("loss: first step / last 10 steps", f"{report['loss_first']:.3f} / {report['loss_last_10_mean']:.3f}")
     table.add_row("router bias |mean| (learned by load balancing)", f"{report['router_bias_abs_mean']:.4f}")
     timing = report.get("timing", {})
-    if timing:
+    if timing and timing.get("seconds_per_step") is not None:
         table.add_row("training wall time", f"{timing['train_seconds']:.0f} s ({timing['seconds_per_step']:.2f} s/step, {report['training']['threads']} threads)")
     return table
 

@@ -54,6 +54,8 @@ CALIBRATION_DOCUMENTS = 48
 
 @dataclass(frozen=True)
 class TrainingConfig:
+    # 0 writes the untrained init: the same seed, config, tokenizer and text files as the build of
+    # that seed, so a quality or KL comparison against it isolates what training taught.
     steps: int = 440
     batch_size: int = 3
     # Most of the suite's prompts (tool schemas included) sit inside positions the model was
@@ -84,7 +86,9 @@ class TrainingConfig:
     context_sample: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "threads", "eval_windows"):
+        if self.steps < 0:
+            raise ConfigError(f"training steps must be at least 0 (0: the untrained init), got {self.steps}")
+        for name in ("batch_size", "seq_len", "threads", "eval_windows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"training {name} must be at least 1, got {getattr(self, name)}")
         if not (0.0 <= self.context_loss_weight <= 1.0):
@@ -426,8 +430,8 @@ def train_laguna(
             "train_tokens_seen": config.steps * config.batch_size * config.seq_len,
             "train_windows": len(train_windows),
             "heldout_tokens": int(heldout_windows[:, 1:].numel()),
-            "loss_first": losses[0],
-            "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]),
+            "loss_first": losses[0] if losses else None,  # None: --steps 0, the untrained init
+            "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
             "heldout_perplexity": trained_ppl,
             "untrained_heldout_perplexity": untrained_ppl,
             # Over the assistant's tokens only (reasoning, answers, tool-call markup): what the suite scores.
@@ -435,8 +439,8 @@ def train_laguna(
             "untrained_heldout_assistant_perplexity": untrained_assistant_ppl,
             # Wall clock of this build: informative only, the one value that differs between builds.
             # CPU seconds (all threads) say what the steps cost on an idle machine when the host is shared.
-            "timing": {"train_seconds": round(train_seconds, 1), "seconds_per_step": round(train_seconds / config.steps, 3),
-                       "train_cpu_seconds": round(train_cpu_seconds, 1), "cpu_seconds_per_step": round(train_cpu_seconds / config.steps, 3)},
+            "timing": {"train_seconds": round(train_seconds, 1), "seconds_per_step": round(train_seconds / config.steps, 3) if config.steps else None,
+                       "train_cpu_seconds": round(train_cpu_seconds, 1), "cpu_seconds_per_step": round(train_cpu_seconds / config.steps, 3) if config.steps else None},
             "router_bias_abs_mean": float(torch.cat([r.e_score_correction_bias.float().abs() for r in loads.routers]).mean()),
             "weights": weight_tail_stats(model),
             "untrained_weights": untrained_weights,
