@@ -72,6 +72,10 @@ def test_bits_per_parameter_count_the_stored_scales() -> None:
     for arm, bpp in expected.items():
         _, got = quantize_dequantize(w, arm)
         assert math.isclose(got, bpp), (arm, got, bpp)
+    # the study's two 2-bit arms: 3.5 bits at g16 asymmetric (scale + zero point), 2.5 at g32
+    from fp4forge.pipeline.study import INT2_ARMS
+
+    assert {name: quantize_dequantize(w, arm)[1] for name, arm in INT2_ARMS.items()} == {"int2-g16-mse": 3.5, "int2-g32-mse": 2.5}
 
 
 def test_a_weight_on_the_int4_grid_round_trips_exactly() -> None:

@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
     def study_command(
         src: str = typer.Argument(..., help="A BF16 checkpoint directory."),
         out: Path = typer.Argument(..., help="The study's directory (created; a re-run with the same settings resumes it)."),
-        arms: Optional[str] = typer.Option(None, "--arms", help="Whole-model arms, comma-separated (default all: fp8, nvfp4-w4a16-minmax, nvfp4-w4a16-mse, nvfp4-w4a16-gptq, nvfp4-w4a4-minmax, int2-g16-mse)."),
+        arms: Optional[str] = typer.Option(None, "--arms", help="Whole-model arms, comma-separated (default all: fp8, nvfp4-w4a16-minmax, nvfp4-w4a16-mse, nvfp4-w4a16-gptq, nvfp4-w4a4-minmax, int2-g16-mse, int2-g32-mse)."),
         formats: Optional[str] = typer.Option(None, "--formats", help="Frontier formats (default all)."),
         components: Optional[str] = typer.Option(None, "--components", help="Frontier components (default every quantizable one)."),
         groups: Optional[str] = typer.Option(None, "--groups", help="Frontier INT-N group sizes ('row' = per output row)."),

@@ -45,10 +45,14 @@ STUDY_MD = "study.md"
 ARM_COMPONENTS = ("routed_experts", "attention")
 NVFP4_RECIPE = "nvfp4-all-linear"
 FP8_RECIPE = "fp8"
-ALL_ARMS = ("fp8", "nvfp4-w4a16-minmax", "nvfp4-w4a16-mse", "nvfp4-w4a16-gptq", "nvfp4-w4a4-minmax", "int2-g16-mse")
-# The best data-free 2-bit arm of the frontier on the trained testbed (asymmetric, 16-element
-# groups, searched clipping): the one a 2-bit deployment would pick without calibration.
-INT2_ARM = ArmSpec("int2", 2, 16, "mse", symmetric=False)
+ALL_ARMS = ("fp8", "nvfp4-w4a16-minmax", "nvfp4-w4a16-mse", "nvfp4-w4a16-gptq", "nvfp4-w4a4-minmax", "int2-g16-mse", "int2-g32-mse")
+# Data-free 2-bit arms, fake-quantized (no exporter writes INT2). g16 asymmetric is the frontier's
+# lowest-error 2-bit arm, but its scales and zero points make it 3.5 bits per parameter; g32
+# symmetric is the 2-bit arm at 2.5 bits, the size a 2-bit deployment is for.
+INT2_ARMS = {
+    "int2-g16-mse": ArmSpec("int2", 2, 16, "mse", symmetric=False),
+    "int2-g32-mse": ArmSpec("int2", 2, 32, "mse", symmetric=True),
+}
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,7 @@ ARM_DESCRIPTIONS = {
     "nvfp4-w4a16-gptq": "NVFP4 weights, GPTQ rounding (per-expert Hessians), BF16 activations (experts + attention)",
     "nvfp4-w4a4-minmax": "NVFP4 weights (min-max) and NVFP4 activations, W4A4 (experts + attention)",
     "int2-g16-mse": "INT2 weights, asymmetric, 16-element groups, searched clipping; weight-only fake quantization (experts + attention)",
+    "int2-g32-mse": "INT2 weights, symmetric, 32-element groups, searched clipping; weight-only fake quantization (experts + attention)",
 }
 
 
@@ -182,11 +187,11 @@ def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path 
             _export(src, ckpt, NVFP4_RECIPE, method, stats)
         numerics = "w4a4" if "w4a4" in name else "w4a16"
         bpp = read_bpp(ckpt, components)
-    elif name == "int2-g16-mse":
-        bpp = write_fake_quantized(src, _fresh(ckpt), INT2_ARM, components)["bpp"]
+    elif name in INT2_ARMS:
+        bpp = write_fake_quantized(src, _fresh(ckpt), INT2_ARMS[name], components)["bpp"]
     else:  # guarded by StudyOptions
         raise ConfigError(f"unknown arm {name}", option="arms")
-    fidelity = _fidelity_options(options, numerics, dense_student=name == "int2-g16-mse")
+    fidelity = _fidelity_options(options, numerics, dense_student=name in INT2_ARMS)
     result = measure_arm(src, ckpt, name, ARM_DESCRIPTIONS[name], options=fidelity, bpp=bpp, progress=progress)
     shutil.rmtree(ckpt)  # the measurement is what the study keeps; the student is rebuilt on demand
     return result.to_json()
@@ -208,7 +213,8 @@ def _frontier_summary(frontier: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 COMPARED_PAIRS = (("fp8", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-minmax", "nvfp4-w4a4-minmax"), ("nvfp4-w4a4-minmax", "int2-g16-mse"),
-                  ("nvfp4-w4a16-minmax", "int2-g16-mse"), ("nvfp4-w4a16-mse", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-gptq", "nvfp4-w4a16-minmax"))
+                  ("nvfp4-w4a16-minmax", "int2-g16-mse"), ("nvfp4-w4a4-minmax", "int2-g32-mse"), ("int2-g16-mse", "int2-g32-mse"),
+                  ("nvfp4-w4a16-mse", "nvfp4-w4a16-minmax"), ("nvfp4-w4a16-gptq", "nvfp4-w4a16-minmax"))
 
 
 def _paired_differences(arms: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
@@ -276,7 +282,7 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
     frontier_doc = json.loads((out / "frontier.json").read_text(encoding="utf-8"))
 
     stats: Path | None = None
-    if any(arm != "int2-g16-mse" for arm in options.arms):  # every exported recipe quantizes activations
+    if any(arm not in INT2_ARMS for arm in options.arms):  # every exported recipe quantizes activations
         stats = out / "stats.safetensors"
         if "calibrate" in parts and stats.is_file():
             resumed.append("calibrate")
