@@ -348,6 +348,20 @@ def test_cli_compare_orders_a_clear_gap_with_dash_dash(two_arms: tuple[list[Path
     assert "Verdict: A scores higher than B" in markdown and "| category |" in markdown and "Flip list" in markdown
 
 
+def test_compare_refuses_runs_of_one_arm_grouped_with_the_other(suite: Suite, two_arms: tuple[list[Path], list[Path]]) -> None:
+    runs_a, runs_b = two_arms
+    # `--b` takes one path: the second run of arm B lands among arm A's positionals
+    misgrouped = invoke("compare", *map(str, runs_a), "--b", str(runs_b[0]), str(runs_b[1]), "--json")
+    assert misgrouped.exit_code == 2 and "grouped with the other" in misgrouped.output, misgrouped.output
+    with pytest.raises(ReportError, match="arm A holds runs labelled 'A', 'B' and arm B runs labelled 'B'"):
+        compare_document([rescore_transcript(p, suite) for p in [*runs_a, runs_b[1]]], [rescore_transcript(runs_b[0], suite)], suite)
+    repeated = invoke("compare", *map(str, runs_a), "--b", str(runs_b[0]), "--b", str(runs_b[1]), "--bootstrap", "2000", "--json")
+    assert repeated.exit_code == 0 and json.loads(repeated.output)["runs"] == {"A": 2, "B": 2}
+    # one label on both sides and no other (both arms left at the default label) is not refused
+    same = compare_document([rescore_transcript(p, suite) for p in runs_a], [rescore_transcript(runs_a[0], suite)], suite, n_boot=200)
+    assert same["runs"] == {"A": 2, "B": 1}
+
+
 def test_compare_within_the_noise_floor_refuses_to_order(suite: Suite, two_arms: tuple[list[Path], list[Path]], tmp_path: Path) -> None:
     runs_a, _ = two_arms
     ids = [s.id for s in suite.scenarios]

@@ -98,6 +98,13 @@ def compare_document(results_a: list[RunResult], results_b: list[RunResult], sui
         if not result.complete:
             raise ReportError(f"{result.path} is an incomplete run ({len(result.scores)} scenarios scored): "
                               "comparing it would silently drop scenarios")
+    labels_a, labels_b = {r.arm for r in results_a}, {r.arm for r in results_b}
+    if labels_a & labels_b and len(labels_a | labels_b) > 1:
+        # e.g. `--b B1 B2`: the option takes one path and B2 lands in arm A. Both arms sharing one
+        # label (the default "A") is fine; a label on both sides among others is a misgrouping.
+        raise ReportError(f"arm A holds runs labelled {_labels(labels_a)} and arm B runs labelled {_labels(labels_b)}: "
+                          f"runs of one arm are grouped with the other's (`--b` takes one path: repeat it, or "
+                          f"list arm B's runs after `--`)")
     id_sets = {frozenset(r.scores) for r in results_a + results_b}
     if len(id_sets) != 1:
         raise ReportError("the runs do not hold the same scenarios (a partial run among full runs?)")
@@ -126,6 +133,10 @@ def compare_document(results_a: list[RunResult], results_b: list[RunResult], sui
         "answers": answers,
         "warnings": warnings,
     }
+
+
+def _labels(labels: set[str]) -> str:
+    return ", ".join(repr(label) for label in sorted(labels))
 
 
 def arm_description(results: list[RunResult], suite: Suite) -> dict[str, Any]:
