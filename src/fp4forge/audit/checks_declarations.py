@@ -93,11 +93,21 @@ def target_issues(ctx: AuditContext, decl: QuantDeclaration, resolution: Resolut
     # An ignore entry may name any real module, not only a Linear: llm-compressor's data-free path
     # lists `model.embed_tokens`, ModelOpt's exclude_modules lists norms. Only names that match no
     # module of the checkpoint at all are noise worth a warning.
-    if not resolution.unmatched_ignores:
-        return issues
-    modules = ctx.role_modules | {name.rpartition(".")[0] for name in ctx.tensors}  # (a comprehension: faster than map chains here)
-    names = NameSet(sorted(modules))
-    nowhere = [p for p in resolution.unmatched_ignores if p not in modules and not names.matching(p, decl.matcher)]
+    # The modules: each tensor's role module and that module's parent. The parents hold every
+    # name's dotted parent (a glued ending such as `_blocks`, or an unknown name, leaves the last
+    # dot inside the module), and only real modules besides (the block holding a Linear). Every way
+    # an entry matches is a property of one name at a time, so the two sets are searched one after
+    # the other, the parents only for the entries the role modules left.
+    # The Linears among them were searched already (resolve): an unmatched entry matches none.
+    roles = ctx.role_modules
+    nowhere = [p for p in resolution.unmatched_ignores if p not in roles]
+    if nowhere:
+        names = NameSet(sorted(roles.difference(ctx.linear_modules)))
+        nowhere = [p for p in nowhere if not names.matching(p, decl.matcher)]
+    if nowhere:
+        parents = {module.rpartition(".")[0] for module in roles} - roles  # 10^4 modules, not 10^5 names
+        names = NameSet(sorted(parents))
+        nowhere = [p for p in nowhere if p not in parents and not names.matching(p, decl.matcher)]
     issues += [issue("target-matches-nothing", "ignore entries that match no module", pattern) for pattern in nowhere]
     return issues
 
@@ -133,7 +143,13 @@ def _fused_groups(ctx: AuditContext) -> list[tuple[str, str, list[str]]]:
 
 def fused_ignore_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     issues = []
+    if not resolution.ignored:
+        return issues
+    # a group ignored in part has an ignored shard, and so one of the ignored Linears' parents
+    parents = {module.rpartition(".")[0] for module in resolution.ignored}
     for parent, name, shards in fused_groups(ctx):
+        if parent not in parents:
+            continue
         ignored = [s for s in shards if s in resolution.ignored]
         if ignored and len(ignored) != len(shards):
             leaves = ", ".join(s.rpartition(".")[2] for s in ignored)
