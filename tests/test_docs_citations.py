@@ -182,7 +182,7 @@ DIARY = [
 # ... and in prose about measurements (docs, README, benchmarks), where the reader cannot know
 # which machine "this" is. Product code may say "this machine": there it is the user's.
 DIARY_PROSE = [
-    (re.compile(r"\bthis (?:machine|VM|host|session)\b", re.IGNORECASE), "says 'this machine' where a reader cannot tell which"),
+    (re.compile(r"\bthis (?:[\w-]+ )?(?:machine|VM|host|session)\b", re.IGNORECASE), "says 'this machine' where a reader cannot tell which"),
 ]
 
 
@@ -208,6 +208,7 @@ def test_the_diary_patterns_catch_a_diary_and_spare_the_product() -> None:
                  "08:29–08:31 UTC", "branch perf14", "the idle run after the merge", "`.gpu-export15/benchmarks`"):
         assert diary_offences(line, prose=False), line
     assert diary_offences("on this machine", prose=True) and not diary_offences("on this machine", prose=False)
+    assert diary_offences("measured on this 2-core machine", prose=True)
     for line in ("an HTTP session", "the `session` family: 12", "int2-g16-mse", "laguna-s-2.1-like",
                  "2026-12-03", "one session per server", "s1 and s12 flip"):
         assert not diary_offences(line, prose=True), line
