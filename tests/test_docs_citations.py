@@ -188,13 +188,14 @@ DIARY_PROSE = [
 
 def _diary_scanned() -> list[tuple[Path, bool]]:
     """(file, is measurement prose) for docs/, README.md, benchmarks/ (Markdown and Python, not
-    the raw data), src/ and tests/ (Python, not the recorded fixtures)."""
+    the raw data), src/, scripts/ and tests/ (Python, not the recorded fixtures)."""
     files = [(REPO_ROOT / "README.md", True)]
     files += [(p, True) for p in sorted((REPO_ROOT / "docs").rglob("*.md"))]
     files += [(p, True) for p in sorted((REPO_ROOT / "benchmarks").glob("*")) if p.suffix in {".md", ".py"}]
     files += [(p, False) for p in sorted((REPO_ROOT / "src").rglob("*"))
               if p.suffix in TEXT_SUFFIXES | {".c"} and "__pycache__" not in p.parts]
     files += [(p, False) for p in sorted((REPO_ROOT / "tests").glob("*.py"))]
+    files += [(p, False) for p in sorted((REPO_ROOT / "scripts").rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES]
     return files
 
 
