@@ -1,4 +1,4 @@
-"""GEMM precision microbench at a model's projection shapes (run on a GPU; see RESULTS.md).
+"""GEMM precision microbench at a model's projection shapes (run on a GPU; see benchmarks/RESULTS.md).
 
     python benchmarks/bench_gemm.py --config src/fp4forge/testbed/presets/laguna-s-2.1-like.json --out gemm.json
 

@@ -19,7 +19,7 @@ per-sequence KL is kept in ``per-sequence-kl-<arm>.json``; a later run into the 
 
 ``--heldout-factor K`` draws K times the build's held-out documents from the same held-out seed
 stream (one build's split holds only about 100 sequences of 256 tokens). ``--quantize-only`` and
-``--eval-only`` split the work: llm-compressor's venv stays on this machine, and the checkpoints
+``--eval-only`` split the work: llm-compressor's venv stays on the CPU machine, and the checkpoints
 (``--out`` with the teacher copied, ``--teacher`` naming the copy) can be measured elsewhere.
 """
 

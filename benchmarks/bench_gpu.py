@@ -38,7 +38,8 @@ llm-compressor importable: on a machine without it, install its wheels first (ll
 0.14.0.1, compressed-tensors 0.19.0, auto-round 0.15.1, loguru, pydantic + pydantic-core +
 annotated-types + typing-inspection, datasets + dill + multiprocess) with
 ``pip install --no-deps --target DIR`` and put DIR on ``PYTHONPATH``; ``--skip lc`` leaves it out.
-Results of the recorded runs: benchmarks/RESULTS.md ("fp4forge on one GPU").
+Results of the recorded runs: benchmarks/RESULTS.md ("GPU calibration against llm-compressor",
+"GPU export against the disk").
 """
 
 from __future__ import annotations

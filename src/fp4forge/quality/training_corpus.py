@@ -735,7 +735,7 @@ class CorpusSpec:
     entities: str = "pools"  # "generated": a fresh pseudo-word per entity, so only copying predicts it
     # Requests per session (inclusive range). Eight to sixteen render each tool list once for twice
     # the decisions of four to eight; on a GPU screen at the CPU budget it scored 39, 51, 53 (seeds
-    # 0-2) against 28-49 (mean 37, eight seeds) for four to eight (benchmarks/RESULTS.md, session 8).
+    # 0-2) against 28-49 (mean 37, eight seeds) for four to eight (the git history of benchmarks/RESULTS.md).
     session_turns: tuple[int, int] = SESSION_TURNS
     # "stdlib": the testbed's BPE (trained on Python's stdlib); "corpus": BPE merges fitted to the
     # training documents (the trained testbed then ships that tokenizer).

@@ -59,7 +59,7 @@ class TrainingConfig:
     steps: int = 440
     batch_size: int = 3
     # Most of the suite's prompts (tool schemas included) sit inside positions the model was
-    # trained on; shorter windows than 1024 buy more steps in the same budget (RESULTS.md #16).
+    # trained on; shorter windows than 1024 buy more steps in the same budget (git history of benchmarks/RESULTS.md).
     seq_len: int = 768
     lr: float = 3e-3
     warmup_steps: int = 20
