@@ -26,8 +26,10 @@ EXPECTED: dict[str, tuple[set[tuple[str, str]], set[str]]] = {
     # this AVX2 machine cannot keep an FP8 KV cache: no pattern knew it when these were captured
     "cpu-avx2-plugin-ct-w4a4-compiled.log": ({("error", "cpu-fp8-kv-needs-avx512"), FAILED}, {"fp4forge-plugin-active"}),
     "cpu-plugin01-ct-w4a4-no-enforce-eager.log": ({("error", "compile-data-dependent-loop"), FAILED}, {"fp4forge-plugin-active"}),
+    # an FP8 KV cache (kv_cache_dtype=fp8 on the engine line) whose checkpoint the doctor is not
+    # given: a warning that names how to check the scales
     "cpu-plugin-modelopt-w4a16-stock-parser.log": (
-        {("warning", "fp4forge-plugin-active"), ("warning", "reasoning-autoinit-failed")},
+        {("warning", "fp4forge-plugin-active"), ("warning", "reasoning-autoinit-failed"), ("warning", "kv-cache-scales")},
         {"q-scale-benign", "quantization-method"},
     ),
     "cpu-plugin-bf16-moe-fixed-parser.log": (set(), {"fp4forge-plugin-active", "cpu-unquantized-moe"}),
@@ -67,7 +69,7 @@ EXPECTED: dict[str, tuple[set[tuple[str, str]], set[str]]] = {
         {("warning", "nvfp4-moe-backend"), ("warning", "marlin-fp4-fallback"), ("warning", "kv-scale-1.0")},
         set(),
     ),
-    "gpu-from-source-gb10-nvfp4-flashinfer-cutlass.log": (set(), {"nvfp4-moe-backend", "q-scale-benign"}),
+    "gpu-from-source-gb10-nvfp4-flashinfer-cutlass.log": ({("warning", "kv-cache-scales")}, {"nvfp4-moe-backend", "q-scale-benign"}),
     "gpu-from-source-b200-nvfp4-trtllm.log": (set(), {"nvfp4-moe-backend", "nvfp4-linear-kernel"}),
 }
 

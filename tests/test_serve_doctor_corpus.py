@@ -216,3 +216,36 @@ def test_streamed_and_whole_log_agree() -> None:
         doctor.feed(line)
         doctor.diagnosis()
     assert doctor.diagnosis().verdict == diagnose_text(text).verdict
+
+
+# -- the pipeline and the card show the verdict line of every server they start --------------------
+def test_pipeline_and_card_show_each_servers_verdict(tmp_path: Path) -> None:
+    import shutil
+    from types import SimpleNamespace
+
+    from fp4forge.pipeline.steps import Context, ServerSlot
+    from fp4forge.report.card import render_card
+    from fp4forge.serve.doctor import diagnose
+
+    fixtures = Path(__file__).parent / "fixtures"
+    ckpt = tmp_path / "tiny-laguna-nvfp4"
+    shutil.copytree(fixtures / "card" / "ckpt", ckpt)
+    died, clean = fixtures / "vllm_logs" / "cpu-stock-laguna-moe-sigmoid-router.log", HEALTHY
+    ctx = Context(ckpt.parent / "tiny-laguna", ckpt, SimpleNamespace(serve_hardware="cpu"))  # type: ignore[arg-type]
+    for role, log in (("student", died), ("teacher", clean)):
+        slot = ServerSlot(ctx, ckpt if role == "student" else ctx.src, role)
+        slot.ready_line, slot.ready_seconds, slot.steps = 100, 60.0, ["serve"]
+        command = log.read_text(encoding="utf-8").splitlines()[0][2:].split()  # the launcher's first line
+        slot._keep_life(SimpleNamespace(log=str(log), command=command, env={}))
+    lives = {role: json.loads((ckpt / "reports" / "servers" / f"{role}.json").read_text()) for role in ("student", "teacher")}
+    assert lives["student"]["verdict"]["state"] == "died" and lives["teacher"]["verdict"]["state"] == "ready"
+    # serve.json holds the verdict of the start-up the serve step watched (fed up to readiness)
+    serve = json.loads((ckpt / "reports" / "serve.json").read_text())
+    lines = clean.read_text(encoding="utf-8").split("\n")
+    ready = next(i for i, line in enumerate(lines) if "Application startup complete" in line) + 1
+    serve["verdict"] = diagnose(lines[:ready]).verdict.to_json()
+    (ckpt / "reports" / "serve.json").write_text(json.dumps(serve))
+    card = render_card(ckpt).markdown.replace("`", "")
+    assert f"The log doctor's verdict: {serve['verdict']['summary']}" in card
+    for role, life in lives.items():
+        assert f"{role}: the log doctor's verdict over its whole log: {life['verdict']['summary']}" in card

@@ -181,7 +181,8 @@ class ServerSlot:
             )
             self.ready_seconds = time.monotonic() - started
             self.ready_line = self.doctor.line_count
-            self.ctx.progress(0, 0, f"vLLM ({self.role}) ready after {self.ready_seconds:.0f} s")
+            self.ctx.progress(0, 0, f"vLLM ({self.role}) ready after {self.ready_seconds:.0f} s; "
+                                    f"doctor: {self.doctor.diagnosis().verdict_line}")
         if self.ctx.step and self.ctx.step not in self.steps:
             self.steps.append(self.ctx.step)
         return self.record
@@ -219,6 +220,7 @@ class ServerSlot:
             "model": "." if self.role == "student" else self.served_name,
             "hardware": self.ctx.options.serve_hardware,
             "vllm_version": diagnosis.vllm_version,
+            "verdict": diagnosis.verdict.to_json(),  # the doctor's verdict over the whole life
             "command": portable_command(record.command, record.env, served_model_name=self.served_name),
             "env": {k: v for k, v in record.env.items()},
             "ready_seconds": self.ready_seconds,
@@ -407,7 +409,7 @@ def run_serve(ctx: Context) -> dict[str, Any]:
         "kv_fallback": None if fallback is None else fallback.to_json(),
         "ready_seconds": slot.ready_seconds,
         "log": "serve.log",
-        **{k: v for k, v in diagnosis.to_json().items() if k != "vllm_version"},
+        **{k: v for k, v in diagnosis.to_json().items() if k != "vllm_version"},  # verdict, findings
     })
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     if errors:

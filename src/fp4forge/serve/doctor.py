@@ -366,7 +366,10 @@ class LogDoctor:
         verdict = kv_cache_verdict(facts, dtype, quantization=self.engine.get("quantization"), model=location)
         if verdict is None:
             return None
-        return Finding(self._life.kv_id, verdict.severity, verdict.message, self.engine_line or 1, verdict.check, "")
+        # the cache is FP8 by the engine line, and nothing here says whether its scales are calibrated:
+        # a warning that names what to check (serve cmd's rule says info: it may not be FP8 at all)
+        severity = "warning" if facts is None and dtype.startswith("fp8") else verdict.severity
+        return Finding(self._life.kv_id, severity, verdict.message, self.engine_line or 1, verdict.check, "")
 
     def diagnosis(self, *, process_exited: bool = False) -> Diagnosis:
         """The verdict and all findings, errors first. ``process_exited``: the caller saw the vLLM
