@@ -15,10 +15,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fp4forge.cli import serve as cli_serve
 from fp4forge.errors import NotAVllmLogError
 from fp4forge.serve.doctor import LogDoctor, diagnose_text, iter_lines
 from fp4forge.serve.doctor_startup import STATES, load_startup_table
+from tests.test_serve_doctor import app  # noqa: F401  (the CLI harness fixture)
 
 CORPUS = Path(__file__).parent / "doctor_corpus"
 ENTRIES: list[dict[str, Any]] = tomllib.loads((CORPUS / "corpus.toml").read_text(encoding="utf-8"))["log"]
@@ -37,18 +37,6 @@ def read(entry: dict[str, Any]) -> str:
 def diagnosis_of(entry: dict[str, Any]):  # type: ignore[no-untyped-def]
     # find_checkpoint=False: the model paths in the logs may exist on the machine running the tests
     return diagnose_text(read(entry), find_checkpoint=False)
-
-
-@pytest.fixture(scope="module")
-def app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:
-        """fp4forge (test harness)"""
-
-    cli_serve.register(app)
-    return app
 
 
 def test_the_corpus_is_whole_and_well_formed() -> None:

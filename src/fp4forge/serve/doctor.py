@@ -304,11 +304,11 @@ class LogDoctor:
         if match := ACCESS_LINE.search(line):
             self.requests.setdefault(match["path"], []).append((self.line_count, int(match["status"])))
 
-    def verdict(self, *, process_exited: bool = False) -> tuple[Verdict, Any]:
-        """How the start-up went, and the exception it quotes (see StartupTracker.verdict)."""
+    def verdict(self, *, process_exited: bool = False) -> Verdict:
+        """How the start-up went (see StartupTracker.verdict)."""
         return self.startup.verdict(self.explained, self.fatal, process_exited=process_exited)
 
-    def _life_finding(self, verdict: Verdict, root: Any) -> Finding | None:
+    def _life_finding(self, verdict: Verdict) -> Finding | None:
         """The error for a server that failed to start or whose engine died, or None."""
         life = self._life
         if verdict.state not in ("failed", "died"):
@@ -376,9 +376,9 @@ class LogDoctor:
         process exit before it was ready (``serve up``), which the log alone cannot say (a SIGKILL
         leaves no line)."""
         order = {s: i for i, s in enumerate(SEVERITIES)}
-        verdict, root = self.verdict(process_exited=process_exited)
+        verdict = self.verdict(process_exited=process_exited)
         findings = list(self.findings) + self._request_findings()
-        for extra in (self._life_finding(verdict, root), self._kv_finding()):
+        for extra in (self._life_finding(verdict), self._kv_finding()):
             if extra is not None:
                 findings.append(extra)
         findings = sorted(findings, key=lambda f: (order[f.severity], f.line))
@@ -392,7 +392,7 @@ class LogDoctor:
     @property
     def failed(self) -> bool:
         """True when the log shows a start-up failure or an engine death (not a requested stop)."""
-        return self.verdict()[0].state in ("failed", "died")
+        return self.verdict().state in ("failed", "died")
 
 
 def diagnose(

@@ -76,6 +76,8 @@ class StartupTable:
     wrappers: tuple[re.Pattern[str], ...]
     carriers: tuple[re.Pattern[str], ...]
     evidence: tuple[re.Pattern[str], ...]
+    exited: str
+    wrapper_note: str
 
     def phase(self, phase_id: str) -> Phase:
         return next(p for p in self.phases if p.id == phase_id)
@@ -109,6 +111,7 @@ def load_startup_table() -> StartupTable:
             phases=phases, frames=frames,
             **{key: _regexes(life[key], f"[life].{key}") for key in ("stopping", "failed", "died", "wrappers", "carriers")},
             evidence=_regexes(life["vllm_evidence"], "[life].vllm_evidence"),
+            exited=life["exited"], wrapper_note=life["wrapper_note"],
         )
     except KeyError as error:
         raise DataFileError(f"{STARTUP_FILE}: missing key {error}") from error
@@ -328,7 +331,7 @@ class StartupTracker:
 
     # -- the verdict ------------------------------------------------------------------------------
     def verdict(self, explained: dict[int, str | None], fatal: list[tuple[int, str]], *,
-                process_exited: bool = False) -> tuple[Verdict, Raised | None]:
+                process_exited: bool = False) -> Verdict:
         """How the log ends, and the exception (or line) it quotes as the cause.
 
         ``explained``: line -> phase (or None) of every line an error pattern explains; ``fatal``:
@@ -343,28 +346,28 @@ class StartupTracker:
             return self._ready_or_died(explained, fatal, in_loop=in_loop)
         window += [self._pseudo(n, t) for n, t in fatal if not any(e.line <= n <= e.line + 2 for e in window)]
         if not (window or self.failed_line or (process_exited and self.stop_line is None)):
-            return self._cannot_tell(), None
+            return self._cannot_tell()
         root = self._root(window, explained)
         phase = self._failed_phase(root, window, explained)
         return Verdict("failed", phase and phase.id, phase and phase.name, root.line if root else self.failed_line,
-                       self._quote(root)), root
+                       self._quote(root))
 
     def _pseudo(self, number: int, text: str) -> Raised:
         return Raised(number, text[:MAX_TEXT], "", (), self.reached, self.is_ready, False)
 
     def _ready_or_died(self, explained: dict[int, str | None], fatal: list[tuple[int, str]], *,
-                       in_loop: bool = False) -> tuple[Verdict, Raised | None]:
+                       in_loop: bool = False) -> Verdict:
         since = self.ready_line or 0  # a log that starts while serving was ready before its first line
         died = (self.died_line is not None and self.died_line >= since) or (in_loop and not self.is_ready)
         if not died:
             return Verdict("ready", "ready", self.table.phase("ready").name, self.ready_line or self.serving_line,
-                           self.ready_text or "requests were served"), None
+                           self.ready_text or "requests were served")
         window = [e for e in self.all_exceptions() if not e.after_stop and e.line >= since]
         window += [self._pseudo(n, t) for n, t in fatal if n >= since]
         root = self._root(window, explained)
         serving = self.table.phase("serving")
         quote = self._quote(root) if root else (self.died_text or "")
-        return Verdict("died", serving.id, serving.name, root.line if root else self.died_line, quote), root
+        return Verdict("died", serving.id, serving.name, root.line if root else self.died_line, quote)
 
     def _cannot_tell(self) -> Verdict:
         phase = self.marker_phase()
@@ -396,8 +399,5 @@ class StartupTracker:
 
     def _quote(self, root: Raised | None) -> str:
         if root is None:
-            return self.failed_text or "the process exited with no exception in the log (killed by a signal? out of memory?)"
-        if self.wrapper(root):
-            return (f"{root.text} (only the wrapper is in this log: the root cause was printed by the process "
-                    "that failed, and this log does not hold it)")
-        return root.text
+            return self.failed_text or self.table.exited
+        return f"{root.text} ({self.table.wrapper_note})" if self.wrapper(root) else root.text
