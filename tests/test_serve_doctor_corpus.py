@@ -237,3 +237,24 @@ def test_pipeline_and_card_show_each_servers_verdict(tmp_path: Path) -> None:
     assert f"The log doctor's verdict: {serve['verdict']['summary']}" in card
     for role, life in lives.items():
         assert f"{role}: the log doctor's verdict over its whole log: {life['verdict']['summary']}" in card
+
+
+def test_the_engines_exception_is_the_cause_across_processes() -> None:
+    """The engine core's traceback, then the API server's "see root cause above" (two real
+    excerpts of vLLM >= 0.10, in the order vLLM prints them): the engine's exception is quoted."""
+    engine = read(BY_FILE["gh-vllm-25837-free-memory-below-utilization.log"])
+    api_server = read(BY_FILE["gh-vllm-44411-wrapper-only.log"])
+    verdict = diagnose_text(engine + api_server).verdict
+    assert verdict.state == "failed" and verdict.phase == "workers"
+    assert verdict.evidence.startswith("ValueError: Free memory on device")
+
+
+def test_an_exception_the_start_up_survived_is_not_the_cause() -> None:
+    """A traceback early in a start-up that then went on to later phases and served was handled."""
+    lines = HEALTHY.read_text(encoding="utf-8").split("\n")
+    at = next(i for i, line in enumerate(lines) if "Starting to load model" in line)
+    early = read(BY_FILE["gh-vllm-14452-rtx5080-no-kernel-image.log"]).split("\n")[:3]  # a bare RuntimeError
+    verdict = diagnose_text("\n".join(lines[:at] + early + lines[at:])).verdict
+    assert verdict.state == "ready"
+    cut_there = diagnose_text("\n".join(lines[:at] + early)).verdict
+    assert cut_there.state == "failed" and "no kernel image" in cut_there.evidence

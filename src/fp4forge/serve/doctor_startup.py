@@ -36,6 +36,7 @@ CHAIN_LINES = ("The above exception was the direct cause", "During handling of t
 # pydantic puts the reason on the line after "1 validation error for ModelConfig"
 DETAIL_FOLLOWS = re.compile(r"\d+ validation errors? for ")
 MAX_TEXT = 400
+CUT = "a traceback cut before its exception"
 # binary input: more than this share of characters that no log writes (undecodable or control)
 BINARY_SHARE = 0.1
 # (NUL runs are not counted: vLLM's resource tracker can leave them in a real log)
@@ -236,7 +237,7 @@ class StartupTracker:
                 self.done = phase.index
                 self.reached = max(self.reached, phase.index)
         if self.ready_line is None and self.reached == self._ready_index:
-            self.ready_line, self.ready_text = number, body.strip()[:MAX_TEXT]
+            self.ready_line, self.ready_text = number, " ".join(body.split())[:MAX_TEXT]
         if self.serving_line is None and self.reached == self._serving_index:
             self.serving_line = number
 
@@ -248,11 +249,14 @@ class StartupTracker:
             return
         if self.failed_line is None and not self.is_ready and any(r.search(body) for r in life.failed):
             self.failed_line, self.failed_text = number, body.strip()
-        if self.died_line is None and any(r.search(body) for r in life.died):
+        # the first death line, and again the first after readiness (a start-up may log one too)
+        stale = self.died_line is None or (self.ready_line is not None and self.died_line < self.ready_line)
+        if stale and any(r.search(body) for r in life.died):
             self.died_line, self.died_text = number, body.strip()
 
     def _raised(self, number: int, text: str, proc: str, frames: list[tuple[str, str]], **extra: Any) -> Raised:
-        raised = Raised(number, text[:MAX_TEXT], proc, tuple(frames), self.reached, self.is_ready, self.stop_line is not None, **extra)
+        raised = Raised(number, text[:MAX_TEXT], proc, tuple(frames), self.reached, self.is_ready, self.stop_line is not None,
+                        **extra)
         self.exceptions.append(raised)
         return raised
 
@@ -290,7 +294,7 @@ class StartupTracker:
                 trace.last_source = stripped
             return
         match = EXCEPTION_LINE.match(stripped)
-        if match is None:  # some other process's line: the traceback goes on
+        if match is None or match["type"].isupper():  # another process's line ("INFO: ..."): it goes on
             return
         del self._open[proc]
         text = stripped if match["message"] is not None or not trace.last_source else f"{stripped} (at: {trace.last_source})"
@@ -301,8 +305,8 @@ class StartupTracker:
     def all_exceptions(self) -> list[Raised]:
         """Every exception so far, and each traceback still open as one cut before its exception;
         ``handled`` set on those after which the start-up went on to a later phase (not what stopped it)."""
-        cut = [Raised(t.start, "a traceback cut before its exception" + (f" (last frame: {t.last_source})" if t.last_source else ""),
-                      proc, tuple(t.frames), self.reached, self.is_ready, self.stop_line is not None, cut=True)
+        cut = [Raised(t.start, CUT + (f" (last frame: {t.last_source})" if t.last_source else ""), proc, tuple(t.frames),
+                      self.reached, self.is_ready, self.stop_line is not None, cut=True)
                for proc, t in self._open.items() if t.frames]
         for raised in self.exceptions:
             raised.handled = any(line > raised.line and max(raised.reached, 0) < index < self._ready_index
