@@ -181,8 +181,7 @@ class ServerSlot:
             )
             self.ready_seconds = time.monotonic() - started
             self.ready_line = self.doctor.line_count
-            self.ctx.progress(0, 0, f"vLLM ({self.role}) ready after {self.ready_seconds:.0f} s; "
-                                    f"doctor: {self.doctor.diagnosis().verdict_line}")
+            self.ctx.progress(0, 0, f"vLLM ({self.role}) ready after {self.ready_seconds:.0f} s")
         if self.ctx.step and self.ctx.step not in self.steps:
             self.steps.append(self.ctx.step)
         return self.record
@@ -414,7 +413,7 @@ def run_serve(ctx: Context) -> dict[str, Any]:
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     if errors:
         raise PipelineStepError("the vLLM log has errors: " + "; ".join(f"[{f.id}] {f.message}" for f in errors))
-    return {"findings": len(diagnosis.findings), "ready_s": round(slot.ready_seconds or 0, 1)}
+    return {"findings": len(diagnosis.findings), "ready_s": round(slot.ready_seconds or 0, 1), "verdict": diagnosis.verdict_line}
 
 
 def run_perf(ctx: Context) -> dict[str, Any]:
