@@ -60,7 +60,7 @@ def test_verdict_state_per_log(name: str) -> None:
     diagnosis = diagnosis_of(entry)
     assert diagnosis.verdict.state == entry["state"], diagnosis.verdict_line
     errors = {f.id for f in diagnosis.findings if f.severity == "error"}
-    if entry["state"] == "ready":
+    if entry["state"] in ("ready", "cannot-tell"):
         assert errors == set(entry.get("errors", [])), errors
     if entry["state"] in DEAD:
         assert errors & FAILURE_IDS, errors
@@ -93,7 +93,7 @@ def measure(app: typer.Typer) -> dict[str, Any]:
             figures["cause_right"] += right
             if not right:
                 figures["cause_wrong"].append(entry["file"])
-        if state == "ready":
+        if state in ("ready", "cannot-tell"):  # not known to be dead: every error must be a true one
             figures["healthy"] += 1
             errors = {f["id"] for f in doc["findings"] if f["severity"] == "error"}
             if errors - set(entry.get("errors", [])):
@@ -111,7 +111,8 @@ def test_reliability_figures(app: typer.Typer) -> None:
     figure = (f"{f['logs']} real vLLM logs ({f['threads']} from public threads), {f['dead']} of them from servers that "
               f"failed to start or died: {len(f['dead_exit_0'])} exit 0. The phase is right on {f['phase_right']} of "
               f"{f['phased']} logs that did not come up, the quoted cause on {f['cause_right']} of {f['caused']} logs "
-              f"that hold it; {f['healthy']} logs from servers that came up: {len(f['false_errors'])} false errors")
+              f"that hold it; {f['healthy']} logs from servers that came up or were still starting: "
+              f"{len(f['false_errors'])} false errors")
     reliability = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text(encoding="utf-8")
     assert figure in " ".join(reliability.split()), figure
     misses = sorted(set(f["phase_wrong"]) | set(f["cause_wrong"]))

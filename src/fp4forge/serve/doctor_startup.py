@@ -235,7 +235,8 @@ class StartupTracker:
                     self.reached, self.reached_line = phase.index, number
             if phase.index > self.done and any(r.search(body) for r in phase.done):
                 self.done = phase.index
-                self.reached = max(self.reached, phase.index)
+                if phase.index >= self.reached:
+                    self.reached, self.reached_line = phase.index, number
         if self.ready_line is None and self.reached == self._ready_index:
             self.ready_line, self.ready_text = number, " ".join(body.split())[:MAX_TEXT]
         if self.serving_line is None and self.reached == self._serving_index:
