@@ -259,3 +259,16 @@ def test_an_exception_the_start_up_survived_is_not_the_cause() -> None:
     assert verdict.state == "ready"
     cut_there = diagnose_text("\n".join(lines[:at] + early)).verdict
     assert cut_there.state == "failed" and "no kernel image" in cut_there.evidence
+
+
+def test_the_explained_lines_are_vllms_own(vllm_venv: Path) -> None:
+    """Each pattern that names its vLLM 0.32 source (`in_source`) is checked against the installed
+    vLLM: the file exists and holds the literal the pattern's regex matches."""
+    table = tomllib.loads((Path(__file__).parents[1] / "src" / "fp4forge" / "serve" / "doctor_patterns.toml").read_text())
+    sources = {p["id"]: p["in_source"] for p in table["pattern"] if "in_source" in p}
+    assert len(sources) >= 10
+    site = next((vllm_venv / "lib").glob("python3.*/site-packages/vllm"), None)
+    assert site is not None, f"no vllm package in {vllm_venv}"
+    for pattern_id, (path, literal) in sources.items():
+        text = (site / path).read_text(encoding="utf-8")
+        assert literal in text, (pattern_id, path, literal)
