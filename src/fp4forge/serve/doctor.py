@@ -40,8 +40,8 @@ from fp4forge.serve.doctor_startup import StartupTracker, Verdict, check_log_tex
 
 SEVERITIES = ("error", "warning", "info")
 PATTERNS_FILE = "doctor_patterns.toml"
-# vLLM prefixes its lines with "(Proc pid=N) LEVEL MM-DD HH:MM:SS [file.py:N] "; matched lines
-# are reported without it. (serve/process.py strips the same for its live status.)
+# vLLM prefixes its lines with "(Proc pid=N) LEVEL MM-DD HH:MM:SS [file.py:N] " (serve/process.py
+# strips it for its live status; the doctor reports lines without every prefix doctor_startup.toml knows).
 LOG_PREFIX = re.compile(r"^(?:\(\S+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \S+ \[[^\]]+\] ")
 PROCESS_TAG = re.compile(r"^\((?P<proc>\S+ pid=\d+)\) ")
 # Only the first match counts per (id, message): every vLLM process logs some lines again.
@@ -265,7 +265,8 @@ class LogDoctor:
             self._read_version(line)
         self.startup.feed(self.line_count, line)
         self._follow_context(line)
-        text = LOG_PREFIX.sub("", line).strip()
+        body = split_prefix(line)[1]  # without the process tag and vLLM's (or torch's) prefix
+        text = body.strip()
         new = []
         for pattern in self._patterns:
             if not pattern.applies_to(self._version):
@@ -278,7 +279,6 @@ class LogDoctor:
             finding = _finding(pattern, match, self.line_count, text, pattern.id in self._after_seen)
             if finding.severity == "error":
                 self.explained.setdefault(self.line_count, pattern.phase)
-                body = split_prefix(line)[1]
                 if pattern.fatal and not body.startswith((" ", "\t")):  # not a traceback's source line
                     self.fatal.append((self.line_count, body.strip()))
             key = (finding.id, finding.message)

@@ -151,7 +151,6 @@ class Raised:
     proc: str
     frames: tuple[tuple[str, str], ...]
     reached: int  # the phase index the log had reached when it was raised
-    after_ready: bool
     after_stop: bool
     cut: bool = False
     method: str | None = None  # the worker method that raised it (a carrier line)
@@ -256,7 +255,7 @@ class StartupTracker:
             self.died_line, self.died_text = number, body.strip()
 
     def _raised(self, number: int, text: str, proc: str, frames: list[tuple[str, str]], **extra: Any) -> Raised:
-        raised = Raised(number, text[:MAX_TEXT], proc, tuple(frames), self.reached, self.is_ready, self.stop_line is not None,
+        raised = Raised(number, text[:MAX_TEXT], proc, tuple(frames), self.reached, self.stop_line is not None,
                         **extra)
         self.exceptions.append(raised)
         return raised
@@ -307,7 +306,7 @@ class StartupTracker:
         """Every exception so far, and each traceback still open as one cut before its exception;
         ``handled`` set on those after which the start-up went on to a later phase (not what stopped it)."""
         cut = [Raised(t.start, CUT + (f" (last frame: {t.last_source})" if t.last_source else ""), proc, tuple(t.frames),
-                      self.reached, self.is_ready, self.stop_line is not None, cut=True)
+                      self.reached, self.stop_line is not None, cut=True)
                for proc, t in self._open.items() if t.frames]
         for raised in self.exceptions:
             raised.handled = any(line > raised.line and max(raised.reached, 0) < index < self._ready_index
@@ -358,7 +357,7 @@ class StartupTracker:
                        self._quote(root))
 
     def _pseudo(self, number: int, text: str) -> Raised:
-        return Raised(number, text[:MAX_TEXT], "", (), self.reached, self.is_ready, False)
+        return Raised(number, text[:MAX_TEXT], "", (), self.reached, False)
 
     def _ready_or_died(self, explained: dict[int, str | None], fatal: list[tuple[int, str]], *,
                        in_loop: bool = False) -> Verdict:
