@@ -18,6 +18,7 @@ LOGS = Path(__file__).parent / "fixtures" / "vllm_logs"
 
 FAILED = ("error", "server-failed-to-start")
 DIED = ("error", "engine-died")
+HTTP = ("error", "http-errors")
 # file -> the non-info findings it must produce (exactly), and some info findings it must contain.
 EXPECTED: dict[str, tuple[set[tuple[str, str]], set[str]]] = {
     "cpu-plugin-ct-w4a4.log": (set(), {"fp4forge-plugin-active", "fp8-linear-kernel", "shutdown", "engine-dead"}),
@@ -25,13 +26,16 @@ EXPECTED: dict[str, tuple[set[tuple[str, str]], set[str]]] = {
     # this AVX2 machine cannot keep an FP8 KV cache: no pattern knew it when these were captured
     "cpu-avx2-plugin-ct-w4a4-compiled.log": ({("error", "cpu-fp8-kv-needs-avx512"), FAILED}, {"fp4forge-plugin-active"}),
     "cpu-plugin01-ct-w4a4-no-enforce-eager.log": ({("error", "compile-data-dependent-loop"), FAILED}, {"fp4forge-plugin-active"}),
+    # an FP8 KV cache (kv_cache_dtype=fp8 on the engine line) whose checkpoint the doctor is not
+    # given: a warning that names how to check the scales
     "cpu-plugin-modelopt-w4a16-stock-parser.log": (
-        {("warning", "fp4forge-plugin-active"), ("warning", "reasoning-autoinit-failed")},
+        {("warning", "fp4forge-plugin-active"), ("warning", "reasoning-autoinit-failed"), ("warning", "kv-cache-scales")},
         {"q-scale-benign", "quantization-method"},
     ),
     "cpu-plugin-bf16-moe-fixed-parser.log": (set(), {"fp4forge-plugin-active", "cpu-unquantized-moe"}),
+    # the requests in flight when the engine died got HTTP 500
     "cpu-plugin-bf16-seeded-sampling-chunked.log": (
-        {("error", "cpu-seeded-sampling-chunked-prefill"), DIED, ("error", "engine-dead")}, {"fp4forge-plugin-active"}),
+        {("error", "cpu-seeded-sampling-chunked-prefill"), DIED, ("error", "engine-dead"), HTTP}, {"fp4forge-plugin-active"}),
     "cpu-noplugin-ct-nvfp4-moe.log": (
         {("error", "no-nvfp4-moe-backend"), ("warning", "fp8-linear-kernel"), FAILED},
         {"fp4forge-plugin-disabled"},
@@ -45,8 +49,9 @@ EXPECTED: dict[str, tuple[set[tuple[str, str]], set[str]]] = {
         set(),
     ),
     "cpu-stock-laguna-moe-sigmoid-router.log": (
-        {("error", "cpu-router-softmax-only"), ("error", "engine-dead"), DIED}, set()),
-    "cpu-stock-laguna-moe-compiled.log": ({("error", "cpu-router-softmax-only"), FAILED}, {"fp4forge-plugin-disabled"}),
+        {("error", "cpu-router-softmax-only"), ("error", "engine-dead"), DIED, HTTP}, set()),
+    "cpu-stock-laguna-moe-compiled.log": (
+        {("error", "cpu-router-softmax-only"), ("error", "compile-failed"), FAILED}, {"fp4forge-plugin-disabled"}),
     "cpu-plugin-modelopt-kv-declared-no-scales.log": ({("warning", "kv-scale-1.0")}, {"q-scale-benign"}),
     # FP8 KV at scale 1.0 (these runs then stopped at the AVX2 limit): compressed-tensors without
     # its k/v scales is silent (without the checkpoint the doctor says it cannot tell); an
@@ -64,7 +69,7 @@ EXPECTED: dict[str, tuple[set[tuple[str, str]], set[str]]] = {
         {("warning", "nvfp4-moe-backend"), ("warning", "marlin-fp4-fallback"), ("warning", "kv-scale-1.0")},
         set(),
     ),
-    "gpu-from-source-gb10-nvfp4-flashinfer-cutlass.log": (set(), {"nvfp4-moe-backend", "q-scale-benign"}),
+    "gpu-from-source-gb10-nvfp4-flashinfer-cutlass.log": ({("warning", "kv-cache-scales")}, {"nvfp4-moe-backend", "q-scale-benign"}),
     "gpu-from-source-b200-nvfp4-trtllm.log": (set(), {"nvfp4-moe-backend", "nvfp4-linear-kernel"}),
 }
 
@@ -126,7 +131,10 @@ def test_findings_per_log(name: str) -> None:
     diagnosis = diagnose_file(name)
     must_problems, must_infos = EXPECTED[name]
     problems = {(f.severity, f.id) for f in diagnosis.findings if f.severity != "info"}
-    assert problems == must_problems
+    # vLLM's CPU worker warns when tcmalloc / iomp are not preloaded: a finding exactly when the log says so
+    allocator = ("warning", "cpu-allocator-not-preloaded")
+    assert (allocator in problems) == ("is not found in LD_PRELOAD" in (LOGS / name).read_text(encoding="utf-8"))
+    assert problems - {allocator} == must_problems
     assert must_infos <= {f.id for f in diagnosis.findings}
     expected_version = None if name == "cpu-unrecognized-argument.log" else "0.32.0"
     assert diagnosis.vllm_version == expected_version
@@ -247,7 +255,9 @@ def test_compile_failure_names_enforce_eager() -> None:
 
 def test_json_contract() -> None:
     doc = diagnose_file("cpu-noplugin-ct-nvfp4-moe.log").to_json()
-    assert set(doc) == {"vllm_version", "findings"}
+    assert list(doc) == ["verdict", "vllm_version", "findings"]  # the verdict first
+    assert set(doc["verdict"]) == {"state", "phase", "phase_name", "line", "evidence", "summary"}
+    assert doc["verdict"]["state"] == "failed" and doc["verdict"]["phase"] == "kernels"
     for finding in doc["findings"]:
         assert {"id", "severity", "message", "line"} <= set(finding)
         assert finding["severity"] in SEVERITIES and isinstance(finding["line"], int) and finding["line"] >= 1

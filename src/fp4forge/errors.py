@@ -130,6 +130,15 @@ class ServeError(Fp4forgeError):
     """A model server could not be started, did not become ready, or died."""
 
 
+class NotAVllmLogError(Fp4forgeError):
+    """A file given to ``serve doctor`` that is not a vLLM log: empty, binary, or with no line vLLM
+    writes. ``kind`` names which (``empty``, ``binary``, ``not-vllm``)."""
+
+    def __init__(self, message: str, *, kind: str, file: str | None = None):
+        self.kind = kind
+        super().__init__(message, file=file)
+
+
 class BenchAborted(Fp4forgeError):
     """The run stopped before its end (the server went away); finished samples are on disk."""
 

@@ -1,11 +1,13 @@
 """`fp4forge serve ...`, added to the main Typer app by ``register(app)``.
 
     fp4forge serve cmd MODEL [--hardware gb10|b200|h100|h200|cpu] [--vllm-version 0.32.0] [--json]
-    fp4forge serve doctor LOGFILE|- [--vllm-version V] [--checkpoint CKPT] [--json]
+    fp4forge serve doctor LOGFILE|- [--vllm-version V] [--checkpoint CKPT] [--partial] [--json]
     fp4forge serve up MODEL [--name N] [--port P] [--venv DIR] [--hardware cpu] [--timeout S] [--json] [-- EXTRA...]
     fp4forge serve down [NAME...] [--all] [--json]
 
-Exit codes. doctor: 0 no error findings, 1 at least one error finding, 2 unreadable input.
+Exit codes. doctor: 0 the server came up and no finding is an error; 1 it failed at a phase, died
+after ready, the log ends before it could tell (unless --partial), or an error finding; 2 input that
+is not a vLLM log (empty, binary, no vLLM line) or unreadable.
 cmd/up/down: 0 success, 2 an error fp4forge understands (one line on stderr).
 """
 
@@ -61,14 +63,16 @@ def cmd_command(
 
 @serve_app.command("doctor")
 def doctor_command(
-    logfile: str = typer.Argument(..., metavar="LOGFILE|-", help="A vLLM startup log, or - for stdin."),
+    logfile: str = typer.Argument(..., metavar="LOGFILE|-", help="A vLLM log, or - for stdin."),
     vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Override the version read from the log."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="The served checkpoint (default: the log's model path, when it is a local directory): lets the doctor tell whether the FP8 KV cache runs at scale 1.0."),
-    as_json: bool = typer.Option(False, "--json", help='{"vllm_version", "findings": [{"id","severity","message","line",...}]}'),
+    partial: bool = typer.Option(False, "--partial", help="A log that ends before the server came up (still starting, cut) is not a failure: exit 0 unless an error is found."),
+    as_json: bool = typer.Option(False, "--json", help='{"verdict": {"state","phase","summary",...}, "vllm_version", "findings": [...]}'),
 ) -> None:
-    """Explain a vLLM startup log: whether the server came up (a failed start or a dead engine is an
-    error, exit 1), backends and their numerics, KV scales, parser, load failures."""
-    from fp4forge.serve.doctor import diagnose, iter_lines
+    """Read a vLLM log the way vLLM starts: the verdict first (ready / failed at phase P / died after
+    ready / cannot tell where the log ends), then the cause and what each telling line means."""
+    from fp4forge.errors import NotAVllmLogError
+    from fp4forge.serve.doctor import diagnose_text
 
     try:
         if logfile == "-":
@@ -79,19 +83,29 @@ def doctor_command(
     except OSError as error:
         raise _fail(error, as_json) from None
     try:
-        diagnosis = diagnose(iter_lines(text), vllm_version=vllm_version, checkpoint=checkpoint)
+        diagnosis = diagnose_text(text, vllm_version=vllm_version, checkpoint=checkpoint)
+    except NotAVllmLogError as error:  # the named verdict: empty, binary, not-vllm
+        error.file = None if logfile == "-" else logfile
+        raise fail(error, ExitCode.UNUSABLE, as_json, verdict={"state": error.kind}) from None
     except Fp4forgeError as error:
         raise _fail(error, as_json) from None
     if as_json:
         _emit(diagnosis.to_json())
     else:
         _print_diagnosis(diagnosis)
-    if diagnosis.worst == "error":
+    if not diagnosis.passes(partial=partial):
         raise SystemExit(ExitCode.FINDINGS)
 
 
+VERDICT_STYLE = {"ready": "green", "failed": "red", "died": "red", "cannot-tell": "yellow"}
+
+
 def _print_diagnosis(diagnosis) -> None:  # type: ignore[no-untyped-def]
+    from rich.markup import escape
+
     out = _console()
+    style = VERDICT_STYLE[diagnosis.verdict.state]
+    out.print(f"[bold {style}]{escape(diagnosis.verdict_line)}[/bold {style}]")
     out.print(f"vLLM version: {diagnosis.vllm_version or 'unknown'}; {len(diagnosis.findings)} findings")
     for f in diagnosis.findings:
         _print_finding(out, f)

@@ -219,6 +219,7 @@ class ServerSlot:
             "model": "." if self.role == "student" else self.served_name,
             "hardware": self.ctx.options.serve_hardware,
             "vllm_version": diagnosis.vllm_version,
+            "verdict": diagnosis.verdict.to_json(),  # the doctor's verdict over the whole life
             "command": portable_command(record.command, record.env, served_model_name=self.served_name),
             "env": {k: v for k, v in record.env.items()},
             "ready_seconds": self.ready_seconds,
@@ -407,12 +408,12 @@ def run_serve(ctx: Context) -> dict[str, Any]:
         "kv_fallback": None if fallback is None else fallback.to_json(),
         "ready_seconds": slot.ready_seconds,
         "log": "serve.log",
-        **{k: v for k, v in diagnosis.to_json().items() if k != "vllm_version"},
+        **{k: v for k, v in diagnosis.to_json().items() if k != "vllm_version"},  # verdict, findings
     })
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     if errors:
         raise PipelineStepError("the vLLM log has errors: " + "; ".join(f"[{f.id}] {f.message}" for f in errors))
-    return {"findings": len(diagnosis.findings), "ready_s": round(slot.ready_seconds or 0, 1)}
+    return {"findings": len(diagnosis.findings), "ready_s": round(slot.ready_seconds or 0, 1), "verdict": diagnosis.verdict_line}
 
 
 def run_perf(ctx: Context) -> dict[str, Any]:

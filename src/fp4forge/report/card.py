@@ -292,6 +292,8 @@ def serve_section(ctx: CardContext) -> list[str]:
                                   f"an unquantized {fallback['served_dtype']} cache (`{' '.join(fallback['argv'])}`): this CPU "
                                   "cannot run vLLM's FP8 KV cache (it needs AVX-512 or AMX), so the calibrated k/v scales "
                                   "were not exercised by the serving, performance or quality results on this card.")
+        if served.get("verdict"):
+            lines += [f"The log doctor's verdict: `{_verdict(served)}`", ""]
         lines += [f"vLLM {served['vllm_version']} on `{served['hardware']}`, ready after {_num(served['ready_seconds'], 3)} s; "
                   f"the log doctor's findings at start-up (`fp4forge serve doctor reports/{served['log']}`):", ""]
         lines += table(["finding", "severity", "message"], [
@@ -308,6 +310,11 @@ def serve_section(ctx: CardContext) -> list[str]:
                                   "and without its environment: it is not shown.")
     lines += _server_lives(ctx, lives, served is not None)
     return lines
+
+
+def _verdict(served: dict[str, Any]) -> str:
+    """The doctor's verdict line (serve/doctor.py), fit for a code span."""
+    return str(served["verdict"]["summary"]).replace("`", "'")
 
 
 def _server_lives(ctx: CardContext, lives: dict[str, dict[str, Any] | None], served: bool) -> list[str]:
@@ -331,6 +338,8 @@ def _server_lives(ctx: CardContext, lives: dict[str, dict[str, Any] | None], ser
                      f"{_count(len(errors), 'error')}" + "".join(f"; `{f['id']}` ({f['severity']})" for f in after if f["severity"] != "error"),
                      f"[`servers/{life['log']}`](reports/servers/{life['log']})"])
     lines += table(["server", "version", "ready after s", "served steps", "log lines", "findings after ready", "log"], rows)
+    lines += [""] + [f"* {role}: the log doctor's verdict over its whole log: `{_verdict(life)}`"
+                     for role, _, life, _, _ in served if life.get("verdict")]
     for role, what, life, after, errors in served:
         if errors:
             steps = ", ".join(life.get("served_steps", [])) or "its steps"

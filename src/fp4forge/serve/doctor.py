@@ -1,20 +1,24 @@
-"""Read a vLLM startup log and say what each telling line means: `fp4forge serve doctor`.
+"""Read a vLLM log and say how the start-up went and what each telling line means: `fp4forge serve doctor`.
 
-The knowledge is data (``doctor_patterns.toml``): one regex per kind of line, the vLLM versions
-that emit it, a severity, a meaning and a fix, refined per captured value (``cases``). This module
-only matches lines against that table. JSON form (documented in docs/serve.md; other tools rely on
-these keys)::
+Two kinds of knowledge, both data. ``doctor_startup.toml`` is vLLM's start-up as ordered phases
+(:mod:`fp4forge.serve.doctor_startup`): every log gets one verdict, printed first -- ready (with its
+evidence line), failed at phase P (quoting the deepest relevant exception, not the wrapper that
+re-raised it), died after ready, or cannot tell (the log ends at phase P). ``doctor_patterns.toml``
+explains lines: one regex per kind of line, the vLLM versions that emit it, a severity, a meaning
+and a fix, refined per captured value (``cases``); an error pattern may pin the phase its error
+stops (``phase``) and say that the line alone means the start-up stopped (``fatal``). JSON form
+(documented in docs/serve.md; other tools rely on these keys)::
 
-    {"vllm_version": "0.32.0" | null,
+    {"verdict": {"state", "phase", "phase_name", "line", "evidence", "summary"},
+     "vllm_version": "0.32.0" | null,
      "findings": [{"id", "severity", "message", "line", "fix", "text"}]}
 
 ``line`` is the 1-based line number in the log; ``fix`` may be null; ``text`` is the log line.
-
-Besides the per-line patterns, the doctor follows the server's life (``[lifecycle]`` in the same
-file): a server that never became ready, or whose engine died, is always an error finding that
-quotes the root exception, whether or not a pattern knows it. With the checkpoint (given, or read
-from the log's engine line when it is a local directory) it also says whether the FP8 KV cache
-runs at scale 1.0, from the knowledge ``serve cmd`` uses (:func:`fp4forge.serve.recommend.kv_cache_verdict`).
+A server that failed or died is always an error finding quoting the cause, whether or not a pattern
+knows it. Served requests that got HTTP 4xx/5xx are findings too. With the checkpoint (given, or
+read from the log's engine line when it is a local directory) the doctor also says whether the FP8
+KV cache runs at scale 1.0, from the knowledge ``serve cmd`` uses
+(:func:`fp4forge.serve.recommend.kv_cache_verdict`).
 """
 
 from __future__ import annotations
@@ -31,22 +35,22 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from fp4forge.errors import ConfigError, Fp4forgeError
+from fp4forge.errors import ConfigError, Fp4forgeError, NotAVllmLogError
+from fp4forge.serve.doctor_startup import StartupTracker, Verdict, check_log_text, load_startup_table, split_prefix
 
 SEVERITIES = ("error", "warning", "info")
 PATTERNS_FILE = "doctor_patterns.toml"
-# vLLM prefixes its lines with "(Proc pid=N) LEVEL MM-DD HH:MM:SS [file.py:N] "; matched lines
-# are reported without it.
+# vLLM prefixes its lines with "(Proc pid=N) LEVEL MM-DD HH:MM:SS [file.py:N] " (serve/process.py
+# strips it for its live status; the doctor reports lines without every prefix doctor_startup.toml knows).
 LOG_PREFIX = re.compile(r"^(?:\(\S+ pid=\d+\) )?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \S+ \[[^\]]+\] ")
+PROCESS_TAG = re.compile(r"^\((?P<proc>\S+ pid=\d+)\) ")
 # Only the first match counts per (id, message): every vLLM process logs some lines again.
 MAX_TEXT = 400
-PROCESS_TAG = re.compile(r"^\((?P<proc>\S+ pid=\d+)\) ")
-TRACEBACK_START = "Traceback (most recent call last):"
-# The last line of a Python traceback: a (dotted) exception name, then ": message" or nothing.
-EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?:: (?P<message>.*))?$")
-# Context lines of a traceback that are not frames (chained exceptions).
 KV_SCALE_ONE_ID = "kv-scale-1.0"  # the pattern of vLLM's own scale-1.0 warning
-CHAIN_LINES = ("The above exception was the direct cause", "During handling of the above exception")
+# A request the API server answered (uvicorn's access line).
+ACCESS_LINE = re.compile(r'"(?P<method>POST|GET|PUT|DELETE) (?P<path>/v1/[^ ?"]*)\S* HTTP/[\d.]+" (?P<status>\d{3})')
+LIFECYCLE_TEXTS = ("failed_id", "failed_message", "died_id", "died_message", "unknown_fix", "http_id", "http_message",
+                   "http_fix", "not_vllm_message")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ class Pattern:
     fix: str | None
     versions: SpecifierSet | None
     cases: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
+    phase: str | None = None  # the start-up phase this error stops (doctor_startup.toml)
+    fatal: bool = False  # the line alone means the start-up (or the engine) stopped
     # (regex, overrides): once a line matched regex, later matches take these severity/message/fix
     after: tuple[re.Pattern[str], dict[str, str]] | None = None
 
@@ -82,39 +88,44 @@ class Finding:
 class Diagnosis:
     vllm_version: str | None
     findings: list[Finding]
+    verdict: Verdict
 
     def to_json(self) -> dict[str, Any]:
-        return {"vllm_version": self.vllm_version, "findings": [f.to_json() for f in self.findings]}
+        return {"verdict": self.verdict.to_json(), "vllm_version": self.vllm_version,
+                "findings": [f.to_json() for f in self.findings]}
 
     @property
     def worst(self) -> str | None:
         present = {f.severity for f in self.findings}
         return next((s for s in SEVERITIES if s in present), None)
 
+    @property
+    def verdict_line(self) -> str:
+        """The one line every front end prints first (the CLI, the pipeline, the card)."""
+        return self.verdict.summary
+
+    def passes(self, *, partial: bool = False) -> bool:
+        """Exit 0: the server came up (or, with ``partial``, the log ends before it could) and no
+        finding is an error."""
+        state_ok = self.verdict.state == "ready" or (partial and self.verdict.state == "cannot-tell")
+        return state_ok and self.worst != "error"
+
 
 @dataclass(frozen=True)
 class Lifecycle:
-    ready: tuple[re.Pattern[str], ...]
-    stopping: tuple[re.Pattern[str], ...]
-    failed: tuple[re.Pattern[str], ...]
-    died: tuple[re.Pattern[str], ...]
-    wrappers: tuple[re.Pattern[str], ...]
+    """The doctor's own findings about the server's life (texts in ``[lifecycle]``)."""
+
     failed_id: str
     failed_message: str
     died_id: str
     died_message: str
     unknown_fix: str
-    exited_message: str
+    http_id: str
+    http_message: str
+    http_fix: str
+    not_vllm_message: str
     engine_config: tuple[re.Pattern[str], ...]  # named groups: model, quantization, kv_cache_dtype
     kv_id: str
-
-
-@dataclass(frozen=True)
-class RaisedException:
-    line: int
-    text: str  # "Type: message", or "Type (at: the last source line)" for a bare exception
-    after_ready: bool
-    after_stop: bool
 
 
 class _Missing(dict):
@@ -140,6 +151,8 @@ def _compile(entry: dict[str, Any]) -> Pattern:
         versions=versions,
         cases=entry.get("cases", {}),
         after=(re.compile(after["regex"]), {k: v for k, v in after.items() if k != "regex"}) if after else None,
+        phase=entry.get("phase"),
+        fatal=bool(entry.get("fatal")),
     )
 
 
@@ -153,7 +166,11 @@ def _load_table() -> dict[str, Any]:
 def load_patterns() -> tuple[list[re.Pattern[str]], tuple[Pattern, ...]]:
     data = _load_table()
     version_regexes = [re.compile(r) for r in data["version"]["regexes"]]
-    return version_regexes, tuple(_compile(entry) for entry in data["pattern"])
+    patterns = tuple(_compile(entry) for entry in data["pattern"])
+    phases = {p.id for p in load_startup_table().phases}
+    if unknown := sorted({p.phase for p in patterns if p.phase} - phases):
+        raise ConfigError(f"{PATTERNS_FILE}: patterns name unknown phases {unknown}")
+    return version_regexes, patterns
 
 
 @lru_cache(maxsize=1)
@@ -161,21 +178,10 @@ def load_lifecycle() -> Lifecycle:
     data = _load_table()
     life, context = data["lifecycle"], data["context"]
     try:
-        regexes = {key: tuple(re.compile(r) for r in life[key]) for key in ("ready", "stopping", "failed", "died", "wrappers")}
         engine_config = tuple(re.compile(r) for r in context["engine_config"])
+        return Lifecycle(**{key: life[key] for key in LIFECYCLE_TEXTS}, engine_config=engine_config, kv_id=context["kv_id"])
     except (re.error, KeyError) as error:
         raise ConfigError(f"{PATTERNS_FILE}: [lifecycle]/[context] is invalid: {error}") from error
-    return Lifecycle(
-        **regexes,
-        failed_id=life["failed_id"],
-        failed_message=life["failed_message"],
-        died_id=life["died_id"],
-        died_message=life["died_message"],
-        unknown_fix=life["unknown_fix"],
-        exited_message=life["exited_message"],
-        engine_config=engine_config,
-        kv_id=context["kv_id"],
-    )
 
 
 def find_vllm_version(lines: Iterable[str]) -> str | None:
@@ -242,31 +248,25 @@ class LogDoctor:
         self._after_seen: set[str] = set()  # ids of patterns whose `after` context has appeared
         self.findings: list[Finding] = []
         self.line_count = 0
-        # the server's life, for the lifecycle finding
+        self.startup = StartupTracker()  # the phases, the exceptions, how the server's life ended
+        self.explained: dict[int, str | None] = {}  # line -> phase of every line an error pattern explains
+        self.fatal: list[tuple[int, str]] = []  # lines that by themselves stop a start-up
+        self.requests: dict[str, list[tuple[int, int]]] = {}  # path -> (line, HTTP status) of each answer
         self.checkpoint = checkpoint
         self.find_checkpoint = find_checkpoint  # read the log's model path when it is a local directory
-        self.ready_line: int | None = None
-        self.stop_line: int | None = None
-        self.failed_line: int | None = None  # first start-up failure line (before any stop)
-        self.failed_text: str | None = None
-        self.died_line: int | None = None  # first engine-death line after ready (before any stop)
-        self.exceptions: list[RaisedException] = []
         self.engine: dict[str, str] = {}  # model, quantization, kv_cache_dtype from the engine line
         self.engine_line: int | None = None
-        self._frames: dict[str, str | None] = {}  # per process: last source line of an open traceback
         self._facts: dict[str | None, Any] = {}  # checkpoint location -> CheckpointFacts | None
 
     def feed(self, line: str) -> list[Finding]:
         self.line_count += 1
         line = line.rstrip("\r\n")
         if self.vllm_version is None:
-            for regex in self._version_regexes:
-                match = regex.search(line)
-                if match:
-                    self.vllm_version = match["version"]
-                    self._version = _parse_version(self.vllm_version)
-        self._follow_life(line)
-        text = LOG_PREFIX.sub("", line).strip()
+            self._read_version(line)
+        self.startup.feed(self.line_count, line)
+        self._follow_context(line)
+        body = split_prefix(line)[1]  # without the process tag and vLLM's (or torch's) prefix
+        text = body.strip()
         new = []
         for pattern in self._patterns:
             if not pattern.applies_to(self._version):
@@ -277,6 +277,10 @@ class LogDoctor:
             if match is None:
                 continue
             finding = _finding(pattern, match, self.line_count, text, pattern.id in self._after_seen)
+            if finding.severity == "error":
+                self.explained.setdefault(self.line_count, pattern.phase)
+                if pattern.fatal and not body.startswith((" ", "\t")):  # not a traceback's source line
+                    self.fatal.append((self.line_count, body.strip()))
             key = (finding.id, finding.message)
             if key not in self._seen:
                 self._seen.add(key)
@@ -284,73 +288,61 @@ class LogDoctor:
         self.findings.extend(new)
         return new
 
-    def _follow_life(self, line: str) -> None:
-        life, number = self._life, self.line_count
-        tag = PROCESS_TAG.match(line)
-        proc = tag["proc"] if tag else ""
-        body = LOG_PREFIX.sub("", line).rstrip()
-        if self.ready_line is None and any(r.search(line) for r in life.ready):
-            self.ready_line = number
-        if self.stop_line is None and any(r.search(line) for r in life.stopping):
-            self.stop_line = number
-        stopped = self.stop_line is not None
-        if not stopped:
-            if self.ready_line is None and self.failed_line is None and any(r.search(body) for r in life.failed):
-                self.failed_line, self.failed_text = number, body.strip()
-            if self.ready_line is not None and self.died_line is None and any(r.search(body) for r in life.died):
-                self.died_line = number
-        for regex in life.engine_config:
+    def _read_version(self, line: str) -> None:
+        for regex in self._version_regexes:
+            match = regex.search(line)
+            if match:
+                self.vllm_version = match["version"]
+                self._version = _parse_version(self.vllm_version)
+
+    def _follow_context(self, line: str) -> None:
+        for regex in self._life.engine_config:
             match = regex.search(line)
             if match:
                 self.engine.update({k: v for k, v in match.groupdict().items() if v is not None})
-                self.engine_line = self.engine_line or number
-        # Tracebacks, per process (vLLM's processes interleave their lines).
-        if body.strip() == TRACEBACK_START:
-            self._frames[proc] = None
-            return
-        if proc not in self._frames:
-            return
-        if body.startswith((" ", "\t")) or not body.strip() or body.startswith(CHAIN_LINES):
-            stripped = body.strip()
-            if stripped and not stripped.startswith(("File ", "^", "~")):
-                self._frames[proc] = stripped
-            return
-        match = EXCEPTION_LINE.match(body.strip())
-        last_source = self._frames.pop(proc)
-        if match is None:
-            return
-        text = body.strip()
-        if match["message"] is None and last_source:
-            text = f"{text} (at: {last_source})"
-        self.exceptions.append(RaisedException(number, text, self.ready_line is not None, stopped))
+                self.engine_line = self.engine_line or self.line_count
+        if match := ACCESS_LINE.search(line):
+            self.requests.setdefault(match["path"], []).append((self.line_count, int(match["status"])))
 
-    def _root_exception(self, *, after_ready: bool) -> RaisedException | None:
-        candidates = [e for e in self.exceptions if e.after_ready == after_ready and not e.after_stop]
-        if not candidates:
-            return None
-        wrappers = self._life.wrappers
-        return next((e for e in candidates if not any(w.search(e.text) for w in wrappers)), candidates[0])
+    def verdict(self, *, process_exited: bool = False) -> Verdict:
+        """How the start-up went (see StartupTracker.verdict)."""
+        return self.startup.verdict(self.explained, self.fatal, process_exited=process_exited)
 
-    def _life_finding(self, pattern_findings: list[Finding], process_exited: bool = False) -> Finding | None:
-        """The error for a server that never became ready or whose engine died, or None."""
+    def _life_finding(self, verdict: Verdict) -> Finding | None:
+        """The error for a server that failed to start or whose engine died, or None."""
         life = self._life
-        if self.ready_line is None:
-            root = self._root_exception(after_ready=False)
-            if root is None and self.failed_line is None and not (process_exited and self.stop_line is None):
-                return None  # still starting, or stopped while starting: nothing says it failed
-            finding_id, template = life.failed_id, life.failed_message
-        elif self.died_line is not None:
-            root = self._root_exception(after_ready=True)
-            finding_id, template = life.died_id, life.died_message
-        else:
+        if verdict.state not in ("failed", "died"):
             return None
-        line = root.line if root else self.failed_line or self.died_line or 1
-        quoted = root.text if root else (self.failed_text or life.exited_message)
-        specific = [f for f in pattern_findings if f.severity == "error" and f.fix]
-        # a pattern that matched the root line (or, else, any failure pattern) knows the fix
-        known = next((f for f in specific if f.line == line), specific[0] if specific else None)
+        line = verdict.line or 1
+        specific = [f for f in self.findings if f.severity == "error" and f.fix]
+        # a pattern that matched the cause's lines (or, else, any failure pattern) knows the fix
+        near = range(line, line + 3)
+        known = next((f for f in specific if f.line in near), specific[0] if specific else None)
         fix = f"{known.fix} (finding {known.id})" if known else life.unknown_fix.format(line=line)
-        return Finding(finding_id, "error", template.format(root=quoted[:MAX_TEXT]), line, fix, quoted[:MAX_TEXT])
+        if verdict.state == "failed":
+            message = life.failed_message.format(phase=verdict.phase or "unknown", phase_name=verdict.phase_name or "unknown",
+                                                 root=verdict.evidence[:MAX_TEXT])
+            return Finding(life.failed_id, "error", message, line, fix, verdict.evidence[:MAX_TEXT])
+        message = life.died_message.format(root=verdict.evidence[:MAX_TEXT])
+        return Finding(life.died_id, "error", message, line, fix, verdict.evidence[:MAX_TEXT])
+
+    def _request_findings(self) -> list[Finding]:
+        """Served requests answered with HTTP 4xx/5xx: an error when a server error (5xx) or when no
+        request to that endpoint succeeded, a warning when some did."""
+        life, out = self._life, []
+        chat_fix = next((f.fix for f in self.findings if f.id == "chat-template-missing"), None)
+        for path, answers in self.requests.items():
+            failed = [(n, status) for n, status in answers if status >= 400]
+            if not failed:
+                continue
+            statuses = ", ".join(sorted({str(status) for _, status in failed}))
+            every = len(failed) == len(answers)
+            severity = "error" if every or any(status >= 500 for _, status in failed) else "warning"
+            message = life.http_message.format(failed=len(failed), total=len(answers), path=path, statuses=statuses,
+                                               line=failed[0][0])
+            fix = chat_fix if chat_fix and "chat" in path else life.http_fix.format(line=failed[0][0])
+            out.append(Finding(life.http_id, severity, message, failed[0][0], fix, ""))
+        return out
 
     def _kv_finding(self) -> Finding | None:
         """KV cache at scale 1.0 inferred from the engine line and the checkpoint (serve cmd's rule)."""
@@ -374,38 +366,60 @@ class LogDoctor:
         verdict = kv_cache_verdict(facts, dtype, quantization=self.engine.get("quantization"), model=location)
         if verdict is None:
             return None
-        return Finding(self._life.kv_id, verdict.severity, verdict.message, self.engine_line or 1, verdict.check, "")
+        # the cache is FP8 by the engine line, and nothing here says whether its scales are calibrated:
+        # a warning that names what to check (serve cmd's rule says info: it may not be FP8 at all)
+        severity = "warning" if facts is None and dtype.startswith("fp8") else verdict.severity
+        return Finding(self._life.kv_id, severity, verdict.message, self.engine_line or 1, verdict.check, "")
 
     def diagnosis(self, *, process_exited: bool = False) -> Diagnosis:
-        """All findings, errors first. ``process_exited``: the caller saw the vLLM process exit
-        before it was ready (``serve up``), which the log alone cannot say (a SIGKILL leaves no line)."""
+        """The verdict and all findings, errors first. ``process_exited``: the caller saw the vLLM
+        process exit before it was ready (``serve up``), which the log alone cannot say (a SIGKILL
+        leaves no line)."""
         order = {s: i for i, s in enumerate(SEVERITIES)}
-        findings = list(self.findings)
-        for extra in (self._life_finding(findings, process_exited), self._kv_finding()):
+        verdict = self.verdict(process_exited=process_exited)
+        findings = list(self.findings) + self._request_findings()
+        for extra in (self._life_finding(verdict), self._kv_finding()):
             if extra is not None:
                 findings.append(extra)
         findings = sorted(findings, key=lambda f: (order[f.severity], f.line))
-        return Diagnosis(self.vllm_version, findings)
+        return Diagnosis(self.vllm_version, findings, verdict)
+
+    def check_is_vllm_log(self) -> None:
+        """Raise NotAVllmLogError when nothing in the lines fed so far is vLLM's."""
+        if not (self.startup.vllm_evidence or self.startup.reached >= 0 or self.explained):
+            raise NotAVllmLogError(self._life.not_vllm_message.format(lines=self.line_count), kind="not-vllm")
 
     @property
     def failed(self) -> bool:
         """True when the log shows a start-up failure or an engine death (not a requested stop)."""
-        return self._life_finding([]) is not None
+        return self.verdict().state in ("failed", "died")
 
 
 def diagnose(
-    lines: Iterable[str], *, vllm_version: str | None = None, checkpoint: str | None = None, find_checkpoint: bool = True
+    lines: Iterable[str], *, vllm_version: str | None = None, checkpoint: str | None = None, find_checkpoint: bool = True,
+    strict: bool = False,
 ) -> Diagnosis:
-    """Findings of a whole log, errors first. The version comes from the log unless given; it is
-    read before matching, so that version-restricted patterns apply from the first line.
-    ``checkpoint`` (a local directory or repo) lets the doctor infer what the log cannot say (an
-    FP8 KV cache at scale 1.0); by default the model path on the log's engine line is used when it
-    is a local directory (``find_checkpoint=False``: never)."""
+    """The verdict and the findings of a whole log, errors first. The version comes from the log
+    unless given; it is read before matching, so that version-restricted patterns apply from the
+    first line. ``checkpoint`` (a local directory or repo) lets the doctor infer what the log cannot
+    say (an FP8 KV cache at scale 1.0); by default the model path on the log's engine line is used
+    when it is a local directory (``find_checkpoint=False``: never). ``strict``: raise
+    NotAVllmLogError for lines with nothing of vLLM in them (check the text with
+    :func:`check_log_text` first for empty and binary input)."""
     lines = list(lines)
     doctor = LogDoctor(vllm_version or find_vllm_version(lines), checkpoint=checkpoint, find_checkpoint=find_checkpoint)
     for line in lines:
         doctor.feed(line)
+    if strict:
+        doctor.check_is_vllm_log()
     return doctor.diagnosis()
+
+
+def diagnose_text(text: str, **options: Any) -> Diagnosis:
+    """``diagnose`` of a whole log's text, refusing what is not a vLLM log (NotAVllmLogError:
+    empty, binary, or no vLLM line)."""
+    check_log_text(text)
+    return diagnose(iter_lines(text), strict=True, **options)
 
 
 def iter_lines(text: str) -> Iterator[str]:
