@@ -200,6 +200,8 @@ def card_command(
     checkpoint: Path = typer.Argument(..., metavar="CKPT", help="Checkpoint directory."),
     reports: Optional[Path] = typer.Option(None, "--reports", help="Artifacts directory (default CKPT/reports)."),
     out_path: Optional[Path] = typer.Option(None, "--out", help="Card to write (default CKPT/README.md)."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", metavar="REPO_ID",
+                                             help="The Hub repository the source is (front matter base_model); default: what the source says."),
     as_json: bool = typer.Option(False, "--json", help='{"card", "sections", "missing", "plots"}'),
 ) -> None:
     """Write the model card from measured artifacts only; a missing artifact is named, never invented."""
@@ -208,7 +210,7 @@ def card_command(
     if not checkpoint.is_dir():
         raise _fail(f"{checkpoint} is not a directory", ExitCode.UNUSABLE, as_json)
     target = out_path or checkpoint / "README.md"
-    card = write_card(checkpoint, reports, target)
+    card = write_card(checkpoint, reports, target, base_model)
     if as_json:
         _emit({"card": str(target), "sections": card.sections, "missing": card.missing, "plots": card.plots})
     else:
