@@ -605,6 +605,7 @@ def _plot_bytes(doc: dict[str, Any], path: Path) -> Path | None:
     for bar, c in zip(bars, components[::-1]):
         label = f"{_num(c['bpp'], 3)} b/p" if c["bpp"] is not None else ""
         axis.text(bar.get_width() + 0.5, bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
+    axis.set_xlim(0, max(shares, default=0) * 1.25 + 1)  # room for the right-hand labels inside the axes
     axis.set_xlabel("share of stored bytes (%)")
     axis.set_title(f"Where the bytes are: {_num(doc['total']['bpp'], 4)} bits/param overall", fontsize=10)
     figure.tight_layout()
