@@ -542,7 +542,7 @@ def _always(_: PipelineOptions) -> str | None:
 
 
 def _needs_serve(o: PipelineOptions) -> str | None:
-    return None if o.serve else "serving not requested (--serve) or no vLLM venv"
+    return None if o.serve else "serving not requested (--serve), or no vLLM venv (`make vllm` creates one)"
 
 
 def _needs_bench(kind: str) -> Off:
