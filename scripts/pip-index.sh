@@ -55,3 +55,9 @@ pip_install() {
         "$python" -m pip install "${index_options[@]}" "$@"
     fi
 }
+
+# The venv at $1 (made with the Python $2 when it does not exist yet), its pip brought up to date.
+ensure_venv() {
+    [[ -x "$1/bin/python" ]] || "$2" -m venv "$1"
+    "$1/bin/python" -m pip install --quiet --upgrade pip
+}

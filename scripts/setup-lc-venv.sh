@@ -40,8 +40,7 @@ if [[ -f "$STAMP" ]]; then
 fi
 
 start=$(date +%s)
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
+ensure_venv "$VENV" "$PY"
 echo "installing ${REQUIREMENTS[*]} into $VENV (the first time a few minutes)"
 pip_install "$VENV/bin/python" "${REQUIREMENTS[@]}"
 

@@ -22,8 +22,7 @@ if [[ -n "${FP4FORGE_PIP_PLAN:-}" ]]; then
 fi
 
 start=$(date +%s)
-[[ -x "$venv/bin/python" ]] || "$python_bin" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --upgrade pip
+ensure_venv "$venv" "$python_bin"
 echo "setup-venv: installing fp4forge and its test dependencies into $venv (the first time a few minutes)"
 pip_install "$venv/bin/python" "${requirements[@]}"
 touch "$venv/bin/.fp4forge-ready"
