@@ -31,10 +31,13 @@ install: $(BIN)/.fp4forge-ready
 # $(DEMO)/trained-laguna-nvfp4/README.md. Re-running skips every step whose inputs did not change.
 COMMA := ,
 DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_VENV) --bench perf$(COMMA)quality --quality-teacher,)
+# BASE_MODEL=NAME/trained-laguna: where the testbed is published, for the card's base_model (README.md).
+BASE_MODEL ?=
+DEMO_BASE := $(if $(BASE_MODEL),--base-model $(BASE_MODEL),)
 demo: install
 	@if [ ! -d $(DEMO)/trained-laguna ]; then $(BIN)/fp4forge testbed trained-laguna $(DEMO)/trained-laguna --cache; fi
 	$(BIN)/fp4forge pipeline $(DEMO)/trained-laguna $(DEMO)/trained-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn \
-	  --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE)
+	  --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE) $(DEMO_BASE)
 
 # The vLLM CPU venv with the fp4forge-vllm plugin (about 3 min and 3.4 GB, once).
 vllm:

@@ -163,6 +163,7 @@ def pipeline_command(
     quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
     quality_teacher: bool = typer.Option(False, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
     quality_allow_unreadable: bool = typer.Option(False, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", metavar="REPO_ID", help="The Hub repository SRC is, for the card's front matter (default: what SRC says)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
 ) -> None:
     """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
@@ -177,7 +178,7 @@ def pipeline_command(
             fidelity_text=tuple(fidelity_text), device=device, activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
             serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
             quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
-            quality_allow_unreadable=quality_allow_unreadable,
+            quality_allow_unreadable=quality_allow_unreadable, base_model=base_model,
         )
         with StepsView(enabled=not as_json) as view:
             manifest = run_pipeline(src, out, options, on_event=view.update)

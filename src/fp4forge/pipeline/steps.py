@@ -82,6 +82,7 @@ class PipelineOptions:
     quality_categories: tuple[str, ...] = ()
     quality_teacher: bool = False  # also serve SRC and compare the two arms with paired tests
     quality_allow_unreadable: bool = False  # score an arm whose answers are mostly unread (loud warning)
+    base_model: str | None = None  # the card's front matter base_model (None: what the source says)
 
     def __post_init__(self) -> None:
         """Every option checked once, here, before any step runs; the recipe parsed once."""
@@ -522,7 +523,7 @@ def run_quality_teacher(ctx: Context) -> dict[str, Any]:
 def run_card(ctx: Context) -> dict[str, Any]:
     from fp4forge.report.card import write_card
 
-    card = write_card(ctx.out, ctx.reports, ctx.out / CARD)
+    card = write_card(ctx.out, ctx.reports, ctx.out / CARD, ctx.options.base_model)
     return {"sections": len(card.sections), "missing": len(card.missing)}
 
 
@@ -570,8 +571,9 @@ STEPS: tuple[Step, ...] = (
     Step("calibrate", "calibrate activations and KV (layer-streamed)", run_calibrate,
          ("reports/calibration.json", "reports/calibration-stats.safetensors"), ("src",),
          ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_policy", "calib_text")),
+    # version 2: only the source's model-repository files are copied (checkpoint/names.py MODEL_REPO_FILES)
     Step("quantize", "quantize by the recipe", run_quantize, (".", "reports/quantize.json"),
-         ("src", "calibration-stats.safetensors", "recipe"), ("layout_format", "block_scales", "max_shard_gb")),
+         ("src", "calibration-stats.safetensors", "recipe"), ("layout_format", "block_scales", "max_shard_gb"), version=2),
     Step("kv", "check the FP8 KV scales", run_kv, ("reports/kv.json",), ("checkpoint",)),
     Step("audit", "audit (stops on errors)", run_audit, ("reports/audit.json", "reports/shards.json"), ("checkpoint",),
          ("audit_deep", "vllm_version")),
@@ -597,4 +599,4 @@ STEPS: tuple[Step, ...] = (
          version=2),
 )
 # The card runs last, always, from whatever artifacts exist.
-CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",))
+CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",), ("base_model",))
