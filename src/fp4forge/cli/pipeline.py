@@ -1,8 +1,9 @@
 """`fp4forge pipeline` and `fp4forge card`, added to the main Typer app by ``register(app)``.
 
     fp4forge pipeline SRC OUT --recipe R [--format F] [--calib-samples N] [--calib-text FILE]...
-                      [--hardware gb10] [--sibling CKPT] [--serve [--vllm-venv DIR]] [--bench perf,quality] [--json]
-    fp4forge card CKPT [--reports DIR] [--out README.md] [--json]
+                      [--hardware gb10] [--sibling CKPT] [--serve [--vllm-venv DIR]] [--bench perf,quality]
+                      [--base-model REPO_ID] [--json]
+    fp4forge card CKPT [--reports DIR] [--out README.md] [--base-model REPO_ID] [--json]
 
 Exit codes. pipeline: 0 every step finished (or was unchanged), 1 a step failed (the manifest
 ``OUT/reports/pipeline.json`` says which; a re-run resumes there), 2 bad options or input,
