@@ -1,5 +1,8 @@
 # fp4forge: the two set-up commands are `make demo` (main job on the built-in testbed) and
-# `make test` (installs everything the tests need, then runs them). Both work on a fresh machine.
+# `make test` (installs everything the tests need, then runs them). Both work on a fresh machine
+# that reaches PyPI and PyTorch's CPU wheel index (README.md#set-up-two-commands):
+#   make test PIP_INDEX_URL=https://mirror/simple PYTORCH_CPU_INDEX=https://mirror/whl/cpu
+# points them at mirrors (scripts/pip-index.sh says how each index is used).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,15 +10,14 @@ VLLM_VENV ?= .venv-vllm
 LC_VENV ?= .venv-lc
 DEMO ?= demo
 PYTEST_ARGS ?=
+PYTORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+export PYTHON PYTORCH_CPU_INDEX
 
 .PHONY: install demo vllm test test-fast clean
 
 # pyproject.toml states version ranges; constraints.txt pins the versions the tests run on.
 $(BIN)/.fp4forge-ready: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[test]' -c constraints.txt
-	touch $@
+	bash scripts/setup-venv.sh $(VENV)
 
 install: $(BIN)/.fp4forge-ready
 
@@ -29,10 +31,13 @@ install: $(BIN)/.fp4forge-ready
 # $(DEMO)/trained-laguna-nvfp4/README.md. Re-running skips every step whose inputs did not change.
 COMMA := ,
 DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_VENV) --bench perf$(COMMA)quality --quality-teacher,)
+# BASE_MODEL=NAME/trained-laguna: where the testbed is published, for the card's base_model (README.md).
+BASE_MODEL ?=
+DEMO_BASE := $(if $(BASE_MODEL),--base-model $(BASE_MODEL),)
 demo: install
 	@if [ ! -d $(DEMO)/trained-laguna ]; then $(BIN)/fp4forge testbed trained-laguna $(DEMO)/trained-laguna --cache; fi
 	$(BIN)/fp4forge pipeline $(DEMO)/trained-laguna $(DEMO)/trained-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn \
-	  --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE)
+	  --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE) $(DEMO_BASE)
 
 # The vLLM CPU venv with the fp4forge-vllm plugin (about 3 min and 3.4 GB, once).
 vllm:
@@ -41,11 +46,7 @@ vllm:
 # The whole suite, integration tests included: the vLLM CPU and llm-compressor venvs are
 # created side by side (each a few minutes, once) and the tests use them.
 test: install
-	@bash scripts/setup-vllm-venv.sh $(VLLM_VENV) > .venv-vllm-setup.log 2>&1 & vllm=$$!; \
-	 bash scripts/setup-lc-venv.sh $(LC_VENV) > .venv-lc-setup.log 2>&1 & lc=$$!; \
-	 ok=0; wait $$vllm || { echo "vLLM venv set-up failed:"; tail -30 .venv-vllm-setup.log; ok=1; }; \
-	 wait $$lc || { echo "llm-compressor venv set-up failed:"; tail -30 .venv-lc-setup.log; ok=1; }; \
-	 exit $$ok
+	bash scripts/setup-side-venvs.sh $(VLLM_VENV) $(LC_VENV)
 	FP4FORGE_VLLM_VENV=$(abspath $(VLLM_VENV)) FP4FORGE_LC_VENV=$(abspath $(LC_VENV)) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Unit tests only (no servers, no other venvs): seconds, for the edit-test loop.

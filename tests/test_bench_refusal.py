@@ -42,3 +42,14 @@ def test_a_run_that_starts_lands_in_out(fake_url: str, tmp_path: Path) -> None: 
     assert result.summary is not None and result.summary["totals"]["kept_ok"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert json.loads((out / "run.json").read_text())["config"]["out_dir"] == str(out)
+
+
+def test_a_run_whose_every_request_failed_says_nothing_was_measured(fake_url: str, tmp_path: Path) -> None:  # noqa: F811
+    from typer.testing import CliRunner
+
+    from fp4forge.cli import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["bench", "perf", "--url", fake_url, "--model", "http-500", "--out", str(out), "--workload", "cpu-tiny",
+                                      "--prompt-tokens", "32", "--warmups", "0", "--samples", "2", "--no-plots"])
+    assert result.exit_code == 1 and "nothing was measured" in result.output, result.output

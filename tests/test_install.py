@@ -77,34 +77,42 @@ def test_torch_and_transformers_are_ranges_that_admit_the_tested_environments():
 
 
 # -- helpers for the resolver tests --------------------------------------------------------------
-def build_stub_wheel(out_dir: Path, name: str, version: str) -> Path:
-    """A wheel named ``name`` at ``version`` holding only its metadata and ``__version__``."""
-    dist_info = f"{name}-{version}.dist-info"
-    files = {
-        f"{name}/__init__.py": f'__version__ = "{version}"\n',
-        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nSummary: stand-in for an installed {name} (fp4forge install test)\n",
-        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: fp4forge-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
+def write_wheel(out_dir: Path, name: str, version: str, metadata: str, modules: dict[str, str] | None = None) -> Path:
+    """A wheel of distribution ``name`` at ``version`` holding ``metadata`` and ``modules`` only."""
+    stem = f"{canonicalize_name(name).replace('-', '_')}-{version}"
+    files = {**(modules or {}), f"{stem}.dist-info/METADATA": metadata,
+             f"{stem}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: fp4forge-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     record = []
     for path, text in files.items():
         data = text.encode()
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
         record.append(f"{path},sha256={digest},{len(data)}")
-    record.append(f"{dist_info}/RECORD,,")
-    files[f"{dist_info}/RECORD"] = "\n".join(record) + "\n"
-    wheel = out_dir / f"{name}-{version}-py3-none-any.whl"
+    record.append(f"{stem}.dist-info/RECORD,,")
+    files[f"{stem}.dist-info/RECORD"] = "\n".join(record) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wheel = out_dir / f"{stem}-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         for path, text in files.items():
             zf.writestr(path, text)
     return wheel
 
 
-def copy_project(dest: Path) -> Path:
-    """The files pip needs to build fp4forge, so that nothing is built inside the checkout."""
+def build_stub_wheel(out_dir: Path, name: str, version: str) -> Path:
+    """A wheel named ``name`` at ``version`` holding only its metadata and ``__version__``."""
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\nSummary: stand-in for an installed {name} (fp4forge install test)\n"
+    return write_wheel(out_dir, name, version, metadata, {f"{name}/__init__.py": f'__version__ = "{version}"\n'})
+
+
+def copy_project(dest: Path, *, with_setup: bool = False) -> Path:
+    """The files pip needs to build fp4forge (and, ``with_setup``, the set-up scripts), so that
+    nothing is built inside the checkout."""
     dest.mkdir(parents=True)
-    for name in ("pyproject.toml", "README.md"):
+    names = ("pyproject.toml", "README.md") + (("constraints.txt",) if with_setup else ())
+    for name in names:
         shutil.copy2(REPO_ROOT / name, dest / name)
     shutil.copytree(REPO_ROOT / "src", dest / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    if with_setup:
+        shutil.copytree(REPO_ROOT / "scripts", dest / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
 

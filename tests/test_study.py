@@ -108,6 +108,9 @@ def test_frontier_json_and_named_errors(tiny_laguna: Path, tmp_path: Path) -> No
     assert (tmp_path / "f" / "frontier.json").is_file() and (tmp_path / "f" / "frontier.md").is_file()
     bad = _invoke("frontier", str(tiny_laguna), "--formats", "int9")
     assert bad.exit_code == 2 and "--formats" in bad.output
+    # every arm skipped (width 256 is no multiple of 48): nothing measured is an error, not an empty table
+    none = _invoke("frontier", str(tiny_laguna), "--formats", "int4", "--groups", "48", "--components", "attention", "--json")
+    assert none.exit_code == 2 and "no arm applies" in json.loads(none.stdout)["error"]
 
 
 def test_paired_differences_resample_the_pairs_together() -> None:

@@ -12,6 +12,7 @@ reader's error propagates (exit code 2).
 from __future__ import annotations
 
 import stat
+from dataclasses import replace
 from itertools import repeat
 from operator import eq
 from pathlib import Path
@@ -41,6 +42,10 @@ SHARD_GROUPS = {
     "shard-unreadable": "shards that cannot be read safely",
     "shard-size-mismatch": "shards whose size differs from what their header declares",
 }
+# Rules that report tensors as absent. Behind a shard that cannot be read they only report that
+# shard's tensors again, with a fix (re-calibrate, re-export) that points away from the cause.
+ABSENCE_RULES = frozenset({"parameter-missing", "kv-scale-absent", "scheme-tensor-missing", "moe-input-scale-invalid",
+                           "w4a4-without-activation-scales", "index-tensor-not-in-shard", "fused-input-scale-mismatch"})
 LFS_POINTER_MAX_BYTES = 1024
 FP8_NAN_MASK = 0x7F  # E4M3FN: S.1111.111 is NaN, there is no Inf
 FP8_SIGN = 0x80
@@ -75,6 +80,30 @@ def shard_issues(ckpt: Checkpoint) -> list[Issue]:
         detail = _lfs_detail(ckpt, shard) if rule_id == "shard-lfs-pointer" else exc.message
         issues.append(issue(rule_id, SHARD_GROUPS[rule_id], shard, file=shard, detail=detail))
     return issues
+
+
+def without_knock_on(issues: list[Issue], ckpt: Checkpoint) -> list[Issue]:
+    """One root cause reported once: absence findings about tensors an unreadable shard holds (per
+    the index; every tensor when there is no index) are dropped, and the shard's finding says how
+    many and of which rules."""
+    unreadable = {i.subject for i in issues if i.rule in SHARD_GROUPS}
+    if not unreadable:
+        return issues
+    held = None if ckpt.index is None else {n for n, shard in ckpt.index.weight_map.items() if shard in unreadable}
+    prefixes = None if held is None else {n[:i] for n in held for i, c in enumerate(n) if c == "."} | held
+
+    def follows(i: Issue) -> bool:
+        if i.rule not in ABSENCE_RULES or prefixes is None:
+            return i.rule in ABSENCE_RULES
+        # every tensor it names is the shard's (a finding that also names others stays whole)
+        return all(t in held for t in i.tensors) if i.tensors else i.subject in prefixes
+
+    dropped = [i for i in issues if follows(i)]
+    if not dropped:
+        return issues
+    rules = ", ".join(dict.fromkeys(i.rule for i in dropped))
+    note = f"{len(dropped):,} findings that follow from it ({rules}: tensors this shard holds) are not reported; audit again once it is whole"
+    return [replace(i, note=note) if i.rule in SHARD_GROUPS else i for i in issues if not follows(i)]
 
 
 def _lfs_detail(ckpt: Checkpoint, shard: str) -> str:

@@ -64,6 +64,7 @@ def _audit(location: str | Path, *, deep: bool, fmt: str, vllm_version: str, tru
     try:
         for check in CHECKS:
             issues += check.run(ctx)
+        issues = checks_integrity.without_knock_on(issues, ckpt)
     finally:
         close = getattr(ckpt.source, "close", None)
         if close is not None:

@@ -20,3 +20,25 @@ def natural_key(name: str) -> list:
     import re
 
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+# The files besides weights, index and config that a model repository holds, and so the only ones
+# an export copies from its source: what transformers' from_pretrained and vLLM read (generation
+# settings, tokenizer, chat template, processor, remote code) and the terms the weights ship under.
+# Anything else beside the source's weights (its model card, training reports, data, scripts) is
+# the source's own and stays behind; the exported model gets its own card (`fp4forge card`).
+MODEL_REPO_FILES = (
+    "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "*.tiktoken", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "configuration_*.py", "modeling_*.py", "tokenization_*.py", "processing_*.py",
+    "LICENSE", "LICENSE.*", "NOTICE", "NOTICE.*", "USE_POLICY.md",
+)
+
+
+def is_model_repo_file(name: str) -> bool:
+    """Whether a file of this name belongs in a model repository beside the weights."""
+    from fnmatch import fnmatchcase
+
+    return any(fnmatchcase(name, pattern) for pattern in MODEL_REPO_FILES)

@@ -54,6 +54,7 @@ def diff_command(
 
     from fp4forge.audit.diff import diff_checkpoints
     from fp4forge.report.audit_tables import diff_markdown, diff_rich
+    from fp4forge.report.tables import fit_table
 
     try:
         report = diff_checkpoints(a, b, values=values)
@@ -66,5 +67,5 @@ def diff_command(
     else:
         console = Console()
         for table in diff_rich(report):
-            console.print(table)
+            console.print(fit_table(table, console))
     raise SystemExit(report.exit_code)

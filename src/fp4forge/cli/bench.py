@@ -8,9 +8,10 @@
     fp4forge bench gemm --config CONFIG [--out DIR] [--m 1,16,128] [--kernels bf16,fp8] [--device cuda|cpu]
 
 Exit codes. perf: 0 every request succeeded; 1 the run finished but some requests failed (counted
-in the summary); 2 the run could not start (bad options, no server, model not served); 3 the
-server stopped answering mid-run: every finished sample is kept in DIR/samples.jsonl and
-summarised; 130 interrupted (Ctrl-C), also with everything finished kept and summarised.
+in the summary), or all of them (then nothing was measured, and it says so); 2 the run could not
+start (bad options, no server, model not served); 3 the server stopped answering mid-run: every
+finished sample is kept in DIR/samples.jsonl and summarised; 130 interrupted (Ctrl-C), also with
+everything finished kept and summarised.
 analyze / compare: 0, or 2 when a directory cannot be read. ``python -m fp4forge.cli.bench`` runs
 the same commands standalone.
 """
@@ -125,6 +126,9 @@ def perf_command(
         if not as_json:
             _err().print(f"[red]error:[/red] {ending[1]}", highlight=False)
         raise typer.Exit(ending[0])
+    if result.outcome is not None and result.outcome.kept == 0:  # every measured request failed
+        _err().print(f"[red]error:[/red] no request succeeded, so nothing was measured; see failures in {out_dir / 'summary.md'}", highlight=False)
+        raise typer.Exit(EXIT_SOME_FAILED)
     if result.failed:
         _err().print(f"[yellow]{result.failed} request(s) failed[/yellow]; see failures in {out_dir / 'summary.md'}")
         raise typer.Exit(EXIT_SOME_FAILED)

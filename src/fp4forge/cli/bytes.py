@@ -39,11 +39,11 @@ def show_byte_table(location: str, as_json: bool = False, markdown: bool = False
 
         sys.stdout.write(byte_table_markdown(table))
     else:
-        from fp4forge.report.tables import byte_table_rich
+        from fp4forge.report.tables import byte_table_rich, fit_table
 
         out = console()
         for rich_table in byte_table_rich(table):
-            out.print(rich_table)
+            out.print(fit_table(rich_table, out))
         out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
     if table.unknown_tensors:
         console(stderr=True).print(f"[yellow]warning:[/yellow] {len(table.unknown_tensors)} tensors match no component of layout {chosen.name!r}, e.g. {table.unknown_tensors[:3]}")

@@ -1,8 +1,9 @@
 """`fp4forge pipeline` and `fp4forge card`, added to the main Typer app by ``register(app)``.
 
     fp4forge pipeline SRC OUT --recipe R [--format F] [--calib-samples N] [--calib-text FILE]...
-                      [--hardware gb10] [--sibling CKPT] [--serve [--vllm-venv DIR]] [--bench perf,quality] [--json]
-    fp4forge card CKPT [--reports DIR] [--out README.md] [--json]
+                      [--hardware gb10] [--sibling CKPT] [--serve [--vllm-venv DIR]] [--bench perf,quality]
+                      [--base-model REPO_ID] [--json]
+    fp4forge card CKPT [--reports DIR] [--out README.md] [--base-model REPO_ID] [--json]
 
 Exit codes. pipeline: 0 every step finished (or was unchanged), 1 a step failed (the manifest
 ``OUT/reports/pipeline.json`` says which; a re-run resumes there), 2 bad options or input,
@@ -163,6 +164,7 @@ def pipeline_command(
     quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
     quality_teacher: bool = typer.Option(False, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
     quality_allow_unreadable: bool = typer.Option(False, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", metavar="REPO_ID", help="The Hub repository SRC is, for the card's front matter (default: what SRC says)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
 ) -> None:
     """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
@@ -177,7 +179,7 @@ def pipeline_command(
             fidelity_text=tuple(fidelity_text), device=device, activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
             serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
             quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
-            quality_allow_unreadable=quality_allow_unreadable,
+            quality_allow_unreadable=quality_allow_unreadable, base_model=base_model,
         )
         with StepsView(enabled=not as_json) as view:
             manifest = run_pipeline(src, out, options, on_event=view.update)
@@ -200,6 +202,8 @@ def card_command(
     checkpoint: Path = typer.Argument(..., metavar="CKPT", help="Checkpoint directory."),
     reports: Optional[Path] = typer.Option(None, "--reports", help="Artifacts directory (default CKPT/reports)."),
     out_path: Optional[Path] = typer.Option(None, "--out", help="Card to write (default CKPT/README.md)."),
+    base_model: Optional[str] = typer.Option(None, "--base-model", metavar="REPO_ID",
+                                             help="The Hub repository the source is (front matter base_model); default: what the source says."),
     as_json: bool = typer.Option(False, "--json", help='{"card", "sections", "missing", "plots"}'),
 ) -> None:
     """Write the model card from measured artifacts only; a missing artifact is named, never invented."""
@@ -208,7 +212,7 @@ def card_command(
     if not checkpoint.is_dir():
         raise _fail(f"{checkpoint} is not a directory", ExitCode.UNUSABLE, as_json)
     target = out_path or checkpoint / "README.md"
-    card = write_card(checkpoint, reports, target)
+    card = write_card(checkpoint, reports, target, base_model)
     if as_json:
         _emit({"card": str(target), "sections": card.sections, "missing": card.missing, "plots": card.plots})
     else:

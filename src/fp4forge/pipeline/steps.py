@@ -82,6 +82,7 @@ class PipelineOptions:
     quality_categories: tuple[str, ...] = ()
     quality_teacher: bool = False  # also serve SRC and compare the two arms with paired tests
     quality_allow_unreadable: bool = False  # score an arm whose answers are mostly unread (loud warning)
+    base_model: str | None = None  # the card's front matter base_model (None: what the source says)
 
     def __post_init__(self) -> None:
         """Every option checked once, here, before any step runs; the recipe parsed once."""
@@ -523,7 +524,7 @@ def run_quality_teacher(ctx: Context) -> dict[str, Any]:
 def run_card(ctx: Context) -> dict[str, Any]:
     from fp4forge.report.card import write_card
 
-    card = write_card(ctx.out, ctx.reports, ctx.out / CARD)
+    card = write_card(ctx.out, ctx.reports, ctx.out / CARD, ctx.options.base_model)
     return {"sections": len(card.sections), "missing": len(card.missing)}
 
 
@@ -543,7 +544,7 @@ def _always(_: PipelineOptions) -> str | None:
 
 
 def _needs_serve(o: PipelineOptions) -> str | None:
-    return None if o.serve else "serving not requested (--serve) or no vLLM venv"
+    return None if o.serve else "serving not requested (--serve), or no vLLM venv (`make vllm` creates one)"
 
 
 def _needs_bench(kind: str) -> Off:
@@ -571,8 +572,9 @@ STEPS: tuple[Step, ...] = (
     Step("calibrate", "calibrate activations and KV (layer-streamed)", run_calibrate,
          ("reports/calibration.json", "reports/calibration-stats.safetensors"), ("src",),
          ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_policy", "calib_text")),
+    # version 2: only the source's model-repository files are copied (checkpoint/names.py MODEL_REPO_FILES)
     Step("quantize", "quantize by the recipe", run_quantize, (".", "reports/quantize.json"),
-         ("src", "calibration-stats.safetensors", "recipe"), ("layout_format", "block_scales", "max_shard_gb")),
+         ("src", "calibration-stats.safetensors", "recipe"), ("layout_format", "block_scales", "max_shard_gb"), version=2),
     Step("kv", "check the FP8 KV scales", run_kv, ("reports/kv.json",), ("checkpoint",)),
     Step("audit", "audit (stops on errors)", run_audit, ("reports/audit.json", "reports/shards.json"), ("checkpoint",),
          ("audit_deep", "vllm_version")),
@@ -598,4 +600,4 @@ STEPS: tuple[Step, ...] = (
          version=2),
 )
 # The card runs last, always, from whatever artifacts exist.
-CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",))
+CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",), ("base_model",))

@@ -164,10 +164,12 @@ def copy_cached_trained_laguna(
     import shutil
 
     from fp4forge.checkpoint.atomic import atomic_output_dir, ensure_fresh_output
+    from fp4forge.testbed.card import testbed_card
 
     ensure_fresh_output(Path(out))  # before a build that may take minutes
     cached = cached_trained_laguna(seed=seed, config=config, spec=spec, progress=progress)
     with atomic_output_dir(Path(out)) as staging:
         for item in sorted(cached.iterdir()):
             shutil.copy2(item, staging / item.name)
+        (staging / "README.md").write_text(testbed_card(), encoding="utf-8")  # its license, for the export's card
     return TrainingResult(Path(out), json.loads((Path(out) / trained.REPORT_FILE).read_text()))

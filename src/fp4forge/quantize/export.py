@@ -32,7 +32,7 @@ from fp4forge.checkpoint.layout import Layout, layout_for_config
 from fp4forge.checkpoint.convert import BlockFp8Source, dequantized_source
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names, role_suffixes
-from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON
+from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON, is_model_repo_file
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.model.device import resolve_device
 from fp4forge.errors import ConfigError, NumericsError, require_choice
@@ -47,7 +47,8 @@ from fp4forge.quantize.qconfig import compressed_tensors_config, modelopt_config
 from fp4forge.quantize.recipe import Recipe
 
 CONVENTION = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt"}
-# Files the exporter writes itself; every other non-weight file of the source is copied.
+# Files the exporter writes itself; of the source's other files only those a model repository holds
+# (checkpoint/names.py MODEL_REPO_FILES) are copied.
 REWRITTEN = {CONFIG_JSON, INDEX_JSON, PROVENANCE_JSON, HF_QUANT_CONFIG_JSON}
 
 Progress = Callable[[int, int, str], None]
@@ -831,7 +832,7 @@ def _write_companions(
     source_root = getattr(ckpt.source, "root", None)
     if source_root is not None:
         for path in sorted(Path(source_root).iterdir()):
-            if path.is_file() and not path.name.endswith(".safetensors") and path.name not in REWRITTEN:
+            if path.is_file() and path.name not in REWRITTEN and is_model_repo_file(path.name):
                 writer.copy_file(path, path.name)
     provenance = {
         "fp4forge_version": __version__,

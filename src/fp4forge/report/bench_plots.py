@@ -15,7 +15,7 @@ import numpy as np
 from fp4forge.bench import stats
 from fp4forge.bench.analyze import group_cells, kept_ok, values_of
 from fp4forge.report.bench_tables import summary_markdown
-from fp4forge.report.plotting import pyplot
+from fp4forge.report.plotting import pyplot, plain_log_scale
 
 PLOT_FILES = {
     "ttft_distribution": "ttft_distribution.png",
@@ -82,7 +82,7 @@ def _plot_ttft_distribution(plt: Any, cells: dict, summary: dict[str, Any]) -> A
                 if ci:
                     axis.vlines(index + 0.34, ci[0] * 1000.0, ci[1] * 1000.0, color="black", linewidth=1.0)
         axis.set_xticks(range(len(entries)), [e["shape"] for e in entries], rotation=30, ha="right", fontsize=8)
-        axis.set_yscale("log")
+        plain_log_scale(axis)
         axis.set_ylabel("TTFT (ms, log scale)")
         axis.set_title(f"TTFT per shape, load {load} (black: median, bar: its 95% CI; red: modes of a bimodal shape)", fontsize=9)
     figure.tight_layout()

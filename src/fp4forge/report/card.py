@@ -18,6 +18,7 @@ from typing import Any
 
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
+from fp4forge.report.card_metadata import front_matter
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
@@ -34,26 +35,32 @@ class Artifacts:
     checkpoint: Path
     reports: Path
     missing: list[str] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)  # every artifact asked for, in order (a section's links)
     _loaded: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # each file parsed once
 
-    def _path(self, name: str) -> Path:
+    def path(self, name: str) -> Path:
         return self.checkpoint / name.removeprefix("ckpt:") if name.startswith("ckpt:") else self.reports / name
 
     def display(self, name: str) -> str:
         return name.removeprefix("ckpt:") if name.startswith("ckpt:") else f"reports/{name}"
 
     def json(self, name: str) -> dict[str, Any] | None:
+        self.reads.append(name)
         if name not in self._loaded:
             try:
-                self._loaded[name] = json.loads(self._path(name).read_text(encoding="utf-8"))
+                self._loaded[name] = json.loads(self.path(name).read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 self._loaded[name] = None
         if self._loaded[name] is None and self.display(name) not in self.missing:
             self.missing.append(self.display(name))
         return self._loaded[name]
 
+    def json_exists(self, name: str) -> bool:
+        """Whether ``name`` was read and parsed (a report the card can quote and link)."""
+        return self._loaded.get(name) is not None
+
     def exists(self, name: str) -> bool:
-        return self._path(name).exists()
+        return self.path(name).exists()
 
     def relative(self, path: Path, card_dir: Path) -> str:
         return Path(os.path.relpath(path, card_dir)).as_posix()
@@ -76,6 +83,7 @@ class CardContext:
     card_dir: Path
     plots: list[str] = field(default_factory=list)
     non_claims: list[str] = field(default_factory=list)
+    base_model: str | None = None  # the Hub repository id the front matter names
 
     def plot_dir(self) -> Path:
         path = self.art.reports / PLOTS
@@ -118,7 +126,7 @@ def summary_section(ctx: CardContext) -> list[str]:
     recipe = provenance.get("recipe", {})
     kv = provenance.get("kv_cache") or {}
     rows = [
-        ["base model", f"`{provenance.get('source', {}).get('location', '–')}`"],
+        ["base model", _base_model_cell(ctx, provenance)],
         ["architecture", ", ".join((config or {}).get("architectures", [])) or "–"],
         ["recipe", f"`{recipe.get('name', '–')}` ({recipe.get('source', '–')})"],
         ["layout", provenance.get("layout", "–")],
@@ -130,6 +138,13 @@ def summary_section(ctx: CardContext) -> list[str]:
         ["activation scales", _activation_source(provenance)],
     ]
     return table(["", ""], rows)
+
+
+def _base_model_cell(ctx: CardContext, provenance: dict[str, Any]) -> str:
+    location = f"`{provenance.get('source', {}).get('location', '–')}`"
+    if ctx.base_model is None or ctx.base_model == provenance.get("source", {}).get("location"):
+        return location if ctx.base_model is None else f"[{ctx.base_model}](https://huggingface.co/{ctx.base_model})"
+    return f"[{ctx.base_model}](https://huggingface.co/{ctx.base_model}), exported from {location}"
 
 
 def _activation_source(provenance: dict[str, Any]) -> str:
@@ -558,24 +573,36 @@ SECTIONS: tuple[Section, ...] = (
 )
 
 
-def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path | None = None) -> Card:
+def _report_links(ctx: CardContext, first_read: int) -> list[str]:
+    """Links to the reports a section quoted (those it read since ``first_read`` that exist)."""
+    quoted = [n for n in dict.fromkeys(ctx.art.reads[first_read:]) if not n.startswith("ckpt:") and ctx.art.json_exists(n)]
+    links = [f"[`{ctx.art.display(n)}`]({ctx.art.relative(ctx.art.path(n), ctx.card_dir)})" for n in quoted]
+    return [f"Reports: {', '.join(links)}", ""] if links else []
+
+
+def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path | None = None, base_model: str | None = None) -> Card:
     checkpoint = Path(checkpoint)
     reports = Path(reports) if reports is not None else checkpoint / "reports"
     card_dir = (card_path or checkpoint / "README.md").parent
     ctx = CardContext(Artifacts(checkpoint, reports), card_dir)
     provenance = ctx.art.json(f"ckpt:{PROVENANCE_JSON}") if ctx.art.exists(f"ckpt:{PROVENANCE_JSON}") else None
+    config = ctx.art.json(f"ckpt:{CONFIG_JSON}") if ctx.art.exists(f"ckpt:{CONFIG_JSON}") else None
+    metadata, ctx.base_model, unstated = front_matter(checkpoint, provenance, config, base_model)
+    ctx.non_claims += unstated
     name = checkpoint.resolve().name
     description = ((provenance or {}).get("recipe") or {}).get("name")
-    lines = [f"# {name}", "", f"Recipe `{description}`. " if description else "",
+    lines = [metadata + f"# {name}", "", f"Recipe `{description}`. " if description else "",
              "Generated by `fp4forge card` from the artifacts in `reports/`; every number comes from one of them.", ""]
     for section in SECTIONS:
-        lines += [f"## {section.title}", "", *section.render(ctx), ""]
+        first_read = len(ctx.art.reads)
+        body = section.render(ctx)
+        lines += [f"## {section.title}", "", *body, "", *_report_links(ctx, first_read)]
     return Card("\n".join(lines).rstrip() + "\n", [s.key for s in SECTIONS], list(ctx.art.missing), ctx.plots)
 
 
-def write_card(checkpoint: Path, reports: Path | None = None, out: Path | None = None) -> Card:
+def write_card(checkpoint: Path, reports: Path | None = None, out: Path | None = None, base_model: str | None = None) -> Card:
     out = Path(out) if out is not None else Path(checkpoint) / "README.md"
-    card = render_card(checkpoint, reports, out)
+    card = render_card(checkpoint, reports, out, base_model)
     write_text_atomic(out, card.markdown)
     return card
 
@@ -593,6 +620,7 @@ def _plot_bytes(doc: dict[str, Any], path: Path) -> Path | None:
     for bar, c in zip(bars, components[::-1]):
         label = f"{_num(c['bpp'], 3)} b/p" if c["bpp"] is not None else ""
         axis.text(bar.get_width() + 0.5, bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
+    axis.set_xlim(0, max(shares, default=0) * 1.25 + 1)  # room for the right-hand labels inside the axes
     axis.set_xlabel("share of stored bytes (%)")
     axis.set_title(f"Where the bytes are: {_num(doc['total']['bpp'], 4)} bits/param overall", fontsize=10)
     figure.tight_layout()

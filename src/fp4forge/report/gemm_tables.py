@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from fp4forge.report.markdown import table as md_table
+from fp4forge.report.plotting import plain_log_scale
 
 SUMMARY_M = (1, 16, 128, 1024, 8192)
 
@@ -70,7 +71,7 @@ def gemm_plot(data: dict[str, Any], path: Path, plt: Any) -> Path | None:
             ax.plot(m, med, marker=".", label=kernel)
             ax.fill_between(m, lo, hi, alpha=0.2)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        plain_log_scale(ax)
         ax.set_title(shape, fontsize=9)
         ax.set_xlabel("M (tokens)")
         ax.set_ylabel("µs per call")

@@ -15,3 +15,17 @@ def pyplot() -> Any:
     except ImportError:
         return None
     return plt
+
+
+def plain_log_scale(axis: Any) -> None:
+    """A log-scale y axis whose tick labels are plain numbers (``6``, ``0.2``, ``20``), never
+    ``6×10⁰``: matplotlib still chooses which ticks get a label, only the text changes."""
+    from matplotlib.ticker import LogFormatter
+
+    class PlainLogFormatter(LogFormatter):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    axis.set_yscale("log")
+    axis.yaxis.set_major_formatter(PlainLogFormatter())
+    axis.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))

@@ -12,6 +12,7 @@ from typing import Any
 from rich.table import Table
 
 from fp4forge.report.markdown import table as md_table
+from fp4forge.report.plotting import plain_log_scale
 
 
 def _group(arm: dict[str, Any]) -> str:
@@ -83,7 +84,7 @@ def frontier_plot(data: dict[str, Any], path: Path, plt: Any) -> Path | None:
                                label=f"{fmt} {'searched' if searched else 'min-max'}", s=22)
         front = pareto([(a["bpp"], 100 * a["rel_error"], a) for a in arms])
         ax.plot([p[0] for p in front], [p[1] for p in front], color="grey", linewidth=0.8, zorder=0)
-        ax.set_yscale("log")
+        plain_log_scale(ax)
         ax.set_title(component, fontsize=10)
         ax.set_xlabel("bits per parameter (scales included)")
         ax.set_ylabel("relative weight error (%)")
@@ -134,7 +135,7 @@ def arms_plot(arms: list[dict[str, Any]], path: Path, plt: Any) -> Path | None:
         mean = arm["kl"]["mean"]
         ax.errorbar([arm["bpp"]], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", capsize=3)
         ax.annotate(arm["name"], (arm["bpp"], mean), textcoords="offset points", xytext=(5, 4), fontsize=7)
-    ax.set_yscale("log")
+    plain_log_scale(ax)
     ax.set_xlabel("bits per parameter of the quantized Linears")
     ax.set_ylabel("KL(teacher || student) per token, nats")
     ax.set_title("Whole-model arms: KL against the BF16 teacher (95 % CI over samples)")

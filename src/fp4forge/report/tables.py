@@ -2,10 +2,43 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from rich.cells import cell_len
 from rich.table import Table
+from rich.text import Text
 
 from fp4forge.audit.byte_table import ByteTable
 
+
+def _plain(cell: Any) -> str:
+    return cell.plain if isinstance(cell, Text) else str(cell)
+
+
+def fit_table(table: Table, console: Any) -> Table | Text:
+    """``table`` as ``console`` can show it with its first column (the names) whole: names are
+    never cut with an ellipsis, the other columns' headers wrap instead; when even that does not fit
+    the width (80 columns in a CI log or a pipe), one plain block per row: the name on its own line,
+    then "header: value" for the other non-empty cells."""
+    names = table.columns[0]
+    names.no_wrap, names.overflow = True, "ignore"
+    names.min_width = max((cell_len(_plain(c)) for c in names._cells), default=0)
+    for column in table.columns[1:]:  # wrapped at spaces, never cut: at least the longest word wide
+        words = [w for cell in (column.header, *column._cells) for w in _plain(cell).split()]
+        column.min_width = max(map(cell_len, words), default=0)
+    # each column: its minimum, one space of padding either side and a rule between columns
+    if sum(c.min_width + 3 for c in table.columns) + 1 <= console.width:
+        return table
+    headers = [_plain(c.header) for c in table.columns]
+    lines = Text(_plain(table.title) + "\n" if table.title else "")
+    for row in zip(*(c._cells for c in table.columns)):
+        lines.append(_plain(row[0]) + "\n", style="bold")
+        details = [f"{h}: {_plain(c)}" for h, c in zip(headers[1:], row[1:]) if _plain(c)]
+        lines.append(("    " + ", ".join(details) + "\n") if details else "")
+    if table.caption:
+        lines.append(_plain(table.caption) + "\n")
+    lines.rstrip()
+    return lines
 
 
 def _fmt_bpp(bpp: float | None) -> str:

@@ -233,6 +233,9 @@ def compute_frontier(src: str | Path, options: FrontierOptions = FrontierOptions
                                   bits / numel, rel, int(tensors), int(numel)))
     result.sort(key=lambda a: (a.component, a.bpp, a.rel_error))
     skipped_list = [{"component": c, "arm": label, "reason": why} for (c, label), why in sorted(skipped.items())]
+    if not result:  # measured nothing: an empty table is no answer
+        reasons = "; ".join(f"{s['component']} {s['arm']}: {s['reason']}" for s in skipped_list[:5])
+        raise ConfigError(f"no arm applies to any weight of {', '.join(by_component)} in {ckpt.display} ({reasons})", option="formats")
     return FrontierResult(ckpt.display, result, skipped_list, time.monotonic() - started)
 
 
