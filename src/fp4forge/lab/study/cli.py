@@ -48,8 +48,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Bits per parameter (scales included) against relative weight error, per component, format, group size and method."""
         from fp4forge.report.plotting import pyplot
-        from fp4forge.report.study_tables import frontier_markdown, frontier_plot, frontier_rich
-        from fp4forge.study.frontier import FrontierOptions, compute_frontier
+        from fp4forge.lab.study.tables import frontier_markdown, frontier_plot, frontier_rich
+        from fp4forge.lab.study.frontier import FrontierOptions, compute_frontier
 
         try:
             defaults = FrontierOptions()
@@ -93,8 +93,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the study document as JSON."),
     ) -> None:
         """The quantization study in one resumable run: frontier, whole-model arms with KL and CIs, GEMM bench on a GPU; a Markdown report."""
-        from fp4forge.pipeline.study import StudyOptions, run_study
-        from fp4forge.report.study_tables import arms_rich
+        from fp4forge.lab.study.run import StudyOptions, run_study
+        from fp4forge.lab.study.tables import arms_rich
 
         try:
             defaults = StudyOptions()

@@ -4,7 +4,7 @@ Parts, each written to ``OUT`` the moment it finishes and skipped on a re-run wh
 match (``OUT/study-state.json`` records the settings digest and the finished parts):
 
 1. ``frontier``: bits per parameter against weight error for every component and arm
-   (:func:`fp4forge.study.frontier.compute_frontier`) -> ``frontier.json``, ``frontier.png``.
+   (:func:`fp4forge.lab.study.frontier.compute_frontier`) -> ``frontier.json``, ``frontier.png``.
 2. ``calibrate``: activation amax for the exports (``stats.safetensors``): both recipes declare
    activation quantization; the W4A16 arms run the same bytes with BF16 activations.
 3. one part per whole-model arm: its student checkpoint under ``arms/<name>/`` and its fidelity
@@ -34,8 +34,9 @@ from fp4forge import __version__
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError, Fp4forgeError
 from fp4forge.fidelity.evaluate import FidelityOptions
-from fp4forge.study.arms import bootstrap_mean_ci, measure_arm, read_bpp, write_fake_quantized
-from fp4forge.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier
+from fp4forge.lab.study.arms import measure_arm, read_bpp, write_fake_quantized
+from fp4forge.lab.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier
+from fp4forge.stats import bootstrap_mean_ci
 
 STATE_FILE = "study-state.json"
 STUDY_JSON = "study.json"
@@ -258,7 +259,7 @@ def _comparisons(arms: list[dict[str, Any]], seed: int = 0) -> list[str]:
 def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOptions(), *, progress: Progress = None) -> StudyResult:
     """Run (or resume) the study of the BF16 checkpoint ``src`` into ``out``."""
     from fp4forge.report.plotting import pyplot
-    from fp4forge.report.study_tables import arms_plot, frontier_markdown, frontier_plot, study_markdown
+    from fp4forge.lab.study.tables import arms_plot, frontier_markdown, frontier_plot, study_markdown
 
     src, out = str(src), Path(out)
     state = _load_state(out, options.digest(), src)

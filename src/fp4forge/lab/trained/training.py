@@ -1,8 +1,7 @@
 """Train the tiny Laguna from scratch, deterministically, and measure what training gave it.
 
 Same architecture, tokenizer and chat template as ``testbed tiny-laguna`` (``tiny.py``); the
-documents come from the caller (fp4forge generates them: ``quality.training_corpus``), so this
-module stays below the quality suite. Determinism: one seed fixes the init, the data order and
+documents come from the caller (fp4forge generates them: ``training_corpus``). Determinism: one seed fixes the init, the data order and
 every update; ``torch.use_deterministic_algorithms`` and a fixed thread count fix the arithmetic,
 so the same seed, documents, config and torch build give byte-identical safetensors.
 
