@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from fp4forge.numerics.clip_search import intn_quantize_mse
 from fp4forge.numerics.intn import intn_dequantize, intn_quantize
-from fp4forge.lab.study.arms import bootstrap_mean_ci
 from fp4forge.lab.study.frontier import ArmSpec, quantize_dequantize
 from tests.trained_fixtures import trained_laguna  # noqa: F401
 
@@ -85,13 +84,6 @@ def test_a_weight_on_the_int4_grid_round_trips_exactly() -> None:
     w = codes * torch.tensor([[0.5], [0.25], [2.0], [1.0]])
     approx, bpp = quantize_dequantize(w, ArmSpec("int4", 4, None, "minmax", symmetric=False))
     assert torch.equal(approx, w) and bpp == 4 + 24 / 64
-
-
-def test_bootstrap_interval_brackets_the_mean_and_collapses_on_constants() -> None:
-    assert bootstrap_mean_ci([0.25] * 10) == (0.25, 0.25)
-    values = [0.1, 0.4, 0.2, 0.9, 0.3, 0.5, 0.2, 0.6]
-    lo, hi = bootstrap_mean_ci(values)
-    assert lo < sum(values) / len(values) < hi and min(values) <= lo and hi <= max(values)
 
 
 # -- commands -------------------------------------------------------------------------------------------
