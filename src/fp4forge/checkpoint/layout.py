@@ -182,6 +182,17 @@ def _layout_docs() -> tuple[dict[str, Any], ...]:
     return tuple(docs)
 
 
+@lru_cache(maxsize=1)
+def quantizable_components() -> tuple[str, ...]:
+    """The components a recipe may quantize (their modules are Linears), as ``_common.toml`` lists them."""
+    names = tuple(_load_toml("_common.toml")["quantizable_components"])
+    defined = {component for doc in _layout_docs() for component in doc["components"]}
+    undefined = [name for name in names if name not in defined]
+    if undefined:
+        raise LayoutError(f"layouts/_common.toml: quantizable components {undefined} are components of no architecture table")
+    return names
+
+
 @lru_cache(maxsize=None)
 def all_layouts() -> tuple[Layout, ...]:
     """Every table, without config-specific parts (no MTP layers)."""
