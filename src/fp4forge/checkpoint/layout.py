@@ -42,10 +42,6 @@ class TensorRole:
     kind: str  # weight | packed_fp4 | bias | one of METADATA_KINDS | unknown
     component: str
 
-    @property
-    def is_parameter(self) -> bool:
-        return self.kind in ("weight", "packed_fp4", "bias")
-
 
 @dataclass(frozen=True)
 class Layout:
