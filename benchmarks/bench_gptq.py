@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     from fp4forge.calibrate.run import CalibrationOptions
     from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
     from fp4forge.model.samples import load_samples, load_tokenizer
-    from fp4forge.pipeline.trained_testbed import MODEL_SUBDIR, _corpus_and_tokenizer, cache_root, cached_trained_laguna, trained_laguna_cache_key
-    from fp4forge.testbed.trained import TrainingConfig
-    from fp4forge.quality.training_corpus import CorpusSpec, build_corpus
+    from fp4forge.lab.trained.build import MODEL_SUBDIR, _corpus_and_tokenizer, cache_root, cached_trained_laguna, trained_laguna_cache_key
+    from fp4forge.lab.trained.training import TrainingConfig
+    from fp4forge.lab.trained.training_corpus import CorpusSpec, build_corpus
     from fp4forge.testbed.tokenizer import build_tokenizer
     from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
     from fp4forge.quantize.recipe import load_recipe

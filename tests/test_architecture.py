@@ -18,16 +18,22 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # rank of each top-level unit of fp4forge, as docs/architecture.md's table states it
 RANKS = {
     "errors": 0,
-    "numerics": 1,
+    "numerics": 1, "stats": 1,
     "checkpoint": 2,
     "model": 3,
     "quantize": 4, "calibrate": 4, "audit": 4, "fidelity": 4, "testbed": 4,
     "endpoint": 5,
-    "serve": 6, "bench": 6, "quality": 6, "study": 6,
+    "serve": 6, "bench": 6, "quality": 6,
     "report": 7,
     "pipeline": 8,
     "api": 9, "cli": 9,
+    "lab": 10,
 }
+# The lab (research: the study, the trained testbed, diagnostics) is the top rank: it may import
+# anything, and the product never imports it. Its commands reach the CLI through the command table
+# alone, which names their modules as data (strings imported by name when the command is typed).
+LAB = "lab"
+LAB_COMMAND_TABLE = "cli/commands.py"
 # Same-rank imports that are allowed, each with why. Anything else across siblings is a defect:
 # what two siblings share moves down a rank.
 SIBLING_EDGES = {
@@ -105,6 +111,48 @@ def test_the_direction_test_catches_an_upward_import(tmp_path: Path) -> None:
             test_imports_go_down_the_ranks()
     finally:
         fake.unlink()
+
+
+def _lab_mentions() -> list[str]:
+    """Product modules that import the lab, or name one of its modules in code (an import by name)
+    anywhere but the command table."""
+    bad = []
+    for path in _sources():
+        rel = path.relative_to(SRC).as_posix()
+        if _unit(_module_name(path)) == LAB:
+            continue
+        bad += [f"{rel} imports {t}" for t in sorted(_imports(path)) if _unit(t) == LAB]
+        if rel != LAB_COMMAND_TABLE:
+            bad += [f"{rel}:{n} names the lab: {code.strip()}" for n, code in enumerate(_code_lines(path), 1) if "fp4forge.lab" in code]
+    return bad
+
+
+def test_the_product_does_not_import_the_lab() -> None:
+    assert not _lab_mentions(), "\n".join(_lab_mentions())
+
+
+@pytest.mark.parametrize("planted", ["from fp4forge.lab.study import run\n", "import importlib\nimportlib.import_module('fp4forge.lab.trained.cli')\n"])
+def test_the_lab_check_catches_an_import_of_the_lab(planted: str) -> None:
+    # both ways a product module could reach the lab: an import statement and an import by name
+    fake = SRC / "cli" / "_probe_lab.py"
+    fake.write_text(planted, encoding="utf-8")
+    try:
+        with pytest.raises(AssertionError, match="_probe_lab"):
+            test_the_product_does_not_import_the_lab()
+    finally:
+        fake.unlink()
+
+
+@pytest.mark.parametrize("command", [["study"], ["frontier"], ["testbed", "trained-laguna"]])
+def test_the_lab_commands_keep_their_names(command: list[str]) -> None:
+    # registered through the command table, the lab's commands answer where users type them
+    from typer.testing import CliRunner
+
+    from fp4forge.cli.typer_app import app
+
+    result = CliRunner().invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "--json" in result.output
 
 
 def _code_lines(path: Path) -> list[str]:

@@ -9,7 +9,7 @@ import sys
 
 HEAVY = ("torch", "numpy", "httpx", "transformers", "matplotlib", "safetensors")
 COMMAND_STACKS = ("fp4forge.quality", "fp4forge.bench", "fp4forge.calibrate", "fp4forge.quantize", "fp4forge.audit",
-                  "fp4forge.report", "fp4forge.serve", "fp4forge.pipeline")
+                  "fp4forge.report", "fp4forge.serve", "fp4forge.pipeline", "fp4forge.lab")
 
 
 def modules_after(code: str) -> set[str]:

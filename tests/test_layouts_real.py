@@ -123,3 +123,26 @@ def test_fp8_block_scales_of_any_block_size_are_overhead(tmp_path):
     assert table.total_params == 7000
     assert table.total_bytes == 7000 + 4 * scales[0] * scales[1]
     assert table.experts_bpp == pytest.approx(8 * (7000 + 4 * 2 * 3) / 7000)
+
+
+def test_quantizable_components_are_the_tables_linear_components(monkeypatch):
+    from fp4forge.checkpoint import layout
+    from fp4forge.errors import ConfigError
+    from fp4forge.quantize.recipe import parse_recipe
+
+    names = layout.quantizable_components()
+    laguna = layout.layout_by_name("laguna").component_names
+    # the tiny testbed's table holds every one of them, beside the components that are not Linears
+    assert set(names) <= set(laguna) and set(laguna) - set(names) == {"norms", "embeddings"}
+    with pytest.raises(ConfigError, match="cannot be quantized"):
+        parse_recipe('name = "x"\n[[rules]]\ncomponents = ["norms"]\nscheme = "fp8"\n', source="test")
+    # a name no table defines is refused where the list is read
+    common = layout._load_toml("_common.toml")
+    monkeypatch.setattr(layout, "_load_toml", lambda name: {**common, "quantizable_components": ["expertz"]})
+    layout.quantizable_components.cache_clear()
+    try:
+        with pytest.raises(LayoutError, match="expertz"):
+            layout.quantizable_components()
+    finally:
+        monkeypatch.undo()
+        layout.quantizable_components.cache_clear()

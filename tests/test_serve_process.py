@@ -45,6 +45,45 @@ def test_down_never_signals_a_pid_that_is_not_our_server(tmp_path: Path) -> None
         serve_down(["nope"], directory=tmp_path)
 
 
+def test_stop_group_stops_every_member_and_the_leader_keeps_its_exit_code() -> None:
+    """The one stop of a server's process group (``serve up`` / ``down`` and the launcher): a shell
+    leader with a child in its group; both end, and the leader, reaped through its Popen, reports
+    the SIGTERM."""
+    import signal
+    import subprocess
+
+    from fp4forge.serve.launcher import _live_group_members, stop_group
+
+    proc = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(_live_group_members(proc.pid)) < 3 and time.monotonic() < deadline:  # sh and both sleeps
+        time.sleep(0.05)
+    assert len(_live_group_members(proc.pid)) == 3
+    stop_group(proc.pid, timeout=10, reap=proc.poll)
+    assert _live_group_members(proc.pid) == []
+    assert proc.wait(timeout=5) == -signal.SIGTERM
+
+
+def test_a_zombie_is_not_a_live_member_of_its_group() -> None:
+    """An exited leader nobody has waited for yet (a zombie) leaves the group with nothing to stop."""
+    import signal
+    import subprocess
+
+    from fp4forge.serve.launcher import _live_group_members, stop_group
+
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(proc.pid) and time.monotonic() < deadline:  # not reaped: it stays a zombie
+        time.sleep(0.05)
+    assert Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    assert _live_group_members(proc.pid) == []
+    waited: list[int] = []
+    stop_group(proc.pid, reap=lambda: waited.append(1))  # nothing live: nothing signalled, nothing waited for
+    assert waited == []
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
 def test_cli_down_needs_a_name(tmp_path: Path) -> None:
     app = typer.Typer()
 

@@ -14,8 +14,7 @@ from typer.testing import CliRunner
 
 from fp4forge.numerics.clip_search import intn_quantize_mse
 from fp4forge.numerics.intn import intn_dequantize, intn_quantize
-from fp4forge.study.arms import bootstrap_mean_ci
-from fp4forge.study.frontier import ArmSpec, quantize_dequantize
+from fp4forge.lab.study.frontier import ArmSpec, quantize_dequantize
 from tests.trained_fixtures import trained_laguna  # noqa: F401
 
 
@@ -27,7 +26,7 @@ def tiny_laguna(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _invoke(*args: str):  # type: ignore[no-untyped-def]
-    from fp4forge.cli.study import register
+    from fp4forge.lab.study.cli import register
 
     app = typer.Typer()
     register(app)
@@ -73,7 +72,7 @@ def test_bits_per_parameter_count_the_stored_scales() -> None:
         _, got = quantize_dequantize(w, arm)
         assert math.isclose(got, bpp), (arm, got, bpp)
     # the study's two 2-bit arms: 3.5 bits at g16 asymmetric (scale + zero point), 2.5 at g32
-    from fp4forge.pipeline.study import INT2_ARMS
+    from fp4forge.lab.study.run import INT2_ARMS
 
     assert {name: quantize_dequantize(w, arm)[1] for name, arm in INT2_ARMS.items()} == {"int2-g16-mse": 3.5, "int2-g32-mse": 2.5}
 
@@ -85,13 +84,6 @@ def test_a_weight_on_the_int4_grid_round_trips_exactly() -> None:
     w = codes * torch.tensor([[0.5], [0.25], [2.0], [1.0]])
     approx, bpp = quantize_dequantize(w, ArmSpec("int4", 4, None, "minmax", symmetric=False))
     assert torch.equal(approx, w) and bpp == 4 + 24 / 64
-
-
-def test_bootstrap_interval_brackets_the_mean_and_collapses_on_constants() -> None:
-    assert bootstrap_mean_ci([0.25] * 10) == (0.25, 0.25)
-    values = [0.1, 0.4, 0.2, 0.9, 0.3, 0.5, 0.2, 0.6]
-    lo, hi = bootstrap_mean_ci(values)
-    assert lo < sum(values) / len(values) < hi and min(values) <= lo and hi <= max(values)
 
 
 # -- commands -------------------------------------------------------------------------------------------
@@ -114,7 +106,7 @@ def test_frontier_json_and_named_errors(tiny_laguna: Path, tmp_path: Path) -> No
 
 
 def test_paired_differences_resample_the_pairs_together() -> None:
-    from fp4forge.pipeline.study import _comparisons, _paired_differences
+    from fp4forge.lab.study.run import _comparisons, _paired_differences
 
     def arm(name, per_sample):
         return {"name": name, "kl": {"per_sample": per_sample, "ci95": [min(per_sample), max(per_sample)]}}

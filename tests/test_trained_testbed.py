@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from fp4forge.pipeline.trained_testbed import corpus_digest, trained_laguna_cache_key
+from fp4forge.lab.trained.build import corpus_digest, trained_laguna_cache_key
 from fp4forge.quality.suite import load_suite
-from fp4forge.quality.training_corpus import FAMILIES, Corpus, CorpusSpec, build_corpus, generate_scenarios, play, render, rendered_messages
+from fp4forge.lab.trained.training_corpus import FAMILIES, Corpus, CorpusSpec, build_corpus, generate_scenarios, play, render, rendered_messages
 from fp4forge.testbed.tokenizer import build_tokenizer
-from fp4forge.testbed.trained import REPORT_FILE, TrainingConfig, tail_stats, train_laguna
+from fp4forge.lab.trained.training import REPORT_FILE, TrainingConfig, tail_stats, train_laguna
 
 # What vLLM's poolside_v1 tool parser matches (vllm/tool_parsers/poolside_v1_tool_parser.py, 0.32),
 # and the poolside_v1 reasoning split: everything before the turn's first </think> is reasoning.
@@ -232,7 +232,7 @@ def test_zero_steps_write_the_untrained_init_of_the_same_seed(small_corpus: Corp
 
     from transformers import AutoConfig, LagunaForCausalLM
 
-    from fp4forge.report.training_tables import training_summary_rich
+    from fp4forge.lab.trained.tables import training_summary_rich
     from fp4forge.testbed.tiny import init_model
 
     control = train_laguna(tmp_path / "init", small_corpus.train, small_corpus.heldout, seed=1, config=replace(SMALL_CONFIG, steps=0))
@@ -258,7 +258,7 @@ def _assert_ships_its_own_text(directory: Path, corpus: Corpus) -> None:
     ``--calib-text`` / ``--fidelity-text``: held-out documents only for fidelity, training documents
     only for calibration, and the tokens those loaders make equal the tokens training saw."""
     from fp4forge.model.samples import file_documents, load_samples
-    from fp4forge.testbed.trained import CALIBRATION_TEXT_FILE, HELDOUT_TEXT_FILE
+    from fp4forge.lab.trained.training import CALIBRATION_TEXT_FILE, HELDOUT_TEXT_FILE
 
     heldout = [d.text for d in file_documents([directory / HELDOUT_TEXT_FILE])]
     calibration = [d.text for d in file_documents([directory / CALIBRATION_TEXT_FILE])]
@@ -303,7 +303,7 @@ def test_cli_refuses_bad_settings_before_writing(tmp_path: Path) -> None:
 
 
 def test_cache_builds_once_then_reuses(small_corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fp4forge.pipeline import trained_testbed
+    from fp4forge.lab.trained import build as trained_testbed
 
     monkeypatch.setenv("FP4FORGE_CACHE_DIR", str(tmp_path / "cache"))
     built = trained_testbed.cached_trained_laguna(seed=0, config=SMALL_CONFIG, spec=SMALL_SPEC)
@@ -323,7 +323,7 @@ def test_cache_builds_once_then_reuses(small_corpus: Corpus, tmp_path: Path, mon
 
 
 def test_loss_weights_cover_the_assistant_turns_only() -> None:
-    from fp4forge.testbed.trained import token_weights
+    from fp4forge.lab.trained.training import token_weights
 
     # ids: 1 = <assistant>, 2 = </assistant>; a chat document and a plain one (hand-computed).
     chat, plain = [0, 5, 1, 7, 8, 2, 6, 1, 9, 2], [4, 4, 4]
@@ -363,7 +363,7 @@ def test_cli_refuses_a_device_it_cannot_build_on_before_writing(tmp_path: Path, 
 
 
 def test_sampled_loss_is_the_weighted_loss_where_it_keeps_every_position_and_unbiased_otherwise() -> None:
-    from fp4forge.testbed.trained import sampled_loss, weighted_loss
+    from fp4forge.lab.trained.training import sampled_loss, weighted_loss
 
     torch.manual_seed(0)
     vocab, hidden = 11, 8

@@ -19,8 +19,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def trained_laguna() -> Path:
-    from fp4forge.pipeline.trained_testbed import cached_trained_laguna
-    from fp4forge.testbed.trained import REPORT_FILE
+    from fp4forge.lab.trained.build import cached_trained_laguna
+    from fp4forge.lab.trained.training import REPORT_FILE
 
     session_cache = os.environ.get("FP4FORGE_CACHE_DIR")
     os.environ["FP4FORGE_CACHE_DIR"] = os.environ.get("FP4FORGE_TRAINED_TESTBED_CACHE_DIR") or str(Path.home() / ".cache" / "fp4forge")

@@ -53,9 +53,6 @@ class GemmShape:
     n: int
     k: int
 
-    def flops(self, m: int) -> int:
-        return 2 * m * self.n * self.k
-
 
 def _distinct(values: Iterable[int]) -> list[int]:
     seen: list[int] = []

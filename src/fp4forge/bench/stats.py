@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from fp4forge.stats import bootstrap_ci, median_of_rows, percentile_interval, resample
+
 # -- spread and percentiles ---------------------------------------------------------------------
 REPORTED_PERCENTILES = (10, 90, 99)
 # A quantile q is "bracketed" by the sample when the chance that every sample lies on one side
@@ -89,13 +91,9 @@ def bootstrap_median_ci(
     seed: int = 0,
 ) -> tuple[float, float] | None:
     """Percentile-bootstrap confidence interval of the median; None below 2 samples."""
-    data = np.asarray(values, dtype=float)
-    if len(data) < 2:
+    if len(values) < 2:
         return None
-    rng = np.random.default_rng(seed)
-    medians = np.median(rng.choice(data, size=(resamples, len(data)), replace=True), axis=1)
-    tail = (1.0 - confidence) / 2.0
-    return float(np.quantile(medians, tail)), float(np.quantile(medians, 1.0 - tail))
+    return bootstrap_ci([values], median_of_rows, level=confidence, resamples=resamples, seed=seed)
 
 
 def bootstrap_ratio_of_medians_ci(
@@ -107,19 +105,13 @@ def bootstrap_ratio_of_medians_ci(
     seed: int = 0,
 ) -> tuple[float, float, float] | None:
     """median(b) / median(a) and its percentile-bootstrap CI, resampling the two runs independently."""
-    data_a = np.asarray(a, dtype=float)
-    data_b = np.asarray(b, dtype=float)
-    if len(data_a) < 2 or len(data_b) < 2 or np.median(data_a) == 0:
+    if len(a) < 2 or len(b) < 2 or np.median(a) == 0:
         return None
-    rng = np.random.default_rng(seed)
-    med_a = np.median(rng.choice(data_a, size=(resamples, len(data_a)), replace=True), axis=1)
-    med_b = np.median(rng.choice(data_b, size=(resamples, len(data_b)), replace=True), axis=1)
+    resampled_a, resampled_b = resample([a, b], resamples=resamples, seed=seed)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = med_b / med_a
-    ratios = ratios[np.isfinite(ratios)]
-    tail = (1.0 - confidence) / 2.0
-    point = float(np.median(data_b) / np.median(data_a))
-    return point, float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))
+        ratios = median_of_rows(resampled_b) / median_of_rows(resampled_a)
+    low, high = percentile_interval(ratios[np.isfinite(ratios)], confidence)
+    return float(np.median(b) / np.median(a)), low, high
 
 
 # -- bimodality ---------------------------------------------------------------------------------
@@ -382,10 +374,8 @@ def _all_samples(points: Sequence[ShapePoint]) -> tuple[np.ndarray, np.ndarray]:
 def _case_bootstrap_coefficients(x: np.ndarray, y: np.ndarray, degree: int, *, resamples: int, seed: int) -> np.ndarray:
     """Polynomial coefficients (``polyfit`` order) of case-resampled (x, y) pairs, all resamples
     solved at once; resamples with fewer distinct x than the polynomial needs are skipped."""
-    rng = np.random.default_rng(seed)
-    index = rng.integers(0, len(x), (resamples, len(x)))
     scale = float(np.max(np.abs(x))) or 1.0  # x / scale keeps x^2 well conditioned
-    xs, ys = x[index] / scale, y[index]
+    xs, ys = resample([x / scale, y], resamples=resamples, seed=seed, paired=True)
     powers = np.stack([xs**k for k in range(degree, -1, -1)], axis=-1)  # (resamples, n, degree + 1)
     normal = np.einsum("rnk,rnl->rkl", powers, powers)
     rhs = np.einsum("rnk,rn->rk", powers, ys)
@@ -488,16 +478,12 @@ def _goodness_verdict(doc: dict[str, object], slope: float | None, intercept: fl
 
 def _bootstrap_rate_ci(points: Sequence[ShapePoint], *, resamples: int, seed: int) -> tuple[float, float | None] | None:
     """Resample each shape's samples, refit the medians, invert the slope's percentile interval."""
-    rng = np.random.default_rng(seed)
     x = np.asarray([p.prompt_tokens for p in points], dtype=float)
-    resampled_medians = np.stack(
-        [np.median(rng.choice(np.asarray(p.values, dtype=float), size=(resamples, len(p.values))), axis=1) for p in points],
-        axis=1,
-    )  # (resamples, shapes)
+    resampled = resample([p.values for p in points], resamples=resamples, seed=seed)  # each shape on its own
+    resampled_medians = np.stack([median_of_rows(r) for r in resampled], axis=1)  # (resamples, shapes)
     x_centred = x - x.mean()
     slopes = (resampled_medians - resampled_medians.mean(axis=1, keepdims=True)) @ x_centred / (x_centred @ x_centred)
-    tail = (1.0 - CI_CONFIDENCE) / 2.0
-    slope_lo, slope_hi = float(np.quantile(slopes, tail)), float(np.quantile(slopes, 1.0 - tail))
+    slope_lo, slope_hi = percentile_interval(slopes, CI_CONFIDENCE)
     if slope_hi <= 0:
         return None
     return 1.0 / slope_hi, (1.0 / slope_lo if slope_lo > 0 else None)

@@ -42,10 +42,6 @@ class TensorRole:
     kind: str  # weight | packed_fp4 | bias | one of METADATA_KINDS | unknown
     component: str
 
-    @property
-    def is_parameter(self) -> bool:
-        return self.kind in ("weight", "packed_fp4", "bias")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -180,6 +176,17 @@ def _layout_docs() -> tuple[dict[str, Any], ...]:
             continue
         docs.append(tomllib.loads(entry.read_text(encoding="utf-8")))
     return tuple(docs)
+
+
+@lru_cache(maxsize=1)
+def quantizable_components() -> tuple[str, ...]:
+    """The components a recipe may quantize (their modules are Linears), as ``_common.toml`` lists them."""
+    names = tuple(_load_toml("_common.toml")["quantizable_components"])
+    defined = {component for doc in _layout_docs() for component in doc["components"]}
+    undefined = [name for name in names if name not in defined]
+    if undefined:
+        raise LayoutError(f"layouts/_common.toml: quantizable components {undefined} are components of no architecture table")
+    return names
 
 
 @lru_cache(maxsize=None)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -45,7 +44,6 @@ from fp4forge.numerics.nvfp4 import (
     nvfp4_dequantize,
 )
 
-Scheme = Literal["nvfp4", "nvfp4a16", "fp8", "fp8_dynamic", "unquantized"]
 UNQUANTIZED = "unquantized"
 # The weight format each scheme stores: what vLLM picks its kernel by.
 SCHEME_FAMILY = {"nvfp4": "nvfp4", "nvfp4a16": "nvfp4", "fp8": "fp8", "fp8_dynamic": "fp8", "fp8_block": "fp8"}

@@ -267,11 +267,6 @@ class CheckpointWriter:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
 
-    @property
-    def staging_dir(self) -> Path:
-        assert self._tmp is not None, "use CheckpointWriter as a context manager"
-        return self._tmp
-
     def _finish(self) -> None:
         assert self._tmp is not None
         missing = sorted(n for pending in self._pending for n in pending)

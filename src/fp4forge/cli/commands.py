@@ -1,6 +1,11 @@
 """The command table of ``fp4forge``: command name -> the module whose ``register(app)`` adds it,
 in the order --help lists them. (Its own module so that both the typer application and the fast
-paths read it without importing each other.)"""
+paths read it without importing each other.)
+
+The lab's commands (``fp4forge.lab``, the top rank: docs/architecture.md) are named here as data,
+module paths the CLI imports by name when such a command is typed; nothing in the product imports
+the lab (``tests/test_architecture.py``). This table is the one place outside the lab that names it.
+"""
 
 COMMAND_MODULES = {
     "testbed": "fp4forge.cli.testbed",
@@ -16,6 +21,12 @@ COMMAND_MODULES = {
     "serve": "fp4forge.cli.serve",
     "bench": "fp4forge.cli.bench",
     "quality": "fp4forge.cli.quality",
-    "frontier": "fp4forge.cli.study",
-    "study": "fp4forge.cli.study",
+    "frontier": "fp4forge.lab.study.cli",
+    "study": "fp4forge.lab.study.cli",
+}
+
+# Commands a group's module does not define itself: group name -> the modules whose
+# ``register(group_app)`` add theirs (``fp4forge testbed trained-laguna`` is the lab's).
+GROUP_EXTENSIONS = {
+    "testbed": ("fp4forge.lab.trained.cli",),
 }

@@ -12,9 +12,12 @@ testbed_app = typer.Typer(no_args_is_help=True, help="Build local test models (n
 
 
 def register(app: typer.Typer) -> None:
-    from fp4forge.cli import trained
+    import importlib
 
-    trained.register(testbed_app)  # testbed trained-laguna
+    from fp4forge.cli.commands import GROUP_EXTENSIONS
+
+    for module in GROUP_EXTENSIONS["testbed"]:  # testbed trained-laguna, from the lab
+        importlib.import_module(module).register(testbed_app)
     app.add_typer(testbed_app, name="testbed")
 
 

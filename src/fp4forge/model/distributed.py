@@ -96,16 +96,8 @@ class Ranks:
         dist.all_reduce(work, op=ops[op])
         return work.to(tensor.device)
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(tensor, "max")
-
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(tensor, "sum")
-
-    def sum_float(self, value: float) -> float:
-        import torch
-
-        return float(self.all_reduce(torch.tensor([value], dtype=torch.float64), "sum")[0])
 
     def sum_int(self, value: int) -> int:
         import torch

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from fp4forge.errors import ReportError
+from fp4forge.stats import bootstrap_mean_ci
 
 Run = Mapping[str, tuple[int, int]]  # scenario id -> (earned, max)
 
@@ -88,15 +89,10 @@ def smallest_significant_discordance(alpha: float = DEFAULT_ALPHA) -> int:
 
 
 def paired_bootstrap_ci(diffs: Sequence[float], *, n_boot: int = DEFAULT_BOOTSTRAP, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Percentile CI of mean(diffs), resampling items with replacement."""
-    values = np.asarray(diffs, dtype=float)
-    if values.size == 0:
+    """Percentile CI of mean(diffs), resampling items with replacement (:mod:`fp4forge.stats`)."""
+    if len(diffs) == 0:
         return (0.0, 0.0)
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, values.size, size=(n_boot, values.size))].mean(axis=1)
-    tail = (1.0 - level) / 2.0 * 100.0
-    low, high = np.percentile(means, [tail, 100.0 - tail])
-    return (float(low), float(high))
+    return bootstrap_mean_ci(diffs, level=level, resamples=n_boot, seed=seed)
 
 
 def sign_flip_p(diffs: Sequence[float], *, n_perm: int = DEFAULT_BOOTSTRAP, seed: int = 0) -> float:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from fp4forge.checkpoint.layout import quantizable_components
 from fp4forge.errors import ConfigError
 
 SCHEMES = ("nvfp4", "nvfp4a16", "fp8", "fp8_dynamic")
 KV_SCHEMES = ("fp8",)
-QUANTIZABLE_COMPONENTS = ("routed_experts", "shared_expert", "attention", "dense_mlp", "router", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,9 @@ def parse_recipe(text: str, *, source: str = "<string>") -> Recipe:
         components = raw.get("components")
         if not components or not isinstance(components, list):
             raise ConfigError(f"{where}: `components` must be a non-empty list")
-        bad = [c for c in components if c not in QUANTIZABLE_COMPONENTS]
+        bad = [c for c in components if c not in quantizable_components()]
         if bad:
-            raise ConfigError(f"{where}: components {bad} cannot be quantized; choose from {list(QUANTIZABLE_COMPONENTS)}")
+            raise ConfigError(f"{where}: components {bad} cannot be quantized; choose from {list(quantizable_components())}")
         if raw.get("scheme") not in SCHEMES:
             raise ConfigError(f"{where}: scheme {raw.get('scheme')!r} is not one of {list(SCHEMES)}")
         rules.append(

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -27,6 +27,7 @@ from fp4forge.errors import ServeError
 
 LOG_TAIL_LINES = 40
 READY_POLL_INTERVAL_S = 0.5
+STOP_TIMEOUT_S = 30.0
 KILL_WAIT_S = 10.0
 
 # Overridable by the caller's environment or ``env``. 1 GiB of KV cache is plenty for tests and
@@ -84,14 +85,11 @@ class VllmServer:
                     raise self._error(f"vllm serve was not ready after {timeout_s:.0f} s")
                 time.sleep(READY_POLL_INTERVAL_S)
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM the process group, SIGKILL whatever is left after ``timeout``; return the exit code."""
-        pgid = self.pid  # start_new_session=True makes the server its own group leader
-        if _live_group_members(pgid):
-            _signal_group(pgid, signal.SIGTERM)
-            if not _wait_group_gone(self.process, pgid, timeout):
-                _signal_group(pgid, signal.SIGKILL)
-                _wait_group_gone(self.process, pgid, KILL_WAIT_S)
+        # start_new_session=True makes the server its own group leader; polling reaps it through
+        # its Popen, which keeps the exit code
+        stop_group(self.pid, timeout, reap=self.process.poll)
         try:
             return self.process.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -310,20 +308,23 @@ def _read_stat_fields(stat_path: Path) -> list[str] | None:
     return text[text.rfind(")") + 2 :].split()
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass  # already gone
-
-
-def _wait_group_gone(process: subprocess.Popen[bytes], pgid: int, timeout: float) -> bool:
-    """Reap the leader and wait until no live process remains in the group; False on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        process.poll()  # reap the leader so it does not linger as a zombie we count
+def stop_group(pgid: int, timeout: float = STOP_TIMEOUT_S, *, reap: Callable[[], object] = lambda: None) -> None:
+    """SIGTERM process group ``pgid``, SIGKILL whatever is left after ``timeout``, and wait (at most
+    KILL_WAIT_S more) until no live member remains. A zombie is not live: it has exited, and only
+    its parent's wait removes it, so ``reap`` (the leader's ``Popen.poll`` when the caller started
+    it) is called while waiting."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, KILL_WAIT_S)):
         if not _live_group_members(pgid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return  # gone in between
+        deadline = time.monotonic() + wait
+        while True:
+            reap()
+            if not _live_group_members(pgid):
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)

@@ -4,7 +4,8 @@
 venv through the launcher (own process group, log file), writes a state file at once (so ``down``
 can stop a server that is still starting), streams the log through the doctor while it waits for
 readiness, and on failure stops the group and raises with the doctor's errors. ``down`` stops by
-the recorded process group, after checking that the PID still belongs to that ``vllm serve``.
+the recorded process group (``launcher.stop_group``), after checking that the PID still belongs to
+that ``vllm serve``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,13 +23,11 @@ from fp4forge.endpoint import Endpoint, loopback_url
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ServeError
 from fp4forge.serve.doctor import LOG_PREFIX, PROCESS_TAG, Finding, LogDoctor
-from fp4forge.serve.launcher import VllmServer, launch_vllm
+from fp4forge.serve.launcher import VllmServer, launch_vllm, stop_group
 from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
 
 STATE_DIR_ENV = "FP4FORGE_STATE_DIR"
 POLL_S = 0.5
-STOP_TIMEOUT_S = 30.0
-KILL_WAIT_S = 10.0
 
 
 def state_dir(override: Path | None = None) -> Path:
@@ -83,38 +81,6 @@ def _is_our_server(record: ServeRecord) -> bool:
     except OSError:
         return False
     return any(part.endswith(b"vllm") for part in cmdline) and b"serve" in cmdline
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def stop_group(pgid: int, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM the group, SIGKILL what is left after ``timeout``."""
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, KILL_WAIT_S)):
-        if not _group_alive(pgid):
-            return
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and _group_alive(pgid):
-            _reap(pgid)
-            time.sleep(0.2)
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # only succeeds for our own child (serve up in-process)
-    except ChildProcessError:
-        pass
 
 
 STATUS_MAX_CHARS = 120
@@ -193,7 +159,7 @@ def serve_up(
         follower = _LogFollower(log_path, doctor, on_finding, on_line)
         _wait_ready(server, record, follower, doctor, ready_timeout_s)
     except BaseException:  # not ready, or Ctrl-C while starting: the server must not be orphaned
-        stop_group(server.pid)
+        server.stop()
         _record_path(directory, name).unlink(missing_ok=True)
         raise
     return record, doctor

@@ -1,6 +1,6 @@
-"""Testbed: tiny random MoE models (Laguna, Qwen3-MoE), the tiny Laguna trained from scratch,
-shape-true synthetic checkpoints, and header-only rebuilds of real releases from their metadata
-(corpus).
+"""Testbed: tiny random MoE models (Laguna, Qwen3-MoE), shape-true synthetic checkpoints, and
+header-only rebuilds of real releases from their metadata (corpus). The tiny Laguna trained from
+scratch is research and lives in the lab (``fp4forge.lab.trained``).
 
 The public functions are imported lazily, so ``import fp4forge.testbed`` stays cheap (no torch or
 transformers import) until one is used.
@@ -21,8 +21,6 @@ _EXPORTS = {
     "PRESETS": "fp4forge.testbed.synth",
     "build_tokenizer": "fp4forge.testbed.tokenizer",
     "build_header_only": "fp4forge.testbed.corpus",
-    "train_laguna": "fp4forge.testbed.trained",
-    "TrainingConfig": "fp4forge.testbed.trained",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fp4forge.checkpoint.layout import layout_or_inferred
+from fp4forge.checkpoint.layout import layout_or_inferred, quantizable_components
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.errors import ConfigError
 from fp4forge.numerics.clip_search import intn_quantize_mse
@@ -44,8 +44,8 @@ Progress = Callable[[int, int, str], None] | None
 
 FORMATS = ("nvfp4", "mxfp4", "fp8", "int8", "int4", "int3", "int2")
 METHODS = ("minmax", "mse", "four_over_six")
-# Components whose weights are GEMM matrices (norms, embeddings and router biases are not).
-QUANTIZABLE_COMPONENTS = ("routed_experts", "shared_expert", "dense_mlp", "attention", "router", "lm_head")
+# Components whose weights are GEMM matrices (norms, embeddings and router biases are not): the layouts' list.
+QUANTIZABLE_COMPONENTS = quantizable_components()
 DEFAULT_INT_GROUPS: tuple[int | None, ...] = (16, 32, 64, 128, None)
 
 

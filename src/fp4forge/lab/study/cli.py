@@ -36,6 +36,11 @@ def _groups(value: Optional[str]) -> Optional[tuple[int | None, ...]]:
 
 
 def register(app: typer.Typer) -> None:
+    _register_frontier(app)
+    _register_study(app)
+
+
+def _register_frontier(app: typer.Typer) -> None:
     @app.command("frontier")
     def frontier_command(
         src: str = typer.Argument(..., help="A BF16 checkpoint directory."),
@@ -48,8 +53,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Bits per parameter (scales included) against relative weight error, per component, format, group size and method."""
         from fp4forge.report.plotting import pyplot
-        from fp4forge.report.study_tables import frontier_markdown, frontier_plot, frontier_rich
-        from fp4forge.study.frontier import FrontierOptions, compute_frontier
+        from fp4forge.lab.study.tables import frontier_markdown, frontier_plot, frontier_rich
+        from fp4forge.lab.study.frontier import FrontierOptions, compute_frontier
 
         try:
             defaults = FrontierOptions()
@@ -77,6 +82,8 @@ def register(app: typer.Typer) -> None:
             for skipped in doc["skipped"]:
                 console(stderr=True).print(f"[yellow]not run:[/yellow] {skipped['component']} {skipped['arm']}: {skipped['reason']}")
 
+
+def _register_study(app: typer.Typer) -> None:
     @app.command("study")
     def study_command(
         src: str = typer.Argument(..., help="A BF16 checkpoint directory."),
@@ -93,8 +100,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the study document as JSON."),
     ) -> None:
         """The quantization study in one resumable run: frontier, whole-model arms with KL and CIs, GEMM bench on a GPU; a Markdown report."""
-        from fp4forge.pipeline.study import StudyOptions, run_study
-        from fp4forge.report.study_tables import arms_rich
+        from fp4forge.lab.study.run import StudyOptions, run_study
+        from fp4forge.lab.study.tables import arms_rich
 
         try:
             defaults = StudyOptions()

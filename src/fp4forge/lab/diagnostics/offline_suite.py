@@ -9,10 +9,10 @@ values typed by the tool's schema). Prints the total, the first-step tool-choice
 first step of every scenario that expects calls: did the first call name the expected function)
 and the restraint rate (scenarios whose first step expects no call: did the model call nothing).
 
-    PYTHONPATH=src python benchmarks/offline_suite.py MODEL [--device cuda] [--max-new-tokens 128] [--json OUT]
-    PYTHONPATH=src python benchmarks/offline_suite.py --paired A.json B.json   # per-scenario paired test of two --json results
-    PYTHONPATH=src python benchmarks/offline_suite.py MODEL --temperature 0.7 --seed 3 --json OUT   # one sampled run
-    PYTHONPATH=src python benchmarks/offline_suite.py --compare A1.json A2.json --against B1.json B2.json   # the suite's verdict
+    python -m fp4forge.lab.diagnostics.offline_suite MODEL [--device cuda] [--max-new-tokens 128] [--json OUT]
+    python -m fp4forge.lab.diagnostics.offline_suite --paired A.json B.json   # per-scenario paired test of two --json results
+    python -m fp4forge.lab.diagnostics.offline_suite MODEL --temperature 0.7 --seed 3 --json OUT   # one sampled run
+    python -m fp4forge.lab.diagnostics.offline_suite --compare A1.json A2.json --against B1.json B2.json   # the suite's verdict
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, LagunaForCausalLM
 
+from fp4forge.endpoint import NO_SERVER_URL
 from fp4forge.quality.runner import Reply, RunConfig, run_scenario
 from fp4forge.quality.suite import load_suite
 
@@ -110,7 +111,7 @@ def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log:
 def generated_one_call_scenarios(count: int, entities: str = "pools") -> list[Any]:
     """Held-out one-call scenarios of the training generator (its held-out seed stream): in-distribution requests,
     entity values from the pools or fresh pseudo-words (``entities``: the points then say whether the model copies)."""
-    from fp4forge.quality.training_corpus import FAMILIES, HELDOUT_SEED_OFFSET, generate_scenarios
+    from fp4forge.lab.trained.training_corpus import FAMILIES, HELDOUT_SEED_OFFSET, generate_scenarios
 
     weights = tuple((name, 1 if name == "one_call" else 0) for name in FAMILIES)
     return [g.scenario for g in generate_scenarios(count, HELDOUT_SEED_OFFSET + 1, weights, entities)]
@@ -123,7 +124,7 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
     scenarios = generated_one_call_scenarios(generated, entities) if generated else load_suite().scenarios
     log: list[dict[str, Any]] = []
     post = make_post(model, tokenizer, device, max_new_tokens, log, temperature, seed)
-    config = RunConfig(base_url="http://offline.invalid", model="offline", max_tokens=max_new_tokens)
+    config = RunConfig(base_url=NO_SERVER_URL, model="offline", max_tokens=max_new_tokens)
     earned = maximum = 0
     choice_hits = choice_total = restraint_hits = restraint_total = 0
     per_scenario = []

@@ -20,11 +20,6 @@ def _group(arm: dict[str, Any]) -> str:
     return "row" if group is None else ("tensor" if group == 0 else str(group))
 
 
-def arm_name(arm: dict[str, Any]) -> str:
-    sym = "" if arm.get("symmetric", True) else " asym"
-    return f"{arm['format']}{sym} g={_group(arm)} {arm['method']}"
-
-
 # -- frontier ---------------------------------------------------------------------------------------
 def frontier_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     headers = ["component", "format", "bits", "group", "method", "bpp", "rel. error"]

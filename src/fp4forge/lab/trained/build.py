@@ -6,7 +6,7 @@ the chat template, the tool catalogue), the generated corpus itself, the tokeniz
 and corpus settings, the seed and the torch/transformers/tokenizers versions. ``cached_trained_laguna``
 returns ``$FP4FORGE_CACHE_DIR/trained-laguna/<key>/model`` (default ``~/.cache/fp4forge``),
 building it there first when it is missing, so ``make test`` and ``make demo`` train once per
-change. It lives here, above ``quality`` and ``testbed``, because it needs both.
+change. It lives in the lab, above ``quality`` and ``testbed``, because it needs both.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from fp4forge.errors import ConfigError
-from fp4forge.quality import training_corpus
-from fp4forge.quality.training_corpus import Corpus, CorpusSpec, build_corpus
-from fp4forge.testbed import trained
-from fp4forge.testbed.trained import Progress, TrainingConfig, TrainingResult, train_laguna
+from fp4forge.lab.trained import training, training_corpus
+from fp4forge.lab.trained.training_corpus import Corpus, CorpusSpec, build_corpus
+from fp4forge.lab.trained.training import Progress, TrainingConfig, TrainingResult, train_laguna
 
 CACHE_FORMAT = 1
 CACHE_SUBDIR = "trained-laguna"
@@ -33,12 +32,12 @@ MODEL_SUBDIR = "model"
 
 # Every module whose code changes what the corpus or the weights are.
 KEY_MODULES = (
-    "fp4forge.quality.training_corpus",
+    "fp4forge.lab.trained.training_corpus",
     "fp4forge.quality.runner",
     "fp4forge.quality.scorer",
     "fp4forge.quality.simulated_tools",
     "fp4forge.quality.suite",  # the scenario parser
-    "fp4forge.testbed.trained",
+    "fp4forge.lab.trained.training",
     "fp4forge.testbed.tiny",
     "fp4forge.testbed.tokenizer",
 )
@@ -141,7 +140,7 @@ def cached_trained_laguna(
     tokenizer_json = tokenizer.backend_tokenizer.to_str()
     key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
     model_dir = cache_root() / key / MODEL_SUBDIR
-    if (model_dir / trained.REPORT_FILE).is_file():
+    if (model_dir / training.REPORT_FILE).is_file():
         return model_dir
     extra = {
         "cache_key": key,
@@ -152,7 +151,7 @@ def cached_trained_laguna(
     except (ConfigError, OSError):
         # The output is renamed into place only when complete; if a concurrent build of the same
         # key won the race, its directory is the same model and is the answer.
-        if not (model_dir / trained.REPORT_FILE).is_file():
+        if not (model_dir / training.REPORT_FILE).is_file():
             raise
     return model_dir
 
@@ -172,4 +171,4 @@ def copy_cached_trained_laguna(
         for item in sorted(cached.iterdir()):
             shutil.copy2(item, staging / item.name)
         (staging / "README.md").write_text(testbed_card(), encoding="utf-8")  # its license, for the export's card
-    return TrainingResult(Path(out), json.loads((Path(out) / trained.REPORT_FILE).read_text()))
+    return TrainingResult(Path(out), json.loads((Path(out) / training.REPORT_FILE).read_text()))

@@ -197,10 +197,6 @@ def _user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
 
-def _result(results: list[dict[str, Any]], index: int = -1) -> dict[str, Any]:
-    return results[index]
-
-
 # -- families: rng -> (raw scenario, script) -------------------------------------------------------
 Family = Callable[[random.Random], tuple[dict[str, Any], list[StepScript]]]
 

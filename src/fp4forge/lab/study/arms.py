@@ -7,7 +7,7 @@ Two kinds of student:
   server runs (``w4a4``: NVFP4 weights and activations; ``w4a16``: the same bytes, activations
   kept in BF16);
 * **fake-quantized**: a BF16 copy of the teacher whose Linear weights are replaced by their
-  quantize -> dequantize round trip (:func:`fp4forge.study.frontier.quantize_dequantize`), for
+  quantize -> dequantize round trip (:func:`fp4forge.lab.study.frontier.quantize_dequantize`), for
   formats no exporter writes (INT-2/3 with groups, MXFP4): weight-only arms, measured the same way.
 
 Per arm: mean KL per predicted token with a 95 % percentile-bootstrap interval over samples
@@ -17,8 +17,6 @@ both perplexities, from :func:`fp4forge.fidelity.evaluate.evaluate`.
 
 from __future__ import annotations
 
-import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,21 +28,8 @@ from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.fidelity.evaluate import FidelityOptions, FidelityReport, evaluate
-from fp4forge.study.frontier import ArmSpec, Progress, component_weights, quantize_dequantize
-
-BOOTSTRAP_RESAMPLES = 2000
-
-
-def bootstrap_mean_ci(values: list[float], *, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (the independent units)."""
-    if not values:
-        raise ConfigError("no values to bootstrap")
-    rng = random.Random(seed)
-    n = len(values)
-    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    lo = means[int((1 - level) / 2 * resamples)]
-    hi = means[min(resamples - 1, int((1 + level) / 2 * resamples))]
-    return lo, hi
+from fp4forge.lab.study.frontier import ArmSpec, Progress, component_weights, quantize_dequantize
+from fp4forge.stats import bootstrap_mean_ci
 
 
 def write_fake_quantized(src: str | Path, out: str | Path, arm: ArmSpec, components: tuple[str, ...], *, progress: Progress = None) -> dict[str, Any]:
@@ -117,9 +102,3 @@ def read_bpp(student: str | Path, components: tuple[str, ...]) -> float | None:
     rows = [c for c in compute_byte_table(ckpt, layout_or_inferred(ckpt.config)).components if c.name in components]
     params = sum(c.params for c in rows)
     return 8 * sum(c.bytes for c in rows) / params if params else None
-
-
-def save_json(path: Path, doc: Any) -> None:
-    from fp4forge.checkpoint.atomic import write_text_atomic
-
-    write_text_atomic(path, json.dumps(doc, indent=1))

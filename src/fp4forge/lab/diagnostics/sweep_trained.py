@@ -6,7 +6,7 @@ trained-laguna``. Each variant runs in its own process (they share the GPU), wri
 ``OUT/<variant>/result.json`` (training report excerpt + offline suite result) and the summary
 table is printed at the end.
 
-    PYTHONPATH=src python benchmarks/sweep_trained.py OUT [--variants a,b] [--device cuda] [--steps N]
+    python -m fp4forge.lab.diagnostics.sweep_trained OUT [--variants a,b] [--device cuda] [--steps N]
 """
 
 from __future__ import annotations
@@ -76,12 +76,10 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
 def run_variant(name: str, out: Path, device: str, steps: int | None, max_new_tokens: int) -> dict:
     import torch
 
-    from fp4forge.pipeline.trained_testbed import corpus_and_tokenizer
-    from fp4forge.quality.training_corpus import CorpusSpec
-    from fp4forge.testbed import trained
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from offline_suite import evaluate
+    from fp4forge.lab.diagnostics.offline_suite import evaluate
+    from fp4forge.lab.trained import training as trained
+    from fp4forge.lab.trained.build import corpus_and_tokenizer
+    from fp4forge.lab.trained.training_corpus import CorpusSpec
 
     if device != "cpu":
         # bincount (router loads) has no deterministic CUDA kernel; exploration does not need bytes.
@@ -137,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = {}
     for name in names:
         (args.out / name).mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, __file__, str(args.out), "--one", name, "--device", args.device, "--max-new-tokens", str(args.max_new_tokens)]
+        cmd = [sys.executable, "-m", "fp4forge.lab.diagnostics.sweep_trained", str(args.out), "--one", name, "--device", args.device, "--max-new-tokens", str(args.max_new_tokens)]
         if args.steps:
             cmd += ["--steps", str(args.steps)]
         log = open(args.out / name / "log.txt", "w")

@@ -1,8 +1,7 @@
 """Train the tiny Laguna from scratch, deterministically, and measure what training gave it.
 
 Same architecture, tokenizer and chat template as ``testbed tiny-laguna`` (``tiny.py``); the
-documents come from the caller (fp4forge generates them: ``quality.training_corpus``), so this
-module stays below the quality suite. Determinism: one seed fixes the init, the data order and
+documents come from the caller (fp4forge generates them: ``training_corpus``). Determinism: one seed fixes the init, the data order and
 every update; ``torch.use_deterministic_algorithms`` and a fixed thread count fix the arithmetic,
 so the same seed, documents, config and torch build give byte-identical safetensors.
 
@@ -362,7 +361,7 @@ def train_laguna(
 ) -> TrainingResult:
     """Train the tiny Laguna on the documents and write it (bf16, sharded) with a JSON report.
 
-    ``device`` other than the CPU is for exploring recipes fast (benchmarks/sweep_trained.py):
+    ``device`` other than the CPU is for exploring recipes fast (``fp4forge.lab.diagnostics.sweep_trained``):
     its arithmetic differs, so its bytes are not the CPU build's and the cache never holds one."""
     out = Path(out)
     with atomic_output_dir(out) as staging, deterministic_torch(config.threads):
@@ -373,80 +372,19 @@ def train_laguna(
 
         if progress is not None:
             progress(0, config.steps, "tokenizing the corpus")
-        train_docs = tokenize_documents(tokenizer, train_documents)
-        train_windows = pack_windows(train_docs, config.seq_len)
-        open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in (ASSISTANT_OPEN_TOKEN, END_OF_TURN_TOKEN))
-        train_weights = pack_windows(token_weights(train_docs, open_id, close_id, config.context_loss_weight), config.seq_len, torch.float32)
-        heldout_docs = tokenize_documents(tokenizer, heldout_documents)
-        heldout_windows = pack_windows(heldout_docs, config.seq_len)[: config.eval_windows]
-        # 1 on the assistant's tokens of chat documents (weight 0 elsewhere): what the suite scores.
-        heldout_assistant = pack_windows(token_weights(heldout_docs, open_id, close_id, 0.0, 0.0), config.seq_len, torch.float32)[: config.eval_windows]
+        windows = _windows(tokenizer, train_documents, heldout_documents, config)
         if progress is not None:
             progress(0, config.steps, "scoring the untrained init")
-        untrained_ppl, untrained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)  # the fp32 init
-        untrained_weights = weight_tail_stats(model)
+        untrained = {"perplexity": perplexity(model, windows.heldout, config.batch_size, windows.heldout_assistant),  # the fp32 init
+                     "weights": weight_tail_stats(model)}
         model = model.to(device)
         model.train()
-
-        generator = torch.Generator().manual_seed(seed)
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=(0.9, config.beta2), weight_decay=config.weight_decay
-        )
-        loads = RouterLoads(model)
-        order = torch.randperm(len(train_windows), generator=generator)
-        cursor, losses = 0, []
-        started, cpu_started = time.monotonic(), time.process_time()
-        for step in range(config.steps):
-            if cursor + config.batch_size > len(order):
-                order, cursor = torch.randperm(len(train_windows), generator=generator), 0
-            picked = order[cursor : cursor + config.batch_size]
-            batch, batch_weights = train_windows[picked].to(device), train_weights[picked].to(device)
-            cursor += config.batch_size
-            for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, config)
-            loss = sampled_loss(model, batch, batch_weights, config.context_loss_weight, config.context_sample, generator)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loads.update_biases(config.router_bias_rate)
-            losses.append(loss.item())
-            if progress is not None:
-                cpu = time.process_time() - cpu_started
-                progress(step + 1, config.steps, f"training: step {step + 1}/{config.steps} loss {losses[-1]:.3f} cpu {cpu / (step + 1):.2f} s/step")
-        train_seconds, train_cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
-        loads.close()
+        run = _optimize(model, windows, config, seed, device, progress)
 
         if progress is not None:
             progress(config.steps, config.steps, "measuring perplexity and tails")
         model = model.to(torch.bfloat16).eval()  # what ships, so what is measured
-        trained_ppl, trained_assistant_ppl = perplexity(model, heldout_windows, config.batch_size, heldout_assistant)
-        report = {
-            "format": "fp4forge-trained-testbed/1",
-            "seed": seed,
-            "training": config.to_json(),
-            "torch": torch.__version__,
-            "vocab_size": model_config.vocab_size,
-            "train_tokens_seen": config.steps * config.batch_size * config.seq_len,
-            "train_windows": len(train_windows),
-            "heldout_tokens": int(heldout_windows[:, 1:].numel()),
-            "loss_first": losses[0] if losses else None,  # None: --steps 0, the untrained init
-            "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-            "heldout_perplexity": trained_ppl,
-            "untrained_heldout_perplexity": untrained_ppl,
-            # Over the assistant's tokens only (reasoning, answers, tool-call markup): what the suite scores.
-            "heldout_assistant_perplexity": trained_assistant_ppl,
-            "untrained_heldout_assistant_perplexity": untrained_assistant_ppl,
-            # Wall clock of this build: informative only, the one value that differs between builds.
-            # CPU seconds (all threads) say what the steps cost on an idle machine when the host is shared.
-            "timing": {"train_seconds": round(train_seconds, 1), "seconds_per_step": round(train_seconds / config.steps, 3) if config.steps else None,
-                       "train_cpu_seconds": round(train_cpu_seconds, 1), "cpu_seconds_per_step": round(train_cpu_seconds / config.steps, 3) if config.steps else None},
-            "router_bias_abs_mean": float(torch.cat([r.e_score_correction_bias.float().abs() for r in loads.routers]).mean()),
-            "weights": weight_tail_stats(model),
-            "untrained_weights": untrained_weights,
-            "activations": activation_tail_stats(model, heldout_windows[: config.batch_size]),
-            **(extra_report or {}),
-        }
+        report = {**_report(model, windows, run, untrained, seed=seed, config=config, vocab_size=model_config.vocab_size), **(extra_report or {})}
         model = model.to("cpu")
         model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
         with quiet_transformers_progress():
@@ -456,6 +394,100 @@ def train_laguna(
             write_text_atomic(staging / name, text)
         write_text_atomic(staging / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
     return TrainingResult(out, report)
+
+
+@dataclass
+class _Windows:
+    train: torch.Tensor
+    train_weights: torch.Tensor  # the loss weight of each training token
+    heldout: torch.Tensor
+    heldout_assistant: torch.Tensor  # 1 on the assistant's held-out tokens
+
+
+def _windows(tokenizer: Any, train_documents: list[str], heldout_documents: list[str], config: TrainingConfig) -> _Windows:
+    train_docs = tokenize_documents(tokenizer, train_documents)
+    train_windows = pack_windows(train_docs, config.seq_len)
+    open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in (ASSISTANT_OPEN_TOKEN, END_OF_TURN_TOKEN))
+    train_weights = pack_windows(token_weights(train_docs, open_id, close_id, config.context_loss_weight), config.seq_len, torch.float32)
+    heldout_docs = tokenize_documents(tokenizer, heldout_documents)
+    heldout_windows = pack_windows(heldout_docs, config.seq_len)[: config.eval_windows]
+    # 1 on the assistant's tokens of chat documents (weight 0 elsewhere): what the suite scores.
+    heldout_assistant = pack_windows(token_weights(heldout_docs, open_id, close_id, 0.0, 0.0), config.seq_len, torch.float32)[: config.eval_windows]
+    return _Windows(train_windows, train_weights, heldout_windows, heldout_assistant)
+
+
+@dataclass
+class _Run:
+    losses: list[float]
+    seconds: float
+    cpu_seconds: float
+    routers: list[torch.nn.Module]  # whose learned biases the report summarises
+
+
+def _optimize(model: torch.nn.Module, windows: _Windows, config: TrainingConfig, seed: int, device: str, progress: Progress) -> _Run:
+    """``config.steps`` AdamW steps over seeded batches, each followed by the routers' bias update."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, betas=(0.9, config.beta2), weight_decay=config.weight_decay
+    )
+    loads = RouterLoads(model)
+    order = torch.randperm(len(windows.train), generator=generator)
+    cursor, losses = 0, []
+    started, cpu_started = time.monotonic(), time.process_time()
+    for step in range(config.steps):
+        if cursor + config.batch_size > len(order):
+            order, cursor = torch.randperm(len(windows.train), generator=generator), 0
+        picked = order[cursor : cursor + config.batch_size]
+        batch, batch_weights = windows.train[picked].to(device), windows.train_weights[picked].to(device)
+        cursor += config.batch_size
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, config)
+        loss = sampled_loss(model, batch, batch_weights, config.context_loss_weight, config.context_sample, generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loads.update_biases(config.router_bias_rate)
+        losses.append(loss.item())
+        if progress is not None:
+            cpu = time.process_time() - cpu_started
+            progress(step + 1, config.steps, f"training: step {step + 1}/{config.steps} loss {losses[-1]:.3f} cpu {cpu / (step + 1):.2f} s/step")
+    train_seconds, train_cpu_seconds = time.monotonic() - started, time.process_time() - cpu_started
+    loads.close()
+    return _Run(losses, train_seconds, train_cpu_seconds, loads.routers)
+
+
+def _report(model: torch.nn.Module, windows: _Windows, run: _Run, untrained: dict[str, Any], *, seed: int, config: TrainingConfig,
+            vocab_size: int) -> dict[str, Any]:
+    """The training report of the trained (bf16) ``model``, beside the ``untrained`` init's measures."""
+    trained_ppl, trained_assistant_ppl = perplexity(model, windows.heldout, config.batch_size, windows.heldout_assistant)
+    untrained_ppl, untrained_assistant_ppl = untrained["perplexity"]
+    losses = run.losses
+    return {
+        "format": "fp4forge-trained-testbed/1",
+        "seed": seed,
+        "training": config.to_json(),
+        "torch": torch.__version__,
+        "vocab_size": vocab_size,
+        "train_tokens_seen": config.steps * config.batch_size * config.seq_len,
+        "train_windows": len(windows.train),
+        "heldout_tokens": int(windows.heldout[:, 1:].numel()),
+        "loss_first": losses[0] if losses else None,  # None: --steps 0, the untrained init
+        "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+        "heldout_perplexity": trained_ppl,
+        "untrained_heldout_perplexity": untrained_ppl,
+        # Over the assistant's tokens only (reasoning, answers, tool-call markup): what the suite scores.
+        "heldout_assistant_perplexity": trained_assistant_ppl,
+        "untrained_heldout_assistant_perplexity": untrained_assistant_ppl,
+        # Wall clock of this build: informative only, the one value that differs between builds.
+        # CPU seconds (all threads) say what the steps cost on an idle machine when the host is shared.
+        "timing": {"train_seconds": round(run.seconds, 1), "seconds_per_step": round(run.seconds / config.steps, 3) if config.steps else None,
+                   "train_cpu_seconds": round(run.cpu_seconds, 1), "cpu_seconds_per_step": round(run.cpu_seconds / config.steps, 3) if config.steps else None},
+        "router_bias_abs_mean": float(torch.cat([r.e_score_correction_bias.float().abs() for r in run.routers]).mean()),
+        "weights": weight_tail_stats(model),
+        "untrained_weights": untrained["weights"],
+        "activations": activation_tail_stats(model, windows.heldout[: config.batch_size]),
+    }
 
 
 __all__ = ["CALIBRATION_TEXT_FILE", "HELDOUT_TEXT_FILE", "REPORT_FILE", "TrainingConfig", "TrainingResult", "deterministic_torch", "tail_stats", "text_corpus_files", "train_laguna"]

@@ -4,7 +4,7 @@ Parts, each written to ``OUT`` the moment it finishes and skipped on a re-run wh
 match (``OUT/study-state.json`` records the settings digest and the finished parts):
 
 1. ``frontier``: bits per parameter against weight error for every component and arm
-   (:func:`fp4forge.study.frontier.compute_frontier`) -> ``frontier.json``, ``frontier.png``.
+   (:func:`fp4forge.lab.study.frontier.compute_frontier`) -> ``frontier.json``, ``frontier.png``.
 2. ``calibrate``: activation amax for the exports (``stats.safetensors``): both recipes declare
    activation quantization; the W4A16 arms run the same bytes with BF16 activations.
 3. one part per whole-model arm: its student checkpoint under ``arms/<name>/`` and its fidelity
@@ -34,8 +34,9 @@ from fp4forge import __version__
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError, Fp4forgeError
 from fp4forge.fidelity.evaluate import FidelityOptions
-from fp4forge.study.arms import bootstrap_mean_ci, measure_arm, read_bpp, write_fake_quantized
-from fp4forge.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier
+from fp4forge.lab.study.arms import measure_arm, read_bpp, write_fake_quantized
+from fp4forge.lab.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier
+from fp4forge.stats import bootstrap_mean_ci
 
 STATE_FILE = "study-state.json"
 STUDY_JSON = "study.json"
@@ -257,92 +258,24 @@ def _comparisons(arms: list[dict[str, Any]], seed: int = 0) -> list[str]:
 
 def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOptions(), *, progress: Progress = None) -> StudyResult:
     """Run (or resume) the study of the BF16 checkpoint ``src`` into ``out``."""
-    from fp4forge.report.plotting import pyplot
-    from fp4forge.report.study_tables import arms_plot, frontier_markdown, frontier_plot, study_markdown
+    from fp4forge.lab.study.tables import study_markdown
 
     src, out = str(src), Path(out)
     state = _load_state(out, options.digest(), src)
     out.mkdir(parents=True, exist_ok=True)
     _save_state(out, state)
-    parts, resumed = state["parts"], []
+    parts = _Parts(out, state)
     not_run: list[dict[str, str]] = []
 
-    def done(part: str, info: Any = True) -> None:
-        parts[part] = info
-        _save_state(out, state)
-
     started = time.monotonic()
-    if "frontier" in parts:
-        resumed.append("frontier")
-    else:
-        frontier = compute_frontier(src, FrontierOptions(options.formats, options.components, options.int_groups), progress=progress)
-        write_text_atomic(out / "frontier.json", json.dumps(frontier.to_json(), indent=1))
-        write_text_atomic(out / "frontier.md", frontier_markdown(frontier.to_json()))
-        done("frontier")
-    frontier_doc = json.loads((out / "frontier.json").read_text(encoding="utf-8"))
-
-    stats: Path | None = None
-    if any(arm not in INT2_ARMS for arm in options.arms):  # every exported recipe quantizes activations
-        stats = out / "stats.safetensors"
-        if "calibrate" in parts and stats.is_file():
-            resumed.append("calibrate")
-        else:
-            from fp4forge.calibrate.run import calibrate_to_file
-
-            if stats.exists():
-                stats.unlink()
-            calibrate_to_file(src, stats, _calibration_options(options), progress=progress)
-            done("calibrate")
-
-    arms: list[dict[str, Any]] = []
-    (out / "arms").mkdir(exist_ok=True)
-    for name in options.arms:
-        result_path = out / "arms" / f"{name}.json"
-        if f"arm:{name}" in parts and result_path.is_file():
-            resumed.append(f"arm:{name}")
-        else:
-            try:
-                result = _run_arm(name, src, out, options, stats, progress)
-            except Fp4forgeError as error:
-                not_run.append({"part": f"arm {name}", "reason": f"failed: {error.message}"})
-                continue
-            write_text_atomic(result_path, json.dumps(result, indent=1))
-            done(f"arm:{name}")
-        arms.append(json.loads(result_path.read_text(encoding="utf-8")))
-    for name in ALL_ARMS:
-        if name not in options.arms:
-            not_run.append({"part": f"arm {name}", "reason": "not selected (--arms)"})
-
-    sections = []
-    gemm_reason = _gemm_unavailable()
-    if gemm_reason is None:
-        if "gemm" in parts and (out / "gemm.json").is_file():
-            resumed.append("gemm")
-        else:
-            from fp4forge.bench.gemm import load_model_config, projection_shapes, run_gemm_bench
-
-            report = run_gemm_bench(projection_shapes(load_model_config(src)), device="cuda", progress=progress)
-            write_text_atomic(out / "gemm.json", json.dumps(report.to_json(), indent=1))
-            done("gemm")
-        from fp4forge.report.gemm_tables import gemm_markdown, gemm_plot
-
-        gemm = json.loads((out / "gemm.json").read_text(encoding="utf-8"))
-        gemm_plot(gemm, out / "gemm.png", pyplot())
-        sections.append({"title": "GEMM microbench", "markdown": "![gemm](gemm.png)\n\n" + gemm_markdown(gemm)})
-    else:
-        not_run.append({"part": "GEMM microbench", "reason": gemm_reason})
+    frontier_doc = _frontier_part(src, options, parts, progress)
+    stats = _calibration_part(src, options, parts, progress)
+    arms = _arm_parts(src, options, stats, parts, not_run, progress)
+    sections = _gemm_part(src, parts, not_run, progress)
     not_run.append({"part": "serving-latency arms", "reason": "the study starts no server; measure them with `fp4forge pipeline --serve` "
                     "or `fp4forge bench compare` against one server per arm"})
     not_run.append({"part": "quality-suite arms", "reason": "the suite needs a served model per arm (`fp4forge quality run` / `quality compare`)"})
-
-    plt = pyplot()
-    plots = {}
-    if frontier_plot(frontier_doc, out / "frontier.png", plt) is not None:
-        plots["frontier"] = "frontier.png"
-    if arms and arms_plot(arms, out / "arms.png", plt) is not None:
-        plots["arms"] = "arms.png"
-    if plt is None:
-        not_run.append({"part": "plots", "reason": "matplotlib is not installed"})
+    plots = _plots(frontier_doc, arms, out, not_run)
     doc = {
         "format": "fp4forge-study/1",
         "source": src,
@@ -363,8 +296,111 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
     }
     write_text_atomic(out / STUDY_JSON, json.dumps(doc, indent=1))
     write_text_atomic(out / STUDY_MD, study_markdown(doc))
-    done("report")
-    return StudyResult(out, doc, resumed)
+    parts.done("report")
+    return StudyResult(out, doc, parts.resumed)
+
+
+class _Parts:
+    """The study's finished parts (``OUT/study-state.json``), saved the moment each finishes."""
+
+    def __init__(self, out: Path, state: dict[str, Any]) -> None:
+        self.out, self.state, self.resumed = out, state, []
+
+    def resume(self, part: str, *files: Path) -> bool:
+        """True (and noted as resumed) when ``part`` finished in an earlier run and its files are there."""
+        if part in self.state["parts"] and all(f.is_file() for f in files):
+            self.resumed.append(part)
+            return True
+        return False
+
+    def done(self, part: str) -> None:
+        self.state["parts"][part] = True
+        _save_state(self.out, self.state)
+
+
+def _frontier_part(src: str, options: StudyOptions, parts: _Parts, progress: Progress) -> dict[str, Any]:
+    from fp4forge.lab.study.tables import frontier_markdown
+
+    out = parts.out
+    if not parts.resume("frontier"):
+        frontier = compute_frontier(src, FrontierOptions(options.formats, options.components, options.int_groups), progress=progress)
+        write_text_atomic(out / "frontier.json", json.dumps(frontier.to_json(), indent=1))
+        write_text_atomic(out / "frontier.md", frontier_markdown(frontier.to_json()))
+        parts.done("frontier")
+    return json.loads((out / "frontier.json").read_text(encoding="utf-8"))
+
+
+def _calibration_part(src: str, options: StudyOptions, parts: _Parts, progress: Progress) -> Path | None:
+    """The activation statistics every exported arm needs (every exported recipe quantizes activations)."""
+    if all(arm in INT2_ARMS for arm in options.arms):
+        return None
+    stats = parts.out / "stats.safetensors"
+    if not parts.resume("calibrate", stats):
+        from fp4forge.calibrate.run import calibrate_to_file
+
+        if stats.exists():
+            stats.unlink()
+        calibrate_to_file(src, stats, _calibration_options(options), progress=progress)
+        parts.done("calibrate")
+    return stats
+
+
+def _arm_parts(src: str, options: StudyOptions, stats: Path | None, parts: _Parts, not_run: list[dict[str, str]],
+               progress: Progress) -> list[dict[str, Any]]:
+    out = parts.out
+    arms: list[dict[str, Any]] = []
+    (out / "arms").mkdir(exist_ok=True)
+    for name in options.arms:
+        result_path = out / "arms" / f"{name}.json"
+        if not parts.resume(f"arm:{name}", result_path):
+            try:
+                result = _run_arm(name, src, out, options, stats, progress)
+            except Fp4forgeError as error:
+                not_run.append({"part": f"arm {name}", "reason": f"failed: {error.message}"})
+                continue
+            write_text_atomic(result_path, json.dumps(result, indent=1))
+            parts.done(f"arm:{name}")
+        arms.append(json.loads(result_path.read_text(encoding="utf-8")))
+    for name in ALL_ARMS:
+        if name not in options.arms:
+            not_run.append({"part": f"arm {name}", "reason": "not selected (--arms)"})
+    return arms
+
+
+def _gemm_part(src: str, parts: _Parts, not_run: list[dict[str, str]], progress: Progress) -> list[dict[str, str]]:
+    """The GEMM microbench section, where a CUDA GPU is present."""
+    gemm_reason = _gemm_unavailable()
+    if gemm_reason is not None:
+        not_run.append({"part": "GEMM microbench", "reason": gemm_reason})
+        return []
+    from fp4forge.report.gemm_tables import gemm_markdown, gemm_plot
+    from fp4forge.report.plotting import pyplot
+
+    out = parts.out
+    if not parts.resume("gemm", out / "gemm.json"):
+        from fp4forge.bench.gemm import load_model_config, projection_shapes, run_gemm_bench
+
+        report = run_gemm_bench(projection_shapes(load_model_config(src)), device="cuda", progress=progress)
+        write_text_atomic(out / "gemm.json", json.dumps(report.to_json(), indent=1))
+        parts.done("gemm")
+    gemm = json.loads((out / "gemm.json").read_text(encoding="utf-8"))
+    gemm_plot(gemm, out / "gemm.png", pyplot())
+    return [{"title": "GEMM microbench", "markdown": "![gemm](gemm.png)\n\n" + gemm_markdown(gemm)}]
+
+
+def _plots(frontier_doc: dict[str, Any], arms: list[dict[str, Any]], out: Path, not_run: list[dict[str, str]]) -> dict[str, str]:
+    from fp4forge.lab.study.tables import arms_plot, frontier_plot
+    from fp4forge.report.plotting import pyplot
+
+    plt = pyplot()
+    plots = {}
+    if frontier_plot(frontier_doc, out / "frontier.png", plt) is not None:
+        plots["frontier"] = "frontier.png"
+    if arms and arms_plot(arms, out / "arms.png", plt) is not None:
+        plots["arms"] = "arms.png"
+    if plt is None:
+        not_run.append({"part": "plots", "reason": "matplotlib is not installed"})
+    return plots
 
 
 def _positions(arms: list[dict[str, Any]]) -> int | None:

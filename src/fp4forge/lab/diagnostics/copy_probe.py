@@ -8,7 +8,7 @@ of the same size, and for Laguna without its per-head output gate. If the testbe
 learns this in a few hundred steps, the trained testbed's failure to copy is about its data and
 budget, not its layers.
 
-    PYTHONPATH=src python benchmarks/copy_probe.py [--device cuda] [--steps 400] [--arms laguna,qwen3,laguna-nogate]
+    python -m fp4forge.lab.diagnostics.copy_probe [--device cuda] [--steps 400] [--arms laguna,qwen3,laguna-nogate]
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ def testbed_trained_laguna(
 
     from fp4forge.errors import ConfigError
     from fp4forge.model.device import resolve_device
-    from fp4forge.pipeline.trained_testbed import build_trained_laguna, copy_cached_trained_laguna
-    from fp4forge.report.training_tables import tail_stats_rich, training_summary_rich
-    from fp4forge.testbed.trained import TrainingConfig
+    from fp4forge.lab.trained.build import build_trained_laguna, copy_cached_trained_laguna
+    from fp4forge.lab.trained.tables import tail_stats_rich, training_summary_rich
+    from fp4forge.lab.trained.training import TrainingConfig
 
     overrides = {k: v for k, v in (("steps", steps), ("threads", threads)) if v is not None}
     config = replace(TrainingConfig(), **overrides)
