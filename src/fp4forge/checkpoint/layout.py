@@ -56,6 +56,7 @@ class Layout:
     fused: dict[str, tuple[str, ...]]
     inferred: bool = False  # components guessed from name patterns, not an architecture's table
     unquantized: tuple[re.Pattern[str], ...] = ()  # Linears vLLM builds without a quant method
+    derived: bool = False  # components derived from the transformers model class (layout_derive)
 
     def is_engine_unquantized(self, module: str) -> bool:
         return any(p.match(module) for p in self.unquantized)
@@ -78,6 +79,8 @@ class Layout:
     def classify(self, name: str, dtype: str | None = None, *, modelopt_packed: bool = False) -> TensorRole:
         """Role of one tensor. ``modelopt_packed``: a U8 ``.weight`` is ModelOpt's packed FP4."""
         module, suffix, kind = split_suffix(name)
+        if kind == UNKNOWN and self.derived and self.component_of(name) != UNKNOWN:
+            module, kind = name, "weight"  # a parameter the model class stores under its own name (DBRX's `w1`)
         if kind == "weight" and dtype == "U8" and modelopt_packed:
             kind = "packed_fp4"
         component = self.component_of(module) if kind != UNKNOWN else UNKNOWN
@@ -156,7 +159,7 @@ def mtp_layer_pattern(config: dict[str, Any] | None) -> str:
     return "(?:" + "|".join(str(first + k) for k in range(count)) + ")"
 
 
-def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False) -> Layout:
+def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False, derived: bool = False) -> Layout:
     return Layout(
         name=doc["name"],
         architectures=tuple(doc.get("architectures", ())),
@@ -168,6 +171,7 @@ def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False) -> 
         fused={k: tuple(v) for k, v in doc.get("fused", {}).items()},
         inferred=inferred,
         unquantized=tuple(re.compile(p.replace("{mtp_layer}", mtp)) for p in doc.get("unquantized", ())),
+        derived=derived,
     )
 
 
@@ -204,14 +208,110 @@ def infer_layout(config: dict[str, Any] | None = None) -> Layout:
 
 
 def layout_or_inferred(config: dict[str, Any] | None, name: str | None = None) -> Layout:
-    """The named layout, else the config's table, else the inferred layout: never a refusal, for
-    read-only reports (bytes). Writers (quantize) use :func:`layout_for_config`, which refuses."""
+    """The named layout, else the config's table, else the layout derived from the transformers
+    model class (:func:`derived_layout`), else the inferred layout: never a refusal, for read-only
+    reports (bytes, audit). Writers (quantize) use :func:`layout_for_config`, which refuses."""
     if name:
         return layout_by_name(name, config)
     try:
         return layout_for_config(config)
     except LayoutError:
-        return infer_layout(config)
+        return derived_layout(config) or infer_layout(config)
+
+
+# -- derived layouts --------------------------------------------------------------------------------
+# The routed-expert count under every spelling transformers' config classes use.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+DERIVED_CACHE_VERSION = 1
+VLLM_PACKED = "_vllm_packed.json"
+_WHOLE_NUMBER_PART = re.compile(r"(?<=\\\.)\d+(?=\\\.|$)")  # a dotted part that is a number, in an escaped name
+
+
+def expert_counts(config: dict[str, Any] | None) -> frozenset[int]:
+    """Every routed-expert count a config (and its nested configs) states, counts above 1."""
+    found: set[int] = set()
+    for key, value in (config or {}).items():
+        if isinstance(value, dict):
+            found |= expert_counts(value)
+        elif key in EXPERT_COUNT_KEYS and type(value) is int and value > 1:
+            found.add(value)
+    return frozenset(found)
+
+
+@lru_cache(maxsize=1)
+def vllm_packed_groups() -> dict[str, dict[str, list[str]]]:
+    """Architecture -> vLLM's fused groups (scripts/vllm_packed_modules.py writes the data)."""
+    import json
+
+    return json.loads((LAYOUTS_DIR / VLLM_PACKED).read_text(encoding="utf-8"))["architectures"]
+
+
+def module_templates(components: dict[str, str]) -> dict[str, list[str]]:
+    """On-disk tensor name -> component, turned into per-component regexes over module names:
+    numbered parts (layers, experts) generalised, except where one template would hold modules
+    of two components (those keep their exact names)."""
+    by_template: dict[str, dict[str, set[str]]] = {}
+    for name, component in components.items():
+        module, _, kind = split_suffix(name)
+        escaped = re.escape(module if kind != UNKNOWN else name)
+        by_template.setdefault(_WHOLE_NUMBER_PART.sub(r"\\d+", escaped), {}).setdefault(component, set()).add(escaped)
+    out: dict[str, list[str]] = {}
+    for template, owners in by_template.items():
+        for component, exact in owners.items():
+            patterns = [template] if len(owners) == 1 else sorted(exact)
+            out.setdefault(component, []).extend(f"^{p}$" for p in patterns)
+    return {component: sorted(patterns) for component, patterns in out.items()}
+
+
+# Next-n (MTP) layers transformers does not build (DeepSeek's layer 61, Qwen's `mtp.*`): matched
+# before the derived templates, whose layer index would take them for trunk layers.
+MTP_PATTERNS = (r"^(.+\.)?layers\.{mtp_layer}(\..+)?$", r"^(.+\.)?mtp(\..+)?$")
+
+
+def _with_mtp_first(components: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {"mtp": [*MTP_PATTERNS, *components.pop("mtp", [])], **components}
+
+
+def _derived_doc(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The derived layout's table for ``config``, through the on-disk cache; None when
+    transformers cannot build the model."""
+    import json
+
+    from fp4forge.checkpoint import skeleton_cache
+    from fp4forge.errors import Fp4forgeError
+
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    path = skeleton_cache.cache_dir().parent / "layouts" / f"{skeleton_cache.cache_key(config, extra=('layout_derive.py', DERIVED_CACHE_VERSION))}.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    try:
+        from fp4forge.checkpoint.layout_derive import derive_components
+
+        derived = derive_components(config)
+    except (Fp4forgeError, ImportError, ValueError, KeyError, TypeError, AttributeError, RuntimeError):
+        return None
+    architectures = config.get("architectures") or [derived.architecture]
+    doc = {
+        "name": f"derived ({architectures[0]})",
+        "architectures": [architectures[0]],
+        "components": _with_mtp_first(module_templates(derived.components)),
+        "fused": vllm_packed_groups().get(architectures[0]) or vllm_packed_groups().get(derived.architecture) or {},
+        "unplaced": derived.reasons,
+    }
+    skeleton_cache.write_json(path, doc)
+    return doc
+
+
+def derived_layout(config: dict[str, Any] | None) -> Layout | None:
+    """The layout derived from the transformers model class of ``config`` (cached), or None."""
+    if not config or not isinstance(config.get("model_type"), str):
+        return None
+    doc = _derived_doc(config)
+    if doc is None:
+        return None
+    return _build(doc, mtp_layer_pattern(config), derived=True)
 
 
 def layout_by_name(name: str, config: dict[str, Any] | None = None) -> Layout:

@@ -1,0 +1,105 @@
+"""Write (or check) fp4forge's table of the Linears vLLM fuses, per architecture, from vLLM itself:
+src/fp4forge/checkpoint/layouts/_vllm_packed.json.
+
+    python scripts/vllm_packed_modules.py            # print the table vLLM's installed models give
+    python scripts/vllm_packed_modules.py --write    # and write it to the data file
+
+Run it with the vLLM environment's interpreter (e.g. `.venv-vllm/bin/python`). For every
+architecture in vLLM's model registry the model class's ``packed_modules_mapping`` (fused GEMM ->
+the checkpoint Linears it is built from: q/k/v, gate/up, MLA's q_a/kv_a, ...) is read, together
+with the entries its ``__init__`` adds for some configs (``self.packed_modules_mapping["x"] = [...]``,
+found in the class's source) and the expert Linears its FusedMoE loader stacks into one w13 GEMM
+(the ``ckpt_gate_proj_name`` / ``ckpt_up_proj_name`` given to ``make_expert_params_mapping``).
+A group applies in a checkpoint only where all its shards exist, so a config-dependent entry is
+kept. Classes that cannot be imported here (a missing optional package) are listed under
+``"unavailable"`` with the reason: nothing is guessed for them.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "src/fp4forge/checkpoint/layouts/_vllm_packed.json"
+EXPERTS_GROUP = "experts_w13"  # vLLM's FusedMoE: gate and up of every expert in one GEMM
+
+
+def _literal_strings(node: ast.AST) -> list[str] | None:
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, SyntaxError):
+        return None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    return None
+
+
+def _source_groups(source: str) -> dict[str, list[str]]:
+    """``packed_modules_mapping["x"] = [...]`` assignments and FusedMoE's gate/up checkpoint names."""
+    groups: dict[str, list[str]] = {}
+    gate = up = None
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute) and target.value.attr == "packed_modules_mapping":
+                    key, members = target.slice, _literal_strings(node.value)
+                    if isinstance(key, ast.Constant) and isinstance(key.value, str) and members:
+                        groups[key.value] = members
+        if isinstance(node, ast.Call) and str(getattr(node.func, "attr", getattr(node.func, "id", ""))).endswith("make_expert_params_mapping"):
+            for keyword in node.keywords:
+                if keyword.arg in ("ckpt_gate_proj_name", "ckpt_up_proj_name") and isinstance(keyword.value, ast.Constant):
+                    gate, up = (keyword.value.value, up) if keyword.arg == "ckpt_gate_proj_name" else (gate, keyword.value.value)
+    if gate and up:
+        groups[EXPERTS_GROUP] = [gate, up]
+    return groups
+
+
+def _class_groups(cls: type) -> dict[str, list[str]]:
+    """The class's mapping, plus what the ``__init__`` of it and its vLLM base classes add, plus
+    the experts' w13 of its module (or a base class's module)."""
+    groups = {k: list(v) for k, v in (getattr(cls, "packed_modules_mapping", None) or {}).items()}
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("vllm."):
+            continue
+        try:
+            found = _source_groups(inspect.getsource(klass))
+            experts = _source_groups(inspect.getsource(sys.modules[klass.__module__])).get(EXPERTS_GROUP)
+        except (OSError, TypeError):
+            continue
+        if experts:
+            found.setdefault(EXPERTS_GROUP, experts)
+        for key, members in found.items():
+            groups.setdefault(key, members)
+    return {k: v for k, v in sorted(groups.items()) if len(v) > 1 or v != [k]}  # a group of itself fuses nothing
+
+
+def vllm_packed_table() -> dict:
+    import vllm
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    architectures: dict[str, dict[str, list[str]]] = {}
+    unavailable: dict[str, str] = {}
+    for arch, (module_name, class_name) in sorted(_VLLM_MODELS.items()):
+        try:
+            module = importlib.import_module(f"vllm.model_executor.models.{module_name}")
+            architectures[arch] = _class_groups(getattr(module, class_name))
+        except Exception as exc:  # noqa: BLE001 - an optional dependency missing in this environment
+            unavailable[arch] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+    return {"vllm": vllm.__version__, "architectures": architectures, "unavailable": unavailable}
+
+
+def main(argv: list[str]) -> int:
+    text = json.dumps(vllm_packed_table(), indent=1, sort_keys=True) + "\n"
+    if "--write" in argv:
+        DATA.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
