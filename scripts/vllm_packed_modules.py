@@ -28,6 +28,14 @@ DATA = Path(__file__).resolve().parent.parent / "src/fp4forge/checkpoint/layouts
 EXPERTS_GROUP = "experts_w13"  # vLLM's FusedMoE: gate and up of every expert in one GEMM
 
 
+def _literal_names(node: ast.AST) -> tuple | None:
+    try:
+        value = ast.literal_eval(node)
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, tuple) and len(value) == 3 else None
+
+
 def _literal_strings(node: ast.AST) -> list[str] | None:
     try:
         value = ast.literal_eval(node)
@@ -38,11 +46,32 @@ def _literal_strings(node: ast.AST) -> list[str] | None:
     return None
 
 
+def _default_ckpt_names() -> tuple[str, str, str | None] | None:
+    """FusedMoE's default checkpoint names (gate, down, up), from the signature that declares them."""
+    from vllm.model_executor.layers.fused_moe import layer
+
+    for value in vars(layer).values():
+        try:
+            parameter = inspect.signature(value).parameters.get("ckpt_names")
+        except (TypeError, ValueError):
+            continue
+        if parameter is not None and isinstance(parameter.default, tuple):
+            return parameter.default
+    return None
+
+
 def _source_groups(source: str) -> dict[str, list[str]]:
-    """``packed_modules_mapping["x"] = [...]`` assignments and FusedMoE's gate/up checkpoint names."""
+    """``packed_modules_mapping["x"] = [...]`` assignments and FusedMoE's gate/up checkpoint names
+    (``ckpt_names=(gate, down, up)`` or ``ckpt_gate_proj_name=`` / ``ckpt_up_proj_name=`` where a
+    module passes them, FusedMoE's defaults where it builds one without)."""
     groups: dict[str, list[str]] = {}
     gate = up = None
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and "FusedMoE" in str(getattr(node.func, "attr", getattr(node.func, "id", ""))):
+            names = next((_literal_names(k.value) for k in node.keywords if k.arg == "ckpt_names"), None) or _default_ckpt_names()
+            if names and names[2]:
+                gate, up = names[0], names[2]
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute) and target.value.attr == "packed_modules_mapping":

@@ -214,9 +214,21 @@ def layout_or_inferred(config: dict[str, Any] | None, name: str | None = None) -
     if name:
         return layout_by_name(name, config)
     try:
-        return layout_for_config(config)
+        table = layout_for_config(config)
     except LayoutError:
         return derived_layout(config) or infer_layout(config)
+    if _names_table(table, config):
+        return table
+    # A table found through the text model's type only (a wrapper no table lists: Kimi-K2.5 over
+    # Kimi-K2) was written for the text model's names, not the wrapper's prefixes.
+    return derived_layout(config) or table
+
+
+def _names_table(table: Layout, config: dict[str, Any] | None) -> bool:
+    """The table lists the config's own architecture or model type (not only its text model's)."""
+    config = config or {}
+    architectures = config.get("architectures") or []
+    return config.get("model_type") in table.model_types or any(a in table.architectures for a in architectures if isinstance(a, str))
 
 
 # -- derived layouts --------------------------------------------------------------------------------
@@ -244,6 +256,14 @@ def vllm_packed_groups() -> dict[str, dict[str, list[str]]]:
     import json
 
     return json.loads((LAYOUTS_DIR / VLLM_PACKED).read_text(encoding="utf-8"))["architectures"]
+
+
+def _vllm_groups(*architectures: str) -> dict[str, list[str]]:
+    """vLLM's fused groups for the first of these class names vLLM's table has; a wrapper whose
+    class could not be read there falls back to its text model's causal LM."""
+    table = vllm_packed_groups()
+    names = [*architectures, *(a.replace("ForConditionalGeneration", "ForCausalLM") for a in architectures)]
+    return next((table[n] for n in names if isinstance(n, str) and n in table), {})
 
 
 def module_templates(components: dict[str, str]) -> dict[str, list[str]]:
@@ -297,7 +317,7 @@ def _derived_doc(config: dict[str, Any]) -> dict[str, Any] | None:
         "name": f"derived ({architectures[0]})",
         "architectures": [architectures[0]],
         "components": _with_mtp_first(module_templates(derived.components)),
-        "fused": vllm_packed_groups().get(architectures[0]) or vllm_packed_groups().get(derived.architecture) or {},
+        "fused": _vllm_groups(architectures[0], derived.architecture),
         "unplaced": derived.reasons,
     }
     skeleton_cache.write_json(path, doc)

@@ -40,11 +40,13 @@ from fp4forge.checkpoint.skeleton import build_meta_model
 from fp4forge.errors import ConfigError
 
 LINEAR_ATTENTION_CLASS = re.compile(r"DeltaNet|Mamba|Mixer|LinearAttention|Lightning|ShortConv|Conv|Recurrent|Ssm|SSM|Kda|KDA|Gla\b|GLA")
-ATTENTION_CLASS = re.compile(r"Attention|Attn")
+ATTENTION_CLASS = re.compile(r"Attention|Attn|MLA$|Mla$")
 MLP_CLASS = re.compile(r"MLP|Mlp|FeedForward|Ffn|FFN")
 MTP_CLASS = re.compile(r"MTP|Mtp|NextN|Nextn|MultiToken")
 AUDIO_CLASS = re.compile(r"Audio|Speech|Whisper|Talker")
 NORM_CLASS = re.compile(r"Norm")
+EXPERTS_CLASS = re.compile(r"Experts$")
+SHARED_CLASS = re.compile(r"Shared")
 EMBEDDING_CLASS = re.compile(r"Embedding$")
 # Element-wise scales and mixes of the residual stream (hyper-connections, residual scaling)
 RESIDUAL_CLASS = re.compile(r"Hyper|Residual")
@@ -61,6 +63,8 @@ class DerivedComponents:
 
 
 def _is_experts_container(module: nn.Module, counts: frozenset[int]) -> bool:
+    if EXPERTS_CLASS.search(type(module).__name__) and not SHARED_CLASS.search(type(module).__name__):
+        return any(True for _ in module.parameters())  # experts stored as 2-D concatenations (DBRX)
     if isinstance(module, nn.ModuleList):
         return len(module) in counts and len(module) > 1 and len({type(m) for m in module}) == 1
     if isinstance(module, nn.modules.conv._ConvNd):
@@ -130,13 +134,13 @@ def _structure(model: nn.Module, counts: frozenset[int]) -> tuple[dict[str, str]
             fixed[path] = "audio" if AUDIO_CLASS.search(type(module).__name__) else "vision"
         elif MTP_CLASS.search(type(module).__name__):
             fixed[path] = "mtp"
+    depth = decoder_path.count(".") + 1 if decoder_path else 0
+    layer_lists = [p for p, m in modules.items() if isinstance(m, nn.ModuleList) and p.startswith(f"{decoder_path}.".lstrip(".")) and p.count(".") == depth]
     for path, module in modules.items():
-        if path and _owner(path, fixed) is None and _is_experts_container(module, counts):
+        if path and path not in layer_lists and _owner(path, fixed) is None and _is_experts_container(module, counts):
             block_path = path.rpartition(".")[0]
             fixed[path] = "routed_experts"
             fixed.update(_moe_block_roles(block_path, modules[block_path], path, counts, hidden))
-    depth = decoder_path.count(".") + 1 if decoder_path else 0
-    layer_lists = [p for p, m in modules.items() if isinstance(m, nn.ModuleList) and p.startswith(f"{decoder_path}.".lstrip(".")) and p.count(".") == depth]
     layers = [f"{p}.{k}" for p in layer_lists for k in range(len(modules[p]))]
     return fixed, layers, (paths.get(id(head)) if head is not None else None)
 
@@ -151,21 +155,32 @@ def _owner(path: str, table: dict[str, str]) -> str | None:
         path = path.rpartition(".")[0]
 
 
-def _layer_child_component(child: nn.Module) -> str | None:
-    if isinstance(child, nn.ModuleList) and len(child):  # parallel copies (LongCat-Flash's two attentions)
-        child = child[0]
-    name = type(child).__name__
+def _class_component(module: nn.Module) -> str | None:
+    if isinstance(module, nn.ModuleList) and len(module):  # parallel copies (LongCat-Flash's two attentions)
+        module = module[0]
+    name = type(module).__name__
     if RESIDUAL_CLASS.search(name):
         return "residual_scales"
-    if NORM_CLASS.search(name):
-        return "norms"
     if ATTENTION_CLASS.search(name) and not LINEAR_ATTENTION_CLASS.search(name):
         return "attention"
     if LINEAR_ATTENTION_CLASS.search(name):
         return "linear_attention"
-    if MLP_CLASS.search(name) or len(_linears(child)) >= 2:
+    if MLP_CLASS.search(name):
         return "dense_mlp"
     return None
+
+
+def _layer_component(layer: str, module_path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The component of a module inside a decoder layer: the innermost enclosing module whose
+    class says what it is; else a layer child of two or more Linears is a dense MLP."""
+    path = module_path
+    while len(path) > len(layer):
+        found = _class_component(modules[path])
+        if found is not None:
+            return found
+        path = path.rpartition(".")[0]
+    child = modules[layer + "." + module_path[len(layer) + 1 :].split(".")[0]]
+    return "dense_mlp" if len(_linears(child)) >= 2 else None
 
 
 def _component_of_tensor(name: str, modules: dict[str, nn.Module], fixed: dict[str, str], layers: list[str], head_path: str | None, decoder_path: str) -> tuple[str | None, str]:
@@ -186,11 +201,11 @@ def _component_of_tensor(name: str, modules: dict[str, nn.Module], fixed: dict[s
         return "residual_scales", ""  # a layer's or the text model's own vectors: residual-stream scales
     for layer in layers:
         if module_path.startswith(layer + "."):
-            child_path = layer + "." + module_path[len(layer) + 1 :].split(".")[0]
-            component = _layer_child_component(modules[child_path])
+            component = _layer_component(layer, module_path, modules)
             if component is not None:
                 return component, ""
-            return None, f"{type(modules[child_path]).__name__} in a decoder layer is none of attention, linear attention, MLP, MoE"
+            child = modules[layer + "." + module_path[len(layer) + 1 :].split(".")[0]]
+            return None, f"{type(child).__name__} in a decoder layer is none of attention, linear attention, MLP, MoE"
     if decoder_path and not module_path.startswith(decoder_path + "."):
         return ("audio" if AUDIO_PATH.search(module_path) else "vision"), ""  # a wrapper's projector between a tower and the text model
     kind = type(owner).__name__ if owner is not None else "a parameter of no module"

@@ -50,13 +50,35 @@ def _shrunk(section: dict[str, Any]) -> dict[str, Any]:
                 out[key] = ZOO_LAYERS
             elif isinstance(value, list) and len(value) == layers:
                 out[key] = value[:ZOO_LAYERS]
-    for key in EXPERT_COUNT_KEYS:
-        if type(section.get(key)) is int and section[key] > ZOO_EXPERTS:
+            elif isinstance(value, dict) and value and all(k.isdigit() for k in value):  # per-layer settings by index
+                out[key] = {k: v for k, v in out[key].items() if int(k) < ZOO_LAYERS}
+    for key in EXPERT_COUNT_KEYS:  # (never the layer count: a derivation must not rely on telling them apart by size)
+        if type(section.get(key)) is int and (section[key] > ZOO_EXPERTS or section[key] == ZOO_LAYERS):
             out[key] = ZOO_EXPERTS
     for key in _TOP_K_KEYS:
         if type(section.get(key)) is int and section[key] > ZOO_EXPERTS // 2:
             out[key] = ZOO_EXPERTS // 2
     return out
+
+
+# Values a config class leaves unset by default but its model class needs (real releases carry
+# them in config.json): (path of nested keys, value). Each entry is here because transformers'
+# own defaults cannot build the model (tests/test_moe_zoo.py checks that they still cannot).
+ZOO_COMPLETIONS: dict[str, tuple[tuple[tuple[str, ...], Any], ...]] = {
+    "dbrx": ((("attn_config", "rope_theta"), 500000.0),),
+    "lfm2_moe": ((("layer_types",), ["conv", "full_attention", "conv", "full_attention"]), (("num_hidden_layers",), 4)),
+    "deepseek_ocr2": ((("text_config", "mlp_layer_types"), ["dense", "sparse", "sparse", "sparse"]),),
+}
+
+
+def _completed(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
+    config = json.loads(json.dumps(config))
+    for path, value in ZOO_COMPLETIONS.get(model_type, ()):
+        section = config
+        for key in path[:-1]:
+            section = section.setdefault(key, {})
+        section[path[-1]] = value
+    return config
 
 
 def zoo_config(model_type: str) -> dict[str, Any] | None:
@@ -67,9 +89,60 @@ def zoo_config(model_type: str) -> dict[str, Any] | None:
     config = default_config(model_type)
     if config is None:
         return None
-    small = _shrunk(config)
+    small = _completed(model_type, _shrunk(config))
+    config = _completed(model_type, config)
     try:
         CONFIG_MAPPING[model_type].from_dict(small)
     except Exception:  # noqa: BLE001 - a layer pattern the cut broke: the defaults then
         return config
     return small
+
+
+# -- header-only checkpoints ---------------------------------------------------------------------
+QUANTIZED_COMPONENTS = ("attention", "routed_experts", "shared_expert", "dense_mlp")
+
+
+def modelopt_nvfp4_sidecar(exclude_modules: list[str]) -> str:
+    """The hf_quant_config.json a ModelOpt NVFP4 export writes."""
+    doc = {
+        "producer": {"name": "modelopt", "version": "0.23.0"},
+        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude_modules},
+    }
+    return json.dumps(doc, indent=4) + "\n"
+
+
+def nvfp4_modules(config: dict[str, Any], specs) -> list[str]:
+    """The Linears an NVFP4 export of ``config`` quantizes: 2-D weights of the projection
+    components whose input size NVFP4's 16-value blocks divide, except the leaves releases keep
+    BF16 (indexer weights, MTP eh_proj, ...: testbed.corpus.UNQUANTIZED_LEAVES)."""
+    from fp4forge.checkpoint.layout import layout_or_inferred
+    from fp4forge.testbed.corpus import NVFP4_GROUP, UNQUANTIZED_LEAVES
+
+    layout = layout_or_inferred(config)
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")]
+        if spec.name.endswith(".weight") and len(spec.shape) == 2 and spec.shape[1] % NVFP4_GROUP == 0 and module.rpartition(".")[2] not in UNQUANTIZED_LEAVES and layout.component_of(module) in QUANTIZED_COMPONENTS:
+            out.append(module)
+    return out
+
+
+def build_zoo_nvfp4(config: dict[str, Any], out, *, keep_bf16: str | None = None):
+    """``config``'s checkpoint as a header-only ModelOpt NVFP4 export: the 2-D Linears of the
+    projection components (by the layout fp4forge uses for the config) in NVFP4, everything else
+    excluded and BF16. ``keep_bf16``: one module stored BF16 all the same while the declaration
+    says NVFP4 (the defect the audit must find)."""
+    from pathlib import Path
+
+    from fp4forge.checkpoint.skeleton import checkpoint_specs
+    from fp4forge.testbed.corpus import modelopt_nvfp4_specs, write_header_only
+
+    specs = checkpoint_specs(config)
+    quantizable = set(nvfp4_modules(config, specs))
+    excluded = sorted(s.name[: -len(".weight")] for s in specs if s.name.endswith(".weight") and s.name[: -len(".weight")] not in quantizable)
+    quantized = modelopt_nvfp4_specs(specs, excluded)
+    if keep_bf16 is not None:
+        original = next(s for s in specs if s.name == f"{keep_bf16}.weight")
+        quantized = [s for s in quantized if not s.name.startswith(f"{keep_bf16}.")]
+        quantized.append(original)
+    return write_header_only(Path(out), quantized, config, {"hf_quant_config.json": modelopt_nvfp4_sidecar(excluded)})
