@@ -94,7 +94,11 @@ def _moe_block_roles(block_path: str, block: nn.Module, experts_path: str, count
     roles: dict[str, str] = {}
     for name, child in block.named_children():
         path = f"{block_path}.{name}" if block_path else name
-        if path != experts_path and _tensors(child):
+        if path == experts_path or not _tensors(child):
+            continue
+        if _is_experts_container(child, counts):  # experts in two containers (JetMoE's input and output Linears)
+            roles[path] = "routed_experts"
+        else:
             roles[path] = "shared_expert" if _is_mlp(child, hidden) else "router"
     own = _tensors(block, recurse=False)
     if own:
@@ -102,11 +106,25 @@ def _moe_block_roles(block_path: str, block: nn.Module, experts_path: str, count
     return roles
 
 
+def _common_parent(model: nn.Module, first: nn.Module, second: nn.Module) -> nn.Module:
+    paths = {id(m): p for p, m in model.named_modules()}
+    a, b = paths[id(first)].split("."), paths[id(second)].split(".")
+    common = []
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        common.append(x)
+    return model.get_submodule(".".join(common)) if common else model
+
+
 def _text_decoder(model: nn.Module) -> nn.Module:
     """The text model: ``get_decoder()``, else the innermost sub-model holding the input embeddings."""
     from transformers import PreTrainedModel
 
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) and hasattr(model, "get_encoder") else None
+    if encoder is not None and decoder is not None and encoder is not decoder:
+        return _common_parent(model, encoder, decoder)  # both halves of an encoder-decoder are the text model
     if decoder is not None and decoder is not model:
         return decoder
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -130,12 +148,15 @@ def _structure(model: nn.Module, counts: frozenset[int]) -> tuple[dict[str, str]
     for path, module in modules.items():
         if not path or _owner(path, fixed) is not None:
             continue
-        if isinstance(module, PreTrainedModel) and module is not decoder and not (decoder_path + ".").startswith(path + "."):
+        inside_text = decoder_path == "" or path.startswith(decoder_path + ".") or (decoder_path + ".").startswith(path + ".")
+        if isinstance(module, PreTrainedModel) and module is not decoder and not inside_text:
             fixed[path] = "audio" if AUDIO_CLASS.search(type(module).__name__) else "vision"
         elif MTP_CLASS.search(type(module).__name__):
             fixed[path] = "mtp"
+    # The layer lists: module lists of the text model, or of its direct children (an encoder and a decoder)
     depth = decoder_path.count(".") + 1 if decoder_path else 0
-    layer_lists = [p for p, m in modules.items() if isinstance(m, nn.ModuleList) and p.startswith(f"{decoder_path}.".lstrip(".")) and p.count(".") == depth]
+    layer_lists = [p for p, m in modules.items() if isinstance(m, nn.ModuleList) and p.startswith(f"{decoder_path}.".lstrip(".")) and p.count(".") in (depth, depth + 1)]
+    layer_lists = [p for p in layer_lists if not any(p.startswith(q + ".") for q in layer_lists)]
     for path, module in modules.items():
         if path and path not in layer_lists and _owner(path, fixed) is None and _is_experts_container(module, counts):
             block_path = path.rpartition(".")[0]

@@ -22,7 +22,7 @@ from fp4forge.checkpoint.skeleton_data import MAX_COUNT, check_counts  # noqa: F
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError
 
-TORCH_TO_SAFETENSORS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+TORCH_TO_SAFETENSORS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
 
 
 def model_config_dict(config: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,106 @@
+"""Every MoE model_type of the installed transformers, as a small config built on the meta device
+(fp4forge.testbed.moe_zoo): its components derived from the model class place every tensor, the
+routed experts hold what the module tree says they hold, and the audit's per-Linear declaration
+checks run on it (a projection stored BF16 under an NVFP4 declaration is an error), whether
+or not the architecture has a layout table."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fp4forge.audit.byte_table import compute_byte_table
+from fp4forge.audit.engine import audit_checkpoint
+from fp4forge.checkpoint.layout import layout_or_inferred
+from fp4forge.checkpoint.reader import open_checkpoint
+from fp4forge.checkpoint.skeleton import build_meta_model, checkpoint_specs
+from fp4forge.errors import ConfigError
+from fp4forge.testbed.corpus import write_header_only
+from fp4forge.testbed.moe_zoo import ZOO_COMPLETIONS, build_zoo_nvfp4, default_config, moe_model_types, nvfp4_modules, zoo_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Model types transformers 5.23 cannot build from a config of their own (each checked to still
+# fail, so that a transformers that can build one puts it under test): sub-configs of wrappers no
+# auto class takes alone, and defaults the model class itself rejects.
+NOT_STANDALONE = {
+    "deepseek_ocr2_text", "dots3_note_vision_encoder", "ernie4_5_vl_moe_text", "qwen3_omni_moe_talker_text",
+    "qwen3_omni_moe_text", "step3p5", "unlimited_ocr_text", "qwen3_omni_moe",
+}  # fmt: skip
+DEFAULTS_UNBUILDABLE = {
+    "qwen4_exp": "unsupported operand",  # the indexer's sizes have no default
+    "qwen4_exp_text": "unsupported operand",
+    "inkling_mm_model": "scipy",  # its vision tower imports scipy, not a dependency of fp4forge
+    "nemotron_h_omni": None,  # builds, but its text model is not reachable as the wrapper's decoder (see below)
+}
+DENSE_BY_DEFAULT = {"doge"}  # states an expert count, but its default config builds the dense variant
+SKIPPED = NOT_STANDALONE | set(DEFAULTS_UNBUILDABLE)
+ZOO = [t for t in moe_model_types() if t not in SKIPPED]
+
+# An independent count of the routed experts: by the parameter names of the built model (the
+# derivation never looks at names), the spellings the model classes use for their experts
+# (JetMoE's mixture of attention heads included), outside the shared experts, routers and towers.
+EXPERT_NAME = re.compile(r"(^|\.)(\w*experts|input_linear|output_linear)(\.|$)|layers\.\d+\.mlp\.bias$")  # (JetMoE adds a bias to the experts' sum)
+NOT_ROUTED_NAME = re.compile(r"shared|(^|\.)(router|gate)(\.|$)|(^|\.)(visual|vision_tower|vision_model|vision|audio_tower|audio_model|audio|sam_model|radio_model)\.")
+
+
+def test_zoo_is_every_moe_model_type():
+    """The zoo is what transformers defines (dozens of MoE model types), and every type left out
+    is left out for a reason that still holds."""
+    types = moe_model_types()
+    assert len(types) >= 80 and {"deepseek_v3", "qwen3_moe", "mixtral", "olmoe", "dbrx", "jamba", "minimax_m2"} <= set(types)
+    assert SKIPPED <= set(types)
+    for model_type in sorted(NOT_STANDALONE):
+        with pytest.raises(ConfigError, match="Unrecognized configuration class|cannot build"):
+            checkpoint_specs(zoo_config(model_type))
+    for model_type, reason in DEFAULTS_UNBUILDABLE.items():
+        if reason is not None:
+            with pytest.raises(ConfigError, match=reason):
+                checkpoint_specs(zoo_config(model_type))
+
+
+@pytest.mark.parametrize("model_type", sorted(ZOO_COMPLETIONS))
+def test_completions_are_needed(model_type):
+    """Each completion of a default config stands in for a value transformers' defaults lack."""
+    with pytest.raises(ConfigError, match="cannot build"):
+        checkpoint_specs(default_config(model_type))
+
+
+def _routed_expert_params_by_name(config) -> int:
+    _, state_dict, _ = build_meta_model(config)
+    return sum(t.numel() for name, t in state_dict.items() if EXPERT_NAME.search(name) and not NOT_ROUTED_NAME.search(name))
+
+
+@pytest.mark.parametrize("model_type", ZOO)
+def test_every_tensor_placed(model_type, tmp_path):
+    config = zoo_config(model_type)
+    specs = checkpoint_specs(config)
+    write_header_only(tmp_path / "ckpt", specs, config, {})
+    layout = layout_or_inferred(config)
+    assert not layout.inferred
+    table = compute_byte_table(open_checkpoint(tmp_path / "ckpt"), layout)
+    assert table.unknown_tensors == []
+    assert table.total_params == sum(math.prod(s.shape) for s in specs)
+    components = {c.name: c.params for c in table.components}
+    assert components.get("routed_experts", 0) == _routed_expert_params_by_name(config)
+    assert (components.get("routed_experts", 0) > 0) == (model_type not in DENSE_BY_DEFAULT)
+
+
+@pytest.mark.parametrize("model_type", ZOO)
+def test_planted_bf16_projection_is_an_error(model_type, tmp_path):
+    """A ModelOpt NVFP4 export of the model whose first attention projection (else first
+    projection) was stored BF16: an error naming it; the same export without the defect: none."""
+    config = zoo_config(model_type)
+    quantized = nvfp4_modules(config, checkpoint_specs(config))
+    layout = layout_or_inferred(config)
+    target = next((m for m in quantized if layout.component_of(m) == "attention"), quantized[0])
+    clean = audit_checkpoint(build_zoo_nvfp4(config, tmp_path / "clean"))
+    assert [f.rule for f in clean.findings if f.severity == "error"] == []
+    planted = audit_checkpoint(build_zoo_nvfp4(config, tmp_path / "planted", keep_bf16=target))
+    errors = [f for f in planted.findings if f.severity == "error" and f.rule == "module-not-quantized"]
+    assert errors and any(f"{target}.weight" in f.tensors for f in errors)
