@@ -6,10 +6,10 @@ or not the architecture has a layout table."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -104,3 +104,52 @@ def test_planted_bf16_projection_is_an_error(model_type, tmp_path):
     planted = audit_checkpoint(build_zoo_nvfp4(config, tmp_path / "planted", keep_bf16=target))
     errors = [f for f in planted.findings if f.severity == "error" and f.rule == "module-not-quantized"]
     assert errors and any(f"{target}.weight" in f.tensors for f in errors)
+
+
+def test_remote_code_model_type_is_audited_on_an_inferred_layout(tmp_path):
+    """A model type transformers does not know (remote code): the layout is inferred from names,
+    the audit says so, and still finds the BF16 projection under the NVFP4 declaration."""
+    config = zoo_config("olmoe")
+    quantized = nvfp4_modules(config, checkpoint_specs(config))
+    out = build_zoo_nvfp4(config, tmp_path / "planted", keep_bf16=quantized[0])
+    config.update(model_type="some_remote_moe", architectures=["SomeRemoteMoeForCausalLM"])
+    (out / "config.json").write_text(json.dumps(config))
+    report = audit_checkpoint(out)
+    assert report.layout == "inferred (SomeRemoteMoeForCausalLM)"
+    assert "architecture-unknown" in {f.rule for f in report.findings if f.severity == "warning"}
+    errors = [f for f in report.findings if f.rule == "module-not-quantized"]
+    assert errors and f"{quantized[0]}.weight" in errors[0].tensors
+
+
+def test_derived_layout_marked_in_bytes_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from fp4forge.cli import app
+
+    config = zoo_config("minimax_m2")
+    write_header_only(tmp_path / "ckpt", checkpoint_specs(config), config, {})
+    result = CliRunner().invoke(app, ["bytes", str(tmp_path / "ckpt"), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["layout"].startswith("derived (") and doc["layout_derived"] is True and doc["layout_inferred"] is False
+    assert doc["unknown_tensors"] == []
+
+
+@pytest.mark.slow
+def test_vllm_groups_shipped_equal_installed_vllm(vllm_venv):
+    """The shipped fused-group table is what the installed vLLM's model classes say."""
+    from fp4forge.checkpoint.layout import LAYOUTS_DIR, VLLM_PACKED
+
+    result = subprocess.run([str(vllm_venv / "bin" / "python"), str(REPO / "scripts" / "vllm_packed_modules.py")], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / VLLM_PACKED).read_text())
+
+
+def test_vllm_groups_reach_derived_layouts():
+    """A derived layout's fused groups are vLLM's for its architecture (MLA's q_a/kv_a, Mixtral's w1/w3)."""
+    from fp4forge.checkpoint.layout import derived_layout
+
+    mixtral = dict(zoo_config("mixtral"), architectures=["MixtralForCausalLM"])
+    assert derived_layout(mixtral).fused["experts_w13"] == ("w1", "w3")
+    mla = dict(zoo_config("glm4_moe_lite"), architectures=["Glm4MoeLiteForCausalLM"])
+    assert derived_layout(mla).fused["fused_qkv_a_proj"] == ("q_a_proj", "kv_a_proj_with_mqa")

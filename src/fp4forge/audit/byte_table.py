@@ -12,8 +12,9 @@ Accounting rules (stated, because headline bpp numbers are only comparable under
   size) and MXFP4 ``*_scales`` are overhead, MXFP4 ``*_blocks`` hold two parameters per byte,
   parameters stored without a ``.weight`` suffix (``A_log``, ``dt_bias``, ``sinks``) count.
 
-A checkpoint whose architecture has no layout table still gets a table from the inferred layout
-(components from name patterns); ``layout_inferred`` says so.
+A checkpoint whose architecture has no layout table gets a table from the layout derived from its
+transformers model class (``layout_derived``), or, for a model type transformers does not know,
+from the inferred layout (components from name patterns; ``layout_inferred`` says so).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ByteTable:
     dtypes: dict[str, dict[str, int]]
     unknown_tensors: list[str] = field(default_factory=list)
     layout_inferred: bool = False
+    layout_derived: bool = False
 
     @property
     def bpp(self) -> float | None:
@@ -69,6 +71,7 @@ class ByteTable:
             "checkpoint": self.checkpoint,
             "layout": self.layout,
             "layout_inferred": self.layout_inferred,
+            "layout_derived": self.layout_derived,
             "total": {"bytes": self.total_bytes, "params": self.total_params, "bpp": self.bpp},
             "experts_bpp": self.experts_bpp,
             "components": [asdict(c) for c in self.components],
@@ -231,4 +234,5 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
         unknown_tensors=sorted(unknown),
         layout_inferred=layout.inferred,
+        layout_derived=layout.derived,
     )
