@@ -11,8 +11,10 @@ with the entries its ``__init__`` adds for some configs (``self.packed_modules_m
 found in the class's source) and the expert Linears its FusedMoE loader stacks into one w13 GEMM
 (the ``ckpt_gate_proj_name`` / ``ckpt_up_proj_name`` given to ``make_expert_params_mapping``).
 A group applies in a checkpoint only where all its shards exist, so a config-dependent entry is
-kept. Classes that cannot be imported here (a missing optional package) are listed under
-``"unavailable"`` with the reason: nothing is guessed for them.
+kept. A class whose module cannot be imported here (a missing optional package such as
+torchvision) is read from its source the same way (its class-level mapping literal and those of
+its base classes); one that cannot be found either is listed under ``"unavailable"`` with the
+reason: nothing is guessed for it.
 """
 
 from __future__ import annotations
@@ -106,6 +108,53 @@ def _class_groups(cls: type) -> dict[str, list[str]]:
     return {k: v for k, v in sorted(groups.items()) if len(v) > 1 or v != [k]}  # a group of itself fuses nothing
 
 
+def _imported_names(tree: ast.Module) -> dict[str, str]:
+    """Name -> module, for ``from vllm.model_executor.models.<m> import Name``."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm.model_executor.models."):
+            out.update({alias.asname or alias.name: node.module for alias in node.names})
+    return out
+
+
+def _source_class_groups(module_name: str, class_name: str, depth: int = 0) -> dict[str, list[str]] | None:
+    """The groups of a class whose module cannot be imported here (an optional package missing),
+    read from the source: its class-level mapping literal, what ``__init__`` adds, the module's
+    FusedMoE names, and the same of its base classes (followed through vLLM imports)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None or depth > 4:
+        return None
+    source = Path(spec.origin).read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    node = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    if node is None:
+        return None
+    groups: dict[str, list[str]] = {}
+    for statement in node.body:
+        if isinstance(statement, (ast.Assign, ast.AnnAssign)):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            if any(isinstance(t, ast.Name) and t.id == "packed_modules_mapping" for t in targets) and statement.value is not None:
+                try:
+                    groups.update({k: list(v) for k, v in ast.literal_eval(statement.value).items()})
+                except (ValueError, SyntaxError, AttributeError):
+                    pass
+    found = _source_groups(ast.unparse(node))
+    experts = _source_groups(source).get(EXPERTS_GROUP)
+    if experts:
+        found.setdefault(EXPERTS_GROUP, experts)
+    imported = _imported_names(tree)
+    for base in node.bases:
+        name = base.id if isinstance(base, ast.Name) else None
+        inherited = _source_class_groups(imported.get(name, module_name), name, depth + 1) if name else None
+        for key, members in (inherited or {}).items():
+            found.setdefault(key, members)
+    for key, members in found.items():
+        groups.setdefault(key, members)
+    return {k: v for k, v in sorted(groups.items()) if len(v) > 1 or v != [k]}
+
+
 def vllm_packed_table() -> dict:
     import vllm
     from vllm.model_executor.models.registry import _VLLM_MODELS
@@ -117,7 +166,11 @@ def vllm_packed_table() -> dict:
             module = importlib.import_module(f"vllm.model_executor.models.{module_name}")
             architectures[arch] = _class_groups(getattr(module, class_name))
         except Exception as exc:  # noqa: BLE001 - an optional dependency missing in this environment
-            unavailable[arch] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+            from_source = _source_class_groups(f"vllm.model_executor.models.{module_name}", class_name)
+            if from_source is not None:
+                architectures[arch] = from_source
+            else:
+                unavailable[arch] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
     return {"vllm": vllm.__version__, "architectures": architectures, "unavailable": unavailable}
 
 

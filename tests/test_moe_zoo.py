@@ -153,3 +153,36 @@ def test_vllm_groups_reach_derived_layouts():
     assert derived_layout(mixtral).fused["experts_w13"] == ("w1", "w3")
     mla = dict(zoo_config("glm4_moe_lite"), architectures=["Glm4MoeLiteForCausalLM"])
     assert derived_layout(mla).fused["fused_qkv_a_proj"] == ("q_a_proj", "kv_a_proj_with_mqa")
+
+
+# Every layout table against the derivation, on the zoo config of each family it covers: the
+# components agree tensor for tensor. The tables stay as overrides for what the model class does
+# not hold (next-n layers transformers does not build, Linears vLLM keeps unquantized, fused
+# groups of classes whose vLLM module needs packages absent here), and so that a family with a
+# table is read without building a model on the first run (bytes imports no torch).
+TABLE_FAMILIES = ["deepseek_v3", "deepseek_v32", "deepseek_v2", "glm4_moe", "gpt_oss", "granitemoe", "laguna", "llama4", "mixtral", "qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe"]
+
+
+@pytest.mark.parametrize("model_type", TABLE_FAMILIES)
+def test_tables_agree_with_the_derivation(model_type):
+    from fp4forge.checkpoint.layout import derived_layout, layout_for_config
+
+    config = zoo_config(model_type)
+    table, derived = layout_for_config(config), derived_layout(config)
+    assert not table.derived and derived.derived
+    disagreements = [(s.name, table.classify(s.name).component, derived.classify(s.name).component) for s in checkpoint_specs(config)]
+    assert [d for d in disagreements if d[1] != d[2]] == []
+
+
+def test_table_facts_the_derivation_lacks():
+    """Why the tables are kept: DeepSeek-V3.2's indexer weights_proj is built unquantized by vLLM
+    (no model class says so), and a DeepSeek next-n layer is placed by the config's layer count
+    in both (the derived layout matches it before its trunk templates)."""
+    from fp4forge.checkpoint.layout import derived_layout, layout_for_config
+
+    config = dict(zoo_config("deepseek_v32"), num_nextn_predict_layers=1)
+    table, derived = layout_for_config(config), derived_layout(config)
+    assert table.is_engine_unquantized("model.layers.0.self_attn.indexer.weights_proj")
+    assert not derived.is_engine_unquantized("model.layers.0.self_attn.indexer.weights_proj")
+    mtp = f"model.layers.{config['num_hidden_layers']}.mlp.experts.0.up_proj"
+    assert table.component_of(mtp) == derived.component_of(mtp) == "mtp"
