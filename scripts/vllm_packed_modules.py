@@ -123,7 +123,10 @@ def _source_class_groups(module_name: str, class_name: str, depth: int = 0) -> d
     FusedMoE names, and the same of its base classes (followed through vLLM imports)."""
     import importlib.util
 
-    spec = importlib.util.find_spec(module_name)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ImportError:
+        return None
     if spec is None or spec.origin is None or depth > 4:
         return None
     source = Path(spec.origin).read_text(encoding="utf-8")

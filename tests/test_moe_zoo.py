@@ -186,3 +186,28 @@ def test_table_facts_the_derivation_lacks():
     assert not derived.is_engine_unquantized("model.layers.0.self_attn.indexer.weights_proj")
     mtp = f"model.layers.{config['num_hidden_layers']}.mlp.experts.0.up_proj"
     assert table.component_of(mtp) == derived.component_of(mtp) == "mtp"
+
+
+def test_inferred_layout_places_by_shape_and_says_why_not(tmp_path):
+    """A remote-code model whose expert and router modules have names no pattern knows: 3-D
+    tensors with the config's expert count first are routed experts, a [E, H] weight or [E] bias
+    the router; what neither names nor shapes place is unknown, with the reason."""
+    from fp4forge.checkpoint.writer import TensorSpec
+
+    experts, hidden = 12, 64
+    config = {"architectures": ["BankMoeForCausalLM"], "model_type": "bank_moe", "moe_num_experts": experts, "hidden_size": hidden}
+    specs = [
+        TensorSpec("model.layers.0.moe.bank.gate_up", "BF16", (experts, 2 * 32, hidden)),
+        TensorSpec("model.layers.0.moe.selector.weight", "BF16", (experts, hidden)),
+        TensorSpec("model.layers.0.moe.selector.bias", "BF16", (experts,)),
+        TensorSpec("model.layers.0.moe.mystery.weight", "BF16", (7, 3)),
+        TensorSpec("model.embed_tokens.weight", "BF16", (100, hidden)),
+    ]
+    write_header_only(tmp_path / "ckpt", specs, config, {})
+    layout = layout_or_inferred(config)
+    assert layout.inferred
+    table = compute_byte_table(open_checkpoint(tmp_path / "ckpt"), layout)
+    params = {c.name: c.params for c in table.components}
+    assert params["routed_experts"] == experts * 64 * hidden and params["router"] == experts * hidden + experts
+    assert table.unknown_tensors == ["model.layers.0.moe.mystery.weight"]
+    assert "no shape against the config's expert count" in table.unknown_reasons["model.layers.0.moe.mystery.weight"]

@@ -57,6 +57,29 @@ class Layout:
     inferred: bool = False  # components guessed from name patterns, not an architecture's table
     unquantized: tuple[re.Pattern[str], ...] = ()  # Linears vLLM builds without a quant method
     derived: bool = False  # components derived from the transformers model class (layout_derive)
+    expert_counts: frozenset[int] = frozenset()  # inferred layouts: the config's expert counts, for shapes
+    unplaced: tuple[tuple[str, str], ...] = ()  # derived layouts: (tensor, why the derivation left it unknown)
+
+    def component_by_shape(self, shape: tuple[int, ...]) -> str:
+        """For a tensor no name pattern of an inferred layout places: fused experts are 3-D with
+        the expert count first; a router's weight or bias has the expert count first (or alone
+        in a [1, E] row); else unknown."""
+        counts = self.expert_counts
+        if not counts or not shape:
+            return UNKNOWN
+        if len(shape) == 3 and shape[0] in counts:
+            return "routed_experts"
+        if len(shape) <= 2 and (shape[0] in counts or (len(shape) == 2 and shape[0] == 1 and shape[1] in counts)):
+            return "router"
+        return UNKNOWN
+
+    def unknown_reason(self, name: str) -> str:
+        """Why ``name`` is unknown under this layout, in one line."""
+        if self.inferred:
+            return "no name pattern of the inferred layout, and no shape against the config's expert count, places it"
+        if self.derived:
+            return dict(self.unplaced).get(name) or f"not a tensor of the model class ({self.name}) transformers builds for this config"
+        return f"no pattern of the {self.name} table matches it"
 
     def is_engine_unquantized(self, module: str) -> bool:
         return any(p.match(module) for p in self.unquantized)
@@ -159,7 +182,7 @@ def mtp_layer_pattern(config: dict[str, Any] | None) -> str:
     return "(?:" + "|".join(str(first + k) for k in range(count)) + ")"
 
 
-def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False, derived: bool = False) -> Layout:
+def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False, derived: bool = False, expert_counts: frozenset[int] = frozenset()) -> Layout:
     return Layout(
         name=doc["name"],
         architectures=tuple(doc.get("architectures", ())),
@@ -172,6 +195,8 @@ def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False, der
         inferred=inferred,
         unquantized=tuple(re.compile(p.replace("{mtp_layer}", mtp)) for p in doc.get("unquantized", ())),
         derived=derived,
+        expert_counts=expert_counts,
+        unplaced=tuple(sorted(doc.get("unplaced", {}).items())),
     )
 
 
@@ -204,7 +229,7 @@ def infer_layout(config: dict[str, Any] | None = None) -> Layout:
     architectures = (config or {}).get("architectures") or []
     label = architectures[0] if architectures else (config or {}).get("model_type")
     doc["name"] = f"inferred ({label})" if label else "inferred"
-    return _build(doc, mtp_layer_pattern(config), inferred=True)
+    return _build(doc, mtp_layer_pattern(config), inferred=True, expert_counts=expert_counts(config))
 
 
 def layout_or_inferred(config: dict[str, Any] | None, name: str | None = None) -> Layout:
