@@ -112,7 +112,7 @@ def _imported_names(tree: ast.Module) -> dict[str, str]:
     """Name -> module, for ``from vllm.model_executor.models.<m> import Name``."""
     out = {}
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm.model_executor.models."):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm."):
             out.update({alias.asname or alias.name: node.module for alias in node.names})
     return out
 
@@ -164,12 +164,14 @@ def vllm_packed_table() -> dict:
 
     architectures: dict[str, dict[str, list[str]]] = {}
     unavailable: dict[str, str] = {}
-    for arch, (module_name, class_name) in sorted(_VLLM_MODELS.items()):
+    for arch, (short_name, class_name) in sorted(_VLLM_MODELS.items()):
+        # most entries name a module of vllm.model_executor.models; newer ones a full module path
+        module_name = short_name if short_name.startswith("vllm.") else f"vllm.model_executor.models.{short_name}"
         try:
-            module = importlib.import_module(f"vllm.model_executor.models.{module_name}")
+            module = importlib.import_module(module_name)
             architectures[arch] = _class_groups(getattr(module, class_name))
         except Exception as exc:  # noqa: BLE001 - an optional dependency missing in this environment
-            from_source = _source_class_groups(f"vllm.model_executor.models.{module_name}", class_name)
+            from_source = _source_class_groups(module_name, class_name)
             if from_source is not None:
                 architectures[arch] = from_source
             else:

@@ -284,11 +284,12 @@ def vllm_packed_groups() -> dict[str, dict[str, list[str]]]:
 
 
 def _vllm_groups(*architectures: str) -> dict[str, list[str]]:
-    """vLLM's fused groups for the first of these class names vLLM's table has; a wrapper whose
-    class could not be read there falls back to its text model's causal LM."""
+    """vLLM's fused groups for the first of these class names vLLM's table gives groups for; a
+    wrapper without any there falls back to its text model's causal LM."""
     table = vllm_packed_groups()
-    names = [*architectures, *(a.replace("ForConditionalGeneration", "ForCausalLM") for a in architectures)]
-    return next((table[n] for n in names if isinstance(n, str) and n in table), {})
+    named = [a for a in architectures if isinstance(a, str)]
+    names = [*named, *(a.replace("ForConditionalGeneration", "ForCausalLM") for a in named)]
+    return next((table[n] for n in names if table.get(n)), {})
 
 
 def module_templates(components: dict[str, str]) -> dict[str, list[str]]:
@@ -326,16 +327,20 @@ def _derived_doc(config: dict[str, Any]) -> dict[str, Any] | None:
     from fp4forge.errors import Fp4forgeError
 
     config = {k: v for k, v in config.items() if k != "quantization_config"}
-    path = skeleton_cache.cache_dir().parent / "layouts" / f"{skeleton_cache.cache_key(config, extra=('layout_derive.py', DERIVED_CACHE_VERSION))}.json"
+    key = skeleton_cache.cache_key(config, extra=("layout_derive.py", "layout.py", f"layouts/{VLLM_PACKED}", DERIVED_CACHE_VERSION))
+    path = skeleton_cache.cache_dir().parent / "layouts" / f"{key}.json"
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        return None if "underivable" in cached else cached
+    except (OSError, ValueError, TypeError):
         pass
     try:
         from fp4forge.checkpoint.layout_derive import derive_components
 
         derived = derive_components(config)
-    except (Fp4forgeError, ImportError, ValueError, KeyError, TypeError, AttributeError, RuntimeError):
+    except (Fp4forgeError, ImportError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+        # remembered, so a model type transformers does not know costs the torch import once
+        skeleton_cache.write_json(path, {"underivable": f"{type(exc).__name__}: {exc}"})
         return None
     architectures = config.get("architectures") or [derived.architecture]
     doc = {

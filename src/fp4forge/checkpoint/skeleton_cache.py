@@ -46,8 +46,8 @@ def _version(dist: str) -> str:
 
 def cache_key(config: dict[str, Any], extra: tuple[str | int, ...] = ()) -> str:
     """Everything the skeleton depends on, hashed; ``extra``: what else a result cached beside it
-    depends on (a version number, or the name of another module of this package, whose source is
-    hashed)."""
+    depends on (a version number, or the path of a module or data file of this package, relative
+    to it, whose bytes are hashed)."""
     import hashlib
 
     def source_hash(file_name: str) -> str:
@@ -61,7 +61,7 @@ def cache_key(config: dict[str, Any], extra: tuple[str | int, ...] = ()) -> str:
         "skeleton": source_hash("skeleton.py"),
     }
     if extra:
-        doc["extra"] = [source_hash(item) if isinstance(item, str) and item.endswith(".py") else item for item in extra]
+        doc["extra"] = [source_hash(item) if isinstance(item, str) and item.endswith((".py", ".json")) else item for item in extra]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
