@@ -124,7 +124,16 @@ def nvfp4_modules(config: dict[str, Any], specs) -> list[str]:
         module = spec.name[: -len(".weight")]
         if spec.name.endswith(".weight") and len(spec.shape) == 2 and spec.shape[1] % NVFP4_GROUP == 0 and module.rpartition(".")[2] not in UNQUANTIZED_LEAVES and layout.component_of(module) in QUANTIZED_COMPONENTS:
             out.append(module)
-    return out
+    # a group vLLM fuses into one GEMM takes one scheme: all its shards quantized, or none
+    chosen = set(out)
+    linears = {s.name[: -len(".weight")] for s in specs if s.name.endswith(".weight")}
+    for members in layout.fused.values():
+        for module in list(chosen):
+            parent, _, leaf = module.rpartition(".")
+            shards = {f"{parent}.{m}" for m in members} & linears if leaf in members else set()
+            if shards and not shards <= chosen:
+                chosen -= shards
+    return [m for m in out if m in chosen]
 
 
 def build_zoo_nvfp4(config: dict[str, Any], out, *, keep_bf16: str | None = None):
