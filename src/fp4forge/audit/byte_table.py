@@ -12,8 +12,9 @@ Accounting rules (stated, because headline bpp numbers are only comparable under
   size) and MXFP4 ``*_scales`` are overhead, MXFP4 ``*_blocks`` hold two parameters per byte,
   parameters stored without a ``.weight`` suffix (``A_log``, ``dt_bias``, ``sinks``) count.
 
-A checkpoint whose architecture has no layout table still gets a table from the inferred layout
-(components from name patterns); ``layout_inferred`` says so.
+A checkpoint whose architecture has no layout table gets a table from the layout derived from its
+transformers model class (``layout_derived``), or, for a model type transformers does not know,
+from the inferred layout (components from name patterns; ``layout_inferred`` says so).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import re
 from collections import Counter
 from itertools import compress, repeat
 from operator import add, methodcaller
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout
+from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout, TensorRole
 from fp4forge.checkpoint.reader import Checkpoint, gc_paused
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS
 
@@ -51,7 +52,9 @@ class ByteTable:
     components: list[ComponentBytes]
     dtypes: dict[str, dict[str, int]]
     unknown_tensors: list[str] = field(default_factory=list)
+    unknown_reasons: dict[str, str] = field(default_factory=dict)  # name pattern (digits as #) -> why unknown
     layout_inferred: bool = False
+    layout_derived: bool = False
 
     @property
     def bpp(self) -> float | None:
@@ -69,11 +72,13 @@ class ByteTable:
             "checkpoint": self.checkpoint,
             "layout": self.layout,
             "layout_inferred": self.layout_inferred,
+            "layout_derived": self.layout_derived,
             "total": {"bytes": self.total_bytes, "params": self.total_params, "bpp": self.bpp},
             "experts_bpp": self.experts_bpp,
             "components": [asdict(c) for c in self.components],
             "dtypes": self.dtypes,
             "unknown_tensors": self.unknown_tensors,
+            "unknown_reasons": self.unknown_reasons,
         }
 
 
@@ -170,6 +175,17 @@ def _first_names(names: list[str], templates: list, dtypes: list[str], flags: li
     return first
 
 
+def _role_of(layout: Layout, name: str, dtype: str, is_packed: bool, shape: tuple[int, ...]) -> TensorRole:
+    """The layout's role for a tensor; where an inferred layout's names place nothing, its shape
+    against the config's expert count (a parameter under its own name then counts as a weight)."""
+    role = layout.classify(name, dtype, modelopt_packed=is_packed)
+    if role.component == UNKNOWN and layout.inferred:
+        by_shape = layout.component_by_shape(shape)
+        if by_shape != UNKNOWN:
+            role = replace(role, component=by_shape, kind=role.kind if role.kind != UNKNOWN else "weight")
+    return role
+
+
 def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     with gc_paused():  # 10^5 names grouped: see gc_paused
         return _compute_byte_table(ckpt, layout)
@@ -186,10 +202,12 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     flags = list(map(packed.__contains__, names)) if packed else [False] * len(names)
     counts = Counter(zip(templates, stored_dtypes, flags, shapes))
     totals: dict[tuple, list[int]] = {}
+    group_shapes: dict[tuple, tuple[int, ...]] = {}  # one shape per group, for an inferred layout's shape rules
     for (template, dtype, is_packed, shape), tensors in counts.items():
         total = totals.get((template, dtype, is_packed))
         if total is None:
             total = totals[template, dtype, is_packed] = [0, 0, 0]
+            group_shapes[template, dtype, is_packed] = shape
         numel = math.prod(shape)
         total[0] += tensors
         total[1] += tensors * (numel * DTYPE_BITS[dtype] >> 3)
@@ -202,11 +220,13 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     dtypes: dict[str, dict[str, int]] = {}
     unknown: list[str] = []
     unknown_keys = set()
+    reasons: dict[str, str] = {}
     for key, (example, tensors, nbytes, numel) in groups.items():
         _, dtype, is_packed = key
-        role = layout.classify(example, dtype, modelopt_packed=is_packed)
+        role = _role_of(layout, example, dtype, is_packed, group_shapes[key])
         if role.component == UNKNOWN:
             unknown_keys.add(key)
+            reasons[masked_digits([example])[0]] = layout.unknown_reason(example)
         entry = components[role.component]
         entry.tensors += tensors
         entry.bytes += nbytes
@@ -230,5 +250,7 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         components=kept,
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
         unknown_tensors=sorted(unknown),
+        unknown_reasons=dict(sorted(reasons.items())),
         layout_inferred=layout.inferred,
+        layout_derived=layout.derived,
     )

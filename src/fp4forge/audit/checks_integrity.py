@@ -236,12 +236,12 @@ def permission_issues(ckpt: Checkpoint) -> list[Issue]:
 def config_issues(ctx: AuditContext) -> list[Issue]:
     if ctx.ckpt.config is None:
         return [issue("config-missing", CONFIG_JSON, "not found next to the shards")]
-    if ctx.layout is None:
+    if ctx.layout is None or ctx.layout.inferred:
         config = ctx.ckpt.config
         architectures = config.get("architectures") or []
         named = ", ".join(map(str, architectures)) if isinstance(architectures, list) else repr(architectures)
         arch = named or str(config.get("model_type"))
-        return [issue("architecture-unknown", "architecture without a layout", arch, file=CONFIG_JSON)]
+        return [issue("architecture-unknown", "architecture transformers does not know: components inferred from tensor names", arch, file=CONFIG_JSON)]
     return []
 
 

@@ -19,9 +19,9 @@ from fp4forge.audit import checks_declarations, checks_integrity, checks_names
 from fp4forge.audit.context import AuditContext, parse_version
 from fp4forge.audit.findings import AuditReport, group_issues
 from fp4forge.checkpoint.declarations import FORMATS, read_declaration
-from fp4forge.checkpoint.layout import layout_for_config
+from fp4forge.checkpoint.layout import layout_or_inferred
 from fp4forge.checkpoint.reader import gc_paused, open_checkpoint_lenient
-from fp4forge.errors import ConfigError, LayoutError
+from fp4forge.errors import ConfigError
 
 CHECKS = (checks_integrity, checks_declarations, checks_names)
 AUDIT_FORMATS = ("auto",) + FORMATS
@@ -48,10 +48,10 @@ def _audit(location: str | Path, *, deep: bool, fmt: str, vllm_version: str, tru
     version = parse_version(vllm_version)
     ckpt, rejected = open_checkpoint_lenient(location)
     issues = checks_integrity.unsafe_index_issues(rejected)
-    try:
-        layout = layout_for_config(ckpt.config) if ckpt.config else None
-    except LayoutError:
-        layout = None
+    # Every architecture gets a layout: its table, else the one derived from its transformers model
+    # class, else one inferred from tensor names (config_issues says so); the per-Linear checks
+    # run on all three.
+    layout = layout_or_inferred(ckpt.config) if ckpt.config else None
     ctx = AuditContext(
         ckpt=ckpt,
         layout=layout,

@@ -52,6 +52,30 @@ class Layout:
     fused: dict[str, tuple[str, ...]]
     inferred: bool = False  # components guessed from name patterns, not an architecture's table
     unquantized: tuple[re.Pattern[str], ...] = ()  # Linears vLLM builds without a quant method
+    derived: bool = False  # components derived from the transformers model class (layout_derive)
+    expert_counts: frozenset[int] = frozenset()  # inferred layouts: the config's expert counts, for shapes
+    unplaced: tuple[tuple[str, str], ...] = ()  # derived layouts: (tensor, why the derivation left it unknown)
+
+    def component_by_shape(self, shape: tuple[int, ...]) -> str:
+        """For a tensor no name pattern of an inferred layout places: fused experts are 3-D with
+        the expert count first; a router's weight or bias has the expert count first (or alone
+        in a [1, E] row); else unknown."""
+        counts = self.expert_counts
+        if not counts or not shape:
+            return UNKNOWN
+        if len(shape) == 3 and shape[0] in counts:
+            return "routed_experts"
+        if len(shape) <= 2 and (shape[0] in counts or (len(shape) == 2 and shape[0] == 1 and shape[1] in counts)):
+            return "router"
+        return UNKNOWN
+
+    def unknown_reason(self, name: str) -> str:
+        """Why ``name`` is unknown under this layout, in one line."""
+        if self.inferred:
+            return "no name pattern of the inferred layout, and no shape against the config's expert count, places it"
+        if self.derived:
+            return dict(self.unplaced).get(name) or f"not a tensor of the model class ({self.name}) transformers builds for this config"
+        return f"no pattern of the {self.name} table matches it"
 
     def is_engine_unquantized(self, module: str) -> bool:
         return any(p.match(module) for p in self.unquantized)
@@ -74,6 +98,8 @@ class Layout:
     def classify(self, name: str, dtype: str | None = None, *, modelopt_packed: bool = False) -> TensorRole:
         """Role of one tensor. ``modelopt_packed``: a U8 ``.weight`` is ModelOpt's packed FP4."""
         module, suffix, kind = split_suffix(name)
+        if kind == UNKNOWN and self.derived and self.component_of(name) != UNKNOWN:
+            module, kind = name, "weight"  # a parameter the model class stores under its own name (DBRX's `w1`)
         if kind == "weight" and dtype == "U8" and modelopt_packed:
             kind = "packed_fp4"
         component = self.component_of(module) if kind != UNKNOWN else UNKNOWN
@@ -152,7 +178,7 @@ def mtp_layer_pattern(config: dict[str, Any] | None) -> str:
     return "(?:" + "|".join(str(first + k) for k in range(count)) + ")"
 
 
-def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False) -> Layout:
+def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False, derived: bool = False, expert_counts: frozenset[int] = frozenset()) -> Layout:
     return Layout(
         name=doc["name"],
         architectures=tuple(doc.get("architectures", ())),
@@ -164,6 +190,9 @@ def _build(doc: dict[str, Any], mtp: str = NEVER, *, inferred: bool = False) -> 
         fused={k: tuple(v) for k, v in doc.get("fused", {}).items()},
         inferred=inferred,
         unquantized=tuple(re.compile(p.replace("{mtp_layer}", mtp)) for p in doc.get("unquantized", ())),
+        derived=derived,
+        expert_counts=expert_counts,
+        unplaced=tuple(sorted(doc.get("unplaced", {}).items())),
     )
 
 
@@ -207,18 +236,139 @@ def infer_layout(config: dict[str, Any] | None = None) -> Layout:
     architectures = (config or {}).get("architectures") or []
     label = architectures[0] if architectures else (config or {}).get("model_type")
     doc["name"] = f"inferred ({label})" if label else "inferred"
-    return _build(doc, mtp_layer_pattern(config), inferred=True)
+    return _build(doc, mtp_layer_pattern(config), inferred=True, expert_counts=expert_counts(config))
 
 
 def layout_or_inferred(config: dict[str, Any] | None, name: str | None = None) -> Layout:
-    """The named layout, else the config's table, else the inferred layout: never a refusal, for
-    read-only reports (bytes). Writers (quantize) use :func:`layout_for_config`, which refuses."""
+    """The named layout, else the config's table, else the layout derived from the transformers
+    model class (:func:`derived_layout`), else the inferred layout: never a refusal, for read-only
+    reports (bytes, audit). Writers (quantize) use :func:`layout_for_config`, which refuses."""
     if name:
         return layout_by_name(name, config)
     try:
-        return layout_for_config(config)
+        table = layout_for_config(config)
     except LayoutError:
-        return infer_layout(config)
+        return derived_layout(config) or infer_layout(config)
+    if _names_table(table, config):
+        return table
+    # A table found through the text model's type only (a wrapper no table lists: Kimi-K2.5 over
+    # Kimi-K2) was written for the text model's names, not the wrapper's prefixes.
+    return derived_layout(config) or table
+
+
+def _names_table(table: Layout, config: dict[str, Any] | None) -> bool:
+    """The table lists the config's own architecture or model type (not only its text model's)."""
+    config = config or {}
+    architectures = config.get("architectures") or []
+    return config.get("model_type") in table.model_types or any(a in table.architectures for a in architectures if isinstance(a, str))
+
+
+# -- derived layouts --------------------------------------------------------------------------------
+# The routed-expert count under every spelling transformers' config classes use.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+DERIVED_CACHE_VERSION = 1
+VLLM_PACKED = "_vllm_packed.json"
+_WHOLE_NUMBER_PART = re.compile(r"(?<=\\\.)\d+(?=\\\.|$)")  # a dotted part that is a number, in an escaped name
+
+
+def expert_counts(config: dict[str, Any] | None) -> frozenset[int]:
+    """Every routed-expert count a config (and its nested configs) states, counts above 1."""
+    found: set[int] = set()
+    for key, value in (config or {}).items():
+        if isinstance(value, dict):
+            found |= expert_counts(value)
+        elif key in EXPERT_COUNT_KEYS and type(value) is int and value > 1:
+            found.add(value)
+    return frozenset(found)
+
+
+@lru_cache(maxsize=1)
+def vllm_packed_groups() -> dict[str, dict[str, list[str]]]:
+    """Architecture -> vLLM's fused groups (scripts/vllm_packed_modules.py writes the data)."""
+    import json
+
+    return json.loads((LAYOUTS_DIR / VLLM_PACKED).read_text(encoding="utf-8"))["architectures"]
+
+
+def _vllm_groups(*architectures: str) -> dict[str, list[str]]:
+    """vLLM's fused groups for the first of these class names vLLM's table gives groups for; a
+    wrapper without any there falls back to its text model's causal LM."""
+    table = vllm_packed_groups()
+    named = [a for a in architectures if isinstance(a, str)]
+    names = [*named, *(a.replace("ForConditionalGeneration", "ForCausalLM") for a in named)]
+    return next((table[n] for n in names if table.get(n)), {})
+
+
+def module_templates(components: dict[str, str]) -> dict[str, list[str]]:
+    """On-disk tensor name -> component, turned into per-component regexes over module names:
+    numbered parts (layers, experts) generalised, except where one template would hold modules
+    of two components (those keep their exact names)."""
+    by_template: dict[str, dict[str, set[str]]] = {}
+    for name, component in components.items():
+        module, _, kind = split_suffix(name)
+        escaped = re.escape(module if kind != UNKNOWN else name)
+        by_template.setdefault(_WHOLE_NUMBER_PART.sub(r"\\d+", escaped), {}).setdefault(component, set()).add(escaped)
+    out: dict[str, list[str]] = {}
+    for template, owners in by_template.items():
+        for component, exact in owners.items():
+            patterns = [template] if len(owners) == 1 else sorted(exact)
+            out.setdefault(component, []).extend(f"^{p}$" for p in patterns)
+    return {component: sorted(patterns) for component, patterns in out.items()}
+
+
+# Next-n (MTP) layers transformers does not build (DeepSeek's layer 61, Qwen's `mtp.*`): matched
+# before the derived templates, whose layer index would take them for trunk layers.
+MTP_PATTERNS = (r"^(.+\.)?layers\.{mtp_layer}(\..+)?$", r"^(.+\.)?mtp(\..+)?$")
+
+
+def _with_mtp_first(components: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {"mtp": [*MTP_PATTERNS, *components.pop("mtp", [])], **components}
+
+
+def _derived_doc(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The derived layout's table for ``config``, through the on-disk cache; None when
+    transformers cannot build the model."""
+    import json
+
+    from fp4forge.checkpoint import skeleton_cache
+    from fp4forge.errors import Fp4forgeError
+
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    key = skeleton_cache.cache_key(config, extra=("layout_derive.py", "layout.py", f"layouts/{VLLM_PACKED}", DERIVED_CACHE_VERSION))
+    path = skeleton_cache.cache_dir().parent / "layouts" / f"{key}.json"
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        return None if "underivable" in cached else cached
+    except (OSError, ValueError, TypeError):
+        pass
+    try:
+        from fp4forge.checkpoint.layout_derive import derive_components
+
+        derived = derive_components(config)
+    except (Fp4forgeError, ImportError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+        # remembered, so a model type transformers does not know costs the torch import once
+        skeleton_cache.write_json(path, {"underivable": f"{type(exc).__name__}: {exc}"})
+        return None
+    architectures = config.get("architectures") or [derived.architecture]
+    doc = {
+        "name": f"derived ({architectures[0]})",
+        "architectures": [architectures[0]],
+        "components": _with_mtp_first(module_templates(derived.components)),
+        "fused": _vllm_groups(architectures[0], derived.architecture),
+        "unplaced": derived.reasons,
+    }
+    skeleton_cache.write_json(path, doc)
+    return doc
+
+
+def derived_layout(config: dict[str, Any] | None) -> Layout | None:
+    """The layout derived from the transformers model class of ``config`` (cached), or None."""
+    if not config or not isinstance(config.get("model_type"), str):
+        return None
+    doc = _derived_doc(config)
+    if doc is None:
+        return None
+    return _build(doc, mtp_layer_pattern(config), derived=True)
 
 
 def layout_by_name(name: str, config: dict[str, Any] | None = None) -> Layout:

@@ -10,7 +10,7 @@ against them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedConfig
@@ -22,7 +22,7 @@ from fp4forge.checkpoint.skeleton_data import MAX_COUNT, check_counts  # noqa: F
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError
 
-TORCH_TO_SAFETENSORS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64"}
+TORCH_TO_SAFETENSORS = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
 
 
 def model_config_dict(config: dict[str, Any]) -> dict[str, Any]:
@@ -78,32 +78,64 @@ def _named_class(config: dict[str, Any] | PreTrainedConfig, hf_config: PreTraine
     return None, name
 
 
-def checkpoint_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSpec]:
-    """Every tensor ``save_pretrained`` writes for this config, in its natural layer order: of the
-    model class config.json names when transformers has it, else of its causal LM (a wrapper's
-    name over a text-only config keeps the wrapper's `model.language_model.` prefix)."""
+def _auto_model(hf_config: PreTrainedConfig, dtype: torch.dtype) -> Any:
+    """The config's causal LM; for a config no causal LM takes (vision-language, speech,
+    encoder-decoder wrappers), the first auto class that takes it."""
+    from transformers import AutoModel, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM):
+        try:
+            return auto.from_config(hf_config, dtype=dtype)
+        except ValueError as exc:
+            if "Unrecognized configuration class" not in str(exc):
+                raise
+    return AutoModel.from_config(hf_config, dtype=dtype)
+
+
+def build_meta_model(config: dict[str, Any] | PreTrainedConfig) -> tuple[Any, dict[str, torch.Tensor], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]]:
+    """(the model config.json names, built on the meta device: of the class `architectures` names
+    when transformers has it, else its causal LM; its state dict as ``save_pretrained`` keeps it
+    before renaming (ignored keys and tied weights removed); the function turning part of that
+    state dict into on-disk names: transformers' reverse weight conversion, and a wrapper's
+    `model.language_model.` prefix when a wrapper's name stands over a text-only config)."""
     hf_config = to_transformers_config(config)
     dtype = config_dtype(hf_config)
     cls, class_name = _named_class(config, hf_config)
     prefix = WRAPPED_TEXT_PREFIX if cls is None and class_name and class_name.endswith(WRAPPER_SUFFIX) else None
     try:
         with torch.device("meta"):
-            model = cls._from_config(hf_config, dtype=dtype) if cls is not None else AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            model = cls._from_config(hf_config, dtype=dtype) if cls is not None else _auto_model(hf_config, dtype)
         # The same steps as PreTrainedModel.save_pretrained, minus the data.
         state_dict = model.state_dict()
         for key in model._keys_to_ignore_on_save or []:
             state_dict.pop(key, None)
         state_dict = remove_tied_weights_from_state_dict(state_dict, model)
-        state_dict = revert_weight_conversion(model, state_dict)
     except Exception as exc:  # noqa: BLE001 - a config transformers accepted but cannot build (a zero head count, ...)
         reason = " ".join(str(exc).split())
         raise ConfigError(f"transformers cannot build {hf_config.model_type} from this config: {type(exc).__name__}: {reason}") from exc
+
+    def on_disk(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        reverted = revert_weight_conversion(model, dict(tensors))
+        if prefix is None:
+            return reverted
+        return {(prefix + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name): t for name, t in reverted.items()}
+
+    return model, state_dict, on_disk
+
+
+def checkpoint_specs(config: dict[str, Any] | PreTrainedConfig) -> list[TensorSpec]:
+    """Every tensor ``save_pretrained`` writes for this config, in its natural layer order (the
+    model :func:`build_meta_model` builds)."""
+    model, state_dict, on_disk = build_meta_model(config)
+    try:
+        state_dict = on_disk(state_dict)
+    except Exception as exc:  # noqa: BLE001 - transformers' conversion of a model it built
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"transformers cannot convert {type(model).__name__} to its checkpoint names: {type(exc).__name__}: {reason}") from exc
     specs = []
     for name, tensor in state_dict.items():
         if tensor.dtype not in TORCH_TO_SAFETENSORS:
             raise ConfigError(f"tensor {name} has dtype {tensor.dtype}, which fp4forge cannot describe", tensor=name)
-        if prefix is not None and name.startswith(TEXT_PREFIX):
-            name = prefix + name[len(TEXT_PREFIX):]
         specs.append(TensorSpec(name, TORCH_TO_SAFETENSORS[tensor.dtype], tuple(tensor.shape)))
     return specs
 

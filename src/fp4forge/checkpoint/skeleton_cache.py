@@ -44,18 +44,24 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def cache_key(config: dict[str, Any]) -> str:
-    """Everything the skeleton depends on, hashed."""
+def cache_key(config: dict[str, Any], extra: tuple[str | int, ...] = ()) -> str:
+    """Everything the skeleton depends on, hashed; ``extra``: what else a result cached beside it
+    depends on (a version number, or the path of a module or data file of this package, relative
+    to it, whose bytes are hashed)."""
     import hashlib
 
-    skeleton_source = (Path(__file__).parent / "skeleton.py").read_bytes()
+    def source_hash(file_name: str) -> str:
+        return hashlib.sha256((Path(__file__).parent / file_name).read_bytes()).hexdigest()
+
     doc = {
         "cache": CACHE_VERSION,
         "config": config,
         "transformers": _version("transformers"),
         "torch": _version("torch"),
-        "skeleton": hashlib.sha256(skeleton_source).hexdigest(),
+        "skeleton": source_hash("skeleton.py"),
     }
+    if extra:
+        doc["extra"] = [source_hash(item) if isinstance(item, str) and item.endswith((".py", ".json")) else item for item in extra]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -83,13 +89,19 @@ def _read(path: Path) -> list[TensorSpec] | None:
         return None  # absent or damaged: rebuild
 
 
-def _write(path: Path, specs: list[TensorSpec]) -> None:
+def write_json(path: Path, doc: Any) -> None:
+    """Store a cached result; a read-only home only costs the next run the rebuild."""
     from fp4forge.checkpoint.atomic import write_text_atomic
 
     try:
-        write_text_atomic(path, json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs], separators=(",", ":")))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(doc, separators=(",", ":")))
     except OSError:
-        pass  # a read-only home only costs the next audit the rebuild
+        pass
+
+
+def _write(path: Path, specs: list[TensorSpec]) -> None:
+    write_json(path, [[s.name, s.dtype, list(s.shape)] for s in specs])
 
 
 def expected_tensor_specs(config: dict[str, Any], *, use_cache: bool = True) -> list[TensorSpec]:

@@ -271,8 +271,12 @@ def _modelopt_specs(entry: CorpusEntry, sidecar: dict[str, Any], specs: list[Ten
     algo = quantization.get("quant_algo")
     if algo != "NVFP4":
         raise ConfigError(f"{entry.name}: building ModelOpt quant_algo {algo!r} is not implemented")
-    group = quantization.get("group_size") or NVFP4_GROUP
-    skip = _exclusion_regex(list(quantization.get("exclude_modules") or []))
+    return modelopt_nvfp4_specs(specs, list(quantization.get("exclude_modules") or []), quantization.get("group_size") or NVFP4_GROUP)
+
+
+def modelopt_nvfp4_specs(specs: list[TensorSpec], exclude_modules: list[str], group: int = NVFP4_GROUP) -> list[TensorSpec]:
+    """``specs`` as a ModelOpt NVFP4 export stores them (see :func:`_modelopt_specs`)."""
+    skip = _exclusion_regex(exclude_modules)
     out = []
     for spec in specs:
         module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
@@ -322,14 +326,21 @@ def build_header_only(entry: CorpusEntry | str | Path, out: str | Path, *, max_s
     entry = entry if isinstance(entry, CorpusEntry) else load_entry(entry)
     out = Path(out)
     ensure_fresh_output(out)
-    specs = entry_specs(entry)
+    sidecar = entry.directory / QUANT_SIDECAR
+    extra = {QUANT_SIDECAR: sidecar.read_text(encoding="utf-8")} if sidecar.is_file() else {}
+    return write_header_only(out, entry_specs(entry), entry.config, extra, max_shard_bytes=max_shard_bytes)
+
+
+def write_header_only(out: Path, specs: list[TensorSpec], config: dict[str, Any], files: dict[str, str], *, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """``specs`` as a checkpoint whose data are file holes (per-tensor scales hold a placeholder),
+    with its config.json and the other small ``files`` (name -> text)."""
     with CheckpointWriter(out, specs, max_shard_bytes=max_shard_bytes, sparse=True) as writer:
         for spec in specs:
             if spec.name.endswith(PER_TENSOR_SCALES) and spec.dtype == "F32" and math.prod(spec.shape) == 1:
                 writer.write(spec.name, PLACEHOLDER_SCALE)
-        writer.write_text("config.json", json.dumps(entry.config, indent=2) + "\n")
-        if (entry.directory / QUANT_SIDECAR).is_file():
-            writer.copy_file(entry.directory / QUANT_SIDECAR, QUANT_SIDECAR)
+        writer.write_text("config.json", json.dumps(config, indent=2) + "\n")
+        for name, text in files.items():
+            writer.write_text(name, text)
     return out
 
 
