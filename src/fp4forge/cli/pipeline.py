@@ -20,7 +20,7 @@ import typer
 
 from fp4forge.cli.common import console as _console
 from fp4forge.cli.common import emit_json as _emit
-from fp4forge.cli.common import error_text, fail, parse_bytes
+from fp4forge.cli.common import error_text, fail, parse_bytes, spelled
 from fp4forge.errors import ExitCode, Fp4forgeError
 
 DEFAULT_VLLM_VENV = Path(".venv-vllm")
@@ -138,17 +138,41 @@ def _csv(text: Optional[str]) -> tuple[str, ...]:
     return tuple(part.strip() for part in (text or "").split(",") if part.strip())
 
 
+# The nested options whose flags carry a prefix (``calibration.samples`` -> ``--calib-samples``).
+PREFIXES = {"calibration": "--calib-", "fidelity": "--fidelity-", "perf": "--perf-", "quality": "--quality-", "quantize": "--"}
+SHARED = {"tokenizer": "--tokenizer", "device": "--device", "activation_budget_bytes": "--activation-budget"}
+
+
+def pipeline_flag(option: str) -> str:
+    """How `fp4forge pipeline` spells an option path of ``PipelineOptions``."""
+    from fp4forge.cli.common import flag_for
+
+    group, dot, name = option.partition(".")
+    if not dot or group not in PREFIXES:
+        return flag_for(option)
+    if name in SHARED:  # one flag sets it for every step
+        return SHARED[name]
+    if name == "text_files":
+        return PREFIXES[group] + "text"
+    if group == "quantize":
+        return flag_for(name)
+    return PREFIXES[group] + name.replace("_", "-")
+
+
 def pipeline_command(
     src: Path = typer.Argument(..., metavar="SRC", help="BF16 checkpoint directory."),
     out: Path = typer.Argument(..., metavar="OUT", help="Output: the servable checkpoint, its reports/ and README.md (the card)."),
     recipe: str = typer.Option(..., "--recipe", help="Built-in recipe name or a recipe .toml file."),
     layout_format: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors | modelopt"),
-    calib_samples: int = typer.Option(16, "--calib-samples", min=1, help="Calibration samples."),
-    calib_seq_len: int = typer.Option(256, "--calib-seq-len", min=2, help="Tokens per calibration sample."),
+    block_scales: str = typer.Option("minmax", "--block-scales", help="minmax (identical to the references) | four_over_six | mse"),
+    calib_samples: Optional[int] = typer.Option(None, "--calib-samples", help="Calibration samples (default: fp4forge calibrate's)."),
+    calib_seq_len: Optional[int] = typer.Option(None, "--calib-seq-len", help="Tokens per calibration sample (default: fp4forge calibrate's)."),
     calib_text: list[Path] = typer.Option([], "--calib-text", help="Extra calibration text (.jsonl or plain); repeatable."),
-    fidelity_samples: int = typer.Option(16, "--fidelity-samples", min=1),
-    fidelity_seq_len: int = typer.Option(256, "--fidelity-seq-len", min=2),
+    fidelity_samples: Optional[int] = typer.Option(None, "--fidelity-samples", help="Held-out samples (default: fp4forge fidelity's)."),
+    fidelity_seq_len: Optional[int] = typer.Option(None, "--fidelity-seq-len", help="Tokens per held-out sample (default: fp4forge fidelity's)."),
     fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),
+    fidelity_numerics: Optional[str] = typer.Option(None, "--fidelity-numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Tokenizer directory for calibration and fidelity (default: SRC's)."),
     device: Optional[str] = typer.Option(None, "--device", help="Calibrate, quantize and fidelity on: auto (CUDA when available, else CPU) | cpu | cuda | cuda:N."),
     activation_budget: Optional[str] = typer.Option(None, "--activation-budget", help="Activations kept on the device, e.g. 8GiB (default: 8GiB on CUDA, 0 on CPU)."),
     hardware: str = typer.Option("gb10", "--hardware", help="Target of the card's serve line: gb10 | b200 | h100 | h200 | cpu."),
@@ -157,30 +181,24 @@ def pipeline_command(
     serve: bool = typer.Option(False, "--serve", help="Serve OUT here with vLLM (CPU: with the fp4forge-vllm plugin) and read its log."),
     vllm_venv: Optional[Path] = typer.Option(None, "--vllm-venv", help="vLLM venv (default $FP4FORGE_VLLM_VENV, else .venv-vllm)."),
     bench: Optional[str] = typer.Option(None, "--bench", help="With --serve: perf, quality or perf,quality."),
-    perf_workload: str = typer.Option("cpu-tiny", "--perf-workload", help="Workload of bench perf (workloads.toml)."),
-    quality_runs: int = typer.Option(2, "--quality-runs", min=1, help="Suite runs; 2+ measures the noise floor."),
-    quality_max_tokens: int = typer.Option(128, "--quality-max-tokens", min=1, help="Per turn: reasoning, then the answer."),
+    perf_workload: Optional[str] = typer.Option(None, "--perf-workload", help="Workload of bench perf (workloads.toml; default cpu-tiny)."),
+    quality_runs: int = typer.Option(2, "--quality-runs", help="Suite runs; 2+ measures the noise floor."),
+    quality_max_tokens: int = typer.Option(128, "--quality-max-tokens", help="Per turn: reasoning, then the answer."),
     quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
     quality_teacher: bool = typer.Option(False, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
     quality_allow_unreadable: bool = typer.Option(False, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
 ) -> None:
     """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
-    from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
+    from fp4forge.pipeline import PipelineFailed, run_pipeline
 
-    venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))
     manifest_path = out / "reports" / "pipeline.json"
+    given = {k: v for k, v in locals().items() if k not in ("src", "out", "as_json", "manifest_path", "PipelineFailed", "run_pipeline")}
     try:
-        options = PipelineOptions(
-            recipe=recipe, layout_format=layout_format, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-            calib_text=tuple(calib_text), fidelity_samples=fidelity_samples, fidelity_seq_len=fidelity_seq_len,
-            fidelity_text=tuple(fidelity_text), device=device, activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
-            serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
-            quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
-            quality_allow_unreadable=quality_allow_unreadable,
-        )
-        with StepsView(enabled=not as_json) as view:
-            manifest = run_pipeline(src, out, options, on_event=view.update)
+        with spelled(pipeline_flag):
+            options = _pipeline_options(**given)
+            with StepsView(enabled=not as_json) as view:
+                manifest = run_pipeline(src, out, options, on_event=view.update)
     except PipelineFailed as error:
         if as_json and manifest_path.is_file():
             _emit(json.loads(manifest_path.read_text()))
@@ -194,6 +212,42 @@ def pipeline_command(
         _emit(manifest.to_json())
     else:
         _console().print(f"[green]done[/green]: {out} (card {out / 'README.md'}, artifacts {out / 'reports'})")
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """The options a user gave (None: the job's own default)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, calib_samples: Optional[int], calib_seq_len: Optional[int],
+                      calib_text: list[Path], fidelity_samples: Optional[int], fidelity_seq_len: Optional[int], fidelity_text: list[Path],
+                      fidelity_numerics: Optional[str], tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
+                      vllm_venv: Optional[Path], serve: bool, bench: Optional[str], perf_workload: Optional[str],
+                      quality_categories: Optional[str], **pipeline: Any) -> Any:
+    """The flags as the nested options (each job's options check themselves when made)."""
+    from dataclasses import replace
+
+    from fp4forge.calibrate.run import CalibrationOptions
+    from fp4forge.errors import option_path
+    from fp4forge.fidelity.evaluate import FidelityOptions
+    from fp4forge.pipeline.steps import PipelineOptions, _pipeline_perf
+    from fp4forge.quantize.job import QuantizeJob
+
+    budget = parse_bytes(activation_budget, "activation_budget_bytes")
+    shared = _given(tokenizer=tokenizer, device=device, activation_budget_bytes=budget)
+    with option_path("calibration", CalibrationOptions):
+        calibration = CalibrationOptions(text_files=tuple(calib_text), **shared, **_given(samples=calib_samples, seq_len=calib_seq_len))
+    with option_path("fidelity", FidelityOptions):
+        fidelity = FidelityOptions(text_files=tuple(fidelity_text), **shared,
+                                   **_given(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics))
+    with option_path("quantize", QuantizeJob):
+        quantize = QuantizeJob(recipe=recipe, layout_format=layout_format, block_scales=block_scales, device=device)  # type: ignore[arg-type]
+    with option_path("perf", ("workload",)):
+        perf = _pipeline_perf() if perf_workload is None else replace(_pipeline_perf(), workload=perf_workload)
+    venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))
+    return PipelineOptions(quantize=quantize, calibration=calibration, fidelity=fidelity, perf=perf, serve=serve,
+                           vllm_venv=venv.absolute() if serve else None, bench=_csv(bench),
+                           quality_categories=_csv(quality_categories), **pipeline)
 
 
 def card_command(

@@ -37,14 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp4forge.calibrate.run import CalibrationOptions, _check_source, _embed, _run_layer, calibration_samples
 from fp4forge.checkpoint.layout import layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError, require_choice
 from fp4forge.model.hooks import NoTap, apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
-from fp4forge.model.samples import Samples
-from fp4forge.model.streaming import SpillSpace, StreamedModel, WeightPlan, call_layer
+from fp4forge.model.samples import SampleOptions, Samples, samples_for
+from fp4forge.model.streaming import ActivationStore, SpillSpace, StreamedModel, WeightPlan, check_bf16_source, embed_batches, run_layer
 from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
 from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_quantize
 from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, search_nvfp4
@@ -61,7 +60,7 @@ Progress = Callable[[int, int, str], None] | None
 
 @dataclass(frozen=True)
 class GptqOptions:
-    calibration: CalibrationOptions = CalibrationOptions()
+    calibration: SampleOptions = SampleOptions()  # the text the Hessians are accumulated on
     expert_hessian: Literal["routed", "all"] = "routed"
     min_expert_tokens: int = 64
     fallback: Literal["pooled", "rtn"] = "pooled"
@@ -75,17 +74,16 @@ class GptqOptions:
     sequential: bool = False
 
     def __post_init__(self) -> None:
-        require_choice(self.expert_hessian, EXPERT_HESSIANS, "gptq_expert_hessian")
+        require_choice(self.expert_hessian, EXPERT_HESSIANS, "expert_hessian")
         require_choice(self.block_scales, GPTQ_BLOCK_SCALES, "block_scales")
-        require_choice(self.fallback, FALLBACKS, "gptq_fallback")
+        require_choice(self.fallback, FALLBACKS, "fallback")
         if self.min_expert_tokens < 0:
-            raise ConfigError(f"must be >= 0, got {self.min_expert_tokens}", option="gptq_min_tokens")
+            raise ConfigError(f"must be >= 0, got {self.min_expert_tokens}", option="min_expert_tokens")
         if not self.damp > 0:
-            raise ConfigError(f"must be > 0, got {self.damp}", option="gptq_damp")
+            raise ConfigError(f"must be > 0, got {self.damp}", option="damp")
 
     def settings(self) -> dict[str, Any]:
         """The GPTQ settings as provenance records them."""
-        cal = self.calibration
         return {
             "expert_hessian": self.expert_hessian,
             "min_expert_tokens": self.min_expert_tokens,
@@ -96,7 +94,7 @@ class GptqOptions:
             "scale_mode": "static",
             "block_scales": self.block_scales,
             "sequential": self.sequential,
-            "calibration": {"samples": cal.samples, "seq_len": cal.seq_len, "text_files": [str(p) for p in cal.text_files], "builtin_corpus": cal.builtin_corpus},
+            "calibration": self.calibration.describe(),
         }
 
 
@@ -284,12 +282,6 @@ def _quantize_units(ckpt: Checkpoint, units: list[WorkUnit], hessians: dict[str,
                 out.modules[module] = {"tokens": tokens, "hessian": kind, "fallback": "rtn" if result.fallback else None, "loss": result.loss}
 
 
-def _observe_layer(layer: nn.Module, index: int, store: Any, batches: list[Tensor], calls: dict) -> None:
-    """One forward of every batch through ``layer`` for its hooks; the inputs stay, outputs go."""
-    for number, ids in enumerate(batches):
-        call_layer(layer, store.get(number), calls[tuple(ids.shape)][index])
-
-
 def _load_rounded(layer: nn.Module, prefix: str, plan: WeightPlan, modules: set[str], result: GptqWeights) -> None:
     """Overwrite the materialised layer's slots of ``modules`` with their dequantized GPTQ weights."""
     for name, param in layer.named_parameters():
@@ -311,9 +303,9 @@ def gptq_weights(
     """GPTQ-round every NVFP4 Linear ``recipe`` names in ``src``, layer-streamed (see the module doc)."""
     started = time.perf_counter()
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
-    _check_source(ckpt)
+    check_bf16_source(ckpt)
     units, targets = _gptq_units(ckpt, recipe)
-    samples = samples or calibration_samples(ckpt, options.calibration)
+    samples = samples or samples_for(options.calibration, ckpt)
     streamed = StreamedModel.from_checkpoint(ckpt)
     space = SpillSpace(options.calibration.ram_budget_bytes, options.calibration.spill_dir)
     batches = samples.batches(options.calibration.batch_size)
@@ -321,7 +313,7 @@ def gptq_weights(
     pending = list(units)
     total = streamed.num_layers + 1
     try:
-        store, calls = _embed(streamed, batches, space)
+        store, calls = embed_batches(streamed, batches, space)
         for index in range(streamed.num_layers):
             if progress:
                 progress(index + 1, total, f"GPTQ layer {index + 1}/{streamed.num_layers}")
@@ -330,9 +322,9 @@ def gptq_weights(
                 hooks = _LayerHessians(layer, prefix, streamed.plan, targets, options.expert_hessian)
                 try:
                     if options.sequential:
-                        _observe_layer(layer, index, store, batches, calls)
+                        run_layer(layer, index, store, batches, calls, None, drop_inputs=False)  # for the hooks only
                     else:
-                        store = _run_layer(layer, index, store, batches, calls, space)
+                        store = run_layer(layer, index, store, batches, calls, ActivationStore(space, f"layer{index}"))
                 finally:
                     hooks.detach()
                 hessians = hooks.resolve(options.min_expert_tokens, options.fallback, options.expert_hessian)
@@ -345,7 +337,7 @@ def gptq_weights(
                     # the same expert loop as the observed pass (transformers' own may round differently)
                     undo = [install_experts_forward(m, NoTap()) for m in layer.modules() if is_fused_experts(m)]
                     try:
-                        store = _run_layer(layer, index, store, batches, calls, space)
+                        store = run_layer(layer, index, store, batches, calls, ActivationStore(space, f"layer{index}"))
                     finally:
                         for step in undo:
                             step()
