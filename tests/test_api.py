@@ -64,7 +64,7 @@ def test_quantize_checks_its_options_and_writes_a_checkpoint(tiny_laguna_dense_d
         fp4forge.quantize_checkpoint(tiny_laguna_dense_dir, tmp_path / "bad", "fp8", layout_format="gguf")  # type: ignore[arg-type]
     assert refused.value.option == "layout_format" and "--" not in refused.value.message
     assert not (tmp_path / "bad").exists()
-    summary = fp4forge.quantize_checkpoint(tiny_laguna_dense_dir, tmp_path / "fp8", "fp8", act_scales="constant:8")
+    summary = fp4forge.quantize_checkpoint(tiny_laguna_dense_dir, tmp_path / "fp8", "fp8", act_scales="constant:8").export
     written = safetensors_view(tmp_path / "fp8")
     assert summary.tensors_written == len(written) and summary.layout_format == "compressed-tensors"
     assert fp4forge.audit_checkpoint(tmp_path / "fp8").summary["errors"] == 0

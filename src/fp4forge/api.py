@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from fp4forge.fidelity.evaluate import FidelityOptions, FidelityReport
     from fp4forge.calibrate.run import CalibrationOptions
     from fp4forge.checkpoint.reader import Checkpoint
-    from fp4forge.quantize.export import ExportSummary
+    from fp4forge.quantize.job import QuantizeJob, QuantizeResult
 
 __all__ = ["audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint"]
 
@@ -55,29 +55,21 @@ def audit_checkpoint(
 def quantize_checkpoint(
     src: str | Path,
     out: str | Path,
-    recipe: str | Path,
+    job: QuantizeJob | str | Path,
     *,
-    layout_format: Literal["compressed-tensors", "modelopt"] = "compressed-tensors",
-    stats: str | Path | None = None,
-    act_scales: str | None = None,
-    block_scales: Literal["minmax", "four_over_six", "mse"] = "minmax",
-    max_shard_bytes: int | None = None,
     progress: Progress | None = None,
-) -> ExportSummary:
-    """Quantize the BF16 checkpoint ``src`` into the new directory ``out`` by ``recipe`` (a built-in
-    name or a .toml file). ``stats``: a statistics file from :func:`calibrate`; ``act_scales``:
-    ``"constant:AMAX"`` instead (recorded as uncalibrated)."""
-    from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
-    from fp4forge.quantize.act_scales import parse_act_scales
-    from fp4forge.quantize.export import QuantizeOptions
-    from fp4forge.quantize.export import quantize_checkpoint as _quantize
-    from fp4forge.quantize.recipe import load_recipe
+    **options: Any,
+) -> QuantizeResult:
+    """The quantize job (what ``fp4forge quantize`` runs): the BF16 checkpoint ``src`` into the new
+    directory ``out``. ``job``: a ``fp4forge.quantize.job.QuantizeJob``, or a recipe (a built-in
+    name or a .toml file) with the job's options as keywords (``stats="stats.safetensors"`` from
+    :func:`calibrate_checkpoint`, or ``act_scales="constant:AMAX"``; ``layout_format``,
+    ``block_scales``, ``device``, ``threads``, ``method="gptq"`` with ``gptq=GptqOptions(...)``...).
+    ``result.export`` is the export's summary, ``result.gptq`` GPTQ's (or None)."""
+    from fp4forge.quantize.job import QuantizeJob, run_quantize
 
-    options = QuantizeOptions(
-        recipe=load_recipe(recipe), layout_format=layout_format, block_scales=block_scales,
-        act_amax=parse_act_scales(act_scales, stats), max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
-    )
-    return _quantize(src, out, options, progress=progress)
+    chosen = job if isinstance(job, QuantizeJob) else QuantizeJob(recipe=job, **options)
+    return run_quantize(src, out, chosen, progress=progress)
 
 
 def calibrate_checkpoint(

@@ -14,18 +14,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
 from fp4forge import __version__
 from fp4forge.model.samples import SampleOptions, Samples, samples_for
-from fp4forge.calibrate.observers import POLICIES, CalibrationObserver
+from fp4forge.calibrate.observers import CalibrationObserver
+from fp4forge.calibrate.options import POLICIES, CalibrationOptions
 from fp4forge.model import distributed
 from fp4forge.model.device import is_cuda, resolve_device
 from fp4forge.model.streaming import ActivationStore, SpillSpace, StreamedModel, build_weight_plan, check_bf16_source, embed_batches, run_layer
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.errors import ConfigError, require_choice
+from fp4forge.errors import ConfigError
 
 __all__ = [
     "POLICIES",
@@ -38,20 +39,6 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int, str], None] | None
-Policy = Literal["routed", "all-experts"]  # the MoE coverage of observers.POLICIES
-assert get_args(Policy) == POLICIES
-
-
-@dataclass(frozen=True)
-class CalibrationOptions(SampleOptions):
-    """The calibration samples (:class:`SampleOptions`), and which experts the observers cover."""
-
-    policy: Policy = "routed"
-    prefetch: bool = True  # read the next layer on a background thread (same results)
-
-    def __post_init__(self) -> None:
-        require_choice(self.policy, POLICIES, "policy")
-        super().__post_init__()
 
 
 @dataclass

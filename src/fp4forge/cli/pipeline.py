@@ -22,6 +22,10 @@ from fp4forge.cli.common import console as _console
 from fp4forge.cli.common import emit_json as _emit
 from fp4forge.cli.common import error_text, fail, parse_bytes, spelled
 from fp4forge.errors import ExitCode, Fp4forgeError
+from fp4forge.calibrate.options import CalibrationOptions
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.pipeline.steps import PIPELINE_PERF_WORKLOAD, PipelineOptions
+from fp4forge.quantize.job import QuantizeJob
 
 DEFAULT_VLLM_VENV = Path(".venv-vllm")
 STATUS_STYLE = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "red", "off": "dim", "running": "yellow", "pending": "dim"}
@@ -163,30 +167,30 @@ def pipeline_command(
     src: Path = typer.Argument(..., metavar="SRC", help="BF16 checkpoint directory."),
     out: Path = typer.Argument(..., metavar="OUT", help="Output: the servable checkpoint, its reports/ and README.md (the card)."),
     recipe: str = typer.Option(..., "--recipe", help="Built-in recipe name or a recipe .toml file."),
-    layout_format: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors | modelopt"),
-    block_scales: str = typer.Option("minmax", "--block-scales", help="minmax (identical to the references) | four_over_six | mse"),
-    calib_samples: Optional[int] = typer.Option(None, "--calib-samples", help="Calibration samples (default: fp4forge calibrate's)."),
-    calib_seq_len: Optional[int] = typer.Option(None, "--calib-seq-len", help="Tokens per calibration sample (default: fp4forge calibrate's)."),
+    layout_format: str = typer.Option(QuantizeJob.layout_format, "--format", help="compressed-tensors | modelopt"),
+    block_scales: str = typer.Option(QuantizeJob.block_scales, "--block-scales", help="minmax (identical to the references) | four_over_six | mse"),
+    calib_samples: int = typer.Option(CalibrationOptions.samples, "--calib-samples", help="Calibration samples."),
+    calib_seq_len: int = typer.Option(CalibrationOptions.seq_len, "--calib-seq-len", help="Tokens per calibration sample."),
     calib_text: list[Path] = typer.Option([], "--calib-text", help="Extra calibration text (.jsonl or plain); repeatable."),
-    fidelity_samples: Optional[int] = typer.Option(None, "--fidelity-samples", help="Held-out samples (default: fp4forge fidelity's)."),
-    fidelity_seq_len: Optional[int] = typer.Option(None, "--fidelity-seq-len", help="Tokens per held-out sample (default: fp4forge fidelity's)."),
+    fidelity_samples: int = typer.Option(FidelityOptions.samples, "--fidelity-samples", help="Held-out samples."),
+    fidelity_seq_len: int = typer.Option(FidelityOptions.seq_len, "--fidelity-seq-len", help="Tokens per held-out sample."),
     fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),
-    fidelity_numerics: Optional[str] = typer.Option(None, "--fidelity-numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
+    fidelity_numerics: str = typer.Option(FidelityOptions.numerics, "--fidelity-numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Tokenizer directory for calibration and fidelity (default: SRC's)."),
     device: Optional[str] = typer.Option(None, "--device", help="Calibrate, quantize and fidelity on: auto (CUDA when available, else CPU) | cpu | cuda | cuda:N."),
     activation_budget: Optional[str] = typer.Option(None, "--activation-budget", help="Activations kept on the device, e.g. 8GiB (default: 8GiB on CUDA, 0 on CPU)."),
-    hardware: str = typer.Option("gb10", "--hardware", help="Target of the card's serve line: gb10 | b200 | h100 | h200 | cpu."),
+    hardware: str = typer.Option(PipelineOptions.hardware, "--hardware", help="Target of the card's serve line: gb10 | b200 | h100 | h200 | cpu."),
     vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM version of the serve line and audit."),
     sibling: Optional[Path] = typer.Option(None, "--sibling", help="Another checkpoint of the same model to diff against."),
-    serve: bool = typer.Option(False, "--serve", help="Serve OUT here with vLLM (CPU: with the fp4forge-vllm plugin) and read its log."),
+    serve: bool = typer.Option(PipelineOptions.serve, "--serve", help="Serve OUT here with vLLM (CPU: with the fp4forge-vllm plugin) and read its log."),
     vllm_venv: Optional[Path] = typer.Option(None, "--vllm-venv", help="vLLM venv (default $FP4FORGE_VLLM_VENV, else .venv-vllm)."),
     bench: Optional[str] = typer.Option(None, "--bench", help="With --serve: perf, quality or perf,quality."),
-    perf_workload: Optional[str] = typer.Option(None, "--perf-workload", help="Workload of bench perf (workloads.toml; default cpu-tiny)."),
-    quality_runs: int = typer.Option(2, "--quality-runs", help="Suite runs; 2+ measures the noise floor."),
-    quality_max_tokens: int = typer.Option(128, "--quality-max-tokens", help="Per turn: reasoning, then the answer."),
+    perf_workload: Optional[str] = typer.Option(None, "--perf-workload", help=f"Workload of bench perf (workloads.toml; default {PIPELINE_PERF_WORKLOAD})."),
+    quality_runs: int = typer.Option(PipelineOptions.quality_runs, "--quality-runs", help="Suite runs; 2+ measures the noise floor."),
+    quality_max_tokens: int = typer.Option(PipelineOptions.quality_max_tokens, "--quality-max-tokens", help="Per turn: reasoning, then the answer."),
     quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
-    quality_teacher: bool = typer.Option(False, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
-    quality_allow_unreadable: bool = typer.Option(False, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
+    quality_teacher: bool = typer.Option(PipelineOptions.quality_teacher, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
+    quality_allow_unreadable: bool = typer.Option(PipelineOptions.quality_allow_unreadable, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
 ) -> None:
     """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
@@ -219,27 +223,24 @@ def _given(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, calib_samples: Optional[int], calib_seq_len: Optional[int],
-                      calib_text: list[Path], fidelity_samples: Optional[int], fidelity_seq_len: Optional[int], fidelity_text: list[Path],
-                      fidelity_numerics: Optional[str], tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
+def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, calib_samples: int, calib_seq_len: int,
+                      calib_text: list[Path], fidelity_samples: int, fidelity_seq_len: int, fidelity_text: list[Path],
+                      fidelity_numerics: str, tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
                       vllm_venv: Optional[Path], serve: bool, bench: Optional[str], perf_workload: Optional[str],
                       quality_categories: Optional[str], **pipeline: Any) -> Any:
     """The flags as the nested options (each job's options check themselves when made)."""
     from dataclasses import replace
 
-    from fp4forge.calibrate.run import CalibrationOptions
     from fp4forge.errors import option_path
-    from fp4forge.fidelity.evaluate import FidelityOptions
-    from fp4forge.pipeline.steps import PipelineOptions, _pipeline_perf
-    from fp4forge.quantize.job import QuantizeJob
+    from fp4forge.pipeline.steps import _pipeline_perf
 
     budget = parse_bytes(activation_budget, "activation_budget_bytes")
     shared = _given(tokenizer=tokenizer, device=device, activation_budget_bytes=budget)
     with option_path("calibration", CalibrationOptions):
-        calibration = CalibrationOptions(text_files=tuple(calib_text), **shared, **_given(samples=calib_samples, seq_len=calib_seq_len))
+        calibration = CalibrationOptions(samples=calib_samples, seq_len=calib_seq_len, text_files=tuple(calib_text), **shared)
     with option_path("fidelity", FidelityOptions):
-        fidelity = FidelityOptions(text_files=tuple(fidelity_text), **shared,
-                                   **_given(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics))
+        fidelity = FidelityOptions(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics,
+                                   text_files=tuple(fidelity_text), **shared)
     with option_path("quantize", QuantizeJob):
         quantize = QuantizeJob(recipe=recipe, layout_format=layout_format, block_scales=block_scales, device=device)  # type: ignore[arg-type]
     with option_path("perf", ("workload",)):

@@ -10,8 +10,7 @@ import typer
 
 from fp4forge.cli.common import console, emit_json, progress_bar, spelled
 from fp4forge.model.samples import SampleOptions
-from fp4forge.quantize.gptq import GptqOptions
-from fp4forge.quantize.job import QuantizeJob
+from fp4forge.quantize.job import GptqOptions, QuantizeJob
 
 # The job's option paths whose flag is not the usual spelling (fp4forge.cli.common.flag_for).
 FLAGS = {

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from fp4forge import __version__
 from fp4forge.model import distributed
-from fp4forge.model.samples import SampleOptions, Samples, samples_for
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.model.samples import Samples, samples_for
 from fp4forge.model.hooks import (
     KVCacheTap,
     NoTap,
@@ -67,40 +68,12 @@ from fp4forge.checkpoint.declarations import detect_format, read_declaration
 from fp4forge.checkpoint.quantized import QuantizedCheckpoint, attention_layers, kv_layout
 from fp4forge.checkpoint.tensor_file import load_tensors, save_tensors
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.errors import ConfigError, require_choice
+from fp4forge.errors import ConfigError
 from fp4forge.numerics.fp8 import fp8_activation_fake_quantizer, fp8_dynamic_fake_quantize, fp8_fake_quantize
 from fp4forge.numerics.nvfp4 import ct_global_scale_from_amax, nvfp4_activation_fake_quantizer, nvfp4_fake_quantize_activation
 
-NUMERICS = ("w4a4", "w4a16")
-MOE_INPUT_SCALES = ("global-max", "per-expert")
 ARCHITECTURE_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_key_value_heads")
 Progress = Callable[[int, int, str], None] | None
-
-
-@dataclass(frozen=True)
-class FidelityOptions(SampleOptions):
-    """The held-out samples (:class:`SampleOptions`, fewer and shorter by default than
-    calibration's) and how the student is run and measured; checked when made."""
-
-    samples: int = 16
-    seq_len: int = 256
-    numerics: str = "w4a4"
-    teacher_cache: Path | None = None
-    top_k: int = 32
-    tail_samples: int = 32
-    seed: int = 0
-    moe_input_scale: str = "global-max"
-    # Accept a student that declares no quantization: a BF16 checkpoint whose weights were
-    # replaced by a format's round trip (the study's fake-quantized arms), run as stored.
-    dense_student: bool = False
-
-    def __post_init__(self) -> None:
-        require_choice(self.numerics, NUMERICS, "numerics")
-        require_choice(self.moe_input_scale, MOE_INPUT_SCALES, "moe_input_scale")
-        for option in ("top_k", "tail_samples"):
-            if getattr(self, option) < 1:
-                raise ConfigError(f"must be at least 1, got {getattr(self, option)}", option=option)
-        super().__post_init__()
 
 
 # -- activation fake-quantization ------------------------------------------------------------------

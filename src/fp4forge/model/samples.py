@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from fp4forge.errors import ConfigError
 
 DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30  # activations kept in RAM before they spill to disk
@@ -37,7 +35,9 @@ HELDOUT_MODULUS = 8
 MAX_SOURCE_CHARS = 3000  # keeps one chat to a few hundred tokens: many objects per sample
 Message = dict[str, str]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch loads with the samples, not with the options (the CLI reads their defaults)
+    import torch
+
     from fp4forge.checkpoint.reader import Checkpoint
 
 
@@ -58,9 +58,10 @@ class SampleOptions:
     activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
 
     def __post_init__(self) -> None:
-        from fp4forge.model.device import resolve_device
+        if self.device is not None and str(self.device).strip().lower() != "auto":  # auto: whatever is there
+            from fp4forge.model.device import resolve_device
 
-        resolve_device(self.device)  # a bad or unavailable device fails here, by name
+            resolve_device(self.device)  # a bad or unavailable device fails here, by name
         if self.activation_budget_bytes is not None and self.activation_budget_bytes < 0:
             raise ConfigError(f"must be at least 0, got {self.activation_budget_bytes}", option="activation_budget_bytes")
         for option, least in (("samples", 1), ("seq_len", 2), ("batch_size", 1)):
@@ -207,6 +208,8 @@ class Samples:
 
     @property
     def digest(self) -> str:
+        import torch
+
         return hashlib.sha256(self.input_ids.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
 
     def batches(self, batch_size: int) -> list[torch.Tensor]:
@@ -231,6 +234,8 @@ def pack(tokenizer: Any, documents: Iterable[Document], samples: int, seq_len: i
         used += 1
     if len(stream) < needed:
         raise ConfigError(f"the text gives {len(stream):,} tokens but {samples} x {seq_len} = {needed:,} are needed; add text files or ask for fewer samples", option="text_files")
+    import torch
+
     return torch.tensor(stream[:needed], dtype=torch.int64).reshape(samples, seq_len), used
 
 

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.checkpoint.atomic import replace_dir
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.quantize.job import QuantizeJob
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, ServeError, option_path, require_choice
 from fp4forge.pipeline.state import write_json
 
@@ -38,18 +41,6 @@ def _pipeline_perf() -> Any:
     return PerfOptions(url="", model="", out_dir=Path("bench"), workload=PIPELINE_PERF_WORKLOAD)
 
 
-def _default_calibration() -> Any:
-    from fp4forge.calibrate.run import CalibrationOptions
-
-    return CalibrationOptions()
-
-
-def _default_fidelity() -> Any:
-    from fp4forge.fidelity.evaluate import FidelityOptions
-
-    return FidelityOptions()
-
-
 @dataclass(frozen=True)
 class PipelineOptions:
     """The jobs' own options, nested (``quantize``: a ``QuantizeJob``; ``calibration``:
@@ -57,9 +48,9 @@ class PipelineOptions:
     server filled in when it runs), and the pipeline's. An error's ``option`` is a dotted path
     (``fidelity.numerics``). Every option is checked when the object is made, before any step."""
 
-    quantize: Any  # fp4forge.quantize.job.QuantizeJob (its recipe loaded when made)
-    calibration: Any = field(default_factory=_default_calibration)
-    fidelity: Any = field(default_factory=_default_fidelity)
+    quantize: QuantizeJob  # its recipe loaded when made
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+    fidelity: FidelityOptions = field(default_factory=FidelityOptions)
     audit_deep: bool = True
     vllm_version: str | None = None
     hardware: str = "gb10"  # the serve line and its traps are written for this target

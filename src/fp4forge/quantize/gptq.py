@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,10 @@ from torch import Tensor, nn
 from fp4forge.checkpoint.layout import layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.writer import TensorSpec
-from fp4forge.errors import ConfigError, require_choice
+from fp4forge.errors import ConfigError
 from fp4forge.model.hooks import NoTap, apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
-from fp4forge.model.samples import SampleOptions, Samples, samples_for
+from fp4forge.model.samples import Samples, samples_for
+from fp4forge.quantize.job import EXPERT_HESSIANS, FALLBACKS, GPTQ_BLOCK_SCALES, GptqOptions  # re-exported
 from fp4forge.model.streaming import ActivationStore, SpillSpace, StreamedModel, WeightPlan, check_bf16_source, embed_batches, run_layer
 from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
 from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_quantize
@@ -52,50 +53,7 @@ from fp4forge.quantize.recipe import Recipe
 
 __all__ = ["EXPERT_HESSIANS", "FALLBACKS", "GPTQ_BLOCK_SCALES", "GptqOptions", "GptqWeights", "gptq_weights"]
 
-EXPERT_HESSIANS = ("routed", "all")
-FALLBACKS = ("pooled", "rtn")
-GPTQ_BLOCK_SCALES = ("minmax", "mse")
 Progress = Callable[[int, int, str], None] | None
-
-
-@dataclass(frozen=True)
-class GptqOptions:
-    calibration: SampleOptions = SampleOptions()  # the text the Hessians are accumulated on
-    expert_hessian: Literal["routed", "all"] = "routed"
-    min_expert_tokens: int = 64
-    fallback: Literal["pooled", "rtn"] = "pooled"
-    act_order: bool = False
-    damp: float = 0.01
-    block_size: int = 128
-    # E4M3 block scales fixed before the column sweep: min-max (block max -> 6) or the MSE search's
-    # (numerics.scale_search), chosen on the original weight with the same global scale.
-    block_scales: Literal["minmax", "mse"] = "minmax"
-    # Feed each layer the outputs of the already-rounded layers before it (see the module doc).
-    sequential: bool = False
-
-    def __post_init__(self) -> None:
-        require_choice(self.expert_hessian, EXPERT_HESSIANS, "expert_hessian")
-        require_choice(self.block_scales, GPTQ_BLOCK_SCALES, "block_scales")
-        require_choice(self.fallback, FALLBACKS, "fallback")
-        if self.min_expert_tokens < 0:
-            raise ConfigError(f"must be >= 0, got {self.min_expert_tokens}", option="min_expert_tokens")
-        if not self.damp > 0:
-            raise ConfigError(f"must be > 0, got {self.damp}", option="damp")
-
-    def settings(self) -> dict[str, Any]:
-        """The GPTQ settings as provenance records them."""
-        return {
-            "expert_hessian": self.expert_hessian,
-            "min_expert_tokens": self.min_expert_tokens,
-            "fallback": self.fallback,
-            "act_order": self.act_order,
-            "damp": self.damp,
-            "block_size": self.block_size,
-            "scale_mode": "static",
-            "block_scales": self.block_scales,
-            "sequential": self.sequential,
-            "calibration": self.calibration.describe(),
-        }
 
 
 @dataclass
