@@ -15,12 +15,22 @@ The Python API (each function in :mod:`fp4forge.api`, imported on first use)::
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("fp4forge")  # the installed package's metadata: pyproject.toml states it once
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 API = ("audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint")
 __all__ = ["__version__", *API]
+
+
+def versioned(doc: dict[str, Any]) -> dict[str, Any]:
+    """A JSON document fp4forge writes or prints, saying which fp4forge made it (its own
+    ``fp4forge_version``, when it already has one, is kept)."""
+    return {"fp4forge_version": __version__, **doc}
 
 if TYPE_CHECKING:
     # Redundant aliases mark these as re-exports for linters (`__all__` is built from API).

@@ -27,6 +27,11 @@ FLAG_SPELLING = {
     "workers": "--threads",
     # the exporter's activation amax: from a statistics file or an explicit constant
     "act_amax": "--stats / --act-scales",
+    # the frontier's and the study's options
+    "int_groups": "--groups",
+    "fidelity_samples": "--samples",
+    "fidelity_seq_len": "--seq-len",
+    "calibration_text_files": "--calibration-text",
 }
 
 BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
@@ -64,7 +69,9 @@ def spelled(flags: dict[str, str] | Callable[[str], str]) -> Iterator[None]:
     try:
         yield
     except Fp4forgeError as error:
-        if error.option and callable(flags):
+        if not error.option:
+            raise
+        if callable(flags):
             error.option = flags(error.option)
         elif error.option in flags:
             error.option = flags[error.option]  # type: ignore[index]
@@ -77,8 +84,10 @@ def error_text(error: object) -> str:
 
 
 def emit_json(doc: object) -> None:
-    """The command's one JSON document on stdout."""
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    """The command's one JSON document on stdout (an object says which fp4forge made it)."""
+    from fp4forge import versioned
+
+    sys.stdout.write(json.dumps(versioned(doc) if isinstance(doc, dict) else doc, indent=2) + "\n")
 
 
 def console(stderr: bool = False) -> Any:

@@ -183,6 +183,7 @@ def pipeline_command(
     vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM version of the serve line and audit."),
     sibling: Optional[Path] = typer.Option(None, "--sibling", help="Another checkpoint of the same model to diff against."),
     serve: bool = typer.Option(PipelineOptions.serve, "--serve", help="Serve OUT here with vLLM (CPU: with the fp4forge-vllm plugin) and read its log."),
+    serve_hardware: str = typer.Option(PipelineOptions.serve_hardware, "--serve-hardware", help="What --serve runs on here: cpu (vLLM CPU with the fp4forge-vllm plugin) | gb10 | b200 | h100 | h200."),
     vllm_venv: Optional[Path] = typer.Option(None, "--vllm-venv", help="vLLM venv (default $FP4FORGE_VLLM_VENV, else .venv-vllm)."),
     bench: Optional[str] = typer.Option(None, "--bench", help="With --serve: perf, quality or perf,quality."),
     perf_workload: Optional[str] = typer.Option(None, "--perf-workload", help=f"Workload of bench perf (workloads.toml; default {PIPELINE_PERF_WORKLOAD})."),

@@ -21,9 +21,16 @@ from fp4forge.checkpoint.atomic import replace_dir
 from fp4forge.fidelity.options import FidelityOptions
 from fp4forge.quantize.job import QuantizeJob
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, ServeError, option_path, require_choice
-from fp4forge.pipeline.state import write_json
+from fp4forge.pipeline.state import write_json as write_json_file
 
 Progress = Callable[[int, int, str], None]
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """A report under ``reports/``, saying which fp4forge wrote it."""
+    from fp4forge import versioned
+
+    write_json_file(path, versioned(doc))
 
 REPORTS = "reports"
 STAGING = ".fp4forge-staging"
