@@ -515,15 +515,11 @@ def run_quality(ctx: Context) -> dict[str, Any]:
 
 def run_quality_teacher(ctx: Context) -> dict[str, Any]:
     """Arm B: the BF16 teacher through the same suite, then paired tests of the two arms."""
-    from fp4forge.quality.report import compare_document
-    from fp4forge.quality.runner import expand_transcripts, rescore_transcript
-    from fp4forge.quality.suite import load_suite
+    from fp4forge.quality.compare import CompareOptions, compare_runs
     from fp4forge.report.quality_files import write_compare
 
     teacher = _quality_runs(ctx, "teacher").results
-    suite = load_suite()
-    student = [rescore_transcript(p, suite) for p in expand_transcripts([ctx.report(QUALITY_DIRS["student"])])]
-    doc = compare_document(student, teacher, suite, allow_unreadable=ctx.options.quality_allow_unreadable)
+    doc = compare_runs([ctx.report(QUALITY_DIRS["student"])], teacher, CompareOptions(allow_unreadable=ctx.options.quality_allow_unreadable))
     write_compare(doc, ctx.report(QUALITY_DIRS["teacher"]))
     return {"verdict": doc["verdict"]["label"], "diff_points": round(doc["points"]["diff"], 1),
             "teacher points": _points(teacher), **_answers_summary(doc["answers"])}
