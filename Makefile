@@ -32,7 +32,7 @@ DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_
 demo: install
 	@if [ ! -d $(DEMO)/trained-laguna ]; then $(BIN)/fp4forge testbed trained-laguna $(DEMO)/trained-laguna --cache; fi
 	$(BIN)/fp4forge pipeline $(DEMO)/trained-laguna $(DEMO)/trained-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn \
-	  --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE)
+	  --calib-samples 16 --calib-seq-len 256 --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE)
 
 # The vLLM CPU venv with the fp4forge-vllm plugin (about 3 min and 3.4 GB, once).
 vllm:

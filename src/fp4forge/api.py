@@ -15,16 +15,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+# The jobs' options (light modules: importing them loads no torch), under the package's name too.
+from fp4forge.calibrate.options import CalibrationOptions
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.model.samples import SampleOptions
+from fp4forge.quantize.job import GptqOptions, QuantizeJob
+
 if TYPE_CHECKING:
     from fp4forge.audit.byte_table import ByteTable
     from fp4forge.audit.diff import DiffReport
     from fp4forge.audit.findings import AuditReport
-    from fp4forge.fidelity.evaluate import FidelityOptions, FidelityReport
-    from fp4forge.calibrate.run import CalibrationOptions
+    from fp4forge.fidelity.evaluate import FidelityReport
     from fp4forge.checkpoint.reader import Checkpoint
-    from fp4forge.quantize.job import QuantizeJob, QuantizeResult
+    from fp4forge.quantize.job import QuantizeResult
 
-__all__ = ["audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint"]
+OPTIONS = ("CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
+__all__ = ["audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint",
+           "quantize_checkpoint", *OPTIONS]
 
 Progress = Callable[[int, int, str], None]
 
@@ -52,24 +59,15 @@ def audit_checkpoint(
     return _audit(location, deep=deep, fmt=fmt, vllm_version=vllm_version or DEFAULT_VLLM_VERSION, trust_remote_code=trust_remote_code)
 
 
-def quantize_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    job: QuantizeJob | str | Path,
-    *,
-    progress: Progress | None = None,
-    **options: Any,
-) -> QuantizeResult:
-    """The quantize job (what ``fp4forge quantize`` runs): the BF16 checkpoint ``src`` into the new
-    directory ``out``. ``job``: a ``fp4forge.quantize.job.QuantizeJob``, or a recipe (a built-in
-    name or a .toml file) with the job's options as keywords (``stats="stats.safetensors"`` from
-    :func:`calibrate_checkpoint`, or ``act_scales="constant:AMAX"``; ``layout_format``,
-    ``block_scales``, ``device``, ``threads``, ``method="gptq"`` with ``gptq=GptqOptions(...)``...).
+def quantize_checkpoint(src: str | Path, out: str | Path, job: QuantizeJob, *, progress: Progress | None = None) -> QuantizeResult:
+    """The quantize job, as ``fp4forge quantize`` runs it: the BF16 checkpoint ``src`` into the new
+    directory ``out``. ``job``: a :class:`QuantizeJob` (a recipe, a built-in name or a .toml file;
+    ``stats=`` a statistics file from :func:`calibrate_checkpoint`, or ``act_scales="constant:AMAX"``;
+    layout, block scales, device, threads, ``method="gptq"`` with ``gptq=GptqOptions(...)``).
     ``result.export`` is the export's summary, ``result.gptq`` GPTQ's (or None)."""
-    from fp4forge.quantize.job import QuantizeJob, run_quantize
+    from fp4forge.quantize.job import run_quantize
 
-    chosen = job if isinstance(job, QuantizeJob) else QuantizeJob(recipe=job, **options)
-    return run_quantize(src, out, chosen, progress=progress)
+    return run_quantize(src, out, job, progress=progress)
 
 
 def calibrate_checkpoint(
@@ -82,7 +80,7 @@ def calibrate_checkpoint(
     """Activation and KV amax of the BF16 checkpoint ``src``, layer-streamed, written to the
     statistics file ``stats_out`` (what :func:`quantize_checkpoint`'s ``stats`` reads); returns
     its summary (tensors, tokens, seconds, experts that saw no token...)."""
-    from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+    from fp4forge.calibrate.run import calibrate_to_file
 
     return calibrate_to_file(src, stats_out, options or CalibrationOptions(), progress=progress)
 
@@ -111,6 +109,6 @@ def measure_fidelity(
     progress: Progress | None = None,
 ) -> FidelityReport:
     """KL, top-1 agreement and perplexity of the quantized ``student`` against its BF16 ``teacher``."""
-    from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
+    from fp4forge.fidelity.evaluate import evaluate
 
     return evaluate(teacher, student, options or FidelityOptions(), progress=progress)

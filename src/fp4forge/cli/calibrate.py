@@ -7,6 +7,7 @@ transformers are imported inside the commands.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,11 +46,25 @@ def register(app: typer.Typer) -> None:
     app.command("fidelity")(fidelity_command)
 
 
-def _sample_options(text: list[Path], no_builtin: bool, tokenizer: Optional[Path], ram_budget_gb: float, spill_dir: Optional[Path],
-                    device: Optional[str], activation_budget: Optional[str]) -> dict[str, Any]:
-    """The shared flags as SampleOptions keywords."""
-    return dict(text_files=tuple(text), builtin_corpus=not no_builtin, tokenizer=tokenizer, ram_budget_bytes=int(ram_budget_gb * 2**30),
-                spill_dir=spill_dir, device=device, activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"))
+def _sample_fields(text: Sequence[Path] = (), no_builtin: bool = False, tokenizer: Optional[Path] = None, ram_budget_gb: Optional[float] = None,
+                   spill_dir: Optional[Path] = None, device: Optional[str] = None, activation_budget: Optional[str] = None) -> dict[str, Any]:
+    """The shared flags as SampleOptions keywords (a flag left out keeps the options' default)."""
+    fields = dict(text_files=tuple(text), builtin_corpus=not no_builtin, tokenizer=tokenizer, spill_dir=spill_dir, device=device,
+                  activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"))
+    if ram_budget_gb is not None:
+        fields["ram_budget_bytes"] = int(ram_budget_gb * 2**30)
+    return fields
+
+
+def calibration_options(own: dict[str, Any], **flags: Any) -> CalibrationOptions:
+    """Calibration's options from the command line: ``own`` as keywords, the shared flags by name
+    (the one place the command line makes them: calibrate, kv calibrate, pipeline)."""
+    return CalibrationOptions(**own, **_sample_fields(**flags))
+
+
+def fidelity_options(own: dict[str, Any], **flags: Any) -> FidelityOptions:
+    """Fidelity's options from the command line (fidelity, pipeline), as ``calibration_options``."""
+    return FidelityOptions(**own, **_sample_fields(**flags))
 
 
 def calibrate_command(
@@ -72,8 +87,8 @@ def calibrate_command(
     from fp4forge.calibrate.run import calibrate_to_file
     from fp4forge.report.calibrate_tables import calibration_rich
 
-    options = CalibrationOptions(samples=samples, seq_len=seq_len, batch_size=batch_size, policy=policy,  # type: ignore[arg-type]
-                                 **_sample_options(text, no_builtin, tokenizer, ram_budget_gb, spill_dir, device, activation_budget))
+    options = calibration_options(dict(samples=samples, seq_len=seq_len, batch_size=batch_size, policy=policy), text=text, no_builtin=no_builtin,
+                                  tokenizer=tokenizer, ram_budget_gb=ram_budget_gb, spill_dir=spill_dir, device=device, activation_budget=activation_budget)
     with progress_bar("calibrating", not as_json) as progress:
         summary = calibrate_to_file(src, stats_out, options, progress=progress)
     if as_json:
@@ -100,8 +115,8 @@ def kv_calibrate_command(
     """k_scale = k_amax / 448, v_scale = v_amax / 448, written into a checkpoint with its declaration."""
     from fp4forge.calibrate import kv
 
-    calibration = CalibrationOptions(samples=samples, seq_len=seq_len, batch_size=batch_size,
-                                     **_sample_options(text, no_builtin, tokenizer, D.ram_budget_bytes / 2**30, None, device, activation_budget))
+    calibration = calibration_options(dict(samples=samples, seq_len=seq_len, batch_size=batch_size), text=text, no_builtin=no_builtin,
+                                      tokenizer=tokenizer, device=device, activation_budget=activation_budget)
     with progress_bar("calibrating", not as_json and not kv.is_stats_file(source)) as progress:
         provenance = kv.calibrate_kv(source, into, layout_format=layout_format, per_head=per_head, calibration=calibration, progress=progress)
     if as_json:
@@ -166,9 +181,9 @@ def fidelity_command(
     from fp4forge.fidelity.evaluate import evaluate
     from fp4forge.report.calibrate_tables import fidelity_rich
 
-    options = FidelityOptions(numerics=numerics, samples=samples, seq_len=seq_len, batch_size=batch_size, teacher_cache=teacher_cache,
-                              top_k=top_k, tail_samples=tail_samples, moe_input_scale=moe_input_scale,
-                              **_sample_options(text, no_builtin, tokenizer, F.ram_budget_bytes / 2**30, None, device, activation_budget))
+    options = fidelity_options(dict(numerics=numerics, samples=samples, seq_len=seq_len, batch_size=batch_size, teacher_cache=teacher_cache,
+                                    top_k=top_k, tail_samples=tail_samples, moe_input_scale=moe_input_scale),
+                               text=text, no_builtin=no_builtin, tokenizer=tokenizer, device=device, activation_budget=activation_budget)
     with progress_bar("evaluating", not as_json) as progress:
         report = evaluate(teacher, student, options, progress=progress).to_json()
     if as_json:

@@ -20,7 +20,7 @@ import typer
 
 from fp4forge.cli.common import console as _console
 from fp4forge.cli.common import emit_json as _emit
-from fp4forge.cli.common import error_text, fail, parse_bytes, spelled
+from fp4forge.cli.common import error_text, fail, spelled
 from fp4forge.errors import ExitCode, Fp4forgeError
 from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.fidelity.options import FidelityOptions
@@ -219,11 +219,6 @@ def pipeline_command(
         _console().print(f"[green]done[/green]: {out} (card {out / 'README.md'}, artifacts {out / 'reports'})")
 
 
-def _given(**values: Any) -> dict[str, Any]:
-    """The options a user gave (None: the job's own default)."""
-    return {k: v for k, v in values.items() if v is not None}
-
-
 def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, calib_samples: int, calib_seq_len: int,
                       calib_text: list[Path], fidelity_samples: int, fidelity_seq_len: int, fidelity_text: list[Path],
                       fidelity_numerics: str, tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
@@ -232,18 +227,18 @@ def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, cal
     """The flags as the nested options (each job's options check themselves when made)."""
     from dataclasses import replace
 
+    from fp4forge.cli.calibrate import calibration_options, fidelity_options
+    from fp4forge.cli.quantize import quantize_job
     from fp4forge.errors import option_path
     from fp4forge.pipeline.steps import _pipeline_perf
 
-    budget = parse_bytes(activation_budget, "activation_budget_bytes")
-    shared = _given(tokenizer=tokenizer, device=device, activation_budget_bytes=budget)
+    shared = dict(tokenizer=tokenizer, device=device, activation_budget=activation_budget)
     with option_path("calibration", CalibrationOptions):
-        calibration = CalibrationOptions(samples=calib_samples, seq_len=calib_seq_len, text_files=tuple(calib_text), **shared)
+        calibration = calibration_options(dict(samples=calib_samples, seq_len=calib_seq_len), text=calib_text, **shared)
     with option_path("fidelity", FidelityOptions):
-        fidelity = FidelityOptions(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics,
-                                   text_files=tuple(fidelity_text), **shared)
+        fidelity = fidelity_options(dict(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics), text=fidelity_text, **shared)
     with option_path("quantize", QuantizeJob):
-        quantize = QuantizeJob(recipe=recipe, layout_format=layout_format, block_scales=block_scales, device=device)  # type: ignore[arg-type]
+        quantize = quantize_job({}, {}, recipe=recipe, layout_format=layout_format, block_scales=block_scales, device=device)
     with option_path("perf", ("workload",)):
         perf = _pipeline_perf() if perf_workload is None else replace(_pipeline_perf(), workload=perf_workload)
     venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from fp4forge.cli.common import console, emit_json, progress_bar, spelled
+from fp4forge.errors import option_path
 from fp4forge.model.samples import SampleOptions
 from fp4forge.quantize.job import GptqOptions, QuantizeJob
 
@@ -26,6 +27,16 @@ FLAGS = {
 
 def register(app: typer.Typer) -> None:
     app.command("quantize")(quantize_command)
+
+
+def quantize_job(calibration: dict[str, Any], gptq: dict[str, Any], **job: Any) -> QuantizeJob:
+    """The quantize job from the command line (the one place it makes one: quantize, pipeline):
+    GPTQ's text and settings, then the job's own options, each named by its path when refused."""
+    with option_path("gptq.calibration", SampleOptions):
+        samples = SampleOptions(**calibration)
+    with option_path("gptq", GptqOptions):
+        settings = GptqOptions(calibration=samples, **gptq)
+    return QuantizeJob(gptq=settings, **job)
 
 
 def quantize_command(
@@ -59,20 +70,17 @@ def quantize_command(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Quantize a BF16 MoE checkpoint by a recipe, streaming one fused group at a time (resumable)."""
-    from fp4forge.errors import option_path
     from fp4forge.quantize.job import run_quantize
     from fp4forge.report.tables import quantize_summary_rich
 
     with spelled(FLAGS):
-        with option_path("gptq.calibration", SampleOptions):
-            calibration = SampleOptions(samples=calib_samples, seq_len=calib_seq_len, text_files=tuple(calib_text),
-                                        builtin_corpus=not calib_no_builtin, tokenizer=calib_tokenizer)
-        with option_path("gptq", GptqOptions):
-            gptq = GptqOptions(calibration=calibration, expert_hessian=gptq_expert_hessian, min_expert_tokens=gptq_min_tokens,  # type: ignore[arg-type]
-                               fallback=gptq_fallback, act_order=gptq_act_order, damp=gptq_damp, sequential=gptq_sequential)  # type: ignore[arg-type]
-        job = QuantizeJob(recipe=recipe, layout_format=layout_format, block_scales=block_scales, stats=stats,  # type: ignore[arg-type]
-                          act_scales=act_scales, max_shard_bytes=int(max_shard_gb * 2**30), device=device, threads=threads,
-                          error_report=error_report, method=method, gptq=gptq)  # type: ignore[arg-type]
+        calibration = dict(samples=calib_samples, seq_len=calib_seq_len, text_files=tuple(calib_text), builtin_corpus=not calib_no_builtin,
+                           tokenizer=calib_tokenizer)
+        gptq = dict(expert_hessian=gptq_expert_hessian, min_expert_tokens=gptq_min_tokens, fallback=gptq_fallback, act_order=gptq_act_order,
+                    damp=gptq_damp, sequential=gptq_sequential)
+        job = quantize_job(calibration, gptq, recipe=recipe, layout_format=layout_format, block_scales=block_scales, stats=stats,
+                           act_scales=act_scales, max_shard_bytes=int(max_shard_gb * 2**30), device=device, threads=threads,
+                           error_report=error_report, method=method)
         with progress_bar("quantizing", not as_json) as progress:
             result = run_quantize(src, out_dir, job, progress=progress)
     if as_json:
