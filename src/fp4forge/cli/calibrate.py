@@ -117,8 +117,9 @@ def kv_calibrate_command(
 
     calibration = calibration_options(dict(samples=samples, seq_len=seq_len, batch_size=batch_size), text=text, no_builtin=no_builtin,
                                       tokenizer=tokenizer, device=device, activation_budget=activation_budget)
+    options = kv.KvOptions(layout_format=layout_format, per_head=per_head, calibration=calibration)
     with progress_bar("calibrating", not as_json and not kv.is_stats_file(source)) as progress:
-        provenance = kv.calibrate_kv(source, into, layout_format=layout_format, per_head=per_head, calibration=calibration, progress=progress)
+        provenance = kv.calibrate_kv(source, into, options, progress=progress)
     if as_json:
         emit_json({"checkpoint": str(into), **provenance})
     else:
