@@ -19,17 +19,16 @@ from fp4forge.errors import ExitCode
 from fp4forge.fidelity.options import FidelityOptions
 from fp4forge.model.samples import SampleOptions
 
-D = SampleOptions()  # the defaults of the options calibration, GPTQ and fidelity share
-F = FidelityOptions()
+# The flags' defaults are the options' own (a frozen dataclass's class attributes).
 
-SAMPLES_OPT = typer.Option(D.samples, "--samples", help="Calibration samples (rows of --seq-len tokens).")
-SEQ_LEN_OPT = typer.Option(D.seq_len, "--seq-len", help="Tokens per sample (texts are packed, never padded).")
-BATCH_OPT = typer.Option(D.batch_size, "--batch-size", help="Samples per forward.")
+SAMPLES_OPT = typer.Option(SampleOptions.samples, "--samples", help="Calibration samples (rows of --seq-len tokens).")
+SEQ_LEN_OPT = typer.Option(SampleOptions.seq_len, "--seq-len", help="Tokens per sample (texts are packed, never padded).")
+BATCH_OPT = typer.Option(SampleOptions.batch_size, "--batch-size", help="Samples per forward.")
 POLICY_OPT = typer.Option(CalibrationOptions.policy, "--policy", help="MoE coverage: routed (the router's tokens) | all-experts (every token through every expert).")
 TEXT_OPT = typer.Option([], "--text", help="Extra text: .jsonl ({'messages': [...]} or {'text': ...}) or plain text; repeatable.")
-NO_BUILTIN_OPT = typer.Option(not D.builtin_corpus, "--no-builtin", help="Use only --text files, not the built-in stdlib corpus.")
+NO_BUILTIN_OPT = typer.Option(not SampleOptions.builtin_corpus, "--no-builtin", help="Use only --text files, not the built-in stdlib corpus.")
 TOKENIZER_OPT = typer.Option(None, "--tokenizer", help="Tokenizer directory (default: the checkpoint's).")
-RAM_OPT = typer.Option(D.ram_budget_bytes / 2**30, "--ram-budget-gb", help="Activations kept in RAM up to this; the rest spills to disk.")
+RAM_OPT = typer.Option(SampleOptions.ram_budget_bytes / 2**30, "--ram-budget-gb", help="Activations kept in RAM up to this; the rest spills to disk.")
 SPILL_OPT = typer.Option(None, "--spill-dir", help="Where spilled activations go (default: the temp dir).")
 DEVICE_OPT = typer.Option(None, "--device", help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N.")
 ACTIVATION_OPT = typer.Option(None, "--activation-budget", help="Activations kept on the device, e.g. 8GiB (default: 8GiB on CUDA, 0 on CPU); the rest moves to RAM.")
@@ -164,16 +163,16 @@ def fidelity_command(
     teacher: str = typer.Argument(..., metavar="TEACHER", help="The BF16 checkpoint."),
     student: str = typer.Argument(..., metavar="STUDENT", help="Its quantized checkpoint (compressed-tensors or ModelOpt)."),
     text: list[Path] = typer.Option([], "--text", help="Held-out text (.jsonl or plain); default: the built-in corpus's held-out split."),
-    numerics: str = typer.Option(F.numerics, "--numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
-    samples: int = typer.Option(F.samples, "--samples"),
-    seq_len: int = typer.Option(F.seq_len, "--seq-len"),
-    batch_size: int = typer.Option(F.batch_size, "--batch-size"),
-    no_builtin: bool = typer.Option(not F.builtin_corpus, "--no-builtin", help="Use only --text files."),
+    numerics: str = typer.Option(FidelityOptions.numerics, "--numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
+    samples: int = typer.Option(FidelityOptions.samples, "--samples"),
+    seq_len: int = typer.Option(FidelityOptions.seq_len, "--seq-len"),
+    batch_size: int = typer.Option(FidelityOptions.batch_size, "--batch-size"),
+    no_builtin: bool = typer.Option(not FidelityOptions.builtin_corpus, "--no-builtin", help="Use only --text files."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer"),
     teacher_cache: Optional[Path] = typer.Option(None, "--teacher-cache", help="Teacher logits cache: written if absent, reused (teacher not run) if present."),
-    top_k: int = typer.Option(F.top_k, "--top-k", help="Teacher log-probs kept exactly per position in the cache."),
-    tail_samples: int = typer.Option(F.tail_samples, "--tail-samples", help="Tail tokens sampled per position in the cache."),
-    moe_input_scale: str = typer.Option(F.moe_input_scale, "--moe-input-scale", help="global-max (FlashInfer / emulation MoE) | per-expert (VLLM_CUTLASS)."),
+    top_k: int = typer.Option(FidelityOptions.top_k, "--top-k", help="Teacher log-probs kept exactly per position in the cache."),
+    tail_samples: int = typer.Option(FidelityOptions.tail_samples, "--tail-samples", help="Tail tokens sampled per position in the cache."),
+    moe_input_scale: str = typer.Option(FidelityOptions.moe_input_scale, "--moe-input-scale", help="global-max (FlashInfer / emulation MoE) | per-expert (VLLM_CUTLASS)."),
     device: Optional[str] = DEVICE_OPT,
     activation_budget: Optional[str] = ACTIVATION_OPT,
     as_json: bool = typer.Option(False, "--json"),
