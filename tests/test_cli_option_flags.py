@@ -151,7 +151,7 @@ def test_every_library_option_is_spelled_as_some_commands_flag() -> None:
 
 @pytest.mark.parametrize(("flag", "value"), [("--hardware", "h300"), ("--fidelity-numerics", "w3a3"), ("--calib-samples", "0"),
                                              ("--perf-workload", "nope"), ("--format", "gguf"), ("--device", "tpu"),
-                                             ("--quality-categories", "zzz"), ("--block-scales", "x")])
+                                             ("--quality-categories", "zzz"), ("--block-scales", "x"), ("--quality-runs", "0")])
 def test_bad_pipeline_options_exit_2_before_any_step(flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "src"

@@ -217,7 +217,7 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     its log, bench perf and two quality runs measure it, and the card has every section."""
     out = tmp_path / "served"
     options = replace(SMALL, serve=True, vllm_venv=vllm_venv, bench=("perf", "quality"), quality_teacher=True,
-                      quality_categories=("restraint", "missing_tool"), quality_max_tokens=32)
+                      quality_categories=("restraint", "missing_tool"), quality=replace(SMALL.quality, max_tokens=32))
     events = []
     manifest = run_pipeline(model, out, options, on_event=events.append)
     assert manifest.status == "complete"

@@ -24,7 +24,7 @@ from fp4forge.cli.common import error_text, fail, spelled
 from fp4forge.errors import ExitCode, Fp4forgeError
 from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.fidelity.options import FidelityOptions
-from fp4forge.pipeline.steps import PIPELINE_PERF_WORKLOAD, PipelineOptions
+from fp4forge.pipeline.steps import PIPELINE_PERF_WORKLOAD, PIPELINE_QUALITY, PipelineOptions
 from fp4forge.quantize.job import QuantizeJob
 
 DEFAULT_VLLM_VENV = Path(".venv-vllm")
@@ -187,8 +187,8 @@ def pipeline_command(
     vllm_venv: Optional[Path] = typer.Option(None, "--vllm-venv", help="vLLM venv (default $FP4FORGE_VLLM_VENV, else .venv-vllm)."),
     bench: Optional[str] = typer.Option(None, "--bench", help="With --serve: perf, quality or perf,quality."),
     perf_workload: Optional[str] = typer.Option(None, "--perf-workload", help=f"Workload of bench perf (workloads.toml; default {PIPELINE_PERF_WORKLOAD})."),
-    quality_runs: int = typer.Option(PipelineOptions.quality_runs, "--quality-runs", help="Suite runs; 2+ measures the noise floor."),
-    quality_max_tokens: int = typer.Option(PipelineOptions.quality_max_tokens, "--quality-max-tokens", help="Per turn: reasoning, then the answer."),
+    quality_runs: int = typer.Option(PIPELINE_QUALITY["runs"], "--quality-runs", help="Suite runs; 2+ measures the noise floor."),
+    quality_max_tokens: int = typer.Option(PIPELINE_QUALITY["max_tokens"], "--quality-max-tokens", help="Per turn: reasoning, then the answer."),
     quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
     quality_teacher: bool = typer.Option(PipelineOptions.quality_teacher, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
     quality_allow_unreadable: bool = typer.Option(PipelineOptions.quality_allow_unreadable, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
@@ -223,14 +223,12 @@ def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, cal
                       calib_text: list[Path], fidelity_samples: int, fidelity_seq_len: int, fidelity_text: list[Path],
                       fidelity_numerics: str, tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
                       vllm_venv: Optional[Path], serve: bool, bench: Optional[str], perf_workload: Optional[str],
-                      quality_categories: Optional[str], **pipeline: Any) -> Any:
+                      quality_runs: int, quality_max_tokens: int, quality_categories: Optional[str], **pipeline: Any) -> Any:
     """The flags as the nested options (each job's options check themselves when made)."""
-    from dataclasses import replace
-
     from fp4forge.cli.calibrate import calibration_options, fidelity_options
     from fp4forge.cli.quantize import quantize_job
     from fp4forge.errors import option_path
-    from fp4forge.pipeline.steps import _pipeline_perf
+    from fp4forge.pipeline.steps import _pipeline_perf, _pipeline_quality
 
     shared = dict(tokenizer=tokenizer, device=device, activation_budget=activation_budget)
     with option_path("calibration", CalibrationOptions):
@@ -240,9 +238,11 @@ def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, cal
     with option_path("quantize", QuantizeJob):
         quantize = quantize_job({}, {}, recipe=recipe, layout_format=layout_format, block_scales=block_scales, device=device)
     with option_path("perf", ("workload",)):
-        perf = _pipeline_perf() if perf_workload is None else replace(_pipeline_perf(), workload=perf_workload)
+        perf = _pipeline_perf(**({} if perf_workload is None else {"workload": perf_workload}))
+    with option_path("quality", ("runs", "max_tokens")):
+        quality = _pipeline_quality(runs=quality_runs, max_tokens=quality_max_tokens)
     venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))
-    return PipelineOptions(quantize=quantize, calibration=calibration, fidelity=fidelity, perf=perf, serve=serve,
+    return PipelineOptions(quantize=quantize, calibration=calibration, fidelity=fidelity, perf=perf, quality=quality, serve=serve,
                            vllm_venv=venv.absolute() if serve else None, bench=_csv(bench),
                            quality_categories=_csv(quality_categories), **pipeline)
 

@@ -42,10 +42,23 @@ BENCH_KINDS = ("perf", "quality")
 PIPELINE_PERF_WORKLOAD = "cpu-tiny"
 
 
-def _pipeline_perf() -> Any:
+def _pipeline_perf(**given: Any) -> Any:
+    """The perf step's ``PerfOptions`` (its server filled in when it runs); ``given`` overrides."""
     from fp4forge.bench.perf import PerfOptions
 
-    return PerfOptions(url="", model="", out_dir=Path("bench"), workload=PIPELINE_PERF_WORKLOAD)
+    return PerfOptions(url="", model="", out_dir=Path("bench"), **{"workload": PIPELINE_PERF_WORKLOAD, **given})
+
+
+# Thinking is on by default (as Laguna's template): a turn is reasoning, </think>, then the answer.
+# The trained testbed's longest turns are ~80 tokens; 64 cut a fifth of them (an unread turn).
+PIPELINE_QUALITY = {"runs": 2, "max_tokens": 128, "concurrency": 4}
+
+
+def _pipeline_quality(**given: Any) -> Any:
+    """The quality runs' ``RunConfig`` (its server filled in when it runs); ``given`` overrides."""
+    from fp4forge.quality.runner import RunConfig
+
+    return RunConfig(base_url="", model="", **{**PIPELINE_QUALITY, **given})
 
 
 @dataclass(frozen=True)
@@ -68,17 +81,12 @@ class PipelineOptions:
     serve_timeout_s: float = 900.0
     bench: tuple[str, ...] = ()  # "perf", "quality"
     perf: Any = field(default_factory=_pipeline_perf)  # fp4forge.bench.perf.PerfOptions
-    quality_runs: int = 2
-    # Thinking is on by default (as Laguna's template): a turn is reasoning, </think>, then the answer.
-    # The trained testbed's longest turns are ~80 tokens; 64 cut a fifth of them (an unread turn).
-    quality_max_tokens: int = 128
-    quality_concurrency: int = 4
+    quality: Any = field(default_factory=_pipeline_quality)  # fp4forge.quality.runner.RunConfig
     quality_categories: tuple[str, ...] = ()
     quality_teacher: bool = False  # also serve SRC and compare the two arms with paired tests
     quality_allow_unreadable: bool = False  # score an arm whose answers are mostly unread (loud warning)
 
     def __post_init__(self) -> None:
-        from fp4forge.quality.runner import RunConfig
         from fp4forge.quality.suite import load_suite
         from fp4forge.serve.recommend import HARDWARE
 
@@ -87,8 +95,6 @@ class PipelineOptions:
         unknown = set(self.bench) - set(BENCH_KINDS)
         if unknown:
             raise ConfigError(f"takes {' and/or '.join(BENCH_KINDS)}, got {', '.join(sorted(unknown))}", option="bench")
-        with option_path("quality", ("runs", "max_tokens", "concurrency")):
-            RunConfig(base_url="", model="", runs=self.quality_runs, max_tokens=self.quality_max_tokens, concurrency=self.quality_concurrency)
         if self.quality_categories:
             try:
                 load_suite().select(categories=list(self.quality_categories))
@@ -462,7 +468,6 @@ def _quality_runs(ctx: Context, role: str) -> Any:
     """N runs of the (selected) suite against the ``role`` server into reports/<dir>/, scored there;
     the ``QualityOutcome``."""
     from fp4forge.quality.evaluate import run_and_score
-    from fp4forge.quality.runner import RunConfig
     from fp4forge.quality.suite import load_suite
     from fp4forge.report.quality_files import write_score
 
@@ -470,11 +475,10 @@ def _quality_runs(ctx: Context, role: str) -> Any:
     record = ctx.slot(role).get()
     suite = load_suite()
     categories = list(o.quality_categories) or None
-    config = RunConfig(base_url=record.base_url, model=record.name, arm=QUALITY_ARMS[role], runs=o.quality_runs,
-                       max_tokens=o.quality_max_tokens, concurrency=o.quality_concurrency)
+    config = replace(o.quality, base_url=record.base_url, model=record.name, arm=QUALITY_ARMS[role])
     staged = ctx.staging(QUALITY_DIRS[role]) / QUALITY_DIRS[role]
     final = ctx.report(QUALITY_DIRS[role])
-    total = len(suite.select(categories=categories)) * o.quality_runs
+    total = len(suite.select(categories=categories)) * o.quality.runs
     finished = [0]
 
     def on_scenario(run: int, scenario_record: dict[str, Any]) -> None:
@@ -573,6 +577,7 @@ class Step:
     version: int = 1  # bump when a step's code changes what it writes
 
 
+QUALITY_PARAMS = ("quality.runs", "quality.max_tokens", "quality.concurrency", "quality_categories", "quality_allow_unreadable")
 # The sample options that choose the text a step runs (the files' contents are hashed, not their names).
 SAMPLE_TEXT = ("samples", "seq_len", "text_files", "builtin_corpus", "tokenizer")
 
@@ -601,11 +606,11 @@ STEPS: tuple[Step, ...] = (
          off=_needs_bench("perf"), options="perf"),
     # version 2: the arm is labelled "quantized"; 3: answers streamed, unreadable arms refused.
     Step("quality", "bench quality (agentic tool use)", run_quality, ("reports/quality",), ("checkpoint", "vllm"),
-         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories", "quality_allow_unreadable"),
+         QUALITY_PARAMS,
          off=_needs_bench("quality"), version=3),
     Step("quality-teacher", "quality of the BF16 teacher, paired tests", run_quality_teacher, ("reports/quality-teacher",),
          ("src", "quality", "vllm"),
-         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories", "quality_allow_unreadable"),
+         QUALITY_PARAMS,
          off=lambda o: _needs_bench("quality")(o) or (None if o.quality_teacher else "not requested (--quality-teacher)"),
          version=2),
 )
