@@ -80,7 +80,8 @@ def test_device_names(monkeypatch: pytest.MonkeyPatch) -> None:
 
     flags = dict(recipe="nvfp4-experts", layout_format="compressed-tensors", block_scales="minmax", calib_samples=4, calib_seq_len=32,
                  calib_text=[], fidelity_samples=2, fidelity_seq_len=32, fidelity_text=[], fidelity_numerics="w4a4", tokenizer=None,
-                 activation_budget="5", vllm_venv=None, serve=False, bench=None, perf_workload=None, quality_categories=None)
+                 activation_budget="5", vllm_venv=None, serve=False, bench=None, perf_workload=None, quality_runs=2, quality_max_tokens=8,
+                 quality_categories=None)
     options = _pipeline_options(**flags, device="cpu")
     assert isinstance(options, PipelineOptions)
     assert (options.calibration.device, options.calibration.activation_budget_bytes) == ("cpu", 5)
