@@ -120,32 +120,9 @@ def calibrate_checkpoint(
     ranks.require_share(len(all_batches), "calibration batches", option="samples")
     batches = ranks.share(all_batches)
     progress = progress if ranks.is_main else None
-    timings: dict[str, float] = {}
     total = streamed.num_layers + 2
     try:
-        mark = time.perf_counter()
-        store, calls = embed_batches(streamed, batches, space)
-        timings["embedding"] = time.perf_counter() - mark
-        for index in range(streamed.num_layers):
-            if progress:
-                progress(index + 1, total, f"layer {index + 1}/{streamed.num_layers}")
-            mark = time.perf_counter()
-            with streamed.layer(index) as layer:
-                loaded = time.perf_counter()
-                detach = observer.attach(layer, streamed.layer_prefix(index))
-                try:
-                    store = run_layer(layer, index, store, batches, calls, ActivationStore(space, f"layer{index}"))
-                finally:
-                    detach()
-            timings[f"layer.{index}.load"] = loaded - mark  # materialising from the checkpoint
-            timings[f"layer.{index}.run"] = time.perf_counter() - loaded  # every batch through it
-        mark = time.perf_counter()
-        head = streamed.plan.disk_module(streamed.head_name)
-        with streamed.final_norm() as norm:
-            for number, ids in enumerate(batches):
-                observer.observe_head_input(head, norm(store.get(number)))
-                store.drop(number)
-        timings["head"] = time.perf_counter() - mark
+        timings = _observe_layers(streamed, observer, batches, space, progress, total)
     except BaseException:
         ranks.fail("calibration")
         raise
@@ -169,6 +146,37 @@ def calibrate_checkpoint(
         device_activation_peak_bytes=space.device_peak_bytes,
         device_peak_bytes=torch.cuda.max_memory_allocated(device) if is_cuda(device) else None,
     )
+
+
+def _observe_layers(streamed: StreamedModel, observer: CalibrationObserver, batches: list[torch.Tensor], space: SpillSpace,
+                    progress: Progress, total: int) -> dict[str, float]:
+    """Every batch through every layer with the observers attached, then the head's inputs; the
+    seconds each part took."""
+    timings: dict[str, float] = {}
+    mark = time.perf_counter()
+    store, calls = embed_batches(streamed, batches, space)
+    timings["embedding"] = time.perf_counter() - mark
+    for index in range(streamed.num_layers):
+        if progress:
+            progress(index + 1, total, f"layer {index + 1}/{streamed.num_layers}")
+        mark = time.perf_counter()
+        with streamed.layer(index) as layer:
+            loaded = time.perf_counter()
+            detach = observer.attach(layer, streamed.layer_prefix(index))
+            try:
+                store = run_layer(layer, index, store, batches, calls, ActivationStore(space, f"layer{index}"))
+            finally:
+                detach()
+        timings[f"layer.{index}.load"] = loaded - mark  # materialising from the checkpoint
+        timings[f"layer.{index}.run"] = time.perf_counter() - loaded  # every batch through it
+    mark = time.perf_counter()
+    head = streamed.plan.disk_module(streamed.head_name)
+    with streamed.final_norm() as norm:
+        for number in range(len(batches)):
+            observer.observe_head_input(head, norm(store.get(number)))
+            store.drop(number)
+    timings["head"] = time.perf_counter() - mark
+    return timings
 
 
 def calibrate_to_file(

@@ -195,13 +195,15 @@ def pipeline_command(
     as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
 ) -> None:
     """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
+    flags = dict(locals())  # every option by name: the options objects are made from them below
+    for positional_or_output in ("src", "out", "as_json"):
+        del flags[positional_or_output]
     from fp4forge.pipeline import PipelineFailed, run_pipeline
 
     manifest_path = out / "reports" / "pipeline.json"
-    given = {k: v for k, v in locals().items() if k not in ("src", "out", "as_json", "manifest_path", "PipelineFailed", "run_pipeline")}
     try:
         with spelled(pipeline_flag):
-            options = _pipeline_options(**given)
+            options = _pipeline_options(**flags)
             with StepsView(enabled=not as_json) as view:
                 manifest = run_pipeline(src, out, options, on_event=view.update)
     except PipelineFailed as error:

@@ -424,6 +424,34 @@ def _undo_all(steps: list[Callable[[], None]]) -> Callable[[], None]:
     return undo
 
 
+def _stream_layers(teacher: StreamedModel | None, student: StreamedModel, numerics: StudentNumerics, batches: list[Tensor],
+                   space: SpillSpace, errors: list[_LayerError], progress: Progress, total: int) -> tuple[ActivationStore, ActivationStore | None]:
+    """Both models layer by layer (the teacher untapped, the student with its numerics), each
+    student layer also fed the teacher's input for its local error; the final activations."""
+    s_store, s_calls = embed_batches(student, batches, space, "s-in")
+    t_store, t_calls = embed_batches(teacher, batches, space, "t-in") if teacher else (None, None)
+    for index in range(student.num_layers):
+        if progress:
+            progress(index + 1, total, f"layer {index + 1}/{student.num_layers}")
+        t_out = ActivationStore(space, f"t{index}") if teacher else None
+        if teacher:
+            with teacher.layer(index) as layer, _attached(_teacher_attach(layer)):
+                run_layer(layer, index, t_store, batches, t_calls, t_out, drop_inputs=False)
+        s_out = ActivationStore(space, f"s{index}")
+        with student.layer(index) as layer, _attached(numerics.attach(layer, student.layer_prefix(index))):
+            for number, ids in enumerate(batches):
+                call = layer_call(s_calls, ids, index)
+                s_out.put(number, call_layer(layer, s_store.get(number), call))
+                if teacher:
+                    local = call_layer(layer, t_store.get(number), call)
+                    errors[index].add(s_out.get(number), t_out.get(number), local)
+                s_store.drop(number)
+                if teacher:
+                    t_store.drop(number)
+        s_store, t_store = s_out, t_out
+    return s_store, t_store
+
+
 @torch.inference_mode()
 def evaluate(teacher_src: str | Path, student_src: str | Path, options: FidelityOptions = FidelityOptions(), *, progress: Progress = None) -> FidelityReport:
     started = time.perf_counter()
@@ -449,27 +477,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     errors = [_LayerError() for _ in range(student.num_layers)]
     total = student.num_layers + 2
     try:
-        s_store, s_calls = embed_batches(student, batches, space, "s-in")
-        t_store, t_calls = embed_batches(teacher, batches, space, "t-in") if teacher else (None, None)
-        for index in range(student.num_layers):
-            if progress:
-                progress(index + 1, total, f"layer {index + 1}/{student.num_layers}")
-            t_out = ActivationStore(space, f"t{index}") if teacher else None
-            if teacher:
-                with teacher.layer(index) as layer, _attached(_teacher_attach(layer)):
-                    run_layer(layer, index, t_store, batches, t_calls, t_out, drop_inputs=False)
-            s_out = ActivationStore(space, f"s{index}")
-            with student.layer(index) as layer, _attached(numerics.attach(layer, student.layer_prefix(index))):
-                for number, ids in enumerate(batches):
-                    call = layer_call(s_calls, ids, index)
-                    s_out.put(number, call_layer(layer, s_store.get(number), call))
-                    if teacher:
-                        local = call_layer(layer, t_store.get(number), call)
-                        errors[index].add(s_out.get(number), t_out.get(number), local)
-                    s_store.drop(number)
-                    if teacher:
-                        t_store.drop(number)
-            s_store, t_store = s_out, t_out
+        s_store, t_store = _stream_layers(teacher, student, numerics, batches, space, errors, progress, total)
         positions, entries, cache_info = _head(teacher, student, numerics, batches, first, s_store, t_store, samples, options, teacher_ckpt)
     except BaseException:
         ranks.fail("fidelity")
