@@ -43,11 +43,11 @@ from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.model.hooks import NoTap, apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
 from fp4forge.model.samples import Samples, samples_for
-from fp4forge.quantize.job import EXPERT_HESSIANS, FALLBACKS, GPTQ_BLOCK_SCALES, GptqOptions  # re-exported
 from fp4forge.model.streaming import ActivationStore, SpillSpace, StreamedModel, WeightPlan, check_bf16_source, embed_batches, run_layer
 from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
 from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_quantize
 from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, search_nvfp4
+from fp4forge.quantize.job import EXPERT_HESSIANS, FALLBACKS, GPTQ_BLOCK_SCALES, GptqOptions  # re-exported
 from fp4forge.quantize.plan import WorkUnit, plan_export
 from fp4forge.quantize.recipe import Recipe
 
