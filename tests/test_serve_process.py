@@ -13,7 +13,6 @@ import typer
 from typer.testing import CliRunner
 
 import fp4forge
-
 from fp4forge.cli import serve as cli_serve
 from fp4forge.errors import ServeError
 from fp4forge.serve.process import ServeRecord, read_records, serve_down, serve_up, write_record
