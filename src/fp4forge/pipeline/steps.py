@@ -18,12 +18,19 @@ from typing import Any
 
 from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.checkpoint.atomic import replace_dir
+from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, ServeError, require_choice
 from fp4forge.fidelity.options import FidelityOptions
-from fp4forge.quantize.job import QuantizeJob
-from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, ServeError, option_path, require_choice
 from fp4forge.pipeline.state import write_json as write_json_file
+from fp4forge.quantize.job import QuantizeJob
 
 Progress = Callable[[int, int, str], None]
+
+REPORTS = "reports"
+STAGING = ".fp4forge-staging"
+CARD = "README.md"
+# Entries of OUT that are not part of the checkpoint (its tree hash leaves them out).
+NOT_CHECKPOINT = (REPORTS, STAGING, CARD)
+BENCH_KINDS = ("perf", "quality")
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -32,12 +39,7 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 
     write_json_file(path, versioned(doc))
 
-REPORTS = "reports"
-STAGING = ".fp4forge-staging"
-CARD = "README.md"
-# Entries of OUT that are not part of the checkpoint (its tree hash leaves them out).
-NOT_CHECKPOINT = (REPORTS, STAGING, CARD)
-BENCH_KINDS = ("perf", "quality")
+
 # The pipeline serves on this machine's CPU by default: the smallest workload that says something there.
 PIPELINE_PERF_WORKLOAD = "cpu-tiny"
 
