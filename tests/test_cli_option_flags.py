@@ -183,3 +183,15 @@ def test_version_is_the_package_metadata(capsys: pytest.CaptureFixture[str], mon
     assert fp4forge.__version__ == version("fp4forge")
     for spelling in ("--version", "-V"):
         assert _run([spelling], capsys, monkeypatch)[:2] == (0, f"fp4forge {fp4forge.__version__}\n")
+
+def test_the_pipeline_spells_every_option_its_steps_name_at_run_time() -> None:
+    """The options a step's own job names while it runs (too few samples to share, text too short,
+    no tokenizer, no device) or when made, spelled as flags `fp4forge pipeline` has."""
+    from fp4forge.cli.pipeline import pipeline_flag
+
+    flags = _flags(_commands()["pipeline"])
+    paths = [f"{job}.{name}" for job in ("calibration", "fidelity")
+             for name in ("samples", "seq_len", "text_files", "tokenizer", "device", "activation_budget_bytes")]
+    paths += ["fidelity.numerics", "quantize.recipe", "quantize.layout_format", "quantize.block_scales", "quantize.device",
+              "perf.workload", "quality.runs", "quality.max_tokens", "quality_categories", "hardware", "serve_hardware", "bench"]
+    assert {path: pipeline_flag(path) for path in paths if pipeline_flag(path) not in flags} == {}
