@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads or max(1, min(2, os.cpu_count() or 1)))
 
-    from fp4forge.calibrate.gptq import GptqOptions, gptq_weights
+    from fp4forge.quantize.gptq import GptqOptions, gptq_weights
     from fp4forge.calibrate.run import CalibrationOptions
     from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
     from fp4forge.model.samples import load_samples, load_tokenizer

@@ -61,10 +61,10 @@ def test_open_bytes_audit_diff_on_the_tiny_model(tiny_laguna_dense_dir: Path) ->
 
 def test_quantize_checks_its_options_and_writes_a_checkpoint(tiny_laguna_dense_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as refused:
-        fp4forge.quantize_checkpoint(tiny_laguna_dense_dir, tmp_path / "bad", "fp8", layout_format="gguf")  # type: ignore[arg-type]
+        fp4forge.quantize_checkpoint(tiny_laguna_dense_dir, tmp_path / "bad", fp4forge.QuantizeJob("fp8", layout_format="gguf"))
     assert refused.value.option == "layout_format" and "--" not in refused.value.message
     assert not (tmp_path / "bad").exists()
-    summary = fp4forge.quantize_checkpoint(tiny_laguna_dense_dir, tmp_path / "fp8", "fp8", act_scales="constant:8")
+    summary = fp4forge.quantize_checkpoint(tiny_laguna_dense_dir, tmp_path / "fp8", fp4forge.QuantizeJob("fp8", act_scales="constant:8")).export
     written = safetensors_view(tmp_path / "fp8")
     assert summary.tensors_written == len(written) and summary.layout_format == "compressed-tensors"
     assert fp4forge.audit_checkpoint(tmp_path / "fp8").summary["errors"] == 0

@@ -76,11 +76,19 @@ def test_device_names(monkeypatch: pytest.MonkeyPatch) -> None:
     assert caught.value.option == "device"
     from fp4forge.pipeline import PipelineOptions
 
-    options = PipelineOptions(recipe="nvfp4-experts", device="cpu", activation_budget_bytes=5)
-    assert (options.calibration().device, options.calibration().activation_budget_bytes) == ("cpu", 5)
+    from fp4forge.cli.pipeline import _pipeline_options
+
+    flags = dict(recipe="nvfp4-experts", layout_format="compressed-tensors", block_scales="minmax", calib_samples=4, calib_seq_len=32,
+                 calib_text=[], fidelity_samples=2, fidelity_seq_len=32, fidelity_text=[], fidelity_numerics="w4a4", tokenizer=None,
+                 activation_budget="5", vllm_venv=None, serve=False, bench=None, perf_workload=None, quality_runs=2, quality_max_tokens=8,
+                 quality_categories=None)
+    options = _pipeline_options(**flags, device="cpu")
+    assert isinstance(options, PipelineOptions)
+    assert (options.calibration.device, options.calibration.activation_budget_bytes) == ("cpu", 5)
+    assert (options.fidelity.device, options.quantize.device) == ("cpu", "cpu")
     with pytest.raises(ConfigError) as caught:
-        PipelineOptions(recipe="nvfp4-experts", device="cuda")
-    assert caught.value.option in ("device", "calib_device")
+        _pipeline_options(**flags, device="cuda")
+    assert caught.value.option == "calibration.device"
 
 
 def _app() -> typer.Typer:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from fp4forge.calibrate.gptq import GptqOptions, gptq_weights
+from fp4forge.quantize.gptq import GptqOptions, gptq_weights
 from fp4forge.calibrate.run import CalibrationOptions, calibration_samples
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.reader import open_checkpoint
@@ -133,7 +133,7 @@ def test_fallback_rtn_below_min_tokens_and_all_experts_policy(moe: Path) -> None
 def test_bad_gptq_options_are_named_errors() -> None:
     with pytest.raises(ConfigError) as err:
         GptqOptions(expert_hessian="some")
-    assert err.value.option == "gptq_expert_hessian"
+    assert err.value.option == "expert_hessian"
     with pytest.raises(ConfigError):
         GptqOptions(fallback="zero")
     with pytest.raises(ConfigError):

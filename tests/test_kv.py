@@ -165,7 +165,7 @@ def test_kv_calibrate_refuses_a_checkpoint_with_kv_scales_before_calibrating(
     calls: list[Path] = []
     monkeypatch.setattr(calibrate_run, "calibrate_to_file", lambda source, *args, **kwargs: calls.append(source))
     with pytest.raises(ConfigError, match="already carries KV scales"):
-        kv.calibrate_kv(laguna, exported, calibration=CalibrationOptions(samples=2, seq_len=16))
+        kv.calibrate_kv(laguna, exported, kv.KvOptions(calibration=CalibrationOptions(samples=2, seq_len=16)))
     assert calls == []  # no calibration was started
     assert {p.name: p.read_bytes() for p in exported.iterdir()} == before  # nothing written, no stats left beside it
     assert not list(tmp_path.glob(".*kv-stats*"))

@@ -21,13 +21,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from fp4forge.calibrate.run import CalibrationOptions
 from fp4forge.errors import ConfigError
+from fp4forge.fidelity.evaluate import FidelityOptions
+from fp4forge.quantize.job import QuantizeJob
 from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
 from fp4forge.pipeline.steps import STEPS
 from fp4forge.serve.recommend import cpu_has_fp8_kv
 
 RECIPE = "nvfp4-experts-fp8-attn"
-SMALL = PipelineOptions(recipe=RECIPE, calib_samples=4, calib_seq_len=64, fidelity_samples=2, fidelity_seq_len=64)
+SMALL = PipelineOptions(quantize=QuantizeJob(recipe=RECIPE), calibration=CalibrationOptions(samples=4, seq_len=64),
+                        fidelity=FidelityOptions(samples=2, seq_len=64))
 LOCAL_STEPS = ["calibrate", "quantize", "kv", "audit", "bytes", "fidelity", "serve-cmd", "card"]
 OFF_STEPS = ["diff", "serve", "perf", "quality", "quality-teacher"]
 FP4FORGE = str(Path(sys.executable).with_name("fp4forge"))  # the installed command, as people run it
@@ -101,7 +105,7 @@ def test_rerun_skips_every_step_and_touches_nothing(first_run: Path, model: Path
 def test_a_changed_option_redoes_only_the_steps_that_depend_on_it(first_run: Path, model: Path) -> None:
     fidelity = first_run / "reports" / "fidelity.json"
     ckpt_before = stamp(first_run / "model.safetensors")
-    run_pipeline(model, first_run, replace(SMALL, fidelity_samples=3))
+    run_pipeline(model, first_run, replace(SMALL, fidelity=replace(SMALL.fidelity, samples=3)))
     state = statuses(first_run)
     assert state["fidelity"] == "done" and state["card"] == "done"
     assert all(state[n] == "skipped" for n in ("calibrate", "quantize", "kv", "audit", "bytes", "serve-cmd"))
@@ -113,7 +117,7 @@ def test_an_edited_artifact_is_redone(first_run: Path, model: Path) -> None:
     byte_doc = first_run / "reports" / "bytes.json"
     original = byte_doc.read_text()
     byte_doc.write_text(original.replace('"laguna"', '"tampered"'))
-    run_pipeline(model, first_run, replace(SMALL, fidelity_samples=3))
+    run_pipeline(model, first_run, replace(SMALL, fidelity=replace(SMALL.fidelity, samples=3)))
     state = statuses(first_run)
     assert state["bytes"] == "done" and state["quantize"] == "skipped"
     assert byte_doc.read_text() == original
@@ -125,7 +129,7 @@ def test_a_failed_step_stops_the_run_and_a_fixed_rerun_resumes_after_it(model: P
     out = tmp_path / "out"
     # More held-out tokens than the built-in corpus has: fidelity (step 7) fails, after the export.
     with pytest.raises(PipelineFailed, match="fidelity"):
-        run_pipeline(model, out, replace(SMALL, fidelity_samples=100_000))
+        run_pipeline(model, out, replace(SMALL, fidelity=replace(SMALL.fidelity, samples=100_000)))
     state = statuses(out)
     assert state["fidelity"] == "failed" and state["card"] == "pending"
     assert all(state[n] == "done" for n in ("calibrate", "quantize", "kv", "audit", "bytes"))
@@ -201,10 +205,10 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, mode
 def test_steps_table_is_consistent() -> None:
     """Every key input names something the key function knows; artifacts are under reports/ or the checkpoint."""
     known = {"src", "checkpoint", "recipe", "sibling", "vllm", "calibration-stats.safetensors", "quality"}
-    fields = set(PipelineOptions.__dataclass_fields__)
     for step in STEPS:
         assert set(step.inputs) <= known, step.name
-        assert set(step.params) <= fields, step.name
+        assert all(SMALL.has_option(param) for param in step.params), step.name
+        assert not step.options or SMALL.has_option(step.options), step.name
         assert all(a == "." or a.startswith("reports/") for a in step.artifacts), step.name
     assert len({s.name for s in STEPS}) == len(STEPS)
 
@@ -215,7 +219,7 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     its log, bench perf and two quality runs measure it, and the card has every section."""
     out = tmp_path / "served"
     options = replace(SMALL, serve=True, vllm_venv=vllm_venv, bench=("perf", "quality"), quality_teacher=True,
-                      quality_categories=("restraint", "missing_tool"), quality_max_tokens=32)
+                      quality_categories=("restraint", "missing_tool"), quality=replace(SMALL.quality, max_tokens=32))
     events = []
     manifest = run_pipeline(model, out, options, on_event=events.append)
     assert manifest.status == "complete"

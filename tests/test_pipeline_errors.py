@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fp4forge.errors import ConfigError, ExitCode
+from fp4forge.calibrate.run import CalibrationOptions
+from fp4forge.errors import ExitCode
+from fp4forge.quantize.job import QuantizeJob
 from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
 
 RECIPE = "nvfp4-experts-fp8-attn"
@@ -39,19 +41,10 @@ def no_chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model
 
 
-def test_library_options_are_checked_under_their_pipeline_names() -> None:
-    with pytest.raises(ConfigError) as refused:
-        PipelineOptions(recipe=RECIPE, calib_policy="everything")
-    assert refused.value.option == "calib_policy" and not FLAG.search(str(refused.value))
-    with pytest.raises(ConfigError) as refused:
-        PipelineOptions(recipe=RECIPE, calib_samples=0)
-    assert refused.value.option == "calib_samples"
-
-
 def test_a_failed_step_names_the_pipeline_option_not_another_commands_flag(no_chat_template: Path, tmp_path: Path) -> None:
     with pytest.raises(PipelineFailed) as failed:
-        run_pipeline(no_chat_template, tmp_path / "lib", PipelineOptions(recipe=RECIPE, calib_samples=2, calib_seq_len=32))
-    assert "chat template" in str(failed.value) and failed.value.option == "calib_text"
+        run_pipeline(no_chat_template, tmp_path / "lib", PipelineOptions(quantize=QuantizeJob(recipe=RECIPE), calibration=CalibrationOptions(samples=2, seq_len=32)))
+    assert "chat template" in str(failed.value) and failed.value.option == "calibration.text_files"
     assert not FLAG.search(str(failed.value))
 
     proc = subprocess.run([sys.executable, "-m", "fp4forge.cli", "pipeline", str(no_chat_template), str(tmp_path / "cli"),

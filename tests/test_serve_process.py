@@ -12,6 +12,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+import fp4forge
 from fp4forge.cli import serve as cli_serve
 from fp4forge.errors import ServeError
 from fp4forge.serve.process import ServeRecord, read_records, serve_down, serve_up, write_record
@@ -95,7 +96,7 @@ def test_cli_down_needs_a_name(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["serve", "down", "--state-dir", str(tmp_path)])
     assert result.exit_code == 2
     result = CliRunner().invoke(app, ["serve", "down", "--all", "--state-dir", str(tmp_path), "--json"])
-    assert result.exit_code == 0 and json.loads(result.stdout) == {"stopped": []}
+    assert result.exit_code == 0 and json.loads(result.stdout) == {"fp4forge_version": fp4forge.__version__, "stopped": []}
 
 
 @pytest.mark.slow

@@ -15,16 +15,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+# The jobs' options (light modules: importing them loads no torch), under the package's name too.
+from fp4forge.calibrate.options import CalibrationOptions
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.model.samples import SampleOptions
+from fp4forge.quantize.job import GptqOptions, QuantizeJob
+
 if TYPE_CHECKING:
     from fp4forge.audit.byte_table import ByteTable
     from fp4forge.audit.diff import DiffReport
     from fp4forge.audit.findings import AuditReport
-    from fp4forge.fidelity.evaluate import FidelityOptions, FidelityReport
-    from fp4forge.calibrate.run import CalibrationOptions
+    from fp4forge.fidelity.evaluate import FidelityReport
     from fp4forge.checkpoint.reader import Checkpoint
-    from fp4forge.quantize.export import ExportSummary
+    from fp4forge.quantize.job import QuantizeResult
 
-__all__ = ["audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint"]
+OPTIONS = ("CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
+__all__ = ["audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint",
+           "quantize_checkpoint", *OPTIONS]
 
 Progress = Callable[[int, int, str], None]
 
@@ -52,32 +59,15 @@ def audit_checkpoint(
     return _audit(location, deep=deep, fmt=fmt, vllm_version=vllm_version or DEFAULT_VLLM_VERSION, trust_remote_code=trust_remote_code)
 
 
-def quantize_checkpoint(
-    src: str | Path,
-    out: str | Path,
-    recipe: str | Path,
-    *,
-    layout_format: Literal["compressed-tensors", "modelopt"] = "compressed-tensors",
-    stats: str | Path | None = None,
-    act_scales: str | None = None,
-    block_scales: Literal["minmax", "four_over_six", "mse"] = "minmax",
-    max_shard_bytes: int | None = None,
-    progress: Progress | None = None,
-) -> ExportSummary:
-    """Quantize the BF16 checkpoint ``src`` into the new directory ``out`` by ``recipe`` (a built-in
-    name or a .toml file). ``stats``: a statistics file from :func:`calibrate`; ``act_scales``:
-    ``"constant:AMAX"`` instead (recorded as uncalibrated)."""
-    from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
-    from fp4forge.quantize.act_scales import parse_act_scales
-    from fp4forge.quantize.export import QuantizeOptions
-    from fp4forge.quantize.export import quantize_checkpoint as _quantize
-    from fp4forge.quantize.recipe import load_recipe
+def quantize_checkpoint(src: str | Path, out: str | Path, job: QuantizeJob, *, progress: Progress | None = None) -> QuantizeResult:
+    """The quantize job, as ``fp4forge quantize`` runs it: the BF16 checkpoint ``src`` into the new
+    directory ``out``. ``job``: a :class:`QuantizeJob` (a recipe, a built-in name or a .toml file;
+    ``stats=`` a statistics file from :func:`calibrate_checkpoint`, or ``act_scales="constant:AMAX"``;
+    layout, block scales, device, threads, ``method="gptq"`` with ``gptq=GptqOptions(...)``).
+    ``result.export`` is the export's summary, ``result.gptq`` GPTQ's (or None)."""
+    from fp4forge.quantize.job import run_quantize
 
-    options = QuantizeOptions(
-        recipe=load_recipe(recipe), layout_format=layout_format, block_scales=block_scales,
-        act_amax=parse_act_scales(act_scales, stats), max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
-    )
-    return _quantize(src, out, options, progress=progress)
+    return run_quantize(src, out, job, progress=progress)
 
 
 def calibrate_checkpoint(
@@ -90,7 +80,7 @@ def calibrate_checkpoint(
     """Activation and KV amax of the BF16 checkpoint ``src``, layer-streamed, written to the
     statistics file ``stats_out`` (what :func:`quantize_checkpoint`'s ``stats`` reads); returns
     its summary (tensors, tokens, seconds, experts that saw no token...)."""
-    from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+    from fp4forge.calibrate.run import calibrate_to_file
 
     return calibrate_to_file(src, stats_out, options or CalibrationOptions(), progress=progress)
 
@@ -119,6 +109,6 @@ def measure_fidelity(
     progress: Progress | None = None,
 ) -> FidelityReport:
     """KL, top-1 agreement and perplexity of the quantized ``student`` against its BF16 ``teacher``."""
-    from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
+    from fp4forge.fidelity.evaluate import evaluate
 
     return evaluate(teacher, student, options or FidelityOptions(), progress=progress)

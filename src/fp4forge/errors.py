@@ -25,6 +25,9 @@ code  name                     meaning
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
 from enum import IntEnum
 
 
@@ -191,6 +194,22 @@ def require_choice(value: object, choices: tuple, option: str) -> None:
     ``typing.get_args`` of the option's ``Literal``)."""
     if value not in choices:
         raise ConfigError(f"unknown value {value!r}: choose one of {', '.join(map(str, choices))}", option=option)
+
+
+@contextmanager
+def option_path(prefix: str, options: type | Iterable[str]) -> Iterator[None]:
+    """Errors raised inside about one of ``options`` (a dataclass, or field names) name it by its
+    dotted path under ``prefix`` (``numerics`` -> ``fidelity.numerics``): how a job nested in
+    another's options (the pipeline's, the quantize job's GPTQ) says which option it means."""
+    names = {f.name for f in fields(options)} if isinstance(options, type) else set(options)
+    try:
+        yield
+    except Fp4forgeError as error:
+        if error.option and error.option.split(".")[0] in names:
+            error.option = f"{prefix}.{error.option}"
+        raise
+
+
 class EndpointError(Fp4forgeError):
     """An OpenAI-compatible server could not be reached or did not answer as one.
 

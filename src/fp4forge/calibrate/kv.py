@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.checkpoint.atomic import StagedFiles, atomic_output_dir, staged_files
 from fp4forge.checkpoint.declarations import CT, MODELOPT, read_declaration
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON, INDEX_JSON, KV_SCALES_SAFETENSORS, PROVENANCE_JSON, natural_key
@@ -112,40 +113,43 @@ def is_stats_file(path: str | Path) -> bool:
     return Path(path).is_file() and Path(path).suffix == ".safetensors"
 
 
-def calibrate_kv(
-    source: str | Path,
-    into: str | Path,
-    *,
-    layout_format: str | None = None,
-    per_head: bool = False,
-    calibration: Any = None,
-    progress: Any = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class KvOptions:
+    """The kv calibrate job's options: ``layout_format`` is needed only when the checkpoint
+    declares no quantization yet; ``calibration`` runs when the source is a BF16 checkpoint."""
+
+    layout_format: str | None = None
+    per_head: bool = False  # one scale per KV head (compressed-tensors attn_head)
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+
+    def __post_init__(self) -> None:
+        if self.layout_format is not None:
+            require_choice(self.layout_format, LAYOUTS, "layout_format")
+
+
+def calibrate_kv(source: str | Path, into: str | Path, options: KvOptions = KvOptions(), *, progress: Any = None) -> dict[str, Any]:
     """Compute k/v scales (amax / 448) and install them into the checkpoint ``into``.
 
-    ``source``: a statistics file, or the BF16 checkpoint to calibrate now (with ``calibration``,
-    a ``CalibrationOptions``; its statistics go to a temporary file beside ``into`` and are
-    removed). ``layout_format``: needed only when ``into`` declares no quantization yet.
-    Returns the provenance entry written to ``fp4forge.json``."""
-    if layout_format is not None:
-        require_choice(layout_format, LAYOUTS, "layout_format")
+    ``source``: a statistics file, or the BF16 checkpoint to calibrate now (with
+    ``options.calibration``; its statistics go to a temporary file beside ``into`` and are
+    removed). Returns the provenance entry written to ``fp4forge.json``."""
     source, into = Path(source), Path(into)
     # Everything that would refuse the install is checked before a calibration is spent on it.
-    _, _, layers = install_target(into, layout_format)
+    _, _, layers = install_target(into, options.layout_format)
     stats_path = source
     if not is_stats_file(source):
-        from fp4forge.calibrate.run import CalibrationOptions, calibrate_to_file
+        from fp4forge.calibrate.run import calibrate_to_file
 
         stats_path = into.parent / f".{into.name}.kv-stats.safetensors"
-        calibrate_to_file(source, stats_path, calibration or CalibrationOptions(), progress=progress)
+        calibrate_to_file(source, stats_path, options.calibration, progress=progress)
 
     def install() -> dict[str, Any]:
         try:
-            scales = scales_from_stats(stats_path, layers, per_head=per_head)
+            scales = scales_from_stats(stats_path, layers, per_head=options.per_head)
         finally:
             if stats_path != source:
                 stats_path.unlink(missing_ok=True)
-        return install_kv_scales(into, scales, layout_format)
+        return install_kv_scales(into, scales, options.layout_format)
 
     # Under a launcher every rank calibrated its share; rank 0 alone writes into the checkpoint.
     return current_ranks().on_main(install, "installing the KV scales")

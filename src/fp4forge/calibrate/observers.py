@@ -35,8 +35,7 @@ from fp4forge.model.hooks import KVCacheTap, apply_gate, check_fused_experts, in
 from fp4forge.model.distributed import Ranks
 from fp4forge.model.streaming import WeightPlan
 from fp4forge.errors import ConfigError
-
-POLICIES = ("routed", "all-experts")
+from fp4forge.calibrate.options import POLICIES  # re-exported: the observers cover these
 
 
 class AmaxTable:

@@ -14,27 +14,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
 from fp4forge import __version__
-from fp4forge.model.samples import Samples, load_samples, load_tokenizer
-from fp4forge.calibrate.observers import POLICIES, CalibrationObserver
+from fp4forge.model.samples import SampleOptions, Samples, samples_for
+from fp4forge.calibrate.observers import CalibrationObserver
+from fp4forge.calibrate.options import POLICIES, CalibrationOptions
 from fp4forge.model import distributed
 from fp4forge.model.device import is_cuda, resolve_device
-from fp4forge.model.streaming import (
-    DEFAULT_RAM_BUDGET_BYTES,
-    ActivationStore,
-    LayerCall,
-    SpillSpace,
-    StreamedModel,
-    build_weight_plan,
-    call_layer,
-)
-from fp4forge.checkpoint.declarations import detect_format
+from fp4forge.model.streaming import ActivationStore, SpillSpace, StreamedModel, build_weight_plan, check_bf16_source, embed_batches, run_layer
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.errors import ConfigError, require_choice
+from fp4forge.errors import ConfigError
 
 __all__ = [
     "POLICIES",
@@ -47,33 +39,6 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int, str], None] | None
-Policy = Literal["routed", "all-experts"]  # the MoE coverage of observers.POLICIES
-assert get_args(Policy) == POLICIES
-
-
-@dataclass(frozen=True)
-class CalibrationOptions:
-    samples: int = 64
-    seq_len: int = 512
-    batch_size: int = 4
-    policy: Policy = "routed"
-    text_files: tuple[Path, ...] = ()
-    builtin_corpus: bool = True
-    tokenizer: Path | None = None  # default: the checkpoint directory
-    ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
-    spill_dir: Path | None = None
-    device: str | None = None  # None/"auto": CUDA when available, else CPU (model.device)
-    activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
-    prefetch: bool = True  # read the next layer on a background thread (same results)
-
-    def __post_init__(self) -> None:
-        require_choice(self.policy, POLICIES, "policy")
-        resolve_device(self.device)  # a bad or unavailable device fails here, by name
-        if self.activation_budget_bytes is not None and self.activation_budget_bytes < 0:
-            raise ConfigError(f"must be at least 0, got {self.activation_budget_bytes}", option="activation_budget_bytes")
-        for option, least in (("samples", 1), ("seq_len", 2), ("batch_size", 1)):
-            if getattr(self, option) < least:
-                raise ConfigError(f"must be at least {least}, got {getattr(self, option)}", option=option)
 
 
 @dataclass
@@ -115,20 +80,8 @@ class CalibrationResult:
         }
 
 
-def _check_source(ckpt: Checkpoint) -> None:
-    if ckpt.config is None:
-        raise ConfigError("checkpoint has no config.json", file=ckpt.display)
-    if detect_format(ckpt.config, ckpt.extra_json) is not None:
-        raise ConfigError("calibrate the BF16 source checkpoint, not a quantized one", file=ckpt.display)
-
-
-def calibration_samples(ckpt: Checkpoint, options: CalibrationOptions, split: str = "calibration") -> Samples:
-    root = getattr(ckpt.source, "root", None)
-    tokenizer_dir = options.tokenizer or root
-    if tokenizer_dir is None:
-        raise ConfigError("a remote checkpoint needs a tokenizer directory", file=ckpt.display, option="tokenizer")
-    tokenizer = load_tokenizer(tokenizer_dir)
-    return load_samples(tokenizer, samples=options.samples, seq_len=options.seq_len, text_files=options.text_files, split=split, builtin=options.builtin_corpus)
+def calibration_samples(ckpt: Checkpoint, options: SampleOptions, split: str = "calibration") -> Samples:
+    return samples_for(options, ckpt, split=split)
 
 
 def _metadata(ckpt: Checkpoint, samples: Samples, options: CalibrationOptions, observed: dict[str, Any], mode: str) -> dict[str, Any]:
@@ -153,7 +106,7 @@ def calibrate_checkpoint(
     """Run the samples through the model layer by layer and return its statistics."""
     started = time.perf_counter()
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
-    _check_source(ckpt)
+    check_bf16_source(ckpt)
     samples = samples or calibration_samples(ckpt, options)
     device = resolve_device(options.device)
     if is_cuda(device):
@@ -167,32 +120,9 @@ def calibrate_checkpoint(
     ranks.require_share(len(all_batches), "calibration batches", option="samples")
     batches = ranks.share(all_batches)
     progress = progress if ranks.is_main else None
-    timings: dict[str, float] = {}
     total = streamed.num_layers + 2
     try:
-        mark = time.perf_counter()
-        store, calls = _embed(streamed, batches, space)
-        timings["embedding"] = time.perf_counter() - mark
-        for index in range(streamed.num_layers):
-            if progress:
-                progress(index + 1, total, f"layer {index + 1}/{streamed.num_layers}")
-            mark = time.perf_counter()
-            with streamed.layer(index) as layer:
-                loaded = time.perf_counter()
-                detach = observer.attach(layer, streamed.layer_prefix(index))
-                try:
-                    store = _run_layer(layer, index, store, batches, calls, space)
-                finally:
-                    detach()
-            timings[f"layer.{index}.load"] = loaded - mark  # materialising from the checkpoint
-            timings[f"layer.{index}.run"] = time.perf_counter() - loaded  # every batch through it
-        mark = time.perf_counter()
-        head = streamed.plan.disk_module(streamed.head_name)
-        with streamed.final_norm() as norm:
-            for number, ids in enumerate(batches):
-                observer.observe_head_input(head, norm(store.get(number)))
-                store.drop(number)
-        timings["head"] = time.perf_counter() - mark
+        timings = _observe_layers(streamed, observer, batches, space, progress, total)
     except BaseException:
         ranks.fail("calibration")
         raise
@@ -218,6 +148,37 @@ def calibrate_checkpoint(
     )
 
 
+def _observe_layers(streamed: StreamedModel, observer: CalibrationObserver, batches: list[torch.Tensor], space: SpillSpace,
+                    progress: Progress, total: int) -> dict[str, float]:
+    """Every batch through every layer with the observers attached, then the head's inputs; the
+    seconds each part took."""
+    timings: dict[str, float] = {}
+    mark = time.perf_counter()
+    store, calls = embed_batches(streamed, batches, space)
+    timings["embedding"] = time.perf_counter() - mark
+    for index in range(streamed.num_layers):
+        if progress:
+            progress(index + 1, total, f"layer {index + 1}/{streamed.num_layers}")
+        mark = time.perf_counter()
+        with streamed.layer(index) as layer:
+            loaded = time.perf_counter()
+            detach = observer.attach(layer, streamed.layer_prefix(index))
+            try:
+                store = run_layer(layer, index, store, batches, calls, ActivationStore(space, f"layer{index}"))
+            finally:
+                detach()
+        timings[f"layer.{index}.load"] = loaded - mark  # materialising from the checkpoint
+        timings[f"layer.{index}.run"] = time.perf_counter() - loaded  # every batch through it
+    mark = time.perf_counter()
+    head = streamed.plan.disk_module(streamed.head_name)
+    with streamed.final_norm() as norm:
+        for number in range(len(batches)):
+            observer.observe_head_input(head, norm(store.get(number)))
+            store.drop(number)
+    timings["head"] = time.perf_counter() - mark
+    return timings
+
+
 def calibrate_to_file(
     src: str | Path | Checkpoint,
     stats_out: str | Path,
@@ -234,26 +195,6 @@ def calibrate_to_file(
     return {"statistics": str(stats_out), **result.summary()}
 
 
-def _embed(streamed: StreamedModel, batches: list[torch.Tensor], space: SpillSpace) -> tuple[ActivationStore, dict[tuple[int, ...], list[LayerCall]]]:
-    """Layer 0's inputs for every batch, and how each layer is called per batch shape."""
-    store = ActivationStore(space, "in")
-    calls: dict[tuple[int, ...], list[LayerCall]] = {}
-    with streamed.embedding():
-        for number, ids in enumerate(batches):
-            hidden, layer_calls = streamed.prologue(ids)
-            calls.setdefault(tuple(ids.shape), layer_calls)  # unpadded: the same for every batch of a shape
-            store.put(number, hidden)
-    return store, calls
-
-
-def _run_layer(layer: torch.nn.Module, index: int, store: ActivationStore, batches: list[torch.Tensor], calls: dict[tuple[int, ...], list[LayerCall]], space: SpillSpace) -> ActivationStore:
-    out = ActivationStore(space, f"layer{index}")
-    for number, ids in enumerate(batches):
-        out.put(number, call_layer(layer, store.get(number), calls[tuple(ids.shape)][index]))
-        store.drop(number)
-    return out
-
-
 @torch.inference_mode()
 def calibrate_in_memory(
     src: str | Path | Checkpoint,
@@ -267,7 +208,7 @@ def calibrate_in_memory(
 
     started = time.perf_counter()
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
-    _check_source(ckpt)
+    check_bf16_source(ckpt)
     samples = samples or calibration_samples(ckpt, options)
     root = getattr(ckpt.source, "root", None)
     if root is None:

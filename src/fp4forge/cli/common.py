@@ -25,6 +25,13 @@ FLAG_SPELLING = {
     "ready_timeout_s": "--timeout",
     "activation_budget_bytes": "--activation-budget",
     "workers": "--threads",
+    # the exporter's activation amax: from a statistics file or an explicit constant
+    "act_amax": "--stats / --act-scales",
+    # the frontier's and the study's options
+    "int_groups": "--groups",
+    "fidelity_samples": "--samples",
+    "fidelity_seq_len": "--seq-len",
+    "calibration_text_files": "--calibration-text",
 }
 
 BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
@@ -48,8 +55,27 @@ def parse_bytes(text: str | None, option: str) -> int | None:
 
 
 def flag_for(option: str) -> str:
-    """How the command line spells the library option ``option`` (``stats`` -> ``--stats``)."""
-    return FLAG_SPELLING.get(option, "--" + option.replace("_", "-"))
+    """How the command line spells the library option ``option`` (``stats`` -> ``--stats``,
+    ``gptq.damp`` -> ``--gptq-damp``); an option a command already spelled (``spelled``) stays."""
+    if option.startswith("--"):
+        return option
+    return FLAG_SPELLING.get(option, "--" + option.replace("_", "-").replace(".", "-"))
+
+
+@contextmanager
+def spelled(flags: dict[str, str] | Callable[[str], str]) -> Iterator[None]:
+    """Errors raised inside name their option by this command's own flag: ``flags`` maps an
+    option path to it where it differs from the usual spelling (``flag_for``), or spells any."""
+    try:
+        yield
+    except Fp4forgeError as error:
+        if not error.option:
+            raise
+        if callable(flags):
+            error.option = flags(error.option)
+        elif error.option in flags:
+            error.option = flags[error.option]  # type: ignore[index]
+        raise
 
 
 def error_text(error: object) -> str:
@@ -58,8 +84,10 @@ def error_text(error: object) -> str:
 
 
 def emit_json(doc: object) -> None:
-    """The command's one JSON document on stdout."""
-    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    """The command's one JSON document on stdout (an object says which fp4forge made it)."""
+    from fp4forge import versioned
+
+    sys.stdout.write(json.dumps(versioned(doc) if isinstance(doc, dict) else doc, indent=2) + "\n")
 
 
 def console(stderr: bool = False) -> Any:

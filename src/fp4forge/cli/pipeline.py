@@ -21,8 +21,12 @@ import typer
 
 from fp4forge.cli.common import console as _console
 from fp4forge.cli.common import emit_json as _emit
-from fp4forge.cli.common import error_text, fail, parse_bytes
+from fp4forge.cli.common import error_text, fail, spelled
 from fp4forge.errors import ExitCode, Fp4forgeError
+from fp4forge.calibrate.options import CalibrationOptions
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.pipeline.steps import PIPELINE_PERF_WORKLOAD, PIPELINE_QUALITY, PipelineOptions
+from fp4forge.quantize.job import QuantizeJob
 
 DEFAULT_VLLM_VENV = Path(".venv-vllm")
 STATUS_STYLE = {"done": "green", "skipped": "cyan", "failed": "red", "interrupted": "red", "off": "dim", "running": "yellow", "pending": "dim"}
@@ -139,50 +143,71 @@ def _csv(text: Optional[str]) -> tuple[str, ...]:
     return tuple(part.strip() for part in (text or "").split(",") if part.strip())
 
 
+# The nested options whose flags carry a prefix (``calibration.samples`` -> ``--calib-samples``).
+PREFIXES = {"calibration": "--calib-", "fidelity": "--fidelity-", "perf": "--perf-", "quality": "--quality-", "quantize": "--"}
+SHARED = {"tokenizer": "--tokenizer", "device": "--device", "activation_budget_bytes": "--activation-budget"}
+
+
+def pipeline_flag(option: str) -> str:
+    """How `fp4forge pipeline` spells an option path of ``PipelineOptions``."""
+    from fp4forge.cli.common import flag_for
+
+    group, dot, name = option.partition(".")
+    if not dot or group not in PREFIXES:
+        return flag_for(option)
+    if name in SHARED:  # one flag sets it for every step
+        return SHARED[name]
+    if name == "text_files":
+        return PREFIXES[group] + "text"
+    if group == "quantize":
+        return flag_for(name)
+    return PREFIXES[group] + name.replace("_", "-")
+
+
 def pipeline_command(
     src: Path = typer.Argument(..., metavar="SRC", help="BF16 checkpoint directory."),
     out: Path = typer.Argument(..., metavar="OUT", help="Output: the servable checkpoint, its reports/ and README.md (the card)."),
     recipe: str = typer.Option(..., "--recipe", help="Built-in recipe name or a recipe .toml file."),
-    layout_format: str = typer.Option("compressed-tensors", "--format", help="compressed-tensors | modelopt"),
-    calib_samples: int = typer.Option(16, "--calib-samples", min=1, help="Calibration samples."),
-    calib_seq_len: int = typer.Option(256, "--calib-seq-len", min=2, help="Tokens per calibration sample."),
+    layout_format: str = typer.Option(QuantizeJob.layout_format, "--format", help="compressed-tensors | modelopt"),
+    block_scales: str = typer.Option(QuantizeJob.block_scales, "--block-scales", help="minmax (identical to the references) | four_over_six | mse"),
+    calib_samples: int = typer.Option(CalibrationOptions.samples, "--calib-samples", help="Calibration samples."),
+    calib_seq_len: int = typer.Option(CalibrationOptions.seq_len, "--calib-seq-len", help="Tokens per calibration sample."),
     calib_text: list[Path] = typer.Option([], "--calib-text", help="Extra calibration text (.jsonl or plain); repeatable."),
-    fidelity_samples: int = typer.Option(16, "--fidelity-samples", min=1),
-    fidelity_seq_len: int = typer.Option(256, "--fidelity-seq-len", min=2),
+    fidelity_samples: int = typer.Option(FidelityOptions.samples, "--fidelity-samples", help="Held-out samples."),
+    fidelity_seq_len: int = typer.Option(FidelityOptions.seq_len, "--fidelity-seq-len", help="Tokens per held-out sample."),
     fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),
+    fidelity_numerics: str = typer.Option(FidelityOptions.numerics, "--fidelity-numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Tokenizer directory for calibration and fidelity (default: SRC's)."),
     device: Optional[str] = typer.Option(None, "--device", help="Calibrate, quantize and fidelity on: auto (CUDA when available, else CPU) | cpu | cuda | cuda:N."),
     activation_budget: Optional[str] = typer.Option(None, "--activation-budget", help="Activations kept on the device, e.g. 8GiB (default: 8GiB on CUDA, 0 on CPU)."),
-    hardware: str = typer.Option("gb10", "--hardware", help="Target of the card's serve line: gb10 | b200 | h100 | h200 | cpu."),
+    hardware: str = typer.Option(PipelineOptions.hardware, "--hardware", help="Target of the card's serve line: gb10 | b200 | h100 | h200 | cpu."),
     vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM version of the serve line and audit."),
     sibling: Optional[Path] = typer.Option(None, "--sibling", help="Another checkpoint of the same model to diff against."),
-    serve: bool = typer.Option(False, "--serve", help="Serve OUT here with vLLM (CPU: with the fp4forge-vllm plugin) and read its log."),
+    serve: bool = typer.Option(PipelineOptions.serve, "--serve", help="Serve OUT here with vLLM (CPU: with the fp4forge-vllm plugin) and read its log."),
+    serve_hardware: str = typer.Option(PipelineOptions.serve_hardware, "--serve-hardware", help="What --serve runs on here: cpu (vLLM CPU with the fp4forge-vllm plugin) | gb10 | b200 | h100 | h200."),
     vllm_venv: Optional[Path] = typer.Option(None, "--vllm-venv", help="vLLM venv (default $FP4FORGE_VLLM_VENV, else .venv-vllm)."),
     bench: Optional[str] = typer.Option(None, "--bench", help="With --serve: perf, quality or perf,quality."),
-    perf_workload: str = typer.Option("cpu-tiny", "--perf-workload", help="Workload of bench perf (workloads.toml)."),
-    quality_runs: int = typer.Option(2, "--quality-runs", min=1, help="Suite runs; 2+ measures the noise floor."),
-    quality_max_tokens: int = typer.Option(128, "--quality-max-tokens", min=1, help="Per turn: reasoning, then the answer."),
+    perf_workload: Optional[str] = typer.Option(None, "--perf-workload", help=f"Workload of bench perf (workloads.toml; default {PIPELINE_PERF_WORKLOAD})."),
+    quality_runs: int = typer.Option(PIPELINE_QUALITY["runs"], "--quality-runs", help="Suite runs; 2+ measures the noise floor."),
+    quality_max_tokens: int = typer.Option(PIPELINE_QUALITY["max_tokens"], "--quality-max-tokens", help="Per turn: reasoning, then the answer."),
     quality_categories: Optional[str] = typer.Option(None, "--quality-categories", help="Comma-separated categories (default: all)."),
-    quality_teacher: bool = typer.Option(False, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
-    quality_allow_unreadable: bool = typer.Option(False, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
-    base_model: Optional[str] = typer.Option(None, "--base-model", metavar="REPO_ID", help="The Hub repository SRC is, for the card's front matter (default: what SRC says)."),
+    quality_teacher: bool = typer.Option(PipelineOptions.quality_teacher, "--quality-teacher", help="Also run the suite on the BF16 teacher (SRC) and compare the arms with paired tests."),
+    quality_allow_unreadable: bool = typer.Option(PipelineOptions.quality_allow_unreadable, "--quality-allow-unreadable", help="Score an arm even when most of its turns were cut at max tokens or held reasoning only (default: the card refuses and says why)."),
+    base_model: Optional[str] = typer.Option(PipelineOptions.base_model, "--base-model", metavar="REPO_ID", help="The Hub repository SRC is, for the card's front matter (default: what SRC says)."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest (reports/pipeline.json) as JSON."),
 ) -> None:
     """calibrate → quantize → KV check → audit → bytes → fidelity → (serve → bench) → card; resumable."""
-    from fp4forge.pipeline import PipelineFailed, PipelineOptions, run_pipeline
+    flags = dict(locals())  # every option by name: the options objects are made from them below
+    for positional_or_output in ("src", "out", "as_json"):
+        del flags[positional_or_output]
+    from fp4forge.pipeline import PipelineFailed, run_pipeline
 
-    venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))
     manifest_path = out / "reports" / "pipeline.json"
     try:
-        options = PipelineOptions(
-            recipe=recipe, layout_format=layout_format, calib_samples=calib_samples, calib_seq_len=calib_seq_len,
-            calib_text=tuple(calib_text), fidelity_samples=fidelity_samples, fidelity_seq_len=fidelity_seq_len,
-            fidelity_text=tuple(fidelity_text), device=device, activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"), hardware=hardware, vllm_version=vllm_version, sibling=sibling,
-            serve=serve, vllm_venv=venv.absolute() if serve else None, bench=_csv(bench), perf_workload=perf_workload,
-            quality_runs=quality_runs, quality_max_tokens=quality_max_tokens, quality_categories=_csv(quality_categories), quality_teacher=quality_teacher,
-            quality_allow_unreadable=quality_allow_unreadable, base_model=base_model,
-        )
-        with StepsView(enabled=not as_json) as view:
-            manifest = run_pipeline(src, out, options, on_event=view.update)
+        with spelled(pipeline_flag):
+            options = _pipeline_options(**flags)
+            with StepsView(enabled=not as_json) as view:
+                manifest = run_pipeline(src, out, options, on_event=view.update)
     except PipelineFailed as error:
         if as_json and manifest_path.is_file():
             _emit(json.loads(manifest_path.read_text()))
@@ -196,6 +221,34 @@ def pipeline_command(
         _emit(manifest.to_json())
     else:
         _console().print(f"[green]done[/green]: {out} (card {out / 'README.md'}, artifacts {out / 'reports'})")
+
+
+def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, calib_samples: int, calib_seq_len: int,
+                      calib_text: list[Path], fidelity_samples: int, fidelity_seq_len: int, fidelity_text: list[Path],
+                      fidelity_numerics: str, tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
+                      vllm_venv: Optional[Path], serve: bool, bench: Optional[str], perf_workload: Optional[str],
+                      quality_runs: int, quality_max_tokens: int, quality_categories: Optional[str], **pipeline: Any) -> Any:
+    """The flags as the nested options (each job's options check themselves when made)."""
+    from fp4forge.cli.calibrate import calibration_options, fidelity_options
+    from fp4forge.cli.quantize import quantize_job
+    from fp4forge.errors import option_path
+    from fp4forge.pipeline.steps import _pipeline_perf, _pipeline_quality
+
+    shared = dict(tokenizer=tokenizer, device=device, activation_budget=activation_budget)
+    with option_path("calibration", CalibrationOptions):
+        calibration = calibration_options(dict(samples=calib_samples, seq_len=calib_seq_len), text=calib_text, **shared)
+    with option_path("fidelity", FidelityOptions):
+        fidelity = fidelity_options(dict(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics), text=fidelity_text, **shared)
+    with option_path("quantize", QuantizeJob):
+        quantize = quantize_job({}, {}, recipe=recipe, layout_format=layout_format, block_scales=block_scales, device=device)
+    with option_path("perf", ("workload",)):
+        perf = _pipeline_perf(**({} if perf_workload is None else {"workload": perf_workload}))
+    with option_path("quality", ("runs", "max_tokens")):
+        quality = _pipeline_quality(runs=quality_runs, max_tokens=quality_max_tokens)
+    venv = vllm_venv or Path(os.environ.get("FP4FORGE_VLLM_VENV", DEFAULT_VLLM_VENV))
+    return PipelineOptions(quantize=quantize, calibration=calibration, fidelity=fidelity, perf=perf, quality=quality, serve=serve,
+                           vllm_venv=venv.absolute() if serve else None, bench=_csv(bench),
+                           quality_categories=_csv(quality_categories), **pipeline)
 
 
 def card_command(

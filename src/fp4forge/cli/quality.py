@@ -43,7 +43,8 @@ from fp4forge.quality.suite import load_suite
 from fp4forge.endpoint import Endpoint
 from fp4forge.quality.probes import MODES, determinism_probe, kl_probe, suite_sequences
 from fp4forge.quality.evaluate import run_and_score
-from fp4forge.quality.report import compare_document, score_document
+from fp4forge.quality.report import score_document
+from fp4forge.quality.stats import DEFAULT_ALPHA, DEFAULT_BOOTSTRAP
 from fp4forge.quality.answers import refusal_error
 from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript
 from fp4forge.report.quality_files import write_compare, write_determinism, write_kl, write_score
@@ -254,23 +255,21 @@ def compare_command(
     as_json: bool = typer.Option(False, "--json"),
     markdown: bool = typer.Option(False, "--markdown"),
     plots: bool = typer.Option(True, "--plots/--no-plots"),
-    alpha: float = typer.Option(0.05, "--alpha"),
-    bootstrap: int = typer.Option(10_000, "--bootstrap", min=100, help="Bootstrap resamples."),
+    alpha: float = typer.Option(DEFAULT_ALPHA, "--alpha"),
+    bootstrap: int = typer.Option(DEFAULT_BOOTSTRAP, "--bootstrap", help="Bootstrap resamples."),
     seed: int = typer.Option(0, "--seed", help="Bootstrap / permutation seed."),
     allow_unreadable: bool = typer.Option(False, "--allow-unreadable", help=ALLOW_UNREADABLE_HELP),
 ) -> None:
     """Compare two arms: noise floor, paired sign test / McNemar, bootstrap CI, flips, power, verdict."""
+    from fp4forge.quality.compare import CompareOptions, compare_runs
+
     if not runs_b:
         raise _fail("no arm B: write `quality compare A_RUNS... -- B_RUNS...`", as_json=as_json)
     try:
-        suite = load_suite()
-        results_a = [rescore_transcript(p, suite) for p in expand_transcripts(runs_a)]
-        results_b = [rescore_transcript(p, suite) for p in expand_transcripts(runs_b)]
-        if not results_a or not results_b:
-            raise _fail("an arm has no transcripts", as_json=as_json)
-        doc = compare_document(results_a, results_b, suite, alpha=alpha, n_boot=bootstrap, seed=seed, allow_unreadable=allow_unreadable)
+        options = CompareOptions(alpha=alpha, bootstrap=bootstrap, seed=seed, allow_unreadable=allow_unreadable)
+        doc = compare_runs(runs_a, runs_b, options)
     except (Fp4forgeError, OSError) as error:
-        raise _fail(str(error), as_json=as_json) from error
+        raise _fail(error, as_json=as_json) from error
     if out is not None:
         write_compare(doc, out, plots=plots)
     if as_json:

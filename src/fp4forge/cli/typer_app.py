@@ -39,6 +39,16 @@ class LazyCommands(TyperGroup):
 app = typer.Typer(cls=LazyCommands, no_args_is_help=True, add_completion=False, help="Make, prove and measure NVFP4 / FP8 MoE checkpoints.")
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from fp4forge import __version__
+
+        typer.echo(f"fp4forge {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", "-V", callback=_print_version, is_eager=True, help="Print fp4forge's version and exit."),
+) -> None:
     """Make, prove and measure NVFP4 / FP8 MoE checkpoints."""

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from fp4forge import __version__
 from fp4forge.model import distributed
-from fp4forge.model.samples import Samples, load_samples, load_tokenizer
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.model.samples import Samples, samples_for
 from fp4forge.model.hooks import (
     KVCacheTap,
     NoTap,
@@ -62,14 +63,7 @@ from fp4forge.model.hooks import (
     is_fused_experts,
 )
 from fp4forge.model.device import resolve_device
-from fp4forge.model.streaming import (
-    DEFAULT_RAM_BUDGET_BYTES,
-    ActivationStore,
-    LayerCall,
-    SpillSpace,
-    StreamedModel,
-    call_layer,
-)
+from fp4forge.model.streaming import ActivationStore, SpillSpace, StreamedModel, call_layer, embed_batches, layer_call, run_layer
 from fp4forge.checkpoint.declarations import detect_format, read_declaration
 from fp4forge.checkpoint.quantized import QuantizedCheckpoint, attention_layers, kv_layout
 from fp4forge.checkpoint.tensor_file import load_tensors, save_tensors
@@ -78,40 +72,8 @@ from fp4forge.errors import ConfigError
 from fp4forge.numerics.fp8 import fp8_activation_fake_quantizer, fp8_dynamic_fake_quantize, fp8_fake_quantize
 from fp4forge.numerics.nvfp4 import ct_global_scale_from_amax, nvfp4_activation_fake_quantizer, nvfp4_fake_quantize_activation
 
-NUMERICS = ("w4a4", "w4a16")
-MOE_INPUT_SCALES = ("global-max", "per-expert")
 ARCHITECTURE_KEYS = ("architectures", "model_type", "num_hidden_layers", "hidden_size", "vocab_size", "num_key_value_heads")
 Progress = Callable[[int, int, str], None] | None
-
-
-@dataclass(frozen=True)
-class FidelityOptions:
-    numerics: str = "w4a4"
-    samples: int = 16
-    seq_len: int = 256
-    batch_size: int = 4
-    text_files: tuple[Path, ...] = ()
-    builtin_corpus: bool = True
-    tokenizer: Path | None = None
-    teacher_cache: Path | None = None
-    top_k: int = 32
-    tail_samples: int = 32
-    seed: int = 0
-    moe_input_scale: str = "global-max"
-    ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
-    spill_dir: Path | None = None
-    device: str | None = None  # None/"auto": CUDA when available, else CPU
-    activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
-    # Accept a student that declares no quantization: a BF16 checkpoint whose weights were
-    # replaced by a format's round trip (the study's fake-quantized arms), run as stored.
-    dense_student: bool = False
-
-    def check(self) -> None:
-        resolve_device(self.device)
-        if self.numerics not in NUMERICS:
-            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}", option="numerics")
-        if self.moe_input_scale not in MOE_INPUT_SCALES:
-            raise ConfigError(f"MoE input scale must be one of {', '.join(MOE_INPUT_SCALES)}, got {self.moe_input_scale!r}", option="moe_input_scale")
 
 
 # -- activation fake-quantization ------------------------------------------------------------------
@@ -462,31 +424,41 @@ def _undo_all(steps: list[Callable[[], None]]) -> Callable[[], None]:
     return undo
 
 
-def _embed(streamed: StreamedModel, batches: list[Tensor], space: SpillSpace, name: str) -> tuple[ActivationStore, dict[tuple[int, ...], list[LayerCall]]]:
-    store = ActivationStore(space, name)
-    calls: dict[tuple[int, ...], list[LayerCall]] = {}
-    with streamed.embedding():
-        for number, ids in enumerate(batches):
-            hidden, layer_calls = streamed.prologue(ids)
-            calls.setdefault(tuple(ids.shape), layer_calls)
-            store.put(number, hidden)
-    return store, calls
-
-
-def _run(layer: nn.Module, index: int, store: ActivationStore, batches: list[Tensor], calls: dict, out: ActivationStore) -> None:
-    for number, ids in enumerate(batches):
-        out.put(number, call_layer(layer, store.get(number), calls[tuple(ids.shape)][index]))
+def _stream_layers(teacher: StreamedModel | None, student: StreamedModel, numerics: StudentNumerics, batches: list[Tensor],
+                   space: SpillSpace, errors: list[_LayerError], progress: Progress, total: int) -> tuple[ActivationStore, ActivationStore | None]:
+    """Both models layer by layer (the teacher untapped, the student with its numerics), each
+    student layer also fed the teacher's input for its local error; the final activations."""
+    s_store, s_calls = embed_batches(student, batches, space, "s-in")
+    t_store, t_calls = embed_batches(teacher, batches, space, "t-in") if teacher else (None, None)
+    for index in range(student.num_layers):
+        if progress:
+            progress(index + 1, total, f"layer {index + 1}/{student.num_layers}")
+        t_out = ActivationStore(space, f"t{index}") if teacher else None
+        if teacher:
+            with teacher.layer(index) as layer, _attached(_teacher_attach(layer)):
+                run_layer(layer, index, t_store, batches, t_calls, t_out, drop_inputs=False)
+        s_out = ActivationStore(space, f"s{index}")
+        with student.layer(index) as layer, _attached(numerics.attach(layer, student.layer_prefix(index))):
+            for number, ids in enumerate(batches):
+                call = layer_call(s_calls, ids, index)
+                s_out.put(number, call_layer(layer, s_store.get(number), call))
+                if teacher:
+                    local = call_layer(layer, t_store.get(number), call)
+                    errors[index].add(s_out.get(number), t_out.get(number), local)
+                s_store.drop(number)
+                if teacher:
+                    t_store.drop(number)
+        s_store, t_store = s_out, t_out
+    return s_store, t_store
 
 
 @torch.inference_mode()
 def evaluate(teacher_src: str | Path, student_src: str | Path, options: FidelityOptions = FidelityOptions(), *, progress: Progress = None) -> FidelityReport:
-    options.check()
     started = time.perf_counter()
     teacher_ckpt, student_ckpt = open_checkpoint(teacher_src), open_checkpoint(student_src)
     layout = _check_pair(teacher_ckpt, student_ckpt, options.dense_student)
     cached = options.teacher_cache is not None and options.teacher_cache.is_file()
-    tokenizer = load_tokenizer(options.tokenizer or getattr(teacher_ckpt.source, "root", None) or getattr(student_ckpt.source, "root"))
-    samples = load_samples(tokenizer, samples=options.samples, seq_len=options.seq_len, text_files=options.text_files, split="heldout", builtin=options.builtin_corpus)
+    samples = samples_for(options, teacher_ckpt, student_ckpt, split="heldout")
     # Under a launcher each rank evaluates one contiguous block of the batches (from ``first``).
     ranks = distributed.current()
     all_batches = samples.batches(options.batch_size)
@@ -505,27 +477,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     errors = [_LayerError() for _ in range(student.num_layers)]
     total = student.num_layers + 2
     try:
-        s_store, s_calls = _embed(student, batches, space, "s-in")
-        t_store, t_calls = _embed(teacher, batches, space, "t-in") if teacher else (None, None)
-        for index in range(student.num_layers):
-            if progress:
-                progress(index + 1, total, f"layer {index + 1}/{student.num_layers}")
-            t_out = ActivationStore(space, f"t{index}") if teacher else None
-            if teacher:
-                with teacher.layer(index) as layer, _attached(_teacher_attach(layer)):
-                    _run(layer, index, t_store, batches, t_calls, t_out)
-            s_out = ActivationStore(space, f"s{index}")
-            with student.layer(index) as layer, _attached(numerics.attach(layer, student.layer_prefix(index))):
-                for number, ids in enumerate(batches):
-                    call = s_calls[tuple(ids.shape)][index]
-                    s_out.put(number, call_layer(layer, s_store.get(number), call))
-                    if teacher:
-                        local = call_layer(layer, t_store.get(number), call)
-                        errors[index].add(s_out.get(number), t_out.get(number), local)
-                    s_store.drop(number)
-                    if teacher:
-                        t_store.drop(number)
-            s_store, t_store = s_out, t_out
+        s_store, t_store = _stream_layers(teacher, student, numerics, batches, space, errors, progress, total)
         positions, entries, cache_info = _head(teacher, student, numerics, batches, first, s_store, t_store, samples, options, teacher_ckpt)
     except BaseException:
         ranks.fail("fidelity")

@@ -25,16 +25,64 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fp4forge.errors import ConfigError
 
+DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30  # activations kept in RAM before they spill to disk
 SPLITS = ("calibration", "heldout")
 HELDOUT_MODULUS = 8
 MAX_SOURCE_CHARS = 3000  # keeps one chat to a few hundred tokens: many objects per sample
 Message = dict[str, str]
+
+if TYPE_CHECKING:  # torch loads with the samples, not with the options (the CLI reads their defaults)
+    import torch
+
+    from fp4forge.checkpoint.reader import Checkpoint
+
+
+@dataclass(frozen=True)
+class SampleOptions:
+    """The text a layer-streamed job runs through the model and where its activations live: the
+    options calibration, GPTQ and fidelity share (each job's options extend these)."""
+
+    samples: int = 64
+    seq_len: int = 512
+    batch_size: int = 4
+    text_files: tuple[Path, ...] = ()
+    builtin_corpus: bool = True
+    tokenizer: Path | None = None  # default: the checkpoint directory
+    ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
+    spill_dir: Path | None = None
+    device: str | None = None  # None/"auto": CUDA when available, else CPU (model.device)
+    activation_budget_bytes: int | None = None  # kept on the device; None: the device's default
+
+    def __post_init__(self) -> None:
+        if self.device is not None and str(self.device).strip().lower() != "auto":  # auto: whatever is there
+            from fp4forge.model.device import resolve_device
+
+            resolve_device(self.device)  # a bad or unavailable device fails here, by name
+        if self.activation_budget_bytes is not None and self.activation_budget_bytes < 0:
+            raise ConfigError(f"must be at least 0, got {self.activation_budget_bytes}", option="activation_budget_bytes")
+        for option, least in (("samples", 1), ("seq_len", 2), ("batch_size", 1)):
+            if getattr(self, option) < least:
+                raise ConfigError(f"must be at least {least}, got {getattr(self, option)}", option=option)
+
+    def describe(self) -> dict[str, Any]:
+        """The text as provenance records it."""
+        return {"samples": self.samples, "seq_len": self.seq_len, "text_files": [str(p) for p in self.text_files], "builtin_corpus": self.builtin_corpus}
+
+
+def samples_for(options: SampleOptions, *checkpoints: Checkpoint, split: str = "calibration") -> Samples:
+    """The packed samples ``options`` ask for, tokenized by ``options.tokenizer`` or else by the
+    first local checkpoint's own tokenizer."""
+    roots = [getattr(c.source, "root", None) for c in checkpoints]
+    tokenizer_dir = options.tokenizer or next((r for r in roots if r is not None), None)
+    if tokenizer_dir is None:
+        display = checkpoints[0].display if checkpoints else None
+        raise ConfigError("a remote checkpoint needs a tokenizer directory", file=display, option="tokenizer")
+    return load_samples(load_tokenizer(tokenizer_dir), samples=options.samples, seq_len=options.seq_len,
+                        text_files=options.text_files, split=split, builtin=options.builtin_corpus)
 
 
 @dataclass(frozen=True)
@@ -160,6 +208,8 @@ class Samples:
 
     @property
     def digest(self) -> str:
+        import torch
+
         return hashlib.sha256(self.input_ids.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
 
     def batches(self, batch_size: int) -> list[torch.Tensor]:
@@ -184,6 +234,8 @@ def pack(tokenizer: Any, documents: Iterable[Document], samples: int, seq_len: i
         used += 1
     if len(stream) < needed:
         raise ConfigError(f"the text gives {len(stream):,} tokens but {samples} x {seq_len} = {needed:,} are needed; add text files or ask for fewer samples", option="text_files")
+    import torch
+
     return torch.tensor(stream[:needed], dtype=torch.int64).reshape(samples, seq_len), used
 
 

@@ -67,8 +67,8 @@ from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint
 from fp4forge.checkpoint.skeleton import config_dtype, model_config_dict, to_transformers_config
 from fp4forge.errors import CheckpointError, ConfigError
 from fp4forge.model.device import is_cuda, resolve_device
+from fp4forge.model.samples import DEFAULT_RAM_BUDGET_BYTES  # re-exported: its users import it here
 
-DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30
 # Activations kept on a CUDA device before they move to host RAM (the CPU default is 0: RAM alone).
 DEFAULT_DEVICE_ACTIVATION_BYTES = 8 * 2**30
 
@@ -669,3 +669,47 @@ class StreamedModel:
 def call_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
     out = layer(hidden, *call.args, **call.kwargs)
     return out[0] if isinstance(out, tuple) else out
+
+
+def check_bf16_source(ckpt: Checkpoint) -> None:
+    """A BF16 checkpoint with its config: what calibration and GPTQ run on."""
+    from fp4forge.checkpoint.declarations import detect_format
+
+    if ckpt.config is None:
+        raise ConfigError("checkpoint has no config.json", file=ckpt.display)
+    if detect_format(ckpt.config, ckpt.extra_json) is not None:
+        raise ConfigError("calibrate the BF16 source checkpoint, not a quantized one", file=ckpt.display)
+
+
+# -- the layer loop every layer-streamed job runs ---------------------------------------------------
+LayerCalls = dict[tuple[int, ...], list[LayerCall]]  # per batch shape, how each layer is called
+
+
+def embed_batches(streamed: StreamedModel, batches: list[torch.Tensor], space: SpillSpace, name: str = "in") -> tuple[ActivationStore, LayerCalls]:
+    """Layer 0's inputs for every batch, and how each layer is called per batch shape."""
+    store = ActivationStore(space, name)
+    calls: LayerCalls = {}
+    with streamed.embedding():
+        for number, ids in enumerate(batches):
+            hidden, layer_calls = streamed.prologue(ids)
+            calls.setdefault(tuple(ids.shape), layer_calls)  # unpadded: the same for every batch of a shape
+            store.put(number, hidden)
+    return store, calls
+
+
+def layer_call(calls: LayerCalls, ids: torch.Tensor, index: int) -> LayerCall:
+    """How layer ``index`` is called for the batch ``ids``."""
+    return calls[tuple(ids.shape)][index]
+
+
+def run_layer(layer: nn.Module, index: int, store: ActivationStore, batches: list[torch.Tensor], calls: LayerCalls,
+              out: ActivationStore | None, *, drop_inputs: bool = True) -> ActivationStore | None:
+    """Every batch through ``layer``: its outputs into ``out`` (None: run for the hooks only), its
+    inputs dropped from ``store`` as they are used unless ``drop_inputs`` is off."""
+    for number, ids in enumerate(batches):
+        hidden = call_layer(layer, store.get(number), layer_call(calls, ids, index))
+        if out is not None:
+            out.put(number, hidden)
+        if drop_inputs:
+            store.drop(number)
+    return out

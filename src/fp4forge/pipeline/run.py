@@ -6,6 +6,7 @@ The orchestrator knows nothing about what a step does; presentation goes through
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 
 from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.model.distributed import launched
-from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed
+from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed, option_path
 from fp4forge.pipeline.state import (
     DONE, FAILED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
     require_empty_or_ours, still_valid,
@@ -26,6 +27,7 @@ MANIFEST = "pipeline.json"
 HASH_CACHE = ".hashes.json"
 # A new pipeline.json status: the run as a whole.
 COMPLETE = "complete"
+TEXT_FILES = ("calibration.text_files", "fidelity.text_files")  # options naming text files
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,8 @@ def step_key(step: Step, ctx: Context, hasher: Hasher) -> str:
             inputs[name] = hasher.tree(ctx.reports, (MANIFEST, HASH_CACHE, "plots"))
         else:
             inputs[name] = hasher.path(ctx.reports / name)
-    options = o.to_json()
-    params = {name: options[name] for name in step.params}
-    for name in ("calib_text", "fidelity_text"):  # the text files' contents, not their names
+    params = {name: o.value(name) for name in step.params}
+    for name in TEXT_FILES:  # the text files' contents, not their names
         if name in params:
             params[name] = [hasher.file(Path(p)) for p in params[name]]
     return digest_of({"step": step.name, "version": step.version, "inputs": inputs, "params": params})
@@ -97,8 +98,8 @@ def validate(src: Path, out: Path, options: PipelineOptions) -> None:
         raise ConfigError("OUT must not be SRC or inside it")
     if options.serve and (options.vllm_venv is None or not (options.vllm_venv / "bin" / "vllm").exists()):
         raise ConfigError(f"serving needs a vLLM venv with bin/vllm; {options.vllm_venv} has none (scripts/setup-vllm-venv.sh)", option="vllm_venv")
-    for option in ("calib_text", "fidelity_text"):
-        for path in getattr(options, option):
+    for option in TEXT_FILES:
+        for path in options.value(option):
             if not Path(path).is_file():
                 raise ConfigError(f"text file {path} does not exist", option=option)
 
@@ -120,64 +121,17 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
     manifest.status = "running"
     manifest.save()
     ctx = Context(src, out, options)
-    current: list[str] = [""]
-
-    def progress(done: int, total: int, detail: str = "") -> None:
-        on_event(StepEvent(current[0], "running", done, total, detail))
-
-    ctx.progress = progress
+    ctx.progress = lambda done, total, detail="": on_event(StepEvent(ctx.step, "running", done, total, detail))
     try:
         for step in steps:
             if step is CARD_STEP:
                 ctx.stop_servers()  # the card reads each server's whole log, kept when it stops
-            record = manifest.steps[step.name]
-            reason = step.off(options)
-            if reason is not None:
-                record.status, record.message = OFF, reason
-                on_event(StepEvent(step.name, OFF, detail=reason))
-                continue
-            key = step_key(step, ctx, hasher)
-            old = previous.get(step.name)
-            if still_valid(old, key, out, hasher, NOT_CHECKPOINT):
-                record.status, record.key, record.artifacts, record.summary = SKIPPED, key, old.artifacts, old.summary
-                record.seconds = old.seconds
-                on_event(StepEvent(step.name, SKIPPED, detail="unchanged"))
-                manifest.save()
-                continue
-            current[0] = ctx.step = step.name
-            record.status, record.key = "running", key
-            manifest.save()
-            on_event(StepEvent(step.name, "running"))
-            started = time.monotonic()
-            try:
-                record.summary = step.run(ctx) or {}
-            except KeyboardInterrupt:
-                record.status, record.seconds = INTERRUPTED, time.monotonic() - started
-                record.message = "interrupted (Ctrl-C); a re-run resumes here"
-                manifest.status = INTERRUPTED
-                on_event(StepEvent(step.name, INTERRUPTED))
-                raise
-            except Fp4forgeError as error:
-                record.status, record.seconds, record.message = FAILED, time.monotonic() - started, str(error)
-                manifest.status = FAILED
-                on_event(StepEvent(step.name, FAILED, detail=str(error)))
-                # Whatever the failed step managed to write stays in reports/ for inspection; its
-                # record is not finished, so the next run redoes it.
-                # The option travels only when it is one of the pipeline's own (a front end spells it).
-                own = error.option if error.option in PipelineOptions.__dataclass_fields__ else None
-                raise PipelineFailed(f"step {step.name} failed: {error.message if own else error}", option=own,
-                                     file=error.file if own else None, tensor=error.tensor if own else None) from error
-            record.seconds = time.monotonic() - started
-            record.artifacts = _artifact_hashes(step, ctx, hasher)
-            record.status = DONE
-            hasher.save()
-            manifest.save()
-            on_event(StepEvent(step.name, DONE, detail=_summary_text(record.summary)))
+            _run_step(step, ctx, manifest, previous.get(step.name), hasher, on_event)
         manifest.status = COMPLETE
         manifest.finished = time.time()
         return manifest
     except KeyboardInterrupt:
-        # A Ctrl-C between a step's "running" record reaching disk and its handler above (or in
+        # A Ctrl-C between a step's "running" record reaching disk and its handler (or in
         # on_event) interrupts that step all the same: the manifest must say so, not "pending".
         for record in manifest.steps.values():
             if record.status == "running":
@@ -185,14 +139,77 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
         manifest.status = INTERRUPTED
         raise
     finally:
-        ctx.stop_servers()
-        if manifest.status == COMPLETE:
-            shutil.rmtree(out / STAGING, ignore_errors=True)
-        for record in manifest.steps.values():
-            if record.status in (PENDING, "running") and manifest.status != COMPLETE:
-                record.status = PENDING
-        hasher.save()
+        _close_run(ctx, manifest, hasher)
+
+
+def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | None, hasher: Hasher, on_event: EventCallback) -> None:
+    """One step: off, skipped (unchanged), or run and recorded."""
+    record = manifest.steps[step.name]
+    reason = step.off(ctx.options)
+    if reason is not None:
+        record.status, record.message = OFF, reason
+        on_event(StepEvent(step.name, OFF, detail=reason))
+        return
+    key = step_key(step, ctx, hasher)
+    if still_valid(old, key, ctx.out, hasher, NOT_CHECKPOINT):
+        record.status, record.key, record.artifacts, record.summary = SKIPPED, key, old.artifacts, old.summary
+        record.seconds = old.seconds
+        on_event(StepEvent(step.name, SKIPPED, detail="unchanged"))
         manifest.save()
+        return
+    ctx.step = step.name
+    record.status, record.key = "running", key
+    manifest.save()
+    on_event(StepEvent(step.name, "running"))
+    started = time.monotonic()
+    try:
+        with _named_by_path(step, ctx.options):
+            record.summary = step.run(ctx) or {}
+    except KeyboardInterrupt:
+        record.status, record.seconds = INTERRUPTED, time.monotonic() - started
+        record.message = "interrupted (Ctrl-C); a re-run resumes here"
+        manifest.status = INTERRUPTED
+        on_event(StepEvent(step.name, INTERRUPTED))
+        raise
+    except Fp4forgeError as error:
+        record.status, record.seconds, record.message = FAILED, time.monotonic() - started, str(error)
+        manifest.status = FAILED
+        on_event(StepEvent(step.name, FAILED, detail=str(error)))
+        # Whatever the failed step managed to write stays in reports/ for inspection; its
+        # record is not finished, so the next run redoes it.
+        raise _step_failed(step, error, ctx.options) from error
+    record.seconds = time.monotonic() - started
+    record.artifacts = _artifact_hashes(step, ctx, hasher)
+    record.status = DONE
+    hasher.save()
+    manifest.save()
+    on_event(StepEvent(step.name, DONE, detail=_summary_text(record.summary)))
+
+
+def _named_by_path(step: Step, options: PipelineOptions) -> Any:
+    """Errors of a step about its own job's options name them by their path (``calibration.tokenizer``)."""
+    if not step.options:
+        return contextlib.nullcontext()
+    return option_path(step.options, type(getattr(options, step.options)))
+
+
+def _step_failed(step: Step, error: Fp4forgeError, options: PipelineOptions) -> PipelineFailed:
+    # The option travels only when it is one of the pipeline's own (a front end spells it).
+    own = error.option if options.has_option(error.option) else None
+    return PipelineFailed(f"step {step.name} failed: {error.message if own else error}", option=own,
+                          file=error.file if own else None, tensor=error.tensor if own else None)
+
+
+def _close_run(ctx: Context, manifest: Manifest, hasher: Hasher) -> None:
+    """Stop the servers, drop the staging area of a complete run, record the manifest."""
+    ctx.stop_servers()
+    if manifest.status == COMPLETE:
+        shutil.rmtree(ctx.out / STAGING, ignore_errors=True)
+    for record in manifest.steps.values():
+        if record.status in (PENDING, "running") and manifest.status != COMPLETE:
+            record.status = PENDING
+    hasher.save()
+    manifest.save()
 
 
 def _summary_text(summary: dict[str, Any]) -> str:

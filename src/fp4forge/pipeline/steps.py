@@ -11,15 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.checkpoint.atomic import replace_dir
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, ServeError, require_choice
-from fp4forge.pipeline.state import write_json
+from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.pipeline.state import write_json as write_json_file
+from fp4forge.quantize.job import QuantizeJob
 
 Progress = Callable[[int, int, str], None]
 
@@ -29,40 +31,48 @@ CARD = "README.md"
 # Entries of OUT that are not part of the checkpoint (its tree hash leaves them out).
 NOT_CHECKPOINT = (REPORTS, STAGING, CARD)
 BENCH_KINDS = ("perf", "quality")
-# CalibrationOptions field -> the PipelineOptions field it comes from (errors name the latter).
-CALIBRATION_FIELDS = {"samples": "calib_samples", "seq_len": "calib_seq_len", "batch_size": "calib_batch_size",
-                      "policy": "calib_policy", "text_files": "calib_text"}
 
 
-@contextmanager
-def pipeline_option_names(fields: dict[str, str]) -> Iterator[None]:
-    """Errors raised inside name their option as PipelineOptions spells it (``policy`` ->
-    ``calib_policy``), the name a pipeline user passed."""
-    try:
-        yield
-    except Fp4forgeError as error:
-        if error.option in fields:
-            error.option = fields[error.option]
-        raise
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    """A report under ``reports/``, saying which fp4forge wrote it."""
+    from fp4forge import versioned
+
+    write_json_file(path, versioned(doc))
+
+
+# The pipeline serves on this machine's CPU by default: the smallest workload that says something there.
+PIPELINE_PERF_WORKLOAD = "cpu-tiny"
+
+
+def _pipeline_perf(**given: Any) -> Any:
+    """The perf step's ``PerfOptions`` (its server filled in when it runs); ``given`` overrides."""
+    from fp4forge.bench.perf import PerfOptions
+
+    return PerfOptions(url="", model="", out_dir=Path("bench"), **{"workload": PIPELINE_PERF_WORKLOAD, **given})
+
+
+# Thinking is on by default (as Laguna's template): a turn is reasoning, </think>, then the answer.
+# The trained testbed's longest turns are ~80 tokens; 64 cut a fifth of them (an unread turn).
+PIPELINE_QUALITY = {"runs": 2, "max_tokens": 128, "concurrency": 4}
+
+
+def _pipeline_quality(**given: Any) -> Any:
+    """The quality runs' ``RunConfig`` (its server filled in when it runs); ``given`` overrides."""
+    from fp4forge.quality.runner import RunConfig
+
+    return RunConfig(base_url="", model="", **{**PIPELINE_QUALITY, **given})
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    recipe: str
-    layout_format: str = "compressed-tensors"
-    block_scales: str = "minmax"
-    max_shard_gb: float = 5.0
-    calib_samples: int = 16
-    calib_seq_len: int = 256
-    calib_batch_size: int = 4
-    calib_policy: str = "routed"
-    calib_text: tuple[Path, ...] = ()
-    device: str | None = None  # calibrate, quantize, fidelity: None/"auto" = CUDA when available, else CPU
-    activation_budget_bytes: int | None = None  # activations kept on the device (None: its default)
-    fidelity_samples: int = 16
-    fidelity_seq_len: int = 256
-    fidelity_numerics: str = "w4a4"
-    fidelity_text: tuple[Path, ...] = ()
+    """The jobs' own options, nested (``quantize``: a ``QuantizeJob``; ``calibration``:
+    ``CalibrationOptions``; ``fidelity``: ``FidelityOptions``; ``perf``: ``PerfOptions``, its
+    server filled in when it runs), and the pipeline's. An error's ``option`` is a dotted path
+    (``fidelity.numerics``). Every option is checked when the object is made, before any step."""
+
+    quantize: QuantizeJob  # its recipe loaded when made
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+    fidelity: FidelityOptions = field(default_factory=FidelityOptions)
     audit_deep: bool = True
     vllm_version: str | None = None
     hardware: str = "gb10"  # the serve line and its traps are written for this target
@@ -72,55 +82,72 @@ class PipelineOptions:
     serve_hardware: str = "cpu"
     serve_timeout_s: float = 900.0
     bench: tuple[str, ...] = ()  # "perf", "quality"
-    perf_workload: str = "cpu-tiny"
-    perf_mode: str = "sequential"
-    quality_runs: int = 2
-    # Thinking is on by default (as Laguna's template): a turn is reasoning, </think>, then the answer.
-    # The trained testbed's longest turns are ~80 tokens; 64 cut a fifth of them (an unread turn).
-    quality_max_tokens: int = 128
-    quality_concurrency: int = 4
+    perf: Any = field(default_factory=_pipeline_perf)  # fp4forge.bench.perf.PerfOptions
+    quality: Any = field(default_factory=_pipeline_quality)  # fp4forge.quality.runner.RunConfig
     quality_categories: tuple[str, ...] = ()
     quality_teacher: bool = False  # also serve SRC and compare the two arms with paired tests
     quality_allow_unreadable: bool = False  # score an arm whose answers are mostly unread (loud warning)
     base_model: str | None = None  # the card's front matter base_model (None: what the source says)
 
     def __post_init__(self) -> None:
-        """Every option checked once, here, before any step runs; the recipe parsed once."""
-        from fp4forge.quantize.export import BLOCK_SCALES, LAYOUT_FORMATS
-        from fp4forge.quantize.recipe import load_recipe
+        from fp4forge.quality.suite import load_suite
+        from fp4forge.serve.recommend import HARDWARE
 
-        require_choice(self.layout_format, LAYOUT_FORMATS, "layout_format")
-        require_choice(self.block_scales, BLOCK_SCALES, "block_scales")
+        require_choice(self.hardware, HARDWARE, "hardware")
+        require_choice(self.serve_hardware, HARDWARE, "serve_hardware")
         unknown = set(self.bench) - set(BENCH_KINDS)
         if unknown:
             raise ConfigError(f"takes {' and/or '.join(BENCH_KINDS)}, got {', '.join(sorted(unknown))}", option="bench")
-        self.calibration()
-        object.__setattr__(self, "_recipe_spec", load_recipe(self.recipe))
+        if self.quality_categories:
+            try:
+                load_suite().select(categories=list(self.quality_categories))
+            except Fp4forgeError as error:
+                raise ConfigError(error.message, option="quality_categories") from None
 
     @property
     def recipe_spec(self) -> Any:
         """The parsed recipe (a ``quantize.recipe.Recipe``)."""
-        return self._recipe_spec  # type: ignore[attr-defined]
-
-    def calibration(self, spill_dir: Path | None = None) -> Any:
-        """The calibrate step's ``CalibrationOptions``."""
-        from fp4forge.calibrate.run import CalibrationOptions
-
-        with pipeline_option_names(CALIBRATION_FIELDS):
-            return CalibrationOptions(samples=self.calib_samples, seq_len=self.calib_seq_len, batch_size=self.calib_batch_size,
-                                      policy=self.calib_policy, text_files=tuple(self.calib_text), spill_dir=spill_dir,
-                                      device=self.device, activation_budget_bytes=self.activation_budget_bytes)
+        return self.quantize.recipe_spec
 
     def to_json(self) -> dict[str, Any]:
-        from dataclasses import asdict
+        return _plain(self)
 
-        doc = asdict(self)
-        for key, value in doc.items():
-            if isinstance(value, Path):
-                doc[key] = str(value)
-            elif isinstance(value, tuple):
-                doc[key] = [str(v) for v in value]
-        return doc
+    def value(self, path: str) -> Any:
+        """The option at a dotted ``path`` (``fidelity.numerics``), as ``to_json`` writes it."""
+        value: Any = self.to_json()
+        for part in path.split("."):
+            value = value[part]
+        return value
+
+    def has_option(self, path: str | None) -> bool:
+        """Whether ``path`` names an option of the pipeline (``fidelity.numerics``, ``hardware``)."""
+        from dataclasses import fields, is_dataclass
+
+        value: Any = self
+        for part in (path or "").split("."):
+            if not is_dataclass(value) or part not in {f.name for f in fields(value) if f.init}:
+                return False
+            value = getattr(value, part)
+        return True
+
+
+def _plain(value: Any) -> Any:
+    """Options as JSON: dataclasses as objects of their init fields, paths as strings, a recipe by name."""
+    from dataclasses import fields, is_dataclass
+
+    from fp4forge.quantize.recipe import Recipe
+
+    if isinstance(value, Recipe):
+        return value.source or value.name
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value) if f.init}
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 SERVERS = "servers"  # reports/servers/<role>.log and .json: each server's whole life
@@ -275,28 +302,23 @@ class Context:
 def run_calibrate(ctx: Context) -> dict[str, Any]:
     from fp4forge.calibrate.run import calibrate_to_file
 
-    options = ctx.options.calibration(spill_dir=ctx.staging("calibrate"))
-    with pipeline_option_names(CALIBRATION_FIELDS):
-        summary = calibrate_to_file(ctx.src, ctx.report("calibration-stats.safetensors"), options, progress=ctx.progress)
+    options = replace(ctx.options.calibration, spill_dir=ctx.staging("calibrate"))
+    summary = calibrate_to_file(ctx.src, ctx.report("calibration-stats.safetensors"), options, progress=ctx.progress)
     write_json(ctx.report("calibration.json"), {**summary, "statistics": "calibration-stats.safetensors"})
     return {"tokens": summary["tokens"], "experts_without_tokens": len(summary.get("experts_without_tokens", []))}
 
 
 def run_quantize(ctx: Context) -> dict[str, Any]:
-    from fp4forge.quantize.act_scales import parse_act_scales
-    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.job import run_quantize as quantize_job
 
-    o = ctx.options
-    options = QuantizeOptions(recipe=o.recipe_spec, layout_format=o.layout_format, block_scales=o.block_scales,
-                              act_amax=parse_act_scales(None, ctx.report("calibration-stats.safetensors")),
-                              max_shard_bytes=int(o.max_shard_gb * 2**30), device=o.device)
+    job = replace(ctx.options.quantize, stats=ctx.report("calibration-stats.safetensors"), act_scales=None)
     # The writer builds (and on a re-run resumes) beside its destination, then renames it into
     # place; the staged files then replace the previous checkpoint's, one rename each.
     staged = ctx.out / STAGING / "quantize" / "checkpoint"
     if staged.exists():
         shutil.rmtree(staged)  # a finished export whose move was interrupted: the writer wants a new path
     staged.parent.mkdir(parents=True, exist_ok=True)
-    summary = quantize_checkpoint(ctx.src, staged, options, progress=ctx.progress)
+    result = quantize_job(ctx.src, staged, job, progress=ctx.progress)
     fresh = {p.name for p in staged.iterdir()}
     for name in sorted(fresh):  # replace first, then drop what the new export no longer has
         os.replace(staged / name, ctx.out / name)
@@ -304,7 +326,7 @@ def run_quantize(ctx: Context) -> dict[str, Any]:
         if old.name not in NOT_CHECKPOINT and old.name not in fresh:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     shutil.rmtree(staged.parent, ignore_errors=True)
-    doc = summary.to_json()
+    doc = result.to_json()
     doc["output"] = "."
     write_json(ctx.report("quantize.json"), doc)
     return {"tensors": doc["tensors_written"], "bytes": doc["bytes_written"]}
@@ -362,17 +384,14 @@ def run_diff(ctx: Context) -> dict[str, Any]:
 
 
 def run_fidelity(ctx: Context) -> dict[str, Any]:
-    from fp4forge.fidelity.evaluate import FidelityOptions, evaluate
-
+    from fp4forge.fidelity.evaluate import evaluate
     from fp4forge.serve.recommend import target_numerics
 
     o = ctx.options
     # The MoE input-scale reduction the target's backend applies (one global max, or per expert):
     # fidelity measures the numerics the serve line will run, and says which.
-    served = target_numerics(o.hardware, weight_only=o.fidelity_numerics == "w4a16")
-    options = FidelityOptions(numerics=o.fidelity_numerics, samples=o.fidelity_samples, seq_len=o.fidelity_seq_len,
-                              text_files=o.fidelity_text, moe_input_scale=served.fidelity_options()["moe_input_scale"],
-                              device=o.device, activation_budget_bytes=o.activation_budget_bytes)
+    served = target_numerics(o.hardware, weight_only=o.fidelity.numerics == "w4a16")
+    options = replace(o.fidelity, moe_input_scale=served.fidelity_options()["moe_input_scale"])
     doc = evaluate(ctx.src, ctx.out, options, progress=ctx.progress).to_json()
     doc["student"] = "."
     doc["served_numerics"] = {**served.to_json(), "describe": served.describe()}
@@ -418,7 +437,6 @@ def run_serve(ctx: Context) -> dict[str, Any]:
 
 
 def run_perf(ctx: Context) -> dict[str, Any]:
-    from fp4forge.bench.perf import PerfOptions
     from fp4forge.bench.perf import run_perf as bench_perf
     from fp4forge.bench.runner import CellEvent
     from fp4forge.report.bench_plots import BENCH_PRESENTER
@@ -426,7 +444,7 @@ def run_perf(ctx: Context) -> dict[str, Any]:
     o = ctx.options
     record = ctx.slot("student").get()
     staged = ctx.staging("perf") / "bench"
-    options = PerfOptions(url=record.base_url, model=record.name, out_dir=staged, workload=o.perf_workload, mode=o.perf_mode)
+    options = replace(o.perf, url=record.base_url, model=record.name, out_dir=staged)
     config = options.bench_config
     requests = len(config.shapes) * len(config.points) * (config.warmups + config.samples)
     finished: dict[tuple[str, str], int] = {}
@@ -454,7 +472,6 @@ def _quality_runs(ctx: Context, role: str) -> Any:
     """N runs of the (selected) suite against the ``role`` server into reports/<dir>/, scored there;
     the ``QualityOutcome``."""
     from fp4forge.quality.evaluate import run_and_score
-    from fp4forge.quality.runner import RunConfig
     from fp4forge.quality.suite import load_suite
     from fp4forge.report.quality_files import write_score
 
@@ -462,11 +479,10 @@ def _quality_runs(ctx: Context, role: str) -> Any:
     record = ctx.slot(role).get()
     suite = load_suite()
     categories = list(o.quality_categories) or None
-    config = RunConfig(base_url=record.base_url, model=record.name, arm=QUALITY_ARMS[role], runs=o.quality_runs,
-                       max_tokens=o.quality_max_tokens, concurrency=o.quality_concurrency)
+    config = replace(o.quality, base_url=record.base_url, model=record.name, arm=QUALITY_ARMS[role])
     staged = ctx.staging(QUALITY_DIRS[role]) / QUALITY_DIRS[role]
     final = ctx.report(QUALITY_DIRS[role])
-    total = len(suite.select(categories=categories)) * o.quality_runs
+    total = len(suite.select(categories=categories)) * o.quality.runs
     finished = [0]
 
     def on_scenario(run: int, scenario_record: dict[str, Any]) -> None:
@@ -507,15 +523,11 @@ def run_quality(ctx: Context) -> dict[str, Any]:
 
 def run_quality_teacher(ctx: Context) -> dict[str, Any]:
     """Arm B: the BF16 teacher through the same suite, then paired tests of the two arms."""
-    from fp4forge.quality.report import compare_document
-    from fp4forge.quality.runner import expand_transcripts, rescore_transcript
-    from fp4forge.quality.suite import load_suite
+    from fp4forge.quality.compare import CompareOptions, compare_runs
     from fp4forge.report.quality_files import write_compare
 
     teacher = _quality_runs(ctx, "teacher").results
-    suite = load_suite()
-    student = [rescore_transcript(p, suite) for p in expand_transcripts([ctx.report(QUALITY_DIRS["student"])])]
-    doc = compare_document(student, teacher, suite, allow_unreadable=ctx.options.quality_allow_unreadable)
+    doc = compare_runs([ctx.report(QUALITY_DIRS["student"])], teacher, CompareOptions(allow_unreadable=ctx.options.quality_allow_unreadable))
     write_compare(doc, ctx.report(QUALITY_DIRS["teacher"]))
     return {"verdict": doc["verdict"]["label"], "diff_points": round(doc["points"]["diff"], 1),
             "teacher points": _points(teacher), **_answers_summary(doc["answers"])}
@@ -563,18 +575,25 @@ class Step:
     run: Callable[[Context], dict[str, Any]]
     artifacts: tuple[str, ...]  # relative to OUT; "." is the checkpoint
     inputs: tuple[str, ...]  # "src", "checkpoint", or report paths relative to reports/
-    params: tuple[str, ...] = ()  # PipelineOptions fields in the key
+    params: tuple[str, ...] = ()  # PipelineOptions option paths (``fidelity.numerics``) in the key
     off: Off = _always
+    options: str = ""  # the nested options its errors are about (``calibration``): they name them by path
     version: int = 1  # bump when a step's code changes what it writes
 
+
+QUALITY_PARAMS = ("quality.runs", "quality.max_tokens", "quality.concurrency", "quality_categories", "quality_allow_unreadable")
+# The sample options that choose the text a step runs (the files' contents are hashed, not their names).
+SAMPLE_TEXT = ("samples", "seq_len", "text_files", "builtin_corpus", "tokenizer")
 
 STEPS: tuple[Step, ...] = (
     Step("calibrate", "calibrate activations and KV (layer-streamed)", run_calibrate,
          ("reports/calibration.json", "reports/calibration-stats.safetensors"), ("src",),
-         ("calib_samples", "calib_seq_len", "calib_batch_size", "calib_policy", "calib_text")),
+         tuple(f"calibration.{name}" for name in SAMPLE_TEXT) + ("calibration.batch_size", "calibration.policy"), options="calibration"),
     # version 2: only the source's model-repository files are copied (checkpoint/names.py MODEL_REPO_FILES)
     Step("quantize", "quantize by the recipe", run_quantize, (".", "reports/quantize.json"),
-         ("src", "calibration-stats.safetensors", "recipe"), ("layout_format", "block_scales", "max_shard_gb"), version=2),
+         ("src", "calibration-stats.safetensors", "recipe"),
+         ("quantize.layout_format", "quantize.block_scales", "quantize.max_shard_bytes", "quantize.error_report", "quantize.method", "quantize.gptq"),
+         options="quantize", version=2),
     Step("kv", "check the FP8 KV scales", run_kv, ("reports/kv.json",), ("checkpoint",)),
     Step("audit", "audit (stops on errors)", run_audit, ("reports/audit.json", "reports/shards.json"), ("checkpoint",),
          ("audit_deep", "vllm_version")),
@@ -582,20 +601,21 @@ STEPS: tuple[Step, ...] = (
     Step("diff", "diff against the sibling", run_diff, ("reports/diff.json",), ("checkpoint", "sibling"),
          off=lambda o: None if o.sibling else "no --sibling given"),
     Step("fidelity", "fidelity against the BF16 teacher", run_fidelity, ("reports/fidelity.json",), ("src", "checkpoint"),
-         ("fidelity_samples", "fidelity_seq_len", "fidelity_numerics", "fidelity_text", "hardware")),
+         tuple(f"fidelity.{name}" for name in SAMPLE_TEXT) + ("fidelity.batch_size", "fidelity.numerics", "hardware"),
+         options="fidelity"),
     Step("serve-cmd", "the serve line for the target hardware", run_serve_cmd, ("reports/serve-cmd.json",), ("checkpoint",),
          ("hardware", "vllm_version")),
     Step("serve", "serve it here (vLLM) and read the log", run_serve, ("reports/serve.json", "reports/serve.log"),
          ("checkpoint", "vllm"), ("serve_hardware",), off=_needs_serve, version=2),  # 2: a reproducible command, the env
-    Step("perf", "bench perf", run_perf, ("reports/bench",), ("checkpoint", "vllm"), ("perf_workload", "perf_mode"),
-         off=_needs_bench("perf")),
+    Step("perf", "bench perf", run_perf, ("reports/bench",), ("checkpoint", "vllm"), ("perf.workload", "perf.mode"),
+         off=_needs_bench("perf"), options="perf"),
     # version 2: the arm is labelled "quantized"; 3: answers streamed, unreadable arms refused.
     Step("quality", "bench quality (agentic tool use)", run_quality, ("reports/quality",), ("checkpoint", "vllm"),
-         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories", "quality_allow_unreadable"),
+         QUALITY_PARAMS,
          off=_needs_bench("quality"), version=3),
     Step("quality-teacher", "quality of the BF16 teacher, paired tests", run_quality_teacher, ("reports/quality-teacher",),
          ("src", "quality", "vllm"),
-         ("quality_runs", "quality_max_tokens", "quality_concurrency", "quality_categories", "quality_allow_unreadable"),
+         QUALITY_PARAMS,
          off=lambda o: _needs_bench("quality")(o) or (None if o.quality_teacher else "not requested (--quality-teacher)"),
          version=2),
 )

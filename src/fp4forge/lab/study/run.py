@@ -142,14 +142,11 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def _export(src: str, out: Path, recipe: str, block_scales: str, stats: Path | None, precomputed: Any = None) -> None:
-    from fp4forge.quantize.act_scales import parse_act_scales
-    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
-    from fp4forge.quantize.recipe import load_recipe
+def _export(src: str, out: Path, recipe: str, block_scales: str, stats: Path | None, progress: Progress = None, **job: Any) -> None:
+    from fp4forge.quantize.job import QuantizeJob, run_quantize
 
-    options = QuantizeOptions(recipe=load_recipe(recipe), block_scales=block_scales,  # type: ignore[arg-type]
-                              act_amax=parse_act_scales(None, stats) if stats is not None else None, precomputed=precomputed, workers=1)
-    quantize_checkpoint(src, _fresh(out), options)
+    run_quantize(src, _fresh(out), QuantizeJob(recipe=recipe, block_scales=block_scales, stats=stats, threads=1, **job),  # type: ignore[arg-type]
+                 progress=progress)
 
 
 ARM_DESCRIPTIONS = {
@@ -177,12 +174,9 @@ def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path 
     elif name.startswith("nvfp4-"):
         method = name.rsplit("-", 1)[1]
         if method == "gptq":
-            from fp4forge.calibrate.gptq import GptqOptions, gptq_weights
-            from fp4forge.quantize.recipe import load_recipe
+            from fp4forge.quantize.gptq import GptqOptions
 
-            calibration = _calibration_options(options)
-            weights = gptq_weights(src, load_recipe(NVFP4_RECIPE), GptqOptions(calibration=calibration), progress=progress)
-            _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, precomputed=weights)
+            _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, progress, method="gptq", gptq=GptqOptions(calibration=_calibration_options(options)))
         else:
             # The recipe is W4A4, so the export carries activation scales; w4a16 numerics ignore them.
             _export(src, ckpt, NVFP4_RECIPE, method, stats)

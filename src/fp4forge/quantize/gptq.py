@@ -31,73 +31,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp4forge.calibrate.run import CalibrationOptions, _check_source, _embed, _run_layer, calibration_samples
 from fp4forge.checkpoint.layout import layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.writer import TensorSpec
-from fp4forge.errors import ConfigError, require_choice
+from fp4forge.errors import ConfigError
 from fp4forge.model.hooks import NoTap, apply_gate, check_fused_experts, install_experts_forward, is_fused_experts
-from fp4forge.model.samples import Samples
-from fp4forge.model.streaming import SpillSpace, StreamedModel, WeightPlan, call_layer
+from fp4forge.model.samples import Samples, samples_for
+from fp4forge.model.streaming import ActivationStore, SpillSpace, StreamedModel, WeightPlan, check_bf16_source, embed_batches, run_layer
 from fp4forge.numerics.gptq import HessianAccumulator, gptq_quantize_batch
 from fp4forge.numerics.nvfp4 import Nvfp4Weight, nvfp4_quantize
 from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, search_nvfp4
+from fp4forge.quantize.job import EXPERT_HESSIANS, FALLBACKS, GPTQ_BLOCK_SCALES, GptqOptions  # re-exported
 from fp4forge.quantize.plan import WorkUnit, plan_export
 from fp4forge.quantize.recipe import Recipe
 
 __all__ = ["EXPERT_HESSIANS", "FALLBACKS", "GPTQ_BLOCK_SCALES", "GptqOptions", "GptqWeights", "gptq_weights"]
 
-EXPERT_HESSIANS = ("routed", "all")
-FALLBACKS = ("pooled", "rtn")
-GPTQ_BLOCK_SCALES = ("minmax", "mse")
 Progress = Callable[[int, int, str], None] | None
-
-
-@dataclass(frozen=True)
-class GptqOptions:
-    calibration: CalibrationOptions = CalibrationOptions()
-    expert_hessian: Literal["routed", "all"] = "routed"
-    min_expert_tokens: int = 64
-    fallback: Literal["pooled", "rtn"] = "pooled"
-    act_order: bool = False
-    damp: float = 0.01
-    block_size: int = 128
-    # E4M3 block scales fixed before the column sweep: min-max (block max -> 6) or the MSE search's
-    # (numerics.scale_search), chosen on the original weight with the same global scale.
-    block_scales: Literal["minmax", "mse"] = "minmax"
-    # Feed each layer the outputs of the already-rounded layers before it (see the module doc).
-    sequential: bool = False
-
-    def __post_init__(self) -> None:
-        require_choice(self.expert_hessian, EXPERT_HESSIANS, "gptq_expert_hessian")
-        require_choice(self.block_scales, GPTQ_BLOCK_SCALES, "block_scales")
-        require_choice(self.fallback, FALLBACKS, "gptq_fallback")
-        if self.min_expert_tokens < 0:
-            raise ConfigError(f"must be >= 0, got {self.min_expert_tokens}", option="gptq_min_tokens")
-        if not self.damp > 0:
-            raise ConfigError(f"must be > 0, got {self.damp}", option="gptq_damp")
-
-    def settings(self) -> dict[str, Any]:
-        """The GPTQ settings as provenance records them."""
-        cal = self.calibration
-        return {
-            "expert_hessian": self.expert_hessian,
-            "min_expert_tokens": self.min_expert_tokens,
-            "fallback": self.fallback,
-            "act_order": self.act_order,
-            "damp": self.damp,
-            "block_size": self.block_size,
-            "scale_mode": "static",
-            "block_scales": self.block_scales,
-            "sequential": self.sequential,
-            "calibration": {"samples": cal.samples, "seq_len": cal.seq_len, "text_files": [str(p) for p in cal.text_files], "builtin_corpus": cal.builtin_corpus},
-        }
 
 
 @dataclass
@@ -284,12 +240,6 @@ def _quantize_units(ckpt: Checkpoint, units: list[WorkUnit], hessians: dict[str,
                 out.modules[module] = {"tokens": tokens, "hessian": kind, "fallback": "rtn" if result.fallback else None, "loss": result.loss}
 
 
-def _observe_layer(layer: nn.Module, index: int, store: Any, batches: list[Tensor], calls: dict) -> None:
-    """One forward of every batch through ``layer`` for its hooks; the inputs stay, outputs go."""
-    for number, ids in enumerate(batches):
-        call_layer(layer, store.get(number), calls[tuple(ids.shape)][index])
-
-
 def _load_rounded(layer: nn.Module, prefix: str, plan: WeightPlan, modules: set[str], result: GptqWeights) -> None:
     """Overwrite the materialised layer's slots of ``modules`` with their dequantized GPTQ weights."""
     for name, param in layer.named_parameters():
@@ -311,9 +261,9 @@ def gptq_weights(
     """GPTQ-round every NVFP4 Linear ``recipe`` names in ``src``, layer-streamed (see the module doc)."""
     started = time.perf_counter()
     ckpt = src if isinstance(src, Checkpoint) else open_checkpoint(src)
-    _check_source(ckpt)
+    check_bf16_source(ckpt)
     units, targets = _gptq_units(ckpt, recipe)
-    samples = samples or calibration_samples(ckpt, options.calibration)
+    samples = samples or samples_for(options.calibration, ckpt)
     streamed = StreamedModel.from_checkpoint(ckpt)
     space = SpillSpace(options.calibration.ram_budget_bytes, options.calibration.spill_dir)
     batches = samples.batches(options.calibration.batch_size)
@@ -321,7 +271,7 @@ def gptq_weights(
     pending = list(units)
     total = streamed.num_layers + 1
     try:
-        store, calls = _embed(streamed, batches, space)
+        store, calls = embed_batches(streamed, batches, space)
         for index in range(streamed.num_layers):
             if progress:
                 progress(index + 1, total, f"GPTQ layer {index + 1}/{streamed.num_layers}")
@@ -330,9 +280,9 @@ def gptq_weights(
                 hooks = _LayerHessians(layer, prefix, streamed.plan, targets, options.expert_hessian)
                 try:
                     if options.sequential:
-                        _observe_layer(layer, index, store, batches, calls)
+                        run_layer(layer, index, store, batches, calls, None, drop_inputs=False)  # for the hooks only
                     else:
-                        store = _run_layer(layer, index, store, batches, calls, space)
+                        store = run_layer(layer, index, store, batches, calls, ActivationStore(space, f"layer{index}"))
                 finally:
                     hooks.detach()
                 hessians = hooks.resolve(options.min_expert_tokens, options.fallback, options.expert_hessian)
@@ -345,7 +295,7 @@ def gptq_weights(
                     # the same expert loop as the observed pass (transformers' own may round differently)
                     undo = [install_experts_forward(m, NoTap()) for m in layer.modules() if is_fused_experts(m)]
                     try:
-                        store = _run_layer(layer, index, store, batches, calls, space)
+                        store = run_layer(layer, index, store, batches, calls, ActivationStore(space, f"layer{index}"))
                     finally:
                         for step in undo:
                             step()
