@@ -29,6 +29,7 @@ CT_ZERO_SCALE = 0.125  # compressed-tensors eps for an FP8 scale
 _CT_ZERO_SCALE_BITS = int(torch.tensor(CT_ZERO_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))  # 0x20
 MODELOPT_ZERO_SCALE = 1.0  # ModelOpt: an all-zero block gets scale 1.0
 MODELOPT_MIN_SCALE = 2.0**-9  # ModelOpt clamps block scales at the smallest E4M3 subnormal
+_NUMERATOR = FP8_E4M3_MAX * E2M1_MAX  # 2688 (numerics/nvfp4.py's NVFP4_GLOBAL_NUMERATOR)
 
 
 def ct_global_scales(a: Tensor, fp8_max: float) -> Tensor:
@@ -57,6 +58,18 @@ class CompressedTensorsScalar:
 
     def scalars(self, amax: Tensor, fp8_max: float) -> Tensor:
         return ct_global_scales(amax, fp8_max)
+
+    def input_scalar(self, amax: float) -> Tensor:
+        """The activation's stored per-tensor scalar (``input_global_scale = 2688/amax``), F32."""
+        return ct_global_scales(torch.as_tensor(amax), FP8_E4M3_MAX)
+
+    def amax_of(self, scalar: float) -> float:
+        """The amax a stored per-tensor scalar stands for, in float64."""
+        return _NUMERATOR / scalar
+
+    def step_multiplier(self, scalar: float) -> float:
+        """What the per-tensor scalar multiplies a block step by, in float64."""
+        return 1.0 / scalar
 
     def raw_block_scales(self, amax_blk: Tensor, g: Tensor) -> Tensor:
         # ``amax_blk / 6`` in amax_blk's dtype, as CT; ``g`` F32 and never 0-dim (a 0-dim F32
@@ -97,6 +110,16 @@ class ModelOptScalar:
     scalar_shape: tuple[int, ...] = ()
     formula: DequantFormula = "multiply"
     kernel_mode = 1
+
+    def input_scalar(self, amax: float) -> Tensor:
+        """``input_scale = amax / 2688``, F32 (no zero rule: ModelOpt's own formula)."""
+        return modelopt_scales_2(torch.as_tensor(amax), FP8_E4M3_MAX)
+
+    def amax_of(self, scalar: float) -> float:
+        return scalar * _NUMERATOR
+
+    def step_multiplier(self, scalar: float) -> float:
+        return scalar
 
     def scalars(self, amax: Tensor, fp8_max: float) -> Tensor:
         s2 = modelopt_scales_2(amax, fp8_max)
