@@ -14,24 +14,27 @@ declaration in ``declarations.py``; ``tests/test_codecs.py`` fails while any par
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
-from fp4forge.checkpoint.raw import fp8_e4m3_table
-from fp4forge.checkpoint.schemes import resolve_shape, role_entries
+from fp4forge.checkpoint.schemes import LAYOUTS, resolve_shape, role_entries, scheme_table
 from fp4forge.errors import ConfigError
-from fp4forge.numerics.conventions import convention_rule
-from fp4forge.numerics.e2m1 import E2M1_VALUES
-from fp4forge.numerics.fp8 import FP8_E4M3_MAX, Fp8Weight, fp8_amax_from_scale, fp8_dequantize_weight, fp8_quantize_weight
-from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR, DequantFormula, Nvfp4Weight, absmax
-from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, relative_error, search_nvfp4
 
-#: safetensors dtype codes of the scheme table -> torch dtypes (the float ones a scale may have).
-TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+if TYPE_CHECKING:  # the arithmetic is imported where it runs: the registry itself loads no torch
+    import torch
+    from torch import Tensor
+
+    from fp4forge.numerics.nvfp4 import DequantFormula, Nvfp4Weight
+
+
+@lru_cache(maxsize=1)
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype codes of the scheme table -> torch dtypes (the float ones a scale may have)."""
+    import torch
+
+    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,13 @@ class Peek:
 
 def _cast_to_entry(value: Tensor, entry: dict, out_features: int = 0, in_features: int = 0) -> Tensor:
     """A scale as the table's entry stores it (dtype, shape; shape symbols of a Linear [out, in])."""
-    return value.to(TORCH_DTYPES[entry["dtype"]]).reshape(resolve_shape(entry["shape"], out_features, in_features))
+    return value.to(torch_dtypes()[entry["dtype"]]).reshape(resolve_shape(entry["shape"], out_features, in_features))
 
 
 def _group_amax(weights: Sequence[Tensor]) -> float | None:
     """A fused group's shared amax (its members share one per-tensor scale); None for one Linear."""
+    from fp4forge.numerics.nvfp4 import absmax
+
     return max(float(absmax(w)) for w in weights) if len(weights) > 1 else None
 
 
@@ -76,9 +81,18 @@ class Codec:
 
     family = ""  # the weight format vLLM picks its kernel by
     writable = True  # the exporter writes it (False: read-only formats of other tools)
+    #: without a stored input scale: True = activations quantized at run time (FP8 dynamic);
+    #: False = not quantized at all (weight-only)
+    dynamic_activations = False
 
-    def __init__(self, scheme: str):
+    def __init__(self, scheme: str, title: str | None = None):
         self.scheme = scheme
+        self.title = title or scheme  # how reports name it
+
+    @property
+    def static_inputs(self) -> bool:
+        """Whether the scheme stores a static input scale (in the layouts that write it)."""
+        return any(self.has_input_scale(layout) for layout in LAYOUTS if self.scheme in scheme_table()[layout])
 
     def roles(self, layout: str) -> dict[str, dict]:
         """role -> {suffix, dtype, shape, ...} of this scheme in ``layout``."""
@@ -118,13 +132,21 @@ class Nvfp4Codec(Codec):
 
     def _input_scale_f32(self, amax: float, layout: str) -> Tensor:
         # the activation's per-tensor scalar follows the weight's convention (2688/amax or amax/2688)
+        from fp4forge.numerics.conventions import convention_rule
+
         return convention_rule(layout).input_scalar(amax)
 
     def input_amax(self, stored: float, layout: str) -> float:
         """The activation amax a stored input scale stands for, in float64."""
+        from fp4forge.numerics.conventions import convention_rule
+
         return convention_rule(layout).amax_of(stored)
 
     def encode(self, weights: Sequence[Tensor], layout: str, how: EncodeOptions, precomputed: Sequence[Any] | None = None) -> list[Encoded]:
+        import torch
+
+        from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, relative_error, search_nvfp4
+
         group_amax = _group_amax(weights)
         group_scalar = None
         out = []
@@ -152,6 +174,10 @@ class Nvfp4Codec(Codec):
 
     def weight(self, tensors: dict[str, Tensor], layout: str) -> Nvfp4Weight:
         """The stored NVFP4 weight (per-tensor scalar in F32, in the layout's convention)."""
+        import torch
+
+        from fp4forge.numerics.nvfp4 import Nvfp4Weight
+
         return Nvfp4Weight(tensors["packed"], tensors["block_scale"], tensors["global_scale"].to(torch.float32), layout)
 
     def decode(self, tensors: dict[str, Tensor], layout: str, dtype: torch.dtype, formula: DequantFormula | None = None) -> Tensor:
@@ -163,6 +189,11 @@ class Nvfp4Codec(Codec):
         the largest code x block scale x step multiplier against 6 x 448 x that multiplier.
         None where there is nothing to judge (shapes disagree, or every code is zero)."""
         import numpy as np
+
+        from fp4forge.checkpoint.raw import fp8_e4m3_table
+        from fp4forge.numerics.conventions import convention_rule
+        from fp4forge.numerics.e2m1 import E2M1_VALUES
+        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
 
         multiplier = convention_rule(layout).step_multiplier(per_tensor)
         codes = np.frombuffer(raw["packed"], dtype=np.uint8)
@@ -179,20 +210,33 @@ class Fp8Codec(Codec):
 
     family = "fp8"
 
-    def __init__(self, scheme: str, strategy: str, writable: bool = True):
-        super().__init__(scheme)
+    dynamic_activations = True
+
+    def __init__(self, scheme: str, title: str | None, strategy: str, writable: bool = True):
+        super().__init__(scheme, title)
         self.strategy = strategy
         self.writable = writable
 
     def _input_scale_f32(self, amax: float, layout: str) -> Tensor:
+        import torch
+
+        from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+
         return torch.tensor([amax], dtype=torch.float32) / FP8_E4M3_MAX  # static FP8: amax / 448
 
     def input_amax(self, stored: float, layout: str) -> float:
+        from fp4forge.numerics.fp8 import fp8_amax_from_scale
+
         return fp8_amax_from_scale(stored)
 
     def encode(self, weights: Sequence[Tensor], layout: str, how: EncodeOptions, precomputed: Sequence[Any] | None = None) -> list[Encoded]:
         if not self.writable:
             return super().encode(weights, layout, how, precomputed)
+        import torch
+
+        from fp4forge.numerics.fp8 import fp8_dequantize_weight, fp8_quantize_weight
+        from fp4forge.numerics.scale_search import relative_error
+
         group_amax = _group_amax(weights)
         amax = group_amax if self.strategy == "tensor" else None  # fused per-tensor shards share one scale
         scale_entry = self.roles(layout)["weight_scale"]
@@ -205,6 +249,8 @@ class Fp8Codec(Codec):
 
     def decode(self, tensors: dict[str, Tensor], layout: str, dtype: torch.dtype, formula: DequantFormula | None = None) -> Tensor:
         """``q * scale`` in the scale's stored dtype (compressed-tensors' decompress), then cast."""
+        from fp4forge.numerics.fp8 import Fp8Weight, fp8_dequantize_weight
+
         scale = tensors["weight_scale"]
         strategy = "tensor" if scale.numel() == 1 else "channel"
         shaped = scale.reshape(1) if strategy == "tensor" else scale.reshape(-1, 1)
@@ -213,6 +259,9 @@ class Fp8Codec(Codec):
     def peek(self, raw: dict[str, bytes], per_tensor: float | None, layout: str | None) -> Peek | None:
         """The largest |code| against E4M3's 448 (the scale multiplies both sides)."""
         import numpy as np
+
+        from fp4forge.checkpoint.raw import fp8_e4m3_table
+        from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 
         codes = np.abs(fp8_e4m3_table()[np.frombuffer(raw["weight"], dtype=np.uint8)])
         if not codes.size or not np.nanmax(codes) > 0:
@@ -223,11 +272,11 @@ class Fp8Codec(Codec):
 _CODECS: dict[str, Codec] = {
     c.scheme: c
     for c in (
-        Nvfp4Codec("nvfp4"),
-        Nvfp4Codec("nvfp4a16"),
-        Fp8Codec("fp8", "tensor"),
-        Fp8Codec("fp8_dynamic", "channel"),
-        Fp8Codec("fp8_block", "block", writable=False),
+        Nvfp4Codec("nvfp4", "NVFP4 W4A4"),
+        Nvfp4Codec("nvfp4a16", "NVFP4 W4A16"),
+        Fp8Codec("fp8", "FP8 W8A8 (static)", "tensor"),
+        Fp8Codec("fp8_dynamic", "FP8 W8A8 (dynamic)", "channel"),
+        Fp8Codec("fp8_block", None, "block", writable=False),
     )
 }
 
@@ -245,9 +294,31 @@ def codecs() -> dict[str, Codec]:
     return dict(_CODECS)
 
 
+def title(scheme: str) -> str:
+    """A scheme's name in reports (the name itself for a scheme without a codec)."""
+    found = _CODECS.get(scheme)
+    return scheme if found is None else found.title
+
+
+def nvfp4_kinds(schemes: Iterable[str]) -> tuple[bool, bool]:
+    """(any NVFP4 with static input scales (W4A4), any weight-only NVFP4 (W4A16)) among ``schemes``."""
+    found = [c for s in schemes if isinstance(c := _CODECS.get(s), Nvfp4Codec)]
+    return any(c.static_inputs for c in found), any(not c.static_inputs for c in found)
+
+
 def writable_schemes() -> tuple[str, ...]:
     """The schemes the exporter writes (what a recipe may name)."""
     return tuple(name for name, c in _CODECS.items() if c.writable)
+
+
+def layout_of_suffix(scheme: str, role: str, suffix: str) -> str:
+    """The layout that names ``scheme``'s ``role`` tensor ``<m>.<suffix>`` (e.g. the NVFP4 per-tensor
+    scalar: ``weight_global_scale`` in compressed-tensors, ``weight_scale_2`` in ModelOpt)."""
+    for layout in LAYOUTS:
+        entry = codec(scheme).roles(layout).get(role)
+        if entry is not None and entry["suffix"] == suffix:
+            return layout
+    raise ConfigError(f"no layout names the {role} of {scheme} {suffix!r}")
 
 
 def needs_activation_amax(scheme: str, layout: str) -> bool:
@@ -255,4 +326,4 @@ def needs_activation_amax(scheme: str, layout: str) -> bool:
     return codec(scheme).has_input_scale(layout)
 
 
-__all__ = ["Codec", "EncodeOptions", "Encoded", "Fp8Codec", "Nvfp4Codec", "Peek", "codec", "codecs", "needs_activation_amax", "writable_schemes"]
+__all__ = ["Codec", "EncodeOptions", "Encoded", "Fp8Codec", "Nvfp4Codec", "Peek", "codec", "codecs", "layout_of_suffix", "needs_activation_amax", "nvfp4_kinds", "title", "writable_schemes"]

@@ -41,7 +41,7 @@ def linear_tensor_specs(layout: str, scheme: str, module: str, out_features: int
         entries = scheme_table()[layout][scheme]
     except KeyError:
         raise ConfigError(f"no scheme {scheme!r} for layout {layout!r}") from None
-    if scheme.startswith("nvfp4") and in_features % NVFP4_BLOCK:
+    if any("in_blocks" in entry["shape"] for entry in entries.values()) and in_features % NVFP4_BLOCK:  # scales per 16 inputs
         raise ConfigError(f"{module}: input size {in_features} is not a multiple of {NVFP4_BLOCK} (NVFP4 block)")
     return [
         TensorSpec(f"{module}.{suffix}", entry["dtype"], resolve_shape(entry["shape"], out_features, in_features, block))

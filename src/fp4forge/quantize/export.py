@@ -37,7 +37,7 @@ from fp4forge.errors import ConfigError
 from fp4forge.model import distributed
 from fp4forge.quantize.options import BLOCK_SCALES, LAYOUT_FORMATS, BlockScales, LayoutFormat, Progress, QuantizeOptions
 from fp4forge.quantize.plan import ExportPlan, plan_export
-from fp4forge.quantize.qconfig import compressed_tensors_config, modelopt_configs
+from fp4forge.quantize.qconfig import quantization_configs
 from fp4forge.quantize.schedule import ExportSchedule
 from fp4forge.quantize.schedule_cpu import process_units
 from fp4forge.quantize.schedule_device import process_units_on_device
@@ -334,11 +334,8 @@ def _write_companions(
     """config.json with the declaration, tokenizer and other files copied, provenance (no
     timestamps or durations: a resumed run writes the same bytes as an uninterrupted one)."""
     config = dict(ckpt.config or {})
-    if options.layout_format == "compressed-tensors":
-        config["quantization_config"] = compressed_tensors_config(plan, all_linears)
-    else:
-        config_form, hf_quant = modelopt_configs(plan, all_linears, __version__)
-        config["quantization_config"] = config_form
+    config["quantization_config"], hf_quant = quantization_configs(options.layout_format, plan, all_linears, __version__)
+    if hf_quant is not None:
         writer.write_json(HF_QUANT_CONFIG_JSON, hf_quant)
     writer.write_json(CONFIG_JSON, config)
     source_root = getattr(ckpt.source, "root", None)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from fp4forge.checkpoint import ranges
-from fp4forge.checkpoint.codecs import TORCH_DTYPES
+from fp4forge.checkpoint.codecs import torch_dtypes
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.quantize.plan import WorkUnit
 from fp4forge.quantize.schedule import ExportSchedule
@@ -39,7 +39,7 @@ def read_unit_coalesced(unit: WorkUnit, ckpt: Checkpoint) -> ReadUnit:
     for target in unit.linears:
         name = f"{target.module}.weight"
         _, info = ckpt.locate(name)
-        dtype = TORCH_DTYPES.get(info.dtype)
+        dtype = torch_dtypes().get(info.dtype)
         if dtype is None or not info.nbytes:
             return read_unit(unit, ckpt)
         tensor = torch.empty(list(info.shape), dtype=dtype)

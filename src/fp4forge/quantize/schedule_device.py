@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fp4forge.checkpoint import ranges
-from fp4forge.checkpoint.codecs import TORCH_DTYPES, Nvfp4Codec, codec
+from fp4forge.checkpoint.codecs import torch_dtypes, Nvfp4Codec, codec
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.errors import NumericsError
 from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, nvfp4_quantize_stacked
@@ -46,7 +46,7 @@ def stack_signature(unit: WorkUnit, options: QuantizeOptions) -> tuple | None:
     if len(shapes) != 1:
         return None
     ((scheme, out_features, in_features, dtype),) = shapes
-    if dtype not in TORCH_DTYPES or out_features == 0 or in_features == 0 or in_features % NVFP4_BLOCK:
+    if dtype not in torch_dtypes() or out_features == 0 or in_features == 0 or in_features % NVFP4_BLOCK:
         return None
     return scheme, len(unit.linears), out_features, in_features, dtype
 
@@ -107,7 +107,7 @@ def _start_batch(units: list[WorkUnit], ckpt: Checkpoint, quantizer: UnitQuantiz
     stacks = []
     slots: dict[str, tuple[_Stack, torch.Tensor]] = {}  # weight name -> its stack and slice
     for (_, linears, out_features, in_features, dtype), members in groups.items():
-        host = torch.empty((len(members) * linears, out_features, in_features), dtype=TORCH_DTYPES[dtype], pin_memory=pin)
+        host = torch.empty((len(members) * linears, out_features, in_features), dtype=torch_dtypes()[dtype], pin_memory=pin)
         stack = _Stack(members, host)
         for i, target in enumerate(t for u in members for t in u.linears):
             slots[f"{target.module}.weight"] = (stack, host[i])
@@ -126,7 +126,7 @@ def _queue_coalesced_reads(slots: dict[str, tuple[_Stack, torch.Tensor]], ckpt: 
     read as stored bytes of their stack's dtype: the caller reads them tensor by tensor."""
     if not slots:
         return True
-    dtype_codes = {dtype: code for code, dtype in TORCH_DTYPES.items()}
+    dtype_codes = {dtype: code for code, dtype in torch_dtypes().items()}
     for name, (_, out) in slots.items():
         if ckpt.locate(name)[1].dtype != dtype_codes.get(out.dtype):
             return False

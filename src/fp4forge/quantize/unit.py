@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fp4forge.checkpoint.codecs import TORCH_DTYPES, EncodeOptions, codec
+from fp4forge.checkpoint.codecs import torch_dtypes, EncodeOptions, codec
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names
 from fp4forge.errors import ConfigError
@@ -99,7 +99,7 @@ class UnitQuantizer:
         for role, amax in (("k_scale", k_amax), ("v_scale", v_amax)):
             spec = names[role]
             value = torch.tensor([amax], dtype=torch.float32) / FP8_E4M3_MAX
-            out[spec.name] = value.to(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
+            out[spec.name] = value.to(torch_dtypes()[spec.dtype]).reshape(spec.shape)
         return out
 
 
