@@ -80,6 +80,8 @@ class Codec:
     """The shared part: the scheme's roles in a layout, read from the table."""
 
     family = ""  # the weight format vLLM picks its kernel by
+    stored_roles: frozenset[str] = frozenset()  # the roles it reads and writes (input scales aside)
+    doc = ""  # the docs/formats.md section that states the format
     writable = True  # the exporter writes it (False: read-only formats of other tools)
     #: without a stored input scale: True = activations quantized at run time (FP8 dynamic);
     #: False = not quantized at all (weight-only)
@@ -126,6 +128,8 @@ class Nvfp4Codec(Codec):
     in the layout's convention (docs/formats.md#nvfp4)."""
 
     family = "nvfp4"
+    stored_roles = frozenset({"packed", "block_scale", "global_scale"})
+    doc = "docs/formats.md#nvfp4"
 
     def in_features(self, stored_in: int) -> int:
         return stored_in * 2  # two FP4 codes per byte
@@ -209,12 +213,14 @@ class Fp8Codec(Codec):
     """FP8 E4M3 weights with a scale per tensor, per output channel, or per block."""
 
     family = "fp8"
+    stored_roles = frozenset({"weight", "weight_scale"})
 
     dynamic_activations = True
 
     def __init__(self, scheme: str, title: str | None, strategy: str, writable: bool = True):
         super().__init__(scheme, title)
         self.strategy = strategy
+        self.doc = "docs/formats.md#fp8-block-wise" if strategy == "block" else "docs/formats.md#fp8-e4m3"
         self.writable = writable
 
     def _input_scale_f32(self, amax: float, layout: str) -> Tensor:
