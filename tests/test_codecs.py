@@ -21,7 +21,7 @@ DECLARED = {"compressed-tensors": CT_FORMATS, "modelopt": MODELOPT_ALGOS}
 
 
 def _headings(doc: Path) -> set[str]:
-    from test_docs_citations import anchors
+    from tests.test_docs_citations import anchors
 
     return set(anchors(doc))
 
