@@ -218,6 +218,21 @@ def llm_compressor(src: Path, ids: torch.Tensor, tokenizer: Path, work: Path, ba
 
 
 # -- 4. export -------------------------------------------------------------------------------------
+def schedule_of_variant(variant: str):
+    """``BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED[:COALESCED[:REQUEST_MIB]]]`` as an
+    ``ExportSchedule`` (a huge writeback = none before the final fsync; WILLNEED and COALESCED
+    0/1); a field left out keeps the exporter's default."""
+    import dataclasses
+
+    from fp4forge.quantize.schedule import ExportSchedule
+
+    knobs = ("device_batch_bytes", "device_read_threads", "writeback_bytes", "willneed_hint", "device_coalesced_reads", "device_read_request_bytes")
+    units = (1 << 20, 1, 1 << 20, 1, 1, 1 << 20)  # MiB, count, MiB, 0/1, 0/1, MiB
+    defaults = ExportSchedule()
+    fields = [int(x) for x in variant.split(":")]
+    return dataclasses.replace(defaults, **{k: type(getattr(defaults, k))(f * u) for k, f, u in zip(knobs, fields, units)})
+
+
 def export(src: Path, out: Path, stats: Path | None, device: str, schedule=None) -> dict:
     import shutil
 
@@ -454,20 +469,9 @@ def main() -> None:
     if "cached-export" not in skip:
         exports["cached"] = export(src, args.work / "export-gpu", stats_path, device)
     save(args.out, "export", exports)
-    import dataclasses
-
-    from fp4forge.quantize.schedule import ExportSchedule
-
-    knobs = ("device_batch_bytes", "device_read_threads", "writeback_bytes", "willneed_hint", "device_coalesced_reads", "device_read_request_bytes")
-    defaults = ExportSchedule()
-    units = (1 << 20, 1, 1 << 20, 1, 1, 1 << 20)  # MiB, count, MiB, 0/1, 0/1, MiB
     for variant in filter(None, args.export_variants.split(",")):
-        # batch MiB : reader threads : writeback MiB (a huge writeback = none before the final fsync) : WILLNEED hint 0/1
-        # : coalesced reads 0/1 : request MiB; a field left out keeps the exporter's default
-        fields = [int(x) for x in variant.split(":")]
-        schedule = dataclasses.replace(defaults, **{k: type(getattr(defaults, k))(f * u) for k, f, u in zip(knobs, fields, units)})
         evict(shards(src))
-        exports[f"cold {variant}"] = export(src, args.work / "export-gpu", stats_path, device, schedule)
+        exports[f"cold {variant}"] = export(src, args.work / "export-gpu", stats_path, device, schedule_of_variant(variant))
         save(args.out, "export", exports)
         log(f"export cold {variant}", {k: v for k, v in exports[f"cold {variant}"].items() if k != "sha256"})
     log("export", {k: {kk: vv for kk, vv in v.items() if kk != "sha256"} for k, v in exports.items()})
