@@ -82,6 +82,7 @@ class Codec:
     family = ""  # the weight format vLLM picks its kernel by
     stored_roles: frozenset[str] = frozenset()  # the roles it reads and writes (input scales aside)
     doc = ""  # the docs/formats.md section that states the format
+    strategy = ""  # how the weight's scales are laid out (compressed-tensors' strategy names)
     writable = True  # the exporter writes it (False: read-only formats of other tools)
     #: without a stored input scale: True = activations quantized at run time (FP8 dynamic);
     #: False = not quantized at all (weight-only)
@@ -130,6 +131,7 @@ class Nvfp4Codec(Codec):
     family = "nvfp4"
     stored_roles = frozenset({"packed", "block_scale", "global_scale"})
     doc = "docs/formats.md#nvfp4"
+    strategy = "tensor_group"
 
     def in_features(self, stored_in: int) -> int:
         return stored_in * 2  # two FP4 codes per byte

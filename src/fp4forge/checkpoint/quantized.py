@@ -25,7 +25,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -40,7 +39,6 @@ from fp4forge.numerics.conventions import convention_rule
 from fp4forge.numerics.fp8 import fp8_fake_quantize
 from fp4forge.numerics.nvfp4 import DequantFormula, Nvfp4Weight, nvfp4_dequantize
 
-Scheme = Literal["nvfp4", "nvfp4a16", "fp8", "fp8_dynamic", "unquantized"]
 UNQUANTIZED = "unquantized"
 # Attention scale tensors that live beside a Linear's own (ModelOpt puts k_scale on k_proj).
 KV_SUFFIXES = ("k_scale", "v_scale", "q_scale", "prob_scale")
@@ -97,7 +95,7 @@ def _scheme_signatures(layout: str) -> dict[frozenset[str], list[str]]:
     share theirs; their weight_scale's shape tells them apart)."""
     out: dict[frozenset[str], list[str]] = {}
     for scheme, entries in scheme_table()[layout].items():
-        if any(entry["role"] == "weight" or entry["role"] == "packed" for entry in entries.values()):  # a Linear's scheme, not the KV cache's
+        if any(entry["role"] in ("packed", "weight") for entry in entries.values()):  # a Linear's scheme, not the KV cache's
             out.setdefault(frozenset(entries), []).append(scheme)
     return out
 
@@ -107,7 +105,7 @@ def _pick_scheme(candidates: list[str], tensors: dict) -> str:
         return candidates[0]
     scale = tensors.get("weight_scale")
     per_channel = scale is not None and len(scale.shape) == 2 and scale.shape[1] == 1
-    return next(c for c in candidates if (getattr(codec(c), "strategy", None) == "channel") == per_channel)
+    return next(c for c in candidates if (codec(c).strategy == "channel") == per_channel)
 
 
 class QuantizedCheckpoint:

@@ -64,8 +64,10 @@ def role_suffixes(layout: str, scheme: str) -> dict[str, str]:
     return {entry["role"]: suffix for suffix, entry in entries.items()}
 
 
+@lru_cache(maxsize=None)
 def role_entries(layout: str, scheme: str) -> dict[str, dict]:
-    """role -> the table's entry (``suffix`` added: the tensor name's last part) of ``scheme`` in ``layout``."""
+    """role -> the table's entry (``suffix`` added: the tensor name's last part) of ``scheme`` in
+    ``layout`` (cached: callers must not change it)."""
     try:
         entries = scheme_table()[layout][scheme]
     except KeyError:
