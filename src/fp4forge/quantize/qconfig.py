@@ -46,7 +46,7 @@ def _float_args(num_bits: int, strategy: str, *, group_size: int | None, dynamic
 
 
 def _nvfp4_args(dynamic: bool | str) -> dict[str, Any]:
-    return _float_args(4, "tensor_group", group_size=16, dynamic=dynamic, scale_dtype="torch.float8_e4m3fn", observer="static_minmax")
+    return _float_args(4, "tensor_group", group_size=NVFP4_BLOCK, dynamic=dynamic, scale_dtype="torch.float8_e4m3fn", observer="static_minmax")
 
 
 def ct_scheme_args(scheme: str) -> dict[str, Any]:
@@ -60,12 +60,12 @@ def ct_scheme_args(scheme: str) -> dict[str, Any]:
     if isinstance(scheme_codec, Nvfp4Codec):
         weights = _nvfp4_args(dynamic=False)
         inputs = _nvfp4_args(dynamic="local") if static_inputs else None
-    elif static_inputs:
-        weights = _float_args(8, scheme_codec.strategy, group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
-        inputs = _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="static_minmax")
     else:
         weights = _float_args(8, scheme_codec.strategy, group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
-        inputs = _float_args(8, "token", group_size=None, dynamic=True, scale_dtype=None, observer=None)
+        if static_inputs:
+            inputs = _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="static_minmax")
+        else:
+            inputs = _float_args(8, "token", group_size=None, dynamic=True, scale_dtype=None, observer=None)
     return {"weights": weights, "input_activations": inputs, "output_activations": None}
 
 

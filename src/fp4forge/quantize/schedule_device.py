@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fp4forge.checkpoint import ranges
-from fp4forge.checkpoint.codecs import torch_dtypes, Nvfp4Codec, codec
+from fp4forge.checkpoint.codecs import Nvfp4Codec, codec, torch_dtypes
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.errors import NumericsError
 from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, nvfp4_quantize_stacked

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fp4forge.checkpoint.codecs import torch_dtypes, EncodeOptions, codec
+from fp4forge.checkpoint.codecs import EncodeOptions, codec, torch_dtypes
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.checkpoint.schemes import kv_role_names
 from fp4forge.errors import ConfigError
