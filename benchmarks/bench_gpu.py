@@ -219,7 +219,22 @@ def llm_compressor(src: Path, ids: torch.Tensor, tokenizer: Path, work: Path, ba
 
 
 # -- 4. export -------------------------------------------------------------------------------------
-def export(src: Path, out: Path, stats: Path | None, device: str) -> dict:
+def schedule_of_variant(variant: str):
+    """``BATCH_MIB:READ_THREADS:WRITEBACK_MIB[:WILLNEED[:COALESCED[:REQUEST_MIB]]]`` as an
+    ``ExportSchedule`` (a huge writeback = none before the final fsync; WILLNEED and COALESCED
+    0/1); a field left out keeps the exporter's default."""
+    import dataclasses
+
+    from fp4forge.quantize.schedule import ExportSchedule
+
+    knobs = ("device_batch_bytes", "device_read_threads", "writeback_bytes", "willneed_hint", "device_coalesced_reads", "device_read_request_bytes")
+    units = (1 << 20, 1, 1 << 20, 1, 1, 1 << 20)  # MiB, count, MiB, 0/1, 0/1, MiB
+    defaults = ExportSchedule()
+    fields = [int(x) for x in variant.split(":")]
+    return dataclasses.replace(defaults, **{k: type(getattr(defaults, k))(f * u) for k, f, u in zip(knobs, fields, units)})
+
+
+def export(src: Path, out: Path, stats: Path | None, device: str, schedule=None) -> dict:
     import shutil
 
     from fp4forge.quantize.act_scales import StatsAmax
@@ -254,7 +269,7 @@ def export(src: Path, out: Path, stats: Path | None, device: str) -> dict:
     CheckpointWriter.write, CheckpointWriter._finish = timed("write_s", plain_write), timed("finish_s", plain_finish)
     cpu_before = os.times()
     try:
-        summary = quantize_checkpoint(src, out, options)
+        summary = quantize_checkpoint(src, out, options, schedule=schedule)
     finally:
         CheckpointWriter.write, CheckpointWriter._finish = plain_write, plain_finish
     cpu_after = os.times()
@@ -312,6 +327,8 @@ def export_profile(src: Path, stats: Path, device: str, units_wanted: int, out: 
     from fp4forge.model.streaming import CheckpointTensors
     from fp4forge.quantize import export as ex
     from fp4forge.quantize.act_scales import StatsAmax
+    from fp4forge.quantize.schedule_cpu import process_units
+    from fp4forge.quantize.unit import quantize_unit, read_unit
     from fp4forge.quantize.plan import plan_export
     from fp4forge.quantize.recipe import load_recipe
 
@@ -342,13 +359,13 @@ def export_profile(src: Path, stats: Path, device: str, units_wanted: int, out: 
     weights = [{t.module: ckpt.read_tensor(f"{t.module}.weight").to(device) for t in u.linears} for u in units]
     timed("numerics_only_1_thread", lambda: [{k: v.cpu() for k, v in quantizer.quantize(u, w)[0].items()} for u, w in zip(units, weights)])
     weights.clear()
-    timed("read_and_numerics_1_thread", lambda: [ex._quantize_unit(ex._read_unit(u, ckpt), quantizer) for u in units])
+    timed("read_and_numerics_1_thread", lambda: [quantize_unit(read_unit(u, ckpt), quantizer) for u in units])
     for workers in (4, 16):
-        timed(f"read_and_numerics_{workers}_workers", lambda: list(ex._process_units(units, ckpt, quantizer, workers)))
+        timed(f"read_and_numerics_{workers}_workers", lambda: list(process_units(units, ckpt, quantizer, workers, ex.ExportSchedule())))
     profiler = cProfile.Profile()
     profiler.enable()
     for u in units[: max(1, len(units) // 3)]:
-        ex._quantize_unit(ex._read_unit(u, ckpt), quantizer)
+        quantize_unit(read_unit(u, ckpt), quantizer)
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
@@ -453,24 +470,9 @@ def main() -> None:
     if "cached-export" not in skip:
         exports["cached"] = export(src, args.work / "export-gpu", stats_path, device)
     save(args.out, "export", exports)
-    from fp4forge.quantize import export as exporter
-
-    knobs = ("DEVICE_BATCH_BYTES", "DEVICE_READ_THREADS", "WRITEBACK_BYTES", "WILLNEED_HINT", "DEVICE_COALESCED_READS", "DEVICE_READ_REQUEST_BYTES")
-    defaults = {k: getattr(exporter, k) for k in knobs}
-    units = (1 << 20, 1, 1 << 20, 1, 1, 1 << 20)  # MiB, count, MiB, 0/1, 0/1, MiB
     for variant in filter(None, args.export_variants.split(",")):
-        # batch MiB : reader threads : writeback MiB (a huge writeback = none before the final fsync) : WILLNEED hint 0/1
-        # : coalesced reads 0/1 : request MiB; a field left out keeps the exporter's default
-        fields = [int(x) for x in variant.split(":")]
-        values = [f * u for f, u in zip(fields, units)] + [defaults[k] for k in knobs[len(fields):]]
-        for k, v in zip(knobs, values):
-            setattr(exporter, k, type(defaults[k])(v))
-        try:
-            evict(shards(src))
-            exports[f"cold {variant}"] = export(src, args.work / "export-gpu", stats_path, device)
-        finally:
-            for k, v in defaults.items():
-                setattr(exporter, k, v)
+        evict(shards(src))
+        exports[f"cold {variant}"] = export(src, args.work / "export-gpu", stats_path, device, schedule_of_variant(variant))
         save(args.out, "export", exports)
         log(f"export cold {variant}", {k: v for k, v in exports[f"cold {variant}"].items() if k != "sha256"})
     log("export", {k: {kk: vv for kk, vv in v.items() if kk != "sha256"} for k, v in exports.items()})

@@ -218,3 +218,127 @@ def test_only_the_endpoint_builds_server_urls() -> None:
     # a string literal that starts with a server path or a URL scheme; checkpoint/ owns the Hugging
     # Face Hub's file URLs (a file host, not a model server)
     assert not _grep(r"""[rbfRBF]*["'](/v1/|/tokenize|/health|/metrics|/version|https?://)""", outside=("endpoint.py", "checkpoint"))
+
+
+# -- scheme and layout names: dispatched through the codec registry, never compared -----------------
+# A "scheme dispatch by string" is a comparison (==, !=, in, not in) with a scheme or layout name of
+# checkpoint/layouts/_schemes.toml as a string literal (alone or in a tuple/list/set), with the
+# layout constants CT / MODELOPT, or a .startswith / .endswith of such a name or of a prefix of one.
+# Callers look the codec up instead (checkpoint/codecs.py: codec(scheme).has_input_scale(layout),
+# isinstance(codec(scheme), Nvfp4Codec), numerics/conventions.py for the NVFP4 scalar convention).
+# The modules that ARE the registry may spell the names:
+SCHEME_REGISTRY = ("checkpoint/codecs.py", "checkpoint/schemes.py", "checkpoint/declarations.py", "numerics/conventions.py")
+# (module, code on the line): the same words meaning something else, each with what it is
+OTHER_MEANINGS = {
+    ("serve/recommend.py", 'kv_cache_dtype.startswith("fp8")'): "vLLM's --kv-cache-dtype values (fp8, fp8_e4m3), not a weight scheme",
+    ("bench/gemm.py", 'kernel.startswith("fp8")'): "the GEMM benchmark's kernel names",
+    ("bench/gemm.py", 'kernel == "fp8"'): "the GEMM benchmark's kernel names",
+    ("serve/recommend.py", 'facts.kv_declared == "fp8"'): "the KV cache's declared dtype",
+    ("fidelity/evaluate.py", 'declaration.kv.algo != "fp8"'): "the KV cache's declared algorithm",
+    ("checkpoint/convert.py", 'qc.get("quant_method")'): "a declaration's quant_method field, read where block-FP8 sources are detected",
+    ("testbed/corpus.py", 'method != "fp8"'): "a declaration's quant_method field (the block-FP8 testbed)",
+}
+# (module, code on the line): dispatches still to move onto the codecs, with what replaces each
+TO_MOVE = {
+    ("quantize/gptq.py", 'scheme.startswith("nvfp4")'): "isinstance(codec(scheme), Nvfp4Codec)",
+    ("calibrate/kv.py", "layout == CT"): "a table keyed by layout, as quantize/qconfig.py's declarers",
+    ("calibrate/kv.py", "layout == MODELOPT"): "a table keyed by layout, as quantize/qconfig.py's declarers",
+    ("fidelity/reference.py", 'q.family == "nvfp4"'): "q.packs_fp4",
+    ("fidelity/reference.py", "layout not in (CT, MODELOPT)"): "QuantizedCheckpoint's own check of the layout",
+    ("fidelity/reference.py", '"nvfp4" in QUANTIZED_ACTIVATIONS'): "the codecs' static_inputs / dynamic_activations",
+    # the study's fake-quant formats (nvfp4, fp8, mxfp4, int-n): a format registry in numerics/
+    ("lab/study/frontier.py", 'fmt == "nvfp4"'): "a fake-quant format registry in numerics/",
+    ("lab/study/frontier.py", 'fmt == "fp8"'): "a fake-quant format registry in numerics/",
+    ("lab/study/frontier.py", 'arm.format == "nvfp4"'): "a fake-quant format registry in numerics/",
+    ("lab/study/frontier.py", 'arm.format == "fp8"'): "a fake-quant format registry in numerics/",
+    ("lab/study/run.py", 'name == "fp8"'): "a fake-quant format registry in numerics/",
+}
+LAYOUT_CONSTANTS = {"CT", "MODELOPT"}
+
+
+def _scheme_names() -> set[str]:
+    import tomllib
+
+    table = tomllib.loads((SRC / "checkpoint" / "layouts" / "_schemes.toml").read_text(encoding="utf-8"))
+    return set(table) | {scheme for schemes in table.values() for scheme in schemes if scheme != "kv"}
+
+
+def _names_a_scheme(node: ast.AST, names: set[str]) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value in names
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_scheme(e, names) for e in node.elts)
+    if isinstance(node, ast.Name):
+        return node.id in LAYOUT_CONSTANTS
+    return isinstance(node, ast.Attribute) and node.attr in LAYOUT_CONSTANTS
+
+
+def _prefixes_a_scheme(node: ast.AST, names: set[str]) -> bool:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) >= 3:
+        return any(name.startswith(node.value) for name in names)
+    return isinstance(node, ast.Tuple) and any(_prefixes_a_scheme(e, names) for e in node.elts)
+
+
+def _scheme_dispatches(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of every comparison with a scheme or layout name in one source file."""
+    source = path.read_text(encoding="utf-8")
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            hit = any(_names_a_scheme(operand, names) for operand in [node.left, *node.comparators])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("startswith", "endswith"):
+            hit = any(_prefixes_a_scheme(arg, names) for arg in node.args)
+        else:
+            continue
+        if hit:
+            found.append((node.lineno, lines[node.lineno - 1].strip()))
+    return found
+
+
+def _unexplained_scheme_dispatches(sources: list[Path]) -> list[str]:
+    names = _scheme_names()
+    explained = {**OTHER_MEANINGS, **TO_MOVE}
+    hits = []
+    for path in sources:
+        rel = path.relative_to(SRC).as_posix()
+        if rel in SCHEME_REGISTRY or rel.startswith("plugins/"):  # the vLLM plugin keeps its own copies by design
+            continue
+        for line, code in _scheme_dispatches(path, names):
+            if not any(rel == module and snippet in code for module, snippet in explained):
+                hits.append(f"{rel}:{line}: {code}")
+    return hits
+
+
+def test_no_scheme_dispatch_by_string_outside_the_registry() -> None:
+    hits = _unexplained_scheme_dispatches(_sources())
+    assert not hits, "compare codecs, not names (checkpoint/codecs.py):\n" + "\n".join(hits)
+
+
+def test_every_listed_exception_still_exists() -> None:
+    # an entry whose line is gone (fixed or moved) must leave the lists: they only shrink
+    names = _scheme_names()
+    for module, snippet in [*OTHER_MEANINGS, *TO_MOVE]:
+        codes = [code for _, code in _scheme_dispatches(SRC / module, names)]
+        assert any(snippet in code for code in codes), f"{module}: {snippet!r} is no longer there"
+
+
+def test_the_scheme_dispatch_test_catches_a_planted_comparison() -> None:
+    fake = SRC / "serve" / "_probe_scheme_dispatch.py"
+    fake.write_text(
+        "from fp4forge.checkpoint.declarations import CT\n"
+        "def f(scheme, layout, t):\n"
+        "    a = scheme == 'nvfp4a16'\n"
+        "    b = scheme in ('nvfp4', 'fp8')\n"
+        "    c = t.scheme.startswith('nvfp')\n"
+        "    d = layout != 'modelopt'\n"
+        "    e = layout == CT\n"
+        "    g = 'nvfp4' in t.schemes\n"
+        "    return scheme == 'other' or layout.startswith('re:')  # not a scheme: not a hit\n",
+        encoding="utf-8",
+    )
+    try:
+        hits = [h for h in _unexplained_scheme_dispatches(_sources()) if "_probe_scheme_dispatch" in h]
+    finally:
+        fake.unlink()
+    assert [int(h.split(":")[1]) for h in hits] == [3, 4, 5, 6, 7, 8], hits

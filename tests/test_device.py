@@ -170,13 +170,14 @@ def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: P
 
     options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu", workers=2)
     export.quantize_checkpoint(tiny_laguna, tmp_path / "pool", options)
-    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, batch_bytes=1 << 16, read_ahead=2))
-    # the stacks read as coalesced requests, of a size that cuts through tensors
+    from fp4forge.checkpoint import ranges
+
+    # the device path on the CPU, the stacks read as coalesced requests, of a size that cuts through tensors
+    schedule = export.ExportSchedule(path="device", device_batch_bytes=1 << 16, device_read_ahead=2, device_read_request_bytes=10_000)
     requests = []
-    plain_read_request = export.ranges.read_request
-    monkeypatch.setattr(export.ranges, "read_request", lambda ckpt, request, buffers: requests.append(request) or plain_read_request(ckpt, request, buffers))
-    monkeypatch.setattr(export, "DEVICE_READ_REQUEST_BYTES", 10_000)
-    export.quantize_checkpoint(tiny_laguna, tmp_path / "device-path", options)
+    plain_read_request = ranges.read_request
+    monkeypatch.setattr(ranges, "read_request", lambda ckpt, request, buffers: requests.append(request) or plain_read_request(ckpt, request, buffers))
+    export.quantize_checkpoint(tiny_laguna, tmp_path / "device-path", options, schedule=schedule)
     assert digests(tmp_path / "pool") == digests(tmp_path / "device-path") and digests(tmp_path / "pool")
     assert requests and max(r.nbytes for r in requests) == 10_000 and any(len(r.keys) > 1 for r in requests)
 
@@ -200,8 +201,7 @@ def test_device_export_path_refuses_a_nan_expert_by_name(tiny_laguna: Path, tmp_
     tensors = load_file(shard)
     tensors[target][2, 5] = float("nan")
     save_file(tensors, shard, metadata={"format": "pt"})
-    monkeypatch.setattr(export, "_process_units", lambda units, ckpt, quantizer, workers: export._process_units_on_device(units, ckpt, quantizer, batch_bytes=1 << 16))
     options = export.QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=ConstantAmax(8.0), device="cpu")
     with pytest.raises(NumericsError, match="experts.3.up_proj"):
-        export.quantize_checkpoint(src, tmp_path / "q", options)
+        export.quantize_checkpoint(src, tmp_path / "q", options, schedule=export.ExportSchedule(path="device", device_batch_bytes=1 << 16))
     assert not (tmp_path / "q").exists()

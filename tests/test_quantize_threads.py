@@ -70,7 +70,7 @@ def test_the_cpu_reader_reads_ahead_within_its_budget(source, monkeypatch):
 
     from fp4forge.checkpoint.layout import layout_for_config
     from fp4forge.checkpoint.reader import open_checkpoint
-    from fp4forge.quantize import export
+    from fp4forge.quantize import export, schedule_cpu, unit as unit_module
     from fp4forge.quantize.act_scales import ConstantAmax
     from fp4forge.quantize.plan import plan_export
     from fp4forge.quantize.recipe import load_recipe
@@ -81,18 +81,18 @@ def test_the_cpu_reader_reads_ahead_within_its_budget(source, monkeypatch):
     sizes = {u.key: sum(ckpt.locate(n)[1].nbytes for n in [*(f"{t.module}.weight" for t in u.linears), *u.passthrough]) for u in units}
     assert len(units) > 8 and any(len(u.linears) > 1 for u in units)
     for unit in units:
-        coalesced, plain = export._read_unit_coalesced(unit, ckpt), export._read_unit(unit, ckpt)
+        coalesced, plain = schedule_cpu.read_unit_coalesced(unit, ckpt), unit_module.read_unit(unit, ckpt)
         assert coalesced.nbytes == plain.nbytes == sizes[unit.key]
         assert coalesced.passthrough == plain.passthrough
         assert coalesced.weights.keys() == plain.weights.keys()
         assert all(torch.equal(coalesced.weights[m], plain.weights[m]) and coalesced.weights[m].dtype == plain.weights[m].dtype for m in plain.weights)
 
     queued: list[str] = []
-    real = export._unit_nbytes
-    monkeypatch.setattr(export, "_unit_nbytes", lambda unit, c: queued.append(unit.key) or real(unit, c))
+    real = schedule_cpu.unit_nbytes
+    monkeypatch.setattr(schedule_cpu, "unit_nbytes", lambda unit, c: queued.append(unit.key) or real(unit, c))
     budget = 4 * max(sizes.values())
     quantizer = export.UnitQuantizer(options)
-    for i, (unit, tensors, _, nbytes) in enumerate(export._process_units(units, ckpt, quantizer, 2, read_ahead_bytes=budget)):
+    for i, (unit, tensors, _, nbytes) in enumerate(schedule_cpu.process_units(units, ckpt, quantizer, 2, export.ExportSchedule(cpu_read_ahead_bytes=budget))):
         assert unit.key == units[i].key and nbytes == sizes[unit.key] and queued == [u.key for u in units[: len(queued)]]
         held = sum(sizes[key] for key in queued[i + 1 :])  # queued, not yet yielded
         assert held < budget + max(sizes.values())
@@ -101,7 +101,7 @@ def test_the_cpu_reader_reads_ahead_within_its_budget(source, monkeypatch):
 
 @pytest.mark.parametrize("nice", [5, 0])
 def test_the_compute_threads_yield_the_cores_to_the_reader_and_the_writer(source, monkeypatch, nice):
-    """With ``COMPUTE_NICE`` set (``FP4FORGE_COMPUTE_NICE``; the benchmark's niced arm) the compute
+    """With ``ExportSchedule.compute_nice`` set (``FP4FORGE_COMPUTE_NICE``; the benchmark's niced arm) the compute
     threads run that many steps below the process, the reader and the caller (the writer) at the
     process's priority; 0, the default, leaves every thread alone."""
     import os
@@ -109,7 +109,7 @@ def test_the_compute_threads_yield_the_cores_to_the_reader_and_the_writer(source
 
     from fp4forge.checkpoint.layout import layout_for_config
     from fp4forge.checkpoint.reader import open_checkpoint
-    from fp4forge.quantize import export
+    from fp4forge.quantize import export, schedule_cpu
     from fp4forge.quantize.act_scales import ConstantAmax
     from fp4forge.quantize.plan import plan_export
     from fp4forge.quantize.recipe import load_recipe
@@ -121,11 +121,11 @@ def test_the_compute_threads_yield_the_cores_to_the_reader_and_the_writer(source
     options = export.QuantizeOptions(load_recipe(RECIPE), act_amax=ConstantAmax(8.0), workers=2)
     units = plan_export(export._source_specs(ckpt), layout_for_config(ckpt.config), options.recipe, options.layout_format).units
     seen: dict[str, set[int]] = {"compute": set(), "read": set()}
-    real_quantize, real_read = export._quantize_unit, export._read_unit_coalesced
-    monkeypatch.setattr(export, "COMPUTE_NICE", nice)
-    monkeypatch.setattr(export, "_quantize_unit", lambda *a: seen["compute"].add(priority()) or real_quantize(*a))
-    monkeypatch.setattr(export, "_read_unit_coalesced", lambda *a: seen["read"].add(priority()) or real_read(*a))
+    real_quantize, real_read = schedule_cpu.quantize_unit, schedule_cpu.read_unit_coalesced
+    monkeypatch.setattr(schedule_cpu, "quantize_unit", lambda *a: seen["compute"].add(priority()) or real_quantize(*a))
+    monkeypatch.setattr(schedule_cpu, "read_unit_coalesced", lambda *a: seen["read"].add(priority()) or real_read(*a))
     base = priority()
-    results = list(export._process_units(units, ckpt, export.UnitQuantizer(options), 2))
+    schedule = export.ExportSchedule(compute_nice=nice)
+    results = list(schedule_cpu.process_units(units, ckpt, export.UnitQuantizer(options), 2, schedule))
     assert len(results) == len(units)
     assert seen["compute"] == {min(base + nice, 19)} and seen["read"] == {base} and priority() == base

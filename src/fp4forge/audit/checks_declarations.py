@@ -18,6 +18,7 @@ from operator import itemgetter
 
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.findings import Issue, natural_key
+from fp4forge.checkpoint.codecs import codec, layout_of_suffix
 from fp4forge.checkpoint.declarations import MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import split_suffix
 from fp4forge.checkpoint.names import PROVENANCE_JSON
@@ -30,6 +31,8 @@ KV_SUFFIXES = ("k_scale", "v_scale")
 EXPERTS = "routed_experts"
 MISSING_TENSOR_RULES = ("scheme-tensor-missing", "moe-input-scale-invalid")
 W4A4_SCHEME = "nvfp4"
+# the codecs that read a Linear's values for the magnitude check (every NVFP4 / FP8 scheme stores its codes alike)
+NVFP4_PEEK, FP8_PEEK = "nvfp4", "fp8"
 
 
 def run(ctx: AuditContext) -> list[Issue]:
@@ -440,55 +443,27 @@ MAGNITUDE_MIN_RATIO = 0.25
 MAGNITUDE_MAX_RATIO = 1.0 + 2.0**-10
 
 
-def _e4m3_table():
-    """All 256 F8_E4M3 (fn) byte values as float64 (NaN for 0x7F / 0xFF)."""
-    import numpy as np
-
-    codes = np.arange(256)
-    sign = np.where(codes & 0x80, -1.0, 1.0)
-    exponent, mantissa = (codes >> 3) & 0xF, codes & 0x7
-    values = np.where(exponent == 0, mantissa / 8.0 * 2.0**-6, (1 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
-    values = sign * values
-    values[(codes & 0x7F) == 0x7F] = np.nan
-    return values
-
-
 def _magnitude_of(ctx: AuditContext, module: str) -> tuple[float, float, str] | None:
     """(largest dequantized |value|, the amax the scales imply, family) of one quantized Linear,
-    or None when it is not NVFP4 / FP8 with readable scales."""
-    import numpy as np
-
-    from fp4forge.numerics.e2m1 import E2M1_VALUES
-    from fp4forge.numerics.fp8 import FP8_E4M3_MAX
-    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
-
+    or None when it is not NVFP4 / FP8 with readable scales. Which scheme is told by the stored
+    dtypes (a damaged checkpoint may match no scheme); the bytes are read by its codec."""
     params = ctx.modules.get(module, {})
-    e4m3 = _e4m3_table()
     packed = params.get("weight_packed") or (params.get("weight") if params.get("weight") is not None and params["weight"].dtype == "U8" else None)
     block = params.get("weight_scale")
     if packed is not None and block is not None and block.dtype == "F8_E4M3":
         per_tensor = params.get("weight_global_scale") or params.get("weight_scale_2")
         if per_tensor is None or per_tensor.numel != 1:
             return None
-        value = float(ctx.values([f"{module}.{_suffix_of(params, per_tensor)}"]).popitem()[1][0])
-        multiplier = 1.0 / value if "weight_global_scale" in params else value
-        raw = np.frombuffer(ctx.ckpt.read_raw(f"{module}.{_suffix_of(params, packed)}"), dtype=np.uint8)
-        mags = np.asarray(E2M1_VALUES)
-        top = np.maximum(mags[raw & 7], mags[(raw >> 4) & 7]).reshape(-1, NVFP4_BLOCK // 2).max(axis=1)
-        scales = np.abs(e4m3[np.frombuffer(ctx.ckpt.read_raw(f"{module}.weight_scale"), dtype=np.uint8)])
-        if top.size != scales.size:
-            return None  # a shape finding elsewhere
-        if not top.any():
-            return None  # all-zero codes: weight-all-zero's business, no range to reach
-        return float(np.nanmax(top * scales)) * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, "nvfp4"
-    weight = params.get("weight")
-    if weight is not None and weight.dtype == "F8_E4M3":
-        codes = np.abs(e4m3[np.frombuffer(ctx.ckpt.read_raw(f"{module}.weight"), dtype=np.uint8)])
-        if not codes.size or not np.nanmax(codes) > 0:
+        suffix = _suffix_of(params, per_tensor)
+        value = float(ctx.values([f"{module}.{suffix}"]).popitem()[1][0])
+        raw = {"packed": ctx.ckpt.read_raw(f"{module}.{_suffix_of(params, packed)}"), "block_scale": ctx.ckpt.read_raw(f"{module}.weight_scale")}
+        peek = codec(NVFP4_PEEK).peek(raw, value, layout_of_suffix(NVFP4_PEEK, "global_scale", suffix))
+    else:
+        weight = params.get("weight")
+        if weight is None or weight.dtype != "F8_E4M3":
             return None
-        # the scale multiplies both sides; the ratio is the codes' reach of E4M3's top
-        return float(np.nanmax(codes)), FP8_E4M3_MAX, "fp8"
-    return None
+        peek = codec(FP8_PEEK).peek({"weight": ctx.ckpt.read_raw(f"{module}.weight")}, None, None)
+    return None if peek is None else (peek.largest, peek.implied_amax, peek.family)
 
 
 def _suffix_of(params: dict, info) -> str:

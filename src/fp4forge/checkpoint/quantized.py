@@ -29,24 +29,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fp4forge.checkpoint.codecs import Codec, Nvfp4Codec, codec
 from fp4forge.checkpoint.declarations import detect_format
 from fp4forge.checkpoint.names import natural_key
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.checkpoint.schemes import LAYOUTS, kv_role_names, scheme_table
 from fp4forge.errors import ConfigError
-from fp4forge.numerics.fp8 import Fp8Weight, fp8_amax_from_scale, fp8_dequantize_weight, fp8_fake_quantize
-from fp4forge.numerics.nvfp4 import (
-    DequantFormula,
-    Nvfp4Weight,
-    amax_from_ct_global_scale,
-    amax_from_scale_2,
-    ct_global_to_modelopt_scale_2,
-    nvfp4_dequantize,
-)
+from fp4forge.numerics.conventions import convention_rule
+from fp4forge.numerics.fp8 import fp8_fake_quantize
+from fp4forge.numerics.nvfp4 import DequantFormula, Nvfp4Weight, nvfp4_dequantize
 
 UNQUANTIZED = "unquantized"
-# The weight format each scheme stores: what vLLM picks its kernel by.
-SCHEME_FAMILY = {"nvfp4": "nvfp4", "nvfp4a16": "nvfp4", "fp8": "fp8", "fp8_dynamic": "fp8", "fp8_block": "fp8"}
 # Attention scale tensors that live beside a Linear's own (ModelOpt puts k_scale on k_proj).
 KV_SUFFIXES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 
@@ -63,8 +56,17 @@ class QuantizedLinear:
     in_features: int
 
     @property
+    def codec(self) -> Codec:
+        return codec(self.scheme)
+
+    @property
     def family(self) -> str:
-        return SCHEME_FAMILY[self.scheme]
+        """The weight format vLLM picks its kernel by (``nvfp4`` | ``fp8``)."""
+        return self.codec.family
+
+    @property
+    def packs_fp4(self) -> bool:
+        return isinstance(self.codec, Nvfp4Codec)
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def _scheme_signatures(layout: str) -> dict[frozenset[str], list[str]]:
     share theirs; their weight_scale's shape tells them apart)."""
     out: dict[frozenset[str], list[str]] = {}
     for scheme, entries in scheme_table()[layout].items():
-        if scheme != "kv":
+        if any(entry["role"] in ("packed", "weight") for entry in entries.values()):  # a Linear's scheme, not the KV cache's
             out.setdefault(frozenset(entries), []).append(scheme)
     return out
 
@@ -103,7 +105,7 @@ def _pick_scheme(candidates: list[str], tensors: dict) -> str:
         return candidates[0]
     scale = tensors.get("weight_scale")
     per_channel = scale is not None and len(scale.shape) == 2 and scale.shape[1] == 1
-    return next(c for c in candidates if (c == "fp8_dynamic") == per_channel)
+    return next(c for c in candidates if (codec(c).strategy == "channel") == per_channel)
 
 
 class QuantizedCheckpoint:
@@ -142,7 +144,7 @@ class QuantizedCheckpoint:
             roles = {entry["role"]: f"{module}.{suffix}" for suffix, entry in scheme_table()[self.layout][scheme].items()}
             weight_info = tensors["weight" if "weight" in tensors else "weight_packed"]
             out_features, stored_in = weight_info.shape
-            in_features = stored_in * 2 if scheme.startswith("nvfp4") else stored_in  # two FP4 codes per byte
+            in_features = codec(scheme).in_features(stored_in)
             self.linears[module] = QuantizedLinear(module, scheme, roles, out_features, in_features)
 
     # -- what is stored --------------------------------------------------------------------------
@@ -203,11 +205,7 @@ class QuantizedCheckpoint:
         ``amax/(6*448)``, FP8 ``amax/448``; computed in float64 from the stored F32 value."""
         if not self.has_input_scale(module):
             return None
-        q = self.linears[module]
-        value = float(self._f32(module, "input_scale")[0])
-        if q.family == "nvfp4":
-            return amax_from_ct_global_scale(value) if self.layout == "compressed-tensors" else amax_from_scale_2(value)
-        return fp8_amax_from_scale(value)
+        return self.linears[module].codec.input_amax(float(self._f32(module, "input_scale")[0]), self.layout)
 
     def nvfp4_input_scale_2(self, module: str) -> Tensor | None:
         """An NVFP4 module's input ``amax/(6*448)`` as vLLM holds it, F32 ``[1]`` (CT: ``1/gs`` in
@@ -217,12 +215,15 @@ class QuantizedCheckpoint:
         return self._to_scale_2(self._f32(module, "input_scale"))
 
     def _to_scale_2(self, stored: Tensor) -> Tensor:
-        return ct_global_to_modelopt_scale_2(stored).reshape(-1) if self.layout == "compressed-tensors" else stored
+        return convention_rule(self.layout).scale_2(stored).reshape(-1)
 
     # -- weights, per module -------------------------------------------------------------------------
     def nvfp4_weight(self, module: str) -> Nvfp4Weight:
         """The stored NVFP4 weight (global scale in F32, in the layout's own convention)."""
-        return Nvfp4Weight(self.tensor(module, "packed"), self.tensor(module, "block_scale"), self.tensor(module, "global_scale").to(torch.float32), self.layout)
+        scheme_codec = self._linear(module).codec
+        if not isinstance(scheme_codec, Nvfp4Codec):
+            raise ConfigError(f"{module} is not an NVFP4 Linear", file=self.ckpt.display)
+        return scheme_codec.weight(self._stored(module), self.layout)
 
     def weight_scale_2(self, module: str) -> Tensor:
         """An NVFP4 module's weight ``amax/(6*448)`` (vLLM's dequant multiplier), F32 ``[1]``."""
@@ -239,11 +240,11 @@ class QuantizedCheckpoint:
         q = self.linears.get(module)
         if q is None:
             return self.ckpt.read_tensor(f"{module}.weight").to(dtype)
-        if q.family == "nvfp4":
-            return self.nvfp4_weight(module).dequantize(dtype, formula=formula)
-        scale = self.tensor(module, "weight_scale")
-        strategy = "tensor" if scale.numel() == 1 else "channel"
-        return fp8_dequantize_weight(Fp8Weight(self.tensor(module, "weight"), scale.reshape(1) if strategy == "tensor" else scale.reshape(-1, 1), strategy), dtype)
+        return q.codec.decode(self._stored(module), self.layout, dtype, formula)
+
+    def _stored(self, module: str) -> dict[str, Tensor]:
+        """The module's stored tensors that the codec reads, by role (input scales aside)."""
+        return {role: self.tensor(module, role) for role in self._linear(module).names if role != "input_scale"}
 
     def dequantize_nvfp4_with(self, module: str, scale_2: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """An NVFP4 module's codes and block scales with another per-tensor multiplier
@@ -265,11 +266,11 @@ class QuantizedCheckpoint:
         q = self._linear(module)
         groups = None if groups is None else tuple(tuple(g) for g in groups)
         partners = [m for m in self.fused_partners(module, groups) if self.linears[m].family == q.family]
-        if q.family == "nvfp4":
+        if q.packs_fp4:
             mult = torch.stack([self.weight_scale_2(m).max() for m in partners]).max()
             inputs = [s for m in partners if (s := self.nvfp4_input_scale_2(m)) is not None]
             act = None if not inputs else (1.0 / torch.stack([i.max() for i in inputs]).max()).reshape(1)
-            return ServedLinear(module, "nvfp4", self.dequantize_nvfp4_with(module, mult), act)
+            return ServedLinear(module, q.family, self.dequantize_nvfp4_with(module, mult), act)
         w_scales = {m: self._f32(m, "weight_scale") for m in partners}
         w_max = torch.stack([s.max() for s in w_scales.values()]).max()
         scale = w_scales[module] if w_scales[module].numel() == 1 else w_scales[module].reshape(-1, 1)
@@ -279,7 +280,7 @@ class QuantizedCheckpoint:
         act = None
         if self.has_input_scale(module):
             act = torch.stack([self._f32(m, "input_scale").max() for m in partners]).max().reshape(1)
-        return ServedLinear(module, "fp8", weight, act)
+        return ServedLinear(module, q.family, weight, act)
 
     def served_experts(self, moe: str, count: int) -> ServedExperts:
         """Routed NVFP4 experts ``<moe>.<e>.{gate,up,down}_proj``: gate/up fused and dequantized
@@ -289,7 +290,7 @@ class QuantizedCheckpoint:
         for e in range(count):
             g, u, d = (f"{moe}.{e}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj"))
             for m in (g, u, d):
-                if self._linear(m).family != "nvfp4":
+                if not self._linear(m).packs_fp4:
                     raise ConfigError(f"{m}: routed experts are read as NVFP4, found {self.linears[m].scheme}", file=self.ckpt.display)
             g_mult = self.weight_scale_2(g)
             gate_up.append(torch.cat([self.dequantize_nvfp4_with(g, g_mult), self.dequantize_nvfp4_with(u, g_mult)]))

@@ -89,7 +89,8 @@ def float_view(dtype: str, raw: bytes):
     return np.frombuffer(raw, dtype={"F16": "<f2", "F32": "<f4", "F64": "<f8"}[dtype])
 
 
-def _fp8_e4m3_table():
+@lru_cache(maxsize=1)
+def fp8_e4m3_table():
     """float32 value of every E4M3FN byte (exponent bias 7, no Inf, S.1111.111 is NaN)."""
     import numpy as np
 
@@ -106,7 +107,7 @@ def _decoders() -> dict[str, Callable[[bytes], Any]]:
     """safetensors dtype -> raw little-endian bytes to a flat float32 numpy array."""
     import numpy as np
 
-    fp8 = _fp8_e4m3_table()
+    fp8 = fp8_e4m3_table()
     return {
         "F32": lambda raw: float_view("F32", raw),
         "F16": lambda raw: float_view("F16", raw).astype(np.float32),

@@ -29,6 +29,11 @@ def _resolve_dim(symbol: int | str, out_features: int, in_features: int, block: 
     return {"out": out_features, "in": in_features, "in_half": in_features // 2, "in_blocks": in_features // NVFP4_BLOCK}[symbol]
 
 
+def resolve_shape(symbols: list, out_features: int, in_features: int, block: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """A table entry's shape for a Linear [out, in]."""
+    return tuple(_resolve_dim(d, out_features, in_features, block) for d in symbols)
+
+
 def linear_tensor_specs(layout: str, scheme: str, module: str, out_features: int, in_features: int, block: tuple[int, int] | None = None) -> list[TensorSpec]:
     """The tensors `<module>.*` that `scheme` stores in `layout` for a Linear [out, in]
     (``block``: [out, in] values per scale of a block-wise scheme)."""
@@ -36,10 +41,10 @@ def linear_tensor_specs(layout: str, scheme: str, module: str, out_features: int
         entries = scheme_table()[layout][scheme]
     except KeyError:
         raise ConfigError(f"no scheme {scheme!r} for layout {layout!r}") from None
-    if scheme.startswith("nvfp4") and in_features % NVFP4_BLOCK:
+    if any("in_blocks" in entry["shape"] for entry in entries.values()) and in_features % NVFP4_BLOCK:  # scales per 16 inputs
         raise ConfigError(f"{module}: input size {in_features} is not a multiple of {NVFP4_BLOCK} (NVFP4 block)")
     return [
-        TensorSpec(f"{module}.{suffix}", entry["dtype"], tuple(_resolve_dim(d, out_features, in_features, block) for d in entry["shape"]))
+        TensorSpec(f"{module}.{suffix}", entry["dtype"], resolve_shape(entry["shape"], out_features, in_features, block))
         for suffix, entry in entries.items()
     ]
 
@@ -57,6 +62,17 @@ def role_suffixes(layout: str, scheme: str) -> dict[str, str]:
     except KeyError:
         raise ConfigError(f"no scheme {scheme!r} for layout {layout!r}") from None
     return {entry["role"]: suffix for suffix, entry in entries.items()}
+
+
+@lru_cache(maxsize=None)
+def role_entries(layout: str, scheme: str) -> dict[str, dict]:
+    """role -> the table's entry (``suffix`` added: the tensor name's last part) of ``scheme`` in
+    ``layout`` (cached: callers must not change it)."""
+    try:
+        entries = scheme_table()[layout][scheme]
+    except KeyError:
+        raise ConfigError(f"no scheme {scheme!r} for layout {layout!r}") from None
+    return {entry["role"]: {**entry, "suffix": suffix} for suffix, entry in entries.items()}
 
 
 def kv_role_names(layout: str, layer_prefix: str) -> dict[str, TensorSpec]:

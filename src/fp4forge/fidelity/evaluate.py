@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp4forge import __version__
+from fp4forge.checkpoint.codecs import Nvfp4Codec, codec
 from fp4forge.model import distributed
 from fp4forge.fidelity.options import FidelityOptions
 from fp4forge.model.samples import Samples, samples_for
@@ -109,12 +110,13 @@ ACTIVATION_QUANTIZERS: dict[str, Callable[[float, torch.device], ActQuant]] = {
 
 def activation_scale(view: QuantizedCheckpoint, module: str) -> ActivationScale | None:
     """How vLLM quantizes this module's input (None: not at all)."""
-    scheme = view.scheme(module)
-    if scheme in ("unquantized", "nvfp4a16"):
+    q = view.linears.get(module)
+    if q is None:
         return None
-    if scheme == "fp8_dynamic":
-        return ActivationScale("fp8_dynamic", 0.0)
-    return ActivationScale(scheme, view.input_amax(module))
+    if view.has_input_scale(module):
+        return ActivationScale(q.scheme, view.input_amax(module))
+    # no stored input scale: quantized at run time (FP8 dynamic) or not at all (weight-only)
+    return ActivationScale(q.scheme, 0.0) if q.codec.dynamic_activations else None
 
 
 # -- the student's numerics on one layer -------------------------------------------------------------
@@ -160,7 +162,7 @@ class StudentNumerics:
 
     def _scale(self, disk_module: str) -> ActivationScale | None:
         scale = activation_scale(self.view, disk_module)
-        if scale is not None and scale.kind == "nvfp4" and self.options.numerics == "w4a16":
+        if scale is not None and isinstance(codec(scale.kind), Nvfp4Codec) and self.options.numerics == "w4a16":
             return None  # MARLIN / HUMMING drop the activation scales
         return scale
 

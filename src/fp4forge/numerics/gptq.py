@@ -84,6 +84,7 @@ ScaleMode = Literal["static", "dynamic"]
 #: Formats :func:`gptq_quantize` accepts (INT-N for N in 2..8).
 GPTQ_FORMATS = ("nvfp4", "mxfp4", "int2", "int3", "int4", "int5", "int6", "int7", "int8")
 _INT_FORMAT = re.compile(r"int([2-8])")
+_FP4_BLOCKS = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}  # their block is fixed by the format
 _DAMP_RETRIES = (1.0, 10.0, 100.0)
 
 
@@ -154,17 +155,14 @@ class GptqResult:
 def gptq_format_group(fmt: str, group_size: int | None, in_features: int) -> int:
     """The group (block) size GPTQ uses for ``fmt``: 16 for NVFP4, 32 for MXFP4 (fixed by the
     format; any other ``group_size`` is an error), ``group_size`` or the whole row for INT-N."""
-    if fmt == "nvfp4":
-        fixed = NVFP4_BLOCK
-    elif fmt == "mxfp4":
-        fixed = MXFP4_BLOCK
-    elif _INT_FORMAT.fullmatch(fmt):
+    fixed = _FP4_BLOCKS.get(fmt)
+    if fixed is None:
+        if not _INT_FORMAT.fullmatch(fmt):
+            raise NumericsError(f"unknown GPTQ format {fmt!r} ({' | '.join(GPTQ_FORMATS)})")
         g = in_features if group_size is None else group_size
         if g <= 0 or in_features % g:
             raise NumericsError(f"group size {group_size} does not divide the input width {in_features}")
         return g
-    else:
-        raise NumericsError(f"unknown GPTQ format {fmt!r} ({' | '.join(GPTQ_FORMATS)})")
     if group_size not in (None, fixed):
         raise NumericsError(f"{fmt} has a fixed block of {fixed} columns, got group_size={group_size}")
     if in_features % fixed:
@@ -277,12 +275,15 @@ class _IntGrid(_Grid):
         return [IntWeight(codes[b].to(torch.int8), self.step[b], None, self.bits, self.group) for b in range(codes.shape[0])]
 
 
+_NVFP4_GRIDS, _MXFP4_GRIDS = frozenset({"nvfp4"}), frozenset({"mxfp4"})
+
+
 def _make_grid(w: Tensor, fmt: str, group: int, global_amax: list, block_scale: list, global_scale: list) -> _Grid:
-    if fmt == "nvfp4":
+    if fmt in _NVFP4_GRIDS:
         return _Nvfp4Grid(w, global_amax, block_scale, global_scale)
     if any(x is not None for x in (*block_scale, *global_amax, *global_scale)):
         raise NumericsError("block_scale, global_amax and global_scale apply to nvfp4 only")
-    if fmt == "mxfp4":
+    if fmt in _MXFP4_GRIDS:
         return _Mxfp4Grid(w)
     return _IntGrid(w, int(fmt[3:]), group)
 
@@ -349,25 +350,10 @@ def gptq_quantize_batch(
     scales); ``global_scale``, NVFP4's per-tensor scale itself (instead of ``global_amax``).
     """
     fmt = fmt.lower()
-    if weights.ndim != 3 or not weights.is_floating_point():
-        raise NumericsError(f"GPTQ needs float weights [B, N, K], got {weights.dtype} {list(weights.shape)}")
-    nb, n, k = weights.shape
-    if hessians.shape != (nb, k, k):
-        raise NumericsError(f"Hessian shape {list(hessians.shape[-2:])} does not match the weight's input width {k}")
+    nb, n, k = _check_shapes(weights, hessians)
     group = gptq_format_group(fmt, group_size, k)
-    global_amax = list(global_amax) if global_amax is not None else [None] * nb
-    block_scale = list(block_scale) if block_scale is not None else [None] * nb
-    global_scale = list(global_scale) if global_scale is not None else [None] * nb
-    if len(global_amax) != nb or len(block_scale) != nb or len(global_scale) != nb:
-        raise NumericsError("global_amax, block_scale and global_scale need one entry per weight")
-    if any(a is not None and g is not None for a, g in zip(global_amax, global_scale)):
-        raise NumericsError("pass global_amax or global_scale for a weight, not both")
-    if scale_mode not in ("static", "dynamic"):
-        raise NumericsError(f"unknown scale mode {scale_mode!r} (static | dynamic)")
-    if scale_mode == "dynamic" and (act_order or any(b is not None for b in block_scale)):
-        raise NumericsError("dynamic block scales need the natural column order and no given block_scale")
-    if not damp > 0 or block_size <= 0:
-        raise NumericsError(f"damp must be > 0 and block_size positive, got damp={damp}, block_size={block_size}")
+    global_amax, block_scale, global_scale = _per_weight(nb, global_amax, block_scale, global_scale)
+    _check_settings(scale_mode, act_order, block_scale, damp, block_size)
     if not bool(torch.isfinite(weights).all()) or not bool(torch.isfinite(hessians).all()):
         raise NumericsError("weight or Hessian holds NaN or Inf; refusing to quantize it")
     block_size = int(math.ceil(block_size / group) * group)
@@ -377,15 +363,63 @@ def gptq_quantize_batch(
     h = hessians.to(torch.float32).clone()
     diag = torch.diagonal(h, dim1=-2, dim2=-1)
     diag[diag == 0] = 1.0  # an unused input: no coupling, so its columns round to nearest
-
-    cols = torch.arange(k).expand(nb, k)
-    perm = torch.argsort(torch.diagonal(h, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True) if act_order else None
+    w, h, perm, cols = _act_order(w, h, act_order)
+    u, used_damp, fallback = _inverse_factors(h, damp)
+    codes, loss = _sweep(w, u, grid, cols // group, block_size, scale_mode)
     if perm is not None:
-        w = w.gather(2, perm.unsqueeze(1).expand(nb, n, k))
-        h = h.gather(1, perm.unsqueeze(2).expand(nb, k, k)).gather(2, perm.unsqueeze(1).expand(nb, k, k))
-        cols = perm
-    col_group = cols // group  # [B, K]: the group (in the stored order) of each swept column
+        codes = codes.gather(2, torch.argsort(perm, dim=-1).unsqueeze(1).expand(nb, n, k))
+    quantized = grid.finish(codes.to(torch.uint8) if isinstance(grid, _Fp4Codes) else codes)
+    return [
+        GptqResult(q, q.dequantize(torch.float32), fmt, group, float(loss[b]), used_damp[b], act_order, scale_mode, fallback[b])
+        for b, q in enumerate(quantized)
+    ]
 
+
+def _check_shapes(weights: Tensor, hessians: Tensor) -> tuple[int, int, int]:
+    """(B, N, K) of a batch whose Hessians fit its weights."""
+    if weights.ndim != 3 or not weights.is_floating_point():
+        raise NumericsError(f"GPTQ needs float weights [B, N, K], got {weights.dtype} {list(weights.shape)}")
+    nb, n, k = weights.shape
+    if hessians.shape != (nb, k, k):
+        raise NumericsError(f"Hessian shape {list(hessians.shape[-2:])} does not match the weight's input width {k}")
+    return nb, n, k
+
+
+def _per_weight(nb: int, global_amax: list | None, block_scale: list | None, global_scale: list | None) -> tuple[list, list, list]:
+    """The per-weight NVFP4 overrides as lists of ``nb`` entries (None where not given)."""
+    amaxes, blocks, scalars = (list(x) if x is not None else [None] * nb for x in (global_amax, block_scale, global_scale))
+    if len(amaxes) != nb or len(blocks) != nb or len(scalars) != nb:
+        raise NumericsError("global_amax, block_scale and global_scale need one entry per weight")
+    if any(a is not None and g is not None for a, g in zip(amaxes, scalars)):
+        raise NumericsError("pass global_amax or global_scale for a weight, not both")
+    return amaxes, blocks, scalars
+
+
+def _check_settings(scale_mode: str, act_order: bool, block_scale: list, damp: float, block_size: int) -> None:
+    if scale_mode not in ("static", "dynamic"):
+        raise NumericsError(f"unknown scale mode {scale_mode!r} (static | dynamic)")
+    if scale_mode == "dynamic" and (act_order or any(b is not None for b in block_scale)):
+        raise NumericsError("dynamic block scales need the natural column order and no given block_scale")
+    if not damp > 0 or block_size <= 0:
+        raise NumericsError(f"damp must be > 0 and block_size positive, got damp={damp}, block_size={block_size}")
+
+
+def _act_order(w: Tensor, h: Tensor, act_order: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """(weights, Hessians, permutation or None, each swept column's stored index ``[B, K]``):
+    with ``act_order`` the columns by decreasing Hessian diagonal, else as stored."""
+    nb, n, k = w.shape
+    if not act_order:
+        return w, h, None, torch.arange(k).expand(nb, k)
+    perm = torch.argsort(torch.diagonal(h, dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
+    w = w.gather(2, perm.unsqueeze(1).expand(nb, n, k))
+    h = h.gather(1, perm.unsqueeze(2).expand(nb, k, k)).gather(2, perm.unsqueeze(1).expand(nb, k, k))
+    return w, h, perm, perm
+
+
+def _inverse_factors(h: Tensor, damp: float) -> tuple[Tensor, list[float], list[bool]]:
+    """Per weight: the upper factor of the damped inverse Hessian, the damping that made it
+    positive definite, and whether none did (then the identity: plain round-to-nearest)."""
+    nb, k = h.shape[0], h.shape[-1]
     u = torch.empty_like(h)
     used_damp, fallback = [damp] * nb, [False] * nb
     for b in range(nb):
@@ -396,7 +430,14 @@ def gptq_quantize_batch(
                 break
         else:
             u[b], fallback[b] = torch.eye(k), True  # no coupling: plain round-to-nearest
+    return u, used_damp, fallback
 
+
+def _sweep(w: Tensor, u: Tensor, grid: _Grid, col_group: Tensor, block_size: int, scale_mode: str) -> tuple[Tensor, Tensor]:
+    """GPTQ's column sweep in lazy batches of ``block_size`` columns: each column rounded on the
+    grid, its error spread over the columns not yet rounded. (codes F32 [B, N, K], loss [B])."""
+    nb, n, k = w.shape
+    group = grid.group
     codes = torch.empty((nb, n, k), dtype=torch.float32)
     loss = torch.zeros(nb, dtype=torch.float64)
     for i1 in range(0, k, block_size):
@@ -415,11 +456,4 @@ def gptq_quantize_batch(
             w1[:, :, i:] -= e.unsqueeze(2) * u1[:, i, i:].unsqueeze(1)
             err1[:, :, i] = e
         w[:, :, i2:] -= torch.bmm(err1, u[:, i1:i2, i2:])
-
-    if perm is not None:
-        codes = codes.gather(2, torch.argsort(perm, dim=-1).unsqueeze(1).expand(nb, n, k))
-    quantized = grid.finish(codes.to(torch.uint8) if fmt in ("nvfp4", "mxfp4") else codes)
-    return [
-        GptqResult(q, q.dequantize(torch.float32), fmt, group, float(loss[b]), used_damp[b], act_order, scale_mode, fallback[b])
-        for b, q in enumerate(quantized)
-    ]
+    return codes, loss

@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -63,6 +62,7 @@ from fp4forge.numerics.e2m1 import (
 )
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 from fp4forge.numerics import nvfp4_kernel
+from fp4forge.numerics.conventions import CONVENTIONS, Convention, DequantFormula, ct_global_scales, convention_rule
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -92,14 +92,6 @@ __all__ = [
 
 NVFP4_BLOCK = 16
 NVFP4_GLOBAL_NUMERATOR = FP8_E4M3_MAX * E2M1_MAX  # 2688 = 448 * 6: the largest E4M3 block scale times the largest E2M1 value
-CT_ZERO_SCALE = 0.125  # compressed-tensors eps for an FP8 scale
-_CT_ZERO_SCALE_BITS = int(torch.tensor(CT_ZERO_SCALE).to(torch.float8_e4m3fn).view(torch.uint8))  # 0x20
-MODELOPT_ZERO_SCALE = 1.0  # ModelOpt: an all-zero block gets scale 1.0
-MODELOPT_MIN_SCALE = 2.0**-9  # ModelOpt clamps block scales at the smallest E4M3 subnormal
-
-Convention = Literal["compressed-tensors", "modelopt"]
-DequantFormula = Literal["divide", "multiply"]
-_CONVENTIONS = ("compressed-tensors", "modelopt")
 
 
 # -- per-tensor scalars ---------------------------------------------------------------------------
@@ -123,17 +115,7 @@ def nvfp4_global_scale(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX, d
     a = torch.as_tensor(amax)
     if dtype is not None:
         a = a.to(dtype)
-    return _ct_global_scales(a, fp8_max).reshape(1)
-
-
-def _ct_global_scales(a: Tensor, fp8_max: float) -> Tensor:
-    """:func:`nvfp4_global_scale` elementwise, any shape (F32, same shape)."""
-    if not a.is_floating_point():
-        a = a.to(torch.float32)
-    a = a.abs().clamp(min=torch.finfo(a.dtype).tiny)
-    g = (fp8_max * E2M1_MAX) / a
-    g = torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
-    return g.to(torch.float32)
+    return ct_global_scales(a, fp8_max).reshape(1)
 
 
 def nvfp4_scale_2(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX) -> Tensor:
@@ -146,12 +128,12 @@ def nvfp4_scale_2(amax: Tensor | float, *, fp8_max: float = FP8_E4M3_MAX) -> Ten
 def ct_global_to_modelopt_scale_2(global_scale: Tensor) -> Tensor:
     """CT ``weight_global_scale`` (F32 ``[1]``) -> ModelOpt ``weight_scale_2`` (F32 ``[]``): ``1 / x``
     in F32, correctly rounded (what CT's ``ModelOptNvfp4Converter`` does in the other direction)."""
-    return (1.0 / global_scale.to(torch.float32)).reshape(())
+    return CONVENTIONS["compressed-tensors"].scale_2(global_scale)
 
 
 def modelopt_scale_2_to_ct_global(scale_2: Tensor) -> Tensor:
     """ModelOpt ``weight_scale_2`` -> CT ``weight_global_scale`` (F32 ``[1]``): ``1 / x`` in F32."""
-    return (1.0 / scale_2.to(torch.float32)).reshape(1)
+    return CONVENTIONS["modelopt"].ct_global(scale_2)
 
 
 def amax_from_ct_global_scale(global_scale: float) -> float:
@@ -196,16 +178,12 @@ class Nvfp4Weight:
     @property
     def weight_global_scale(self) -> Tensor:
         """The CT scalar (F32 ``[1]``), converted if this weight is in ModelOpt convention."""
-        if self.convention == "compressed-tensors":
-            return self.global_scale
-        return modelopt_scale_2_to_ct_global(self.global_scale)
+        return convention_rule(self.convention).ct_global(self.global_scale)
 
     @property
     def weight_scale_2(self) -> Tensor:
         """The ModelOpt scalar (F32 ``[]``), converted if this weight is in CT convention."""
-        if self.convention == "modelopt":
-            return self.global_scale
-        return ct_global_to_modelopt_scale_2(self.global_scale)
+        return convention_rule(self.convention).scale_2(self.global_scale)
 
     def codes(self) -> Tensor:
         """Unpacked E2M1 codes, uint8 ``[..., K]``."""
@@ -213,11 +191,10 @@ class Nvfp4Weight:
 
     def to_convention(self, convention: Convention) -> Nvfp4Weight:
         """Same bytes and block scales, the per-tensor scalar converted by ``1/x`` in F32."""
-        _check_convention(convention)
+        target = convention_rule(convention)
         if convention == self.convention:
             return self
-        g = self.weight_global_scale if convention == "compressed-tensors" else self.weight_scale_2
-        return replace(self, global_scale=g, convention=convention)
+        return replace(self, global_scale=target.adopt(self.global_scale, convention_rule(self.convention)), convention=convention)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16, *, formula: DequantFormula | None = None) -> Tensor:
         """See :func:`nvfp4_dequantize`."""
@@ -225,8 +202,7 @@ class Nvfp4Weight:
 
 
 def _check_convention(convention: str) -> None:
-    if convention not in _CONVENTIONS:
-        raise NumericsError(f"unknown NVFP4 convention {convention!r} (compressed-tensors | modelopt)")
+    convention_rule(convention)
 
 
 def _blocks(w: Tensor) -> Tensor:
@@ -252,22 +228,17 @@ def _resolve_scalar(
     global_scale: Tensor | None,
     fp8_max: float,
 ) -> Tensor:
+    rule = convention_rule(convention)
     if global_scale is not None:
         if global_amax is not None:
             raise NumericsError("pass global_amax or global_scale, not both")
-        return global_scale.to(torch.float32).reshape(1 if convention == "compressed-tensors" else ())
+        return global_scale.to(torch.float32).reshape(rule.scalar_shape)
     if global_amax is None:
         amax = amax_blk.amax() if amax_blk.numel() else torch.zeros((), dtype=w.dtype)
     else:
         # CT computes the quotient in the weight's dtype; a bf16 max is exact in bf16.
         amax = torch.as_tensor(global_amax, device=w.device).to(w.dtype).reshape(())
-    if convention == "compressed-tensors":
-        return nvfp4_global_scale(amax, fp8_max=fp8_max)
-    s2 = nvfp4_scale_2(amax, fp8_max=fp8_max)
-    if float(s2) == 0.0:
-        # ModelOpt would divide 0/0 here (NaN scales). Use the CT fallback (global 1.0) instead.
-        s2 = torch.ones((), dtype=torch.float32)
-    return s2
+    return rule.scalars(amax, fp8_max).reshape(rule.scalar_shape)
 
 
 # -- block scales -------------------------------------------------------------------------------------
@@ -277,24 +248,13 @@ def nvfp4_raw_block_scales(amax_blk: Tensor, global_scale: Tensor, convention: C
     CT: ``global_scale * (amax_blk / 6)`` with ``amax_blk / 6`` in amax_blk's dtype (as CT);
     ModelOpt: ``float32(amax_blk) / (6 * scale_2)``.
     """
-    if convention == "compressed-tensors":
-        # keep the scalar 1-D: a 0-dim F32 tensor would not promote a bf16 product to F32
-        return global_scale.to(torch.float32).reshape(1) * (amax_blk / E2M1_MAX)
-    return amax_blk.float() / (E2M1_MAX * global_scale.to(torch.float32).reshape(()))
+    rule = convention_rule(convention)
+    return rule.raw_block_scales(amax_blk, global_scale.to(torch.float32).reshape(rule.scalar_shape))
 
 
 def _finish_block_scales(raw: Tensor, convention: Convention) -> Tensor:
-    """Round raw F32 block scales to E4M3 with the convention's clamps and zero rule.
-
-    (The 448 clamp on the ModelOpt side is ours: ModelOpt has none, which only matters when a
-    supplied global amax is below a block's amax; torch's CPU cast saturates there too, other
-    backends may give NaN.)"""
-    if convention == "compressed-tensors":
-        s = raw.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        # a scale that rounded to +-0 (E4M3 bits 0x00 / 0x80) becomes 0.125 (bits 0x20)
-        return s.masked_fill_((s & 0x7F) == 0, _CT_ZERO_SCALE_BITS).view(torch.float8_e4m3fn)
-    s = torch.where(raw == 0, torch.full_like(raw, MODELOPT_ZERO_SCALE), raw)
-    return s.clamp(MODELOPT_MIN_SCALE, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    """Round raw F32 block scales to E4M3 with the convention's clamps and zero rule."""
+    return convention_rule(convention).finish_block_scales(raw)
 
 
 def nvfp4_block_scales(
@@ -329,10 +289,7 @@ def e4m3_to_f32(scale: Tensor) -> Tensor:
 
 def _effective_scale(block_scale: Tensor, global_scale: Tensor, convention: Convention) -> Tensor:
     """F32 per-block step multiplier: CT ``scale / global_scale``; ModelOpt ``scale * scale_2``."""
-    s = e4m3_to_f32(block_scale)
-    if convention == "compressed-tensors":
-        return s / global_scale.to(torch.float32)
-    return s * global_scale.to(torch.float32)
+    return convention_rule(convention).step(e4m3_to_f32(block_scale), global_scale.to(torch.float32))
 
 
 def nvfp4_encode(
@@ -516,19 +473,11 @@ def nvfp4_quantize_stacked(
     finite = torch.isfinite(slice_amax)  # NaN and Inf propagate into the max (as _check_finite)
     if group > 1:
         slice_amax = slice_amax.view(-1, group).amax(dim=1).repeat_interleave(group)
-    if convention == "compressed-tensors":
-        g = _ct_global_scales(slice_amax, fp8_max).reshape(n, 1)
-    else:
-        s2 = slice_amax.float() / (E2M1_MAX * fp8_max)  # nvfp4_scale_2, elementwise
-        g = torch.where(s2 == 0.0, torch.ones_like(s2), s2)  # as _resolve_scalar: 0 -> 1.0
+    rule = convention_rule(convention)
+    g = rule.scalars(slice_amax, fp8_max).reshape(n, *rule.scalar_shape)  # as _resolve_scalar, per slice
     bshape = (n,) + (1,) * (amax_blk.ndim - 1)
-    if convention == "compressed-tensors":
-        raw = g.reshape(bshape) * (amax_blk / E2M1_MAX)
-    else:
-        raw = amax_blk.float() / (E2M1_MAX * g.reshape(bshape))
-    block_scale = _finish_block_scales(raw, convention)
-    step = e4m3_to_f32(block_scale)
-    step = step / g.reshape(bshape) if convention == "compressed-tensors" else step * g.reshape(bshape)
+    block_scale = rule.finish_block_scales(rule.raw_block_scales(amax_blk, g.reshape(bshape)))
+    step = rule.step(e4m3_to_f32(block_scale), g.reshape(bshape))
     regular = ((step > 0) & (step < math.inf)).reshape(n, -1).all(dim=1)
     nb = blocks.shape[-2]
     packed, err_rows, ref_rows = encode_packed_rows(
@@ -554,7 +503,7 @@ def nvfp4_dequantize(
     checkpoint). Default: the weight's own convention's formula.
     """
     if formula is None:
-        formula = "divide" if q.convention == "compressed-tensors" else "multiply"
+        formula = convention_rule(q.convention).formula
     s = q.block_scale.to(torch.float32)
     if formula == "divide":
         step = s / q.weight_global_scale.to(torch.float32)

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fp4forge.numerics.conventions import convention_rule
+
 __all__ = ["KernelStatus", "kernel_status", "minmax_bf16", "absmax_bf16", "usable_for"]
 
 _SOURCE = Path(__file__).with_name("nvfp4_minmax.c")
@@ -189,14 +191,14 @@ def minmax_bf16(w: Tensor, convention: str, scalar: Tensor, error: bool) -> tupl
 
 def _minmax(lib: ctypes.CDLL, w: Tensor, convention: str, scalar: Tensor, error: bool) -> tuple[Tensor, Tensor, float, float] | None:
     g = scalar.to(torch.float32).reshape(())
-    # ModelOpt's divisor 6 * scale_2, computed by torch exactly as the eager path does
-    g6 = (6.0 * g).reshape(()) if convention == "modelopt" else g
+    rule = convention_rule(convention)
+    g6 = rule.kernel_divisor(g)
     n_blocks = w.numel() // 16
     packed = torch.empty((*w.shape[:-1], w.shape[-1] // 2), dtype=torch.uint8)
     scales = torch.empty((*w.shape[:-1], w.shape[-1] // 16), dtype=torch.uint8)
     sums = (ctypes.c_double * 2)(0.0, 0.0)
     irregular = lib.fp4forge_nvfp4_minmax_bf16(
-        w.data_ptr(), n_blocks, 0 if convention == "compressed-tensors" else 1, float(g), float(g6),
+        w.data_ptr(), n_blocks, rule.kernel_mode, float(g), float(g6),
         packed.data_ptr(), scales.data_ptr(), sums if error else None,
     )
     if irregular:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from fp4forge.numerics.e2m1 import _FORMATS, NumericsError, _round_in_place, block_absmax, row_chunks
 from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+from fp4forge.numerics.conventions import convention_rule
 from fp4forge.numerics.nvfp4 import (
     NVFP4_BLOCK,
     Convention,
@@ -165,7 +166,7 @@ def _shifted_scalar(g0: Tensor, step: int, steps: int, convention: Convention) -
     """The per-tensor scalar whose effective block step is ``2**(step/steps)`` times ``g0``'s:
     CT's global scale divides the step (so it shrinks), ModelOpt's scale_2 multiplies it."""
     factor = 2.0 ** (step / steps)
-    return (g0 / factor if convention == "compressed-tensors" else g0 * factor).to(torch.float32)
+    return convention_rule(convention).stretched(g0, factor).to(torch.float32)
 
 
 def nvfp4_mse_global_scale(

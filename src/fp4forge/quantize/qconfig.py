@@ -17,10 +17,12 @@ from collections import defaultdict
 from typing import Any
 
 from fp4forge import __version__
+from fp4forge.checkpoint.codecs import Nvfp4Codec, codec, codecs
 from fp4forge.checkpoint.declarations import CT, CT_FORMATS, MODELOPT, MODELOPT_ALGOS, MODELOPT_FP8_KV_SCHEME
 from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON, natural_key
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.errors import ConfigError
+from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
 from fp4forge.quantize.plan import ExportPlan
 
 COMPRESSED_TENSORS_VERSION = "0.17.0"  # the version vLLM 0.32/0.33 pin; our fields are that model's
@@ -43,23 +45,27 @@ def _float_args(num_bits: int, strategy: str, *, group_size: int | None, dynamic
     }
 
 
+def _nvfp4_args(dynamic: bool | str) -> dict[str, Any]:
+    return _float_args(4, "tensor_group", group_size=NVFP4_BLOCK, dynamic=dynamic, scale_dtype="torch.float8_e4m3fn", observer="static_minmax")
+
+
 def ct_scheme_args(scheme: str) -> dict[str, Any]:
-    """`weights` / `input_activations` of one config group, as llm-compressor's presets write them."""
-    if scheme in ("nvfp4", "nvfp4a16"):
-        weights = _float_args(4, "tensor_group", group_size=16, dynamic=False, scale_dtype="torch.float8_e4m3fn", observer="static_minmax")
-        inputs = (
-            _float_args(4, "tensor_group", group_size=16, dynamic="local", scale_dtype="torch.float8_e4m3fn", observer="static_minmax")
-            if scheme == "nvfp4"
-            else None
-        )
-    elif scheme == "fp8":
-        weights = _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
-        inputs = _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="static_minmax")
-    elif scheme == "fp8_dynamic":
-        weights = _float_args(8, "channel", group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
-        inputs = _float_args(8, "token", group_size=None, dynamic=True, scale_dtype=None, observer=None)
-    else:
+    """`weights` / `input_activations` of one config group, as llm-compressor's presets write them:
+    the weights by the scheme's codec, static input activations where the scheme stores an input
+    scale (``_schemes.toml``), dynamic ones otherwise (none for weight-only NVFP4)."""
+    scheme_codec = codecs().get(scheme)
+    if scheme_codec is None or not scheme_codec.writable:
         raise ConfigError(f"unknown scheme {scheme!r}", option="scheme")
+    static_inputs = scheme_codec.has_input_scale(CT)
+    if isinstance(scheme_codec, Nvfp4Codec):
+        weights = _nvfp4_args(dynamic=False)
+        inputs = _nvfp4_args(dynamic="local") if static_inputs else None
+    else:
+        weights = _float_args(8, scheme_codec.strategy, group_size=None, dynamic=False, scale_dtype=None, observer="minmax")
+        if static_inputs:
+            inputs = _float_args(8, "tensor", group_size=None, dynamic=False, scale_dtype=None, observer="static_minmax")
+        else:
+            inputs = _float_args(8, "token", group_size=None, dynamic=True, scale_dtype=None, observer=None)
     return {"weights": weights, "input_activations": inputs, "output_activations": None}
 
 
@@ -119,14 +125,14 @@ def modelopt_configs(plan: ExportPlan, all_linears: list[str], producer_version:
     producer = {"name": "fp4forge", "version": producer_version}
     quantization: dict[str, Any] = {"kv_cache_quant_algo": kv_algo, "exclude_modules": exclude}
     if len(schemes) == 1:
-        algo = MODELOPT_ALGOS[schemes.pop()]
+        algo = MODELOPT_ALGOS[next(iter(schemes))]
         quantization["quant_algo"] = algo
-        if "NVFP4" in algo:
-            quantization["group_size"] = 16
+        if isinstance(codec(next(iter(schemes))), Nvfp4Codec):
+            quantization["group_size"] = NVFP4_BLOCK
     else:
         quantization["quant_algo"] = "MIXED_PRECISION"
         quantization["quantized_layers"] = {
-            t.module: ({"quant_algo": MODELOPT_ALGOS[t.scheme], "group_size": 16} if "nvfp4" in t.scheme else {"quant_algo": MODELOPT_ALGOS[t.scheme]})
+            t.module: {"quant_algo": MODELOPT_ALGOS[t.scheme]} | ({"group_size": NVFP4_BLOCK} if isinstance(codec(t.scheme), Nvfp4Codec) else {})
             for t in sorted(plan.targets.values(), key=lambda t: t.module)
         }
     hf_quant_config = {"producer": producer, "quantization": quantization}
@@ -151,29 +157,49 @@ def _linear_modules(ckpt: Checkpoint) -> list[str]:
     return sorted(set(modules), key=natural_key)
 
 
+def quantization_configs(layout: str, plan: ExportPlan, all_linears: list[str], producer_version: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(`quantization_config` for config.json, `hf_quant_config.json` or None) of an export in ``layout``."""
+    if layout not in _DECLARERS:
+        raise ConfigError(f"no declaration for layout {layout!r}", option="layout_format")
+    return _DECLARERS[layout](plan, all_linears, producer_version)
+
+
+_DECLARERS = {
+    CT: lambda plan, all_linears, _version: (compressed_tensors_config(plan, all_linears), None),
+    MODELOPT: modelopt_configs,
+}
+
+
 def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(config.json, hf_quant_config.json or None) with the FP8 KV declaration added."""
     config = json.loads(json.dumps(ckpt.config or {}))
-    qc = config.get("quantization_config")
-    if layout == CT:
-        scheme = kv_cache_scheme_ct()
-        if per_head:
-            scheme["strategy"] = "attn_head"
-        if qc is None:  # KV-only: no Linear is quantized
-            qc = {
-                "config_groups": {},
-                "format": "dense",
-                "global_compression_ratio": None,
-                "ignore": [],
-                "quant_method": CT,
-                "quantization_status": "compressed",
-                "sparsity_config": {},
-                "transform_config": {},
-                "version": COMPRESSED_TENSORS_VERSION,
-            }
-        qc["kv_cache_scheme"] = scheme
-        config["quantization_config"] = qc
-        return config, None
+    if layout not in _KV_DECLARERS:
+        raise ConfigError(f"no KV declaration for layout {layout!r}", option="layout")
+    return _KV_DECLARERS[layout](ckpt, config, config.get("quantization_config"), per_head)
+
+
+def _declare_kv_ct(ckpt: Checkpoint, config: dict[str, Any], qc: dict[str, Any] | None, per_head: bool) -> tuple[dict[str, Any], None]:
+    scheme = kv_cache_scheme_ct()
+    if per_head:
+        scheme["strategy"] = "attn_head"
+    if qc is None:  # KV-only: no Linear is quantized
+        qc = {
+            "config_groups": {},
+            "format": "dense",
+            "global_compression_ratio": None,
+            "ignore": [],
+            "quant_method": CT,
+            "quantization_status": "compressed",
+            "sparsity_config": {},
+            "transform_config": {},
+            "version": COMPRESSED_TENSORS_VERSION,
+        }
+    qc["kv_cache_scheme"] = scheme
+    config["quantization_config"] = qc
+    return config, None
+
+
+def _declare_kv_modelopt(ckpt: Checkpoint, config: dict[str, Any], qc: dict[str, Any] | None, per_head: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
     if per_head:
         raise ConfigError("the ModelOpt layout has per-tensor KV scales only", option="per_head")
     hf_quant = json.loads(json.dumps(ckpt.extra_json.get(HF_QUANT_CONFIG_JSON) or {}))
@@ -188,3 +214,6 @@ def declare_kv(ckpt: Checkpoint, layout: str, *, per_head: bool) -> tuple[dict[s
         qc["kv_cache_scheme"] = dict(MODELOPT_FP8_KV_SCHEME)
         config["quantization_config"] = qc
     return config, (hf_quant or None)
+
+
+_KV_DECLARERS = {CT: _declare_kv_ct, MODELOPT: _declare_kv_modelopt}

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from fp4forge.checkpoint.codecs import writable_schemes
 from fp4forge.checkpoint.layout import quantizable_components
 from fp4forge.errors import ConfigError
 
-SCHEMES = ("nvfp4", "nvfp4a16", "fp8", "fp8_dynamic")
+SCHEMES = writable_schemes()  # the schemes whose codec writes (checkpoint/codecs.py)
 KV_SCHEMES = ("fp8",)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from fp4forge.checkpoint.codecs import nvfp4_kinds, title as scheme_title
 from fp4forge.errors import ConfigError
 
 KNOWLEDGE_FILE = "serve_knowledge.toml"
@@ -339,19 +340,11 @@ class Recommendation:
         }
 
 
-SCHEME_NAMES = {
-    "nvfp4": "NVFP4 W4A4",
-    "nvfp4a16": "NVFP4 W4A16",
-    "fp8": "FP8 W8A8 (static)",
-    "fp8_dynamic": "FP8 W8A8 (dynamic)",
-}
-
-
 def describe(facts: CheckpointFacts) -> str:
     if facts.quant_format is None:
         return f"{facts.architecture}, unquantized"
-    experts = "/".join(SCHEME_NAMES.get(s, s) for s in facts.expert_schemes) or "BF16"
-    linears = "/".join(SCHEME_NAMES.get(s, s) for s in facts.linear_schemes) or "BF16"
+    experts = "/".join(map(scheme_title, facts.expert_schemes)) or "BF16"
+    linears = "/".join(map(scheme_title, facts.linear_schemes)) or "BF16"
     kv = "no KV declaration"
     if facts.kv_declared:
         kv = f"{facts.kv_declared.upper()} KV declared, {facts.kv_scales_shipped}/{facts.kv_scales_expected} k/v scales shipped"
@@ -360,7 +353,7 @@ def describe(facts: CheckpointFacts) -> str:
 
 def _moe_choice(rec: Recommendation, ver: dict[str, Any], hw: dict[str, Any]) -> None:
     schemes = set(rec.checkpoint.expert_schemes)
-    w4a4, w4a16 = "nvfp4" in schemes, "nvfp4a16" in schemes
+    w4a4, w4a16 = nvfp4_kinds(schemes)
     if not (w4a4 or w4a16):
         if schemes and hw["w4a4"] == "plugin":
             rec.warnings.append(
@@ -493,8 +486,9 @@ def recommend(
     if rec.env and hw.get("env_why"):
         rec.notes.append({"flag": " ".join(f"{k}={v}" for k, v in rec.env.items()), "why": hw["env_why"]})
     _moe_choice(rec, ver, hw)
-    if rec.checkpoint.expert_schemes and set(rec.checkpoint.expert_schemes) & {"nvfp4", "nvfp4a16"}:
-        rec.numerics = target_numerics(hardware, weight_only="nvfp4" not in rec.checkpoint.expert_schemes)
+    w4a4, w4a16 = nvfp4_kinds(rec.checkpoint.expert_schemes)
+    if w4a4 or w4a16:
+        rec.numerics = target_numerics(hardware, weight_only=not w4a4)
     _engine_quirks(rec)
     _kv_choice(rec, cpu_fp8_kv)
     _attention_choice(rec, ver, hw)

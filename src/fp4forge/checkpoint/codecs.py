@@ -1,0 +1,337 @@
+"""One codec per quantization scheme: how its tensors are written, read back and peeked at.
+
+A scheme's tensors (names, dtypes, shapes, roles) are data in ``layouts/_schemes.toml``; its
+arithmetic is :mod:`fp4forge.numerics`. A codec joins the two for the three callers that used to
+carry their own copy: the exporter (:meth:`Codec.encode`, :meth:`Codec.input_scale`), the reader
+of quantized Linears (:meth:`Codec.decode`, :meth:`Codec.input_amax`) and the audit's value check
+(:meth:`Codec.peek`). Callers look a codec up by the scheme name (:func:`codec`) and branch on
+what the table says (:meth:`Codec.has_role`), never on the name itself; the layout's NVFP4
+scalar convention is :mod:`fp4forge.numerics.conventions`' object of the same name.
+
+Adding a scheme: a table entry, a codec registered here (or an existing codec's name list), its
+declaration in ``declarations.py``; ``tests/test_codecs.py`` fails while any part is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from fp4forge.checkpoint.schemes import LAYOUTS, resolve_shape, role_entries, scheme_table
+from fp4forge.errors import ConfigError
+
+if TYPE_CHECKING:  # the arithmetic is imported where it runs: the registry itself loads no torch
+    import torch
+    from torch import Tensor
+
+    from fp4forge.numerics.nvfp4 import DequantFormula, Nvfp4Weight
+
+
+@lru_cache(maxsize=1)
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype codes of the scheme table -> torch dtypes (the float ones a scale may have)."""
+    import torch
+
+    return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """How the writer wants weights encoded: the NVFP4 block-scale rule, and whether to compute
+    each Linear's relative weight error."""
+
+    block_scales: str = "minmax"
+    error: bool = True
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One Linear's stored tensors by role (``_schemes.toml``), and its relative weight error."""
+
+    tensors: dict[str, Tensor]
+    relative_error: float | None
+
+
+@dataclass(frozen=True)
+class Peek:
+    """The audit's value check of one quantized Linear: the largest dequantized magnitude against
+    the amax its scales imply (an exporter that scales right reaches ratio 1)."""
+
+    largest: float
+    implied_amax: float
+    family: str
+
+
+def _cast_to_entry(value: Tensor, entry: dict, out_features: int = 0, in_features: int = 0) -> Tensor:
+    """A scale as the table's entry stores it (dtype, shape; shape symbols of a Linear [out, in])."""
+    return value.to(torch_dtypes()[entry["dtype"]]).reshape(resolve_shape(entry["shape"], out_features, in_features))
+
+
+def _group_amax(weights: Sequence[Tensor]) -> float | None:
+    """A fused group's shared amax (its members share one per-tensor scale); None for one Linear."""
+    from fp4forge.numerics.nvfp4 import absmax
+
+    return max(float(absmax(w)) for w in weights) if len(weights) > 1 else None
+
+
+class Codec:
+    """The shared part: the scheme's roles in a layout, read from the table."""
+
+    family = ""  # the weight format vLLM picks its kernel by
+    stored_roles: frozenset[str] = frozenset()  # the roles it reads and writes (input scales aside)
+    doc = ""  # the docs/formats.md section that states the format
+    strategy = ""  # how the weight's scales are laid out (compressed-tensors' strategy names)
+    writable = True  # the exporter writes it (False: read-only formats of other tools)
+    #: without a stored input scale: True = activations quantized at run time (FP8 dynamic);
+    #: False = not quantized at all (weight-only)
+    dynamic_activations = False
+
+    def __init__(self, scheme: str, title: str | None = None):
+        self.scheme = scheme
+        self.title = title or scheme  # how reports name it
+
+    @property
+    def static_inputs(self) -> bool:
+        """Whether the scheme stores a static input scale (in the layouts that write it)."""
+        return any(self.has_input_scale(layout) for layout in LAYOUTS if self.scheme in scheme_table()[layout])
+
+    def roles(self, layout: str) -> dict[str, dict]:
+        """role -> {suffix, dtype, shape, ...} of this scheme in ``layout``."""
+        return role_entries(layout, self.scheme)
+
+    def has_role(self, layout: str, role: str) -> bool:
+        return role in self.roles(layout)
+
+    def has_input_scale(self, layout: str) -> bool:
+        """Whether the scheme stores a static input (activation) scale in ``layout``."""
+        return self.has_role(layout, "input_scale")
+
+    def in_features(self, stored_in: int) -> int:
+        """The Linear's input size from its stored weight's last dimension."""
+        return stored_in
+
+    def input_scale(self, amax: float, layout: str) -> Tensor:
+        """The stored input scale for an activation amax, in the table's dtype and shape."""
+        return _cast_to_entry(self._input_scale_f32(amax, layout), self.roles(layout)["input_scale"])
+
+    def _input_scale_f32(self, amax: float, layout: str) -> Tensor:
+        raise NotImplementedError
+
+    def encode(self, weights: Sequence[Tensor], layout: str, how: EncodeOptions, precomputed: Sequence[Any] | None = None) -> list[Encoded]:
+        """Encode a unit's weights (one Linear, or a fused group sharing one per-tensor scale)."""
+        raise ConfigError(f"fp4forge reads {self.scheme} but does not write it")
+
+
+class Nvfp4Codec(Codec):
+    """NVFP4 (W4A4 and weight-only): packed E2M1 codes, E4M3 block scales, one per-tensor scalar
+    in the layout's convention (docs/formats.md#nvfp4)."""
+
+    family = "nvfp4"
+    stored_roles = frozenset({"packed", "block_scale", "global_scale"})
+    doc = "docs/formats.md#nvfp4"
+    strategy = "tensor_group"
+
+    def in_features(self, stored_in: int) -> int:
+        return stored_in * 2  # two FP4 codes per byte
+
+    def _input_scale_f32(self, amax: float, layout: str) -> Tensor:
+        # the activation's per-tensor scalar follows the weight's convention (2688/amax or amax/2688)
+        from fp4forge.numerics.conventions import convention_rule
+
+        return convention_rule(layout).input_scalar(amax)
+
+    def input_amax(self, stored: float, layout: str) -> float:
+        """The activation amax a stored input scale stands for, in float64."""
+        from fp4forge.numerics.conventions import convention_rule
+
+        return convention_rule(layout).amax_of(stored)
+
+    def encode(self, weights: Sequence[Tensor], layout: str, how: EncodeOptions, precomputed: Sequence[Any] | None = None) -> list[Encoded]:
+        import torch
+
+        from fp4forge.numerics.scale_search import nvfp4_mse_global_scale, relative_error, search_nvfp4
+
+        group_amax = _group_amax(weights)
+        group_scalar = None
+        out = []
+        for i, w in enumerate(weights):
+            pre = precomputed[i] if precomputed is not None else None
+            if pre is not None:  # a GPTQ result, in the layout's convention
+                q = pre.to_convention(layout)
+                rel = relative_error(w, q.dequantize(torch.float32).to(w.device)) if how.error else None
+            else:
+                amax = None if group_amax is None else torch.tensor(group_amax, dtype=w.dtype)
+                scalar = None
+                if group_amax is not None and how.block_scales == "mse":  # the searched scalar, one per fused group
+                    if group_scalar is None:
+                        group_scalar = nvfp4_mse_global_scale(list(weights), convention=layout, global_amax=amax)
+                    scalar, amax = group_scalar, None
+                result = search_nvfp4(w, how.block_scales, convention=layout, global_amax=amax, global_scale=scalar, error=how.error)
+                q, rel = result.weight, result.relative_error
+            out.append(Encoded(self.tensors_of(q), rel))
+        return out
+
+    @staticmethod
+    def tensors_of(q: Nvfp4Weight) -> dict[str, Tensor]:
+        """An NVFP4 weight's stored tensors by role."""
+        return {"packed": q.packed, "block_scale": q.block_scale, "global_scale": q.global_scale}
+
+    def weight(self, tensors: dict[str, Tensor], layout: str) -> Nvfp4Weight:
+        """The stored NVFP4 weight (per-tensor scalar in F32, in the layout's convention)."""
+        import torch
+
+        from fp4forge.numerics.nvfp4 import Nvfp4Weight
+
+        return Nvfp4Weight(tensors["packed"], tensors["block_scale"], tensors["global_scale"].to(torch.float32), layout)
+
+    def decode(self, tensors: dict[str, Tensor], layout: str, dtype: torch.dtype, formula: DequantFormula | None = None) -> Tensor:
+        """The dequantized weight (``formula``: see :func:`~fp4forge.numerics.nvfp4.nvfp4_dequantize`)."""
+        return self.weight(tensors, layout).dequantize(dtype, formula=formula)
+
+    def peek(self, raw: dict[str, bytes], per_tensor: float, layout: str) -> Peek | None:
+        """From the stored bytes of the codes and block scales and the per-tensor scalar's value:
+        the largest code x block scale x step multiplier against 6 x 448 x that multiplier.
+        None where there is nothing to judge (shapes disagree, or every code is zero)."""
+        import numpy as np
+
+        from fp4forge.checkpoint.raw import fp8_e4m3_table
+        from fp4forge.numerics.conventions import convention_rule
+        from fp4forge.numerics.e2m1 import E2M1_VALUES
+        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+
+        multiplier = convention_rule(layout).step_multiplier(per_tensor)
+        codes = np.frombuffer(raw["packed"], dtype=np.uint8)
+        mags = np.asarray(E2M1_VALUES)
+        top = np.maximum(mags[codes & 7], mags[(codes >> 4) & 7]).reshape(-1, NVFP4_BLOCK // 2).max(axis=1)
+        scales = np.abs(fp8_e4m3_table()[np.frombuffer(raw["block_scale"], dtype=np.uint8)])
+        if top.size != scales.size or not top.any():
+            return None  # a shape finding elsewhere / weight-all-zero's business
+        return Peek(float(np.nanmax(top * scales)) * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, self.family)
+
+
+class Fp8Codec(Codec):
+    """FP8 E4M3 weights with a scale per tensor, per output channel, or per block."""
+
+    family = "fp8"
+    stored_roles = frozenset({"weight", "weight_scale"})
+
+    dynamic_activations = True
+
+    def __init__(self, scheme: str, title: str | None, strategy: str, writable: bool = True):
+        super().__init__(scheme, title)
+        self.strategy = strategy
+        self.doc = "docs/formats.md#fp8-block-wise" if strategy == "block" else "docs/formats.md#fp8-e4m3"
+        self.writable = writable
+
+    def _input_scale_f32(self, amax: float, layout: str) -> Tensor:
+        import torch
+
+        from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+
+        return torch.tensor([amax], dtype=torch.float32) / FP8_E4M3_MAX  # static FP8: amax / 448
+
+    def input_amax(self, stored: float, layout: str) -> float:
+        from fp4forge.numerics.fp8 import fp8_amax_from_scale
+
+        return fp8_amax_from_scale(stored)
+
+    def encode(self, weights: Sequence[Tensor], layout: str, how: EncodeOptions, precomputed: Sequence[Any] | None = None) -> list[Encoded]:
+        if not self.writable:
+            return super().encode(weights, layout, how, precomputed)
+        import torch
+
+        from fp4forge.numerics.fp8 import fp8_dequantize_weight, fp8_quantize_weight
+        from fp4forge.numerics.scale_search import relative_error
+
+        group_amax = _group_amax(weights)
+        amax = group_amax if self.strategy == "tensor" else None  # fused per-tensor shards share one scale
+        scale_entry = self.roles(layout)["weight_scale"]
+        out = []
+        for w in weights:
+            q8 = fp8_quantize_weight(w, self.strategy, amax=amax)
+            rel = relative_error(w, fp8_dequantize_weight(q8, torch.float32)) if how.error else None
+            out.append(Encoded({"weight": q8.weight, "weight_scale": _cast_to_entry(q8.scale, scale_entry, *w.shape)}, rel))
+        return out
+
+    def decode(self, tensors: dict[str, Tensor], layout: str, dtype: torch.dtype, formula: DequantFormula | None = None) -> Tensor:
+        """``q * scale`` in the scale's stored dtype (compressed-tensors' decompress), then cast."""
+        from fp4forge.numerics.fp8 import Fp8Weight, fp8_dequantize_weight
+
+        scale = tensors["weight_scale"]
+        strategy = "tensor" if scale.numel() == 1 else "channel"
+        shaped = scale.reshape(1) if strategy == "tensor" else scale.reshape(-1, 1)
+        return fp8_dequantize_weight(Fp8Weight(tensors["weight"], shaped, strategy), dtype)
+
+    def peek(self, raw: dict[str, bytes], per_tensor: float | None, layout: str | None) -> Peek | None:
+        """The largest |code| against E4M3's 448 (the scale multiplies both sides)."""
+        import numpy as np
+
+        from fp4forge.checkpoint.raw import fp8_e4m3_table
+        from fp4forge.numerics.fp8 import FP8_E4M3_MAX
+
+        codes = np.abs(fp8_e4m3_table()[np.frombuffer(raw["weight"], dtype=np.uint8)])
+        if not codes.size or not np.nanmax(codes) > 0:
+            return None
+        return Peek(float(np.nanmax(codes)), FP8_E4M3_MAX, self.family)
+
+
+_CODECS: dict[str, Codec] = {
+    c.scheme: c
+    for c in (
+        Nvfp4Codec("nvfp4", "NVFP4 W4A4"),
+        Nvfp4Codec("nvfp4a16", "NVFP4 W4A16"),
+        Fp8Codec("fp8", "FP8 W8A8 (static)", "tensor"),
+        Fp8Codec("fp8_dynamic", "FP8 W8A8 (dynamic)", "channel"),
+        Fp8Codec("fp8_block", None, "block", writable=False),
+    )
+}
+
+
+def codec(scheme: str) -> Codec:
+    """The codec registered for a scheme name; a named error for any other."""
+    found = _CODECS.get(scheme)
+    if found is None:
+        raise ConfigError(f"no codec for quantization scheme {scheme!r} (known: {', '.join(_CODECS)})")
+    return found
+
+
+def codecs() -> dict[str, Codec]:
+    """Every registered codec by scheme name, in registration order."""
+    return dict(_CODECS)
+
+
+def title(scheme: str) -> str:
+    """A scheme's name in reports (the name itself for a scheme without a codec)."""
+    found = _CODECS.get(scheme)
+    return scheme if found is None else found.title
+
+
+def nvfp4_kinds(schemes: Iterable[str]) -> tuple[bool, bool]:
+    """(any NVFP4 with static input scales (W4A4), any weight-only NVFP4 (W4A16)) among ``schemes``."""
+    found = [c for s in schemes if isinstance(c := _CODECS.get(s), Nvfp4Codec)]
+    return any(c.static_inputs for c in found), any(not c.static_inputs for c in found)
+
+
+def writable_schemes() -> tuple[str, ...]:
+    """The schemes the exporter writes (what a recipe may name)."""
+    return tuple(name for name, c in _CODECS.items() if c.writable)
+
+
+def layout_of_suffix(scheme: str, role: str, suffix: str) -> str:
+    """The layout that names ``scheme``'s ``role`` tensor ``<m>.<suffix>`` (e.g. the NVFP4 per-tensor
+    scalar: ``weight_global_scale`` in compressed-tensors, ``weight_scale_2`` in ModelOpt)."""
+    for layout in LAYOUTS:
+        entry = codec(scheme).roles(layout).get(role)
+        if entry is not None and entry["suffix"] == suffix:
+            return layout
+    raise ConfigError(f"no layout names the {role} of {scheme} {suffix!r}")
+
+
+def needs_activation_amax(scheme: str, layout: str) -> bool:
+    """Whether writing ``scheme`` in ``layout`` needs a calibrated activation amax."""
+    return codec(scheme).has_input_scale(layout)
+
+
+__all__ = ["Codec", "EncodeOptions", "Encoded", "Fp8Codec", "Nvfp4Codec", "Peek", "codec", "codecs", "layout_of_suffix", "needs_activation_amax", "nvfp4_kinds", "title", "writable_schemes"]
