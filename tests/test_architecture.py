@@ -231,6 +231,7 @@ SCHEME_REGISTRY = ("checkpoint/codecs.py", "checkpoint/schemes.py", "checkpoint/
 # (module, code on the line): the same words meaning something else, each with what it is
 OTHER_MEANINGS = {
     ("serve/recommend.py", 'kv_cache_dtype.startswith("fp8")'): "vLLM's --kv-cache-dtype values (fp8, fp8_e4m3), not a weight scheme",
+    ("serve/doctor.py", 'dtype.startswith("fp8")'): "the KV cache dtype a vLLM log reports (fp8, fp8_e4m3), not a weight scheme",
     ("bench/gemm.py", 'kernel.startswith("fp8")'): "the GEMM benchmark's kernel names",
     ("bench/gemm.py", 'kernel == "fp8"'): "the GEMM benchmark's kernel names",
     ("serve/recommend.py", 'facts.kv_declared == "fp8"'): "the KV cache's declared dtype",
@@ -240,7 +241,6 @@ OTHER_MEANINGS = {
 }
 # (module, code on the line): dispatches still to move onto the codecs, with what replaces each
 TO_MOVE = {
-    ("quantize/gptq.py", 'scheme.startswith("nvfp4")'): "isinstance(codec(scheme), Nvfp4Codec)",
     ("calibrate/kv.py", "layout == CT"): "a table keyed by layout, as quantize/qconfig.py's declarers",
     ("calibrate/kv.py", "layout == MODELOPT"): "a table keyed by layout, as quantize/qconfig.py's declarers",
     ("fidelity/reference.py", 'q.family == "nvfp4"'): "q.packs_fp4",

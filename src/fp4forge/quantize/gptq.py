@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fp4forge.checkpoint.codecs import Nvfp4Codec, codec
 from fp4forge.checkpoint.layout import layout_for_config
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.writer import TensorSpec
@@ -192,7 +193,7 @@ def _gptq_units(ckpt: Checkpoint, recipe: Recipe) -> tuple[list[WorkUnit], set[s
     layout = layout_for_config(ckpt.config)
     specs = [TensorSpec(info.name, info.dtype, info.shape) for _, info in ckpt.tensors()]
     plan = plan_export(specs, layout, recipe, "compressed-tensors")
-    units = [u for u in plan.units if u.linears and u.linears[0].scheme.startswith("nvfp4")]
+    units = [u for u in plan.units if u.linears and isinstance(codec(u.linears[0].scheme), Nvfp4Codec)]
     if not units:
         raise ConfigError(f"recipe {recipe.name} quantizes nothing to NVFP4; GPTQ here writes NVFP4 weights", option="method")
     return units, {t.module for u in units for t in u.linears}
