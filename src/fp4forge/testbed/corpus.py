@@ -313,6 +313,26 @@ def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
     return quantized_specs(entry, bf16_specs(entry))
 
 
+def family(entry: CorpusEntry) -> str:
+    """The architecture family of a release: the model_type of its text model."""
+    return _text_config(entry.config)[0]["model_type"]
+
+
+def build_nvfp4_export(entry: CorpusEntry | str | Path, out: str | Path, *, keep_bf16: str | None = None) -> Path:
+    """The release's tensors, before its own quantization, written header-only as a ModelOpt NVFP4
+    export of its projection Linears (:func:`fp4forge.testbed.moe_zoo.write_nvfp4_export`);
+    ``keep_bf16`` names one module left unquantized under that declaration."""
+    from fp4forge.testbed.moe_zoo import write_nvfp4_export
+
+    entry = entry if isinstance(entry, CorpusEntry) else load_entry(entry)
+    config = {k: v for k, v in entry.config.items() if k != "quantization_config"}
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
+    out = Path(out)
+    ensure_fresh_output(out)
+    return write_nvfp4_export(bf16_specs(entry), config, out, keep_bf16=keep_bf16)
+
+
 # Per-tensor scales are written with a value, everything else is a hole: the real values are not
 # in the metadata, and a hole reads as 0.0, which the audit rightly calls an invalid scale. The
 # placeholder is amax/(6*448) for an amax of 1.0 (ModelOpt's convention); nothing checks it
@@ -344,4 +364,4 @@ def write_header_only(out: Path, specs: list[TensorSpec], config: dict[str, Any]
     return out
 
 
-__all__ = ["CorpusEntry", "build_header_only", "corpus_entries", "entry_specs", "load_entry"]
+__all__ = ["CorpusEntry", "build_header_only", "build_nvfp4_export", "corpus_entries", "entry_specs", "family", "load_entry"]
