@@ -26,7 +26,7 @@ from fp4forge.testbed.moe_zoo import nvfp4_modules
 
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
-FAST = ["olmoe-1b-7b-0125-instruct", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
+FAST = ["olmoe-1b-7b-0125-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 
@@ -257,3 +257,17 @@ def test_planted_misstored_projection_is_an_error(tmp_path, name, kind):
         assert (report.layout or "").startswith("inferred") == renamed, report.layout
         errors = [f for f in report.findings if f.severity == "error" and f.rule == "module-not-quantized"]
         assert any(f"{target}.weight" in f.tensors for f in errors), (renamed, [f.message for f in report.findings])
+
+
+def test_inferred_layout_places_a_hybrid_mixers_attention():
+    """Nemotron-H names every layer's block `mixer`: Mamba-2 on most layers, attention on some. The
+    inferred layout keeps the attention projections attention Linears (so a BF16 one under an NVFP4
+    declaration is found without a table) and the Mamba block linear attention."""
+    from fp4forge.checkpoint.layout import infer_layout
+
+    layout = infer_layout({"model_type": "some_remote_moe"})
+    for leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert layout.component_of(f"backbone.layers.5.mixer.{leaf}") == "attention"
+    for leaf in ("in_proj", "out_proj", "conv1d", "dt_bias"):
+        assert layout.component_of(f"backbone.layers.0.mixer.{leaf}") == "linear_attention"
+    assert layout.component_of("backbone.layers.1.mixer.experts.0.up_proj") == "routed_experts"

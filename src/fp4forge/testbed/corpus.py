@@ -37,7 +37,9 @@ from fp4forge.checkpoint.declarations import stored_quantization_config
 PROVENANCE = "PROVENANCE.json"
 INDEX = "model.safetensors.index.json"
 QUANT_SIDECAR = "hf_quant_config.json"
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A decoder layer: `<stack>.layers.<i>.<rest>`, the stack being `model` for most causal LMs and
+# `backbone` for others (Nemotron-H); the transformers class names it, never a list here.
+_LAYER = re.compile(r"^(\w+\.)layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,9 @@ def _layer_kind(config: dict[str, Any], i: int) -> tuple:
     return tuple(kind)
 
 
-def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[TensorSpec]], list[int]]:
+def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[TensorSpec]], list[int], str]:
     """Specs of a model of the first K layers (one of each kind); for each layer of the full model,
-    the index of the built layer it copies."""
+    the index of the built layer it copies; and the stack the layers are named under."""
     total = text["num_hidden_layers"]
     kinds = [_layer_kind(text, i) for i in range(total)]
     first_of: dict[tuple, int] = {}
@@ -127,16 +129,20 @@ def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[Te
     specs = checkpoint_specs({k: v for k, v in truncated_config(text, built).items() if k != "architectures"})
     per_layer: dict[int, list[TensorSpec]] = {}
     globals_: list[TensorSpec] = []
+    stacks = set()
     for spec in specs:
         match = _LAYER.match(spec.name)
         if match:
-            per_layer.setdefault(int(match.group(1)), []).append(TensorSpec(match.group(2), spec.dtype, spec.shape))
+            stacks.add(match.group(1))
+            per_layer.setdefault(int(match.group(2)), []).append(TensorSpec(match.group(3), spec.dtype, spec.shape))
         else:
             globals_.append(spec)
-    return globals_, per_layer, [first_of[k] for k in kinds]
+    if len(stacks) != 1:
+        raise ConfigError(f"{text.get('model_type')}: decoder layers under {sorted(stacks)}, expected one `<stack>.layers.<i>`")
+    return globals_, per_layer, [first_of[k] for k in kinds], stacks.pop()
 
 
-def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], copy_of: list[int]) -> list[TensorSpec]:
+def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], copy_of: list[int], stack: str) -> list[TensorSpec]:
     """DeepSeek-style next-n layers after the trunk: a full decoder layer plus enorm, hnorm,
     eh_proj, shared_head.{norm,head} and an embed_tokens copy (DeepSeek-V3's published layout)."""
     count = text.get("num_nextn_predict_layers") or 0
@@ -152,8 +158,8 @@ def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], cop
     specs = []
     for k in range(count):
         layer = text["num_hidden_layers"] + k
-        specs += [TensorSpec(f"model.layers.{layer}.{s.name}", s.dtype, s.shape) for s in per_layer[copy_of[-1]]]
-        specs += [TensorSpec(f"model.layers.{layer}.{name}", dtype, shape) for name, shape in extra]
+        specs += [TensorSpec(f"{stack}layers.{layer}.{s.name}", s.dtype, s.shape) for s in per_layer[copy_of[-1]]]
+        specs += [TensorSpec(f"{stack}layers.{layer}.{name}", dtype, shape) for name, shape in extra]
     return specs
 
 
@@ -175,16 +181,16 @@ def _vision_specs(config: dict[str, Any]) -> list[TensorSpec]:
 def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
     """Every tensor of the release before any declared quantization, with real or reconstructed names."""
     text, prefix = _text_config(entry.config)
-    globals_, per_layer, copy_of = _template(text)
+    globals_, per_layer, copy_of, stack = _template(text)
     if entry.index_names is None:
         specs = [TensorSpec(_prefixed(s.name, prefix), s.dtype, s.shape) for s in globals_]
         for i, j in enumerate(copy_of):
-            specs += [TensorSpec(_prefixed(f"model.layers.{i}.{s.name}", prefix), s.dtype, s.shape) for s in per_layer[j]]
-        return specs + _vision_specs(entry.config) + _mtp_specs(text, per_layer, copy_of)
+            specs += [TensorSpec(_prefixed(f"{stack}layers.{i}.{s.name}", prefix), s.dtype, s.shape) for s in per_layer[j]]
+        return specs + _vision_specs(entry.config) + _mtp_specs(text, per_layer, copy_of, stack)
     # Real names: look each up in the built template (same layer kind, same suffix).
     by_suffix = {j: {s.name: s for s in layer} for j, layer in per_layer.items()}
     global_by_name = {_prefixed(s.name, prefix): s for s in globals_}
-    layer_re = re.compile(r"^" + re.escape(prefix) + r"layers\.(\d+)\.(.+)$")
+    layer_re = re.compile(r"^" + re.escape(_prefixed(stack, prefix)) + r"layers\.(\d+)\.(.+)$")
     # A release stored packed names the packed tensors (GPT-OSS MXFP4: `<param>_blocks` and
     # `<param>_scales`); the template holds the parameter itself, which quantized_specs packs again.
     packed = MXFP4_PACKED_SUFFIXES if (stored_quantization_config(entry.config) or {}).get("quant_method") == "mxfp4" else ()
