@@ -99,8 +99,30 @@ def _with_derived_layer_lists(config: dict[str, Any]) -> dict[str, Any]:
 
     if "layer_types" in config or config.get("model_type") not in CONFIG_MAPPING:
         return config
-    derived = getattr(CONFIG_MAPPING[config["model_type"]].from_dict(config), "layer_types", None)
+    config_class = CONFIG_MAPPING[config["model_type"]]
+    declared = getattr(config_class, "layer_types", None)
+    if isinstance(declared, property) and declared.fset is None:
+        return config  # derived on read (Jamba): not a field config.json may set
+    derived = getattr(config_class.from_dict(config), "layer_types", None)
     return {**config, "layer_types": list(derived)} if isinstance(derived, list) else config
+
+
+def _derived_layer_settings(config: dict[str, Any]) -> list[tuple]:
+    """For each layer, the per-layer settings the config class derives as lists with one entry per
+    layer (Jamba's layers_block_type and layers_num_experts from its periods and offsets): two
+    layers differing in any of them are layers of different kinds."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    total = config["num_hidden_layers"]
+    if config.get("model_type") not in CONFIG_MAPPING:
+        return [()] * total
+    instance = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    lists = []
+    for name in dir(instance):
+        value = None if name.startswith("_") else getattr(instance, name, None)
+        if isinstance(value, list) and len(value) == total:
+            lists.append([json.dumps(v, sort_keys=True, default=str) for v in value])
+    return [tuple(values[i] for values in lists) for i in range(total)]
 
 
 def _layer_kind(config: dict[str, Any], i: int) -> tuple:
@@ -120,7 +142,8 @@ def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[Te
     """Specs of a model of the first K layers (one of each kind); for each layer of the full model,
     the index of the built layer it copies; and the stack the layers are named under."""
     total = text["num_hidden_layers"]
-    kinds = [_layer_kind(text, i) for i in range(total)]
+    derived = _derived_layer_settings(text)
+    kinds = [_layer_kind(text, i) + derived[i] for i in range(total)]
     first_of: dict[tuple, int] = {}
     for i, kind in enumerate(kinds):
         first_of.setdefault(kind, i)
