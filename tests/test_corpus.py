@@ -26,7 +26,7 @@ from fp4forge.testbed.moe_zoo import nvfp4_modules
 
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
-FAST = ["olmoe-1b-7b-0125-instruct", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
+FAST = ["olmoe-1b-7b-0125-instruct", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 
@@ -78,6 +78,8 @@ def test_bytes_reads_the_release(built, name):
         assert table.total_bytes == card["bytes_total"]
     if "params_total" in card and "mtp" not in components:
         assert close(table.total_params, card["params_total"], CARD_TOLERANCE), (table.total_params, card["params_total"])
+    if "params_text" in card:  # a vision-language card that counts its language model only
+        assert close(table.total_params - components["vision"].params, card["params_text"], CARD_TOLERANCE)
     if "params_main" in card:  # DeepSeek states the trunk and the MTP module separately
         mtp = components["mtp"].params
         assert close(table.total_params - mtp, card["params_main"])

@@ -138,7 +138,7 @@ def _layer_kind(config: dict[str, Any], i: int) -> tuple:
     return tuple(kind)
 
 
-def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[TensorSpec]], list[int], str]:
+def _template(text: dict[str, Any], wrapper: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[TensorSpec]], list[int], str]:
     """Specs of a model of the first K layers (one of each kind); for each layer of the full model,
     the index of the built layer it copies; and the stack the layers are named under."""
     total = text["num_hidden_layers"]
@@ -150,6 +150,8 @@ def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[Te
     built = max(first_of.values()) + 1
     # The text model alone, named as its causal LM (`model.`); the wrapper's prefix is applied after.
     specs = checkpoint_specs({k: v for k, v in truncated_config(text, built).items() if k != "architectures"})
+    if not any(_LAYER.match(spec.name) for spec in specs) and isinstance(wrapper.get("text_config"), dict):
+        specs = _language_model_specs(wrapper, truncated_config(text, built))
     per_layer: dict[int, list[TensorSpec]] = {}
     globals_: list[TensorSpec] = []
     stacks = set()
@@ -163,6 +165,22 @@ def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[Te
     if len(stacks) != 1:
         raise ConfigError(f"{text.get('model_type')}: decoder layers under {sorted(stacks)}, expected one `<stack>.layers.<i>`")
     return globals_, per_layer, [first_of[k] for k in kinds], stacks.pop()
+
+
+def _language_model_specs(wrapper: dict[str, Any], text: dict[str, Any]) -> list[TensorSpec]:
+    """A text config whose model type has no causal LM of its own (GLM-4.5V's glm4v_moe_text
+    builds a bare decoder): the wrapper class built with ``text``, its language model's tensors
+    named as a causal LM's (`model.language_model.` to `model.`), the head kept, the towers left
+    to :func:`_vision_specs`."""
+    small = {k: v for k, v in wrapper.items() if k != "quantization_config"}
+    small["text_config"] = text
+    out = []
+    for spec in checkpoint_specs(small):
+        if spec.name.startswith("model.language_model."):
+            out.append(TensorSpec("model." + spec.name[len("model.language_model.") :], spec.dtype, spec.shape))
+        elif not spec.name.startswith("model."):
+            out.append(spec)
+    return out
 
 
 def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], copy_of: list[int], stack: str) -> list[TensorSpec]:
@@ -204,7 +222,7 @@ def _vision_specs(config: dict[str, Any]) -> list[TensorSpec]:
 def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
     """Every tensor of the release before any declared quantization, with real or reconstructed names."""
     text, prefix = _text_config(entry.config)
-    globals_, per_layer, copy_of, stack = _template(text)
+    globals_, per_layer, copy_of, stack = _template(text, entry.config)
     if entry.index_names is None:
         specs = [TensorSpec(_prefixed(s.name, prefix), s.dtype, s.shape) for s in globals_]
         for i, j in enumerate(copy_of):
