@@ -214,7 +214,7 @@ def _representatives() -> list:
 
 
 REPRESENTATIVES = _representatives()
-MIN_FAMILIES = 10
+MIN_FAMILIES = 14  # issue #34 asks for 15 real families; CORPUS.md says which were not found
 
 
 def test_corpus_spans_the_families():
