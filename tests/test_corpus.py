@@ -21,7 +21,7 @@ from fp4forge.audit.byte_table import compute_byte_table
 from fp4forge.audit.engine import audit_checkpoint
 from fp4forge.checkpoint.layout import layout_or_inferred
 from fp4forge.checkpoint.reader import open_checkpoint
-from fp4forge.testbed.corpus import bf16_specs, build_header_only, build_nvfp4_export, family, load_entry
+from fp4forge.testbed.corpus import bf16_specs, build_header_only, build_nvfp4_export, family, load_entry, unquantized_config
 from fp4forge.testbed.moe_zoo import nvfp4_modules
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -227,7 +227,7 @@ def test_corpus_spans_the_families():
 def _misstored_target(entry, kind: str) -> str:
     """A projection the NVFP4 export quantizes: an attention projection outside every fused group
     (o_proj and its spellings), or a routed-expert projection."""
-    config = {k: v for k, v in entry.config.items() if k != "quantization_config"}
+    config = unquantized_config(entry.config)
     layout = layout_or_inferred(config)
     fused = {leaf for members in layout.fused.values() for leaf in members}
     modules = nvfp4_modules(config, bf16_specs(entry))

@@ -119,7 +119,10 @@ def _derived_layer_settings(config: dict[str, Any]) -> list[tuple]:
     instance = CONFIG_MAPPING[config["model_type"]].from_dict(config)
     lists = []
     for name in dir(instance):
-        value = None if name.startswith("_") else getattr(instance, name, None)
+        try:
+            value = None if name.startswith("_") else getattr(instance, name)
+        except Exception:  # noqa: BLE001 - a property that cannot be computed for this config
+            continue
         if isinstance(value, list) and len(value) == total:
             lists.append([json.dumps(v, sort_keys=True, default=str) for v in value])
     return [tuple(values[i] for values in lists) for i in range(total)]
@@ -172,8 +175,7 @@ def _language_model_specs(wrapper: dict[str, Any], text: dict[str, Any]) -> list
     builds a bare decoder): the wrapper class built with ``text``, its language model's tensors
     named as a causal LM's (`model.language_model.` to `model.`), the head kept, the towers left
     to :func:`_vision_specs`."""
-    small = {k: v for k, v in wrapper.items() if k != "quantization_config"}
-    small["text_config"] = text
+    small = {**unquantized_config(wrapper), "text_config": text}
     out = []
     for spec in checkpoint_specs(small):
         if spec.name.startswith("model.language_model."):
@@ -213,9 +215,7 @@ def _vision_specs(config: dict[str, Any]) -> list[TensorSpec]:
     with a one-layer text model: the tower does not depend on the text model's depth."""
     if not isinstance(config.get("vision_config"), dict) or not isinstance(config.get("text_config"), dict):
         return []
-    small = copy.deepcopy(config)
-    small["text_config"] = truncated_config(_with_derived_layer_lists(small["text_config"]), 1)
-    small.pop("quantization_config", None)
+    small = {**unquantized_config(config), "text_config": truncated_config(_with_derived_layer_lists(config["text_config"]), 1)}
     return [s for s in checkpoint_specs(small) if s.name.startswith("model.visual.")]
 
 
@@ -372,12 +372,17 @@ def build_nvfp4_export(entry: CorpusEntry | str | Path, out: str | Path, *, keep
     from fp4forge.testbed.moe_zoo import write_nvfp4_export
 
     entry = entry if isinstance(entry, CorpusEntry) else load_entry(entry)
-    config = {k: v for k, v in entry.config.items() if k != "quantization_config"}
-    if isinstance(config.get("text_config"), dict):
-        config["text_config"] = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
     out = Path(out)
     ensure_fresh_output(out)
-    return write_nvfp4_export(bf16_specs(entry), config, out, keep_bf16=keep_bf16)
+    return write_nvfp4_export(bf16_specs(entry), unquantized_config(entry.config), out, keep_bf16=keep_bf16)
+
+
+def unquantized_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without its quantization declaration (top level and text config)."""
+    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
+    return out
 
 
 # Per-tensor scales are written with a value, everything else is a hole: the real values are not
@@ -411,4 +416,4 @@ def write_header_only(out: Path, specs: list[TensorSpec], config: dict[str, Any]
     return out
 
 
-__all__ = ["CorpusEntry", "build_header_only", "build_nvfp4_export", "corpus_entries", "entry_specs", "family", "load_entry"]
+__all__ = ["CorpusEntry", "build_header_only", "build_nvfp4_export", "corpus_entries", "entry_specs", "family", "load_entry", "unquantized_config"]
