@@ -37,7 +37,9 @@ from fp4forge.checkpoint.declarations import stored_quantization_config
 PROVENANCE = "PROVENANCE.json"
 INDEX = "model.safetensors.index.json"
 QUANT_SIDECAR = "hf_quant_config.json"
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A decoder layer: `<stack>.layers.<i>.<rest>`, the stack being `model` for most causal LMs and
+# `backbone` for others (Nemotron-H); the transformers class names it, never a list here.
+_LAYER = re.compile(r"^(\w+\.)layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,33 @@ def _with_derived_layer_lists(config: dict[str, Any]) -> dict[str, Any]:
 
     if "layer_types" in config or config.get("model_type") not in CONFIG_MAPPING:
         return config
-    derived = getattr(CONFIG_MAPPING[config["model_type"]].from_dict(config), "layer_types", None)
+    config_class = CONFIG_MAPPING[config["model_type"]]
+    declared = getattr(config_class, "layer_types", None)
+    if isinstance(declared, property) and declared.fset is None:
+        return config  # derived on read (Jamba): not a field config.json may set
+    derived = getattr(config_class.from_dict(config), "layer_types", None)
     return {**config, "layer_types": list(derived)} if isinstance(derived, list) else config
+
+
+def _derived_layer_settings(config: dict[str, Any]) -> list[tuple]:
+    """For each layer, the per-layer settings the config class derives as lists with one entry per
+    layer (Jamba's layers_block_type and layers_num_experts from its periods and offsets): two
+    layers differing in any of them are layers of different kinds."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    total = config["num_hidden_layers"]
+    if config.get("model_type") not in CONFIG_MAPPING:
+        return [()] * total
+    instance = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    lists = []
+    for name in dir(instance):
+        try:
+            value = None if name.startswith("_") else getattr(instance, name)
+        except Exception:  # noqa: BLE001 - a property that cannot be computed for this config
+            continue
+        if isinstance(value, list) and len(value) == total:
+            lists.append([json.dumps(v, sort_keys=True, default=str) for v in value])
+    return [tuple(values[i] for values in lists) for i in range(total)]
 
 
 def _layer_kind(config: dict[str, Any], i: int) -> tuple:
@@ -114,29 +141,51 @@ def _layer_kind(config: dict[str, Any], i: int) -> tuple:
     return tuple(kind)
 
 
-def _template(text: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[TensorSpec]], list[int]]:
+def _template(text: dict[str, Any], wrapper: dict[str, Any]) -> tuple[list[TensorSpec], dict[int, list[TensorSpec]], list[int], str]:
     """Specs of a model of the first K layers (one of each kind); for each layer of the full model,
-    the index of the built layer it copies."""
+    the index of the built layer it copies; and the stack the layers are named under."""
     total = text["num_hidden_layers"]
-    kinds = [_layer_kind(text, i) for i in range(total)]
+    derived = _derived_layer_settings(text)
+    kinds = [_layer_kind(text, i) + derived[i] for i in range(total)]
     first_of: dict[tuple, int] = {}
     for i, kind in enumerate(kinds):
         first_of.setdefault(kind, i)
     built = max(first_of.values()) + 1
     # The text model alone, named as its causal LM (`model.`); the wrapper's prefix is applied after.
     specs = checkpoint_specs({k: v for k, v in truncated_config(text, built).items() if k != "architectures"})
+    if not any(_LAYER.match(spec.name) for spec in specs) and isinstance(wrapper.get("text_config"), dict):
+        specs = _language_model_specs(wrapper, truncated_config(text, built))
     per_layer: dict[int, list[TensorSpec]] = {}
     globals_: list[TensorSpec] = []
+    stacks = set()
     for spec in specs:
         match = _LAYER.match(spec.name)
         if match:
-            per_layer.setdefault(int(match.group(1)), []).append(TensorSpec(match.group(2), spec.dtype, spec.shape))
+            stacks.add(match.group(1))
+            per_layer.setdefault(int(match.group(2)), []).append(TensorSpec(match.group(3), spec.dtype, spec.shape))
         else:
             globals_.append(spec)
-    return globals_, per_layer, [first_of[k] for k in kinds]
+    if len(stacks) != 1:
+        raise ConfigError(f"{text.get('model_type')}: decoder layers under {sorted(stacks)}, expected one `<stack>.layers.<i>`")
+    return globals_, per_layer, [first_of[k] for k in kinds], stacks.pop()
 
 
-def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], copy_of: list[int]) -> list[TensorSpec]:
+def _language_model_specs(wrapper: dict[str, Any], text: dict[str, Any]) -> list[TensorSpec]:
+    """A text config whose model type has no causal LM of its own (GLM-4.5V's glm4v_moe_text
+    builds a bare decoder): the wrapper class built with ``text``, its language model's tensors
+    named as a causal LM's (`model.language_model.` to `model.`), the head kept, the towers left
+    to :func:`_vision_specs`."""
+    small = {**unquantized_config(wrapper), "text_config": text}
+    out = []
+    for spec in checkpoint_specs(small):
+        if spec.name.startswith("model.language_model."):
+            out.append(TensorSpec("model." + spec.name[len("model.language_model.") :], spec.dtype, spec.shape))
+        elif not spec.name.startswith("model."):
+            out.append(spec)
+    return out
+
+
+def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], copy_of: list[int], stack: str) -> list[TensorSpec]:
     """DeepSeek-style next-n layers after the trunk: a full decoder layer plus enorm, hnorm,
     eh_proj, shared_head.{norm,head} and an embed_tokens copy (DeepSeek-V3's published layout)."""
     count = text.get("num_nextn_predict_layers") or 0
@@ -152,8 +201,8 @@ def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], cop
     specs = []
     for k in range(count):
         layer = text["num_hidden_layers"] + k
-        specs += [TensorSpec(f"model.layers.{layer}.{s.name}", s.dtype, s.shape) for s in per_layer[copy_of[-1]]]
-        specs += [TensorSpec(f"model.layers.{layer}.{name}", dtype, shape) for name, shape in extra]
+        specs += [TensorSpec(f"{stack}layers.{layer}.{s.name}", s.dtype, s.shape) for s in per_layer[copy_of[-1]]]
+        specs += [TensorSpec(f"{stack}layers.{layer}.{name}", dtype, shape) for name, shape in extra]
     return specs
 
 
@@ -166,25 +215,23 @@ def _vision_specs(config: dict[str, Any]) -> list[TensorSpec]:
     with a one-layer text model: the tower does not depend on the text model's depth."""
     if not isinstance(config.get("vision_config"), dict) or not isinstance(config.get("text_config"), dict):
         return []
-    small = copy.deepcopy(config)
-    small["text_config"] = truncated_config(_with_derived_layer_lists(small["text_config"]), 1)
-    small.pop("quantization_config", None)
+    small = {**unquantized_config(config), "text_config": truncated_config(_with_derived_layer_lists(config["text_config"]), 1)}
     return [s for s in checkpoint_specs(small) if s.name.startswith("model.visual.")]
 
 
 def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
     """Every tensor of the release before any declared quantization, with real or reconstructed names."""
     text, prefix = _text_config(entry.config)
-    globals_, per_layer, copy_of = _template(text)
+    globals_, per_layer, copy_of, stack = _template(text, entry.config)
     if entry.index_names is None:
         specs = [TensorSpec(_prefixed(s.name, prefix), s.dtype, s.shape) for s in globals_]
         for i, j in enumerate(copy_of):
-            specs += [TensorSpec(_prefixed(f"model.layers.{i}.{s.name}", prefix), s.dtype, s.shape) for s in per_layer[j]]
-        return specs + _vision_specs(entry.config) + _mtp_specs(text, per_layer, copy_of)
+            specs += [TensorSpec(_prefixed(f"{stack}layers.{i}.{s.name}", prefix), s.dtype, s.shape) for s in per_layer[j]]
+        return specs + _vision_specs(entry.config) + _mtp_specs(text, per_layer, copy_of, stack)
     # Real names: look each up in the built template (same layer kind, same suffix).
     by_suffix = {j: {s.name: s for s in layer} for j, layer in per_layer.items()}
     global_by_name = {_prefixed(s.name, prefix): s for s in globals_}
-    layer_re = re.compile(r"^" + re.escape(prefix) + r"layers\.(\d+)\.(.+)$")
+    layer_re = re.compile(r"^" + re.escape(_prefixed(stack, prefix)) + r"layers\.(\d+)\.(.+)$")
     # A release stored packed names the packed tensors (GPT-OSS MXFP4: `<param>_blocks` and
     # `<param>_scales`); the template holds the parameter itself, which quantized_specs packs again.
     packed = MXFP4_PACKED_SUFFIXES if (stored_quantization_config(entry.config) or {}).get("quant_method") == "mxfp4" else ()
@@ -313,6 +360,31 @@ def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
     return quantized_specs(entry, bf16_specs(entry))
 
 
+def family(entry: CorpusEntry) -> str:
+    """The architecture family of a release: the model_type of its text model."""
+    return _text_config(entry.config)[0]["model_type"]
+
+
+def build_nvfp4_export(entry: CorpusEntry | str | Path, out: str | Path, *, keep_bf16: str | None = None) -> Path:
+    """The release's tensors, before its own quantization, written header-only as a ModelOpt NVFP4
+    export of its projection Linears (:func:`fp4forge.testbed.moe_zoo.write_nvfp4_export`);
+    ``keep_bf16`` names one module left unquantized under that declaration."""
+    from fp4forge.testbed.moe_zoo import write_nvfp4_export
+
+    entry = entry if isinstance(entry, CorpusEntry) else load_entry(entry)
+    out = Path(out)
+    ensure_fresh_output(out)
+    return write_nvfp4_export(bf16_specs(entry), unquantized_config(entry.config), out, keep_bf16=keep_bf16)
+
+
+def unquantized_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without its quantization declaration (top level and text config)."""
+    out = {k: v for k, v in config.items() if k != "quantization_config"}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = {k: v for k, v in out["text_config"].items() if k != "quantization_config"}
+    return out
+
+
 # Per-tensor scales are written with a value, everything else is a hole: the real values are not
 # in the metadata, and a hole reads as 0.0, which the audit rightly calls an invalid scale. The
 # placeholder is amax/(6*448) for an amax of 1.0 (ModelOpt's convention); nothing checks it
@@ -344,4 +416,4 @@ def write_header_only(out: Path, specs: list[TensorSpec], config: dict[str, Any]
     return out
 
 
-__all__ = ["CorpusEntry", "build_header_only", "corpus_entries", "entry_specs", "load_entry"]
+__all__ = ["CorpusEntry", "build_header_only", "build_nvfp4_export", "corpus_entries", "entry_specs", "family", "load_entry", "unquantized_config"]

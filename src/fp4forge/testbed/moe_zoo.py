@@ -137,16 +137,21 @@ def nvfp4_modules(config: dict[str, Any], specs) -> list[str]:
 
 
 def build_zoo_nvfp4(config: dict[str, Any], out, *, keep_bf16: str | None = None):
-    """``config``'s checkpoint as a header-only ModelOpt NVFP4 export: the 2-D Linears of the
-    projection components (by the layout fp4forge uses for the config) in NVFP4, everything else
-    excluded and BF16. ``keep_bf16``: one module stored BF16 all the same while the declaration
-    says NVFP4 (the defect the audit must find)."""
+    """``config``'s checkpoint as a header-only ModelOpt NVFP4 export (see :func:`write_nvfp4_export`)."""
+    from fp4forge.checkpoint.skeleton import checkpoint_specs
+
+    return write_nvfp4_export(checkpoint_specs(config), config, out, keep_bf16=keep_bf16)
+
+
+def write_nvfp4_export(specs, config: dict[str, Any], out, *, keep_bf16: str | None = None):
+    """``specs`` (a model's unquantized tensors) as a header-only ModelOpt NVFP4 export: the 2-D
+    Linears of the projection components (by the layout fp4forge uses for ``config``) in NVFP4,
+    everything else excluded and kept as it is. ``keep_bf16``: one module stored unquantized all
+    the same while the declaration says NVFP4 (the defect the audit must find)."""
     from pathlib import Path
 
-    from fp4forge.checkpoint.skeleton import checkpoint_specs
     from fp4forge.testbed.corpus import modelopt_nvfp4_specs, write_header_only
 
-    specs = checkpoint_specs(config)
     quantizable = set(nvfp4_modules(config, specs))
     excluded = sorted(s.name[: -len(".weight")] for s in specs if s.name.endswith(".weight") and s.name[: -len(".weight")] not in quantizable)
     quantized = modelopt_nvfp4_specs(specs, excluded)
