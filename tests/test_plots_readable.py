@@ -9,7 +9,7 @@ from typing import Any
 
 from fp4forge.report import card
 from fp4forge.report.plotting import pyplot
-from fp4forge.report.study_tables import frontier_plot
+from fp4forge.lab.study.tables import frontier_plot
 
 PLAIN_NUMBER = re.compile(r"^\d+(\.\d+)?$")
 
