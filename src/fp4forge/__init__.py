@@ -24,7 +24,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
 API = ("audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint",
-       "CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
+       "AuditOptions", "ByteTableOptions", "DiffOptions", "CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
 __all__ = ["__version__", *API]
 
 
@@ -35,7 +35,10 @@ def versioned(doc: dict[str, Any]) -> dict[str, Any]:
 
 if TYPE_CHECKING:
     # Redundant aliases mark these as re-exports for linters (`__all__` is built from API).
+    from fp4forge.api import AuditOptions as AuditOptions
+    from fp4forge.api import ByteTableOptions as ByteTableOptions
     from fp4forge.api import CalibrationOptions as CalibrationOptions
+    from fp4forge.api import DiffOptions as DiffOptions
     from fp4forge.api import FidelityOptions as FidelityOptions
     from fp4forge.api import GptqOptions as GptqOptions
     from fp4forge.api import QuantizeJob as QuantizeJob

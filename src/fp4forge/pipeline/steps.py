@@ -346,11 +346,12 @@ def run_kv(ctx: Context) -> dict[str, Any]:
 
 def run_audit(ctx: Context) -> dict[str, Any]:
     from fp4forge.audit.engine import audit_checkpoint
+    from fp4forge.audit.options import audit_options
     from fp4forge.audit.shard_facts import shard_facts
     from fp4forge.checkpoint.reader import open_checkpoint
 
     o = ctx.options
-    report = audit_checkpoint(str(ctx.out), deep=o.audit_deep, vllm_version=_vllm_minor(o))
+    report = audit_checkpoint(str(ctx.out), audit_options(deep=o.audit_deep, vllm_version=_vllm_minor(o)))
     doc = report.to_json()
     doc["checkpoint"] = "."
     write_json(ctx.report("audit.json"), doc)
@@ -363,12 +364,9 @@ def run_audit(ctx: Context) -> dict[str, Any]:
 
 
 def run_bytes(ctx: Context) -> dict[str, Any]:
-    from fp4forge.audit.byte_table import compute_byte_table
-    from fp4forge.checkpoint.layout import layout_or_inferred
-    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.audit.byte_table import byte_table_of
 
-    ckpt = open_checkpoint(str(ctx.out))
-    doc = compute_byte_table(ckpt, layout_or_inferred(ckpt.config)).to_json()
+    doc = byte_table_of(str(ctx.out)).to_json()
     doc["checkpoint"] = "."
     write_json(ctx.report("bytes.json"), doc)
     return {"bpp": round(doc["total"]["bpp"] or 0, 3), "experts_bpp": round(doc.get("experts_bpp") or 0, 3)}
