@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fp4forge.checkpoint.declarations import FORMATS
-from fp4forge.errors import ConfigError, Fp4forgeError, require_choice
+from fp4forge.errors import ConfigError, Fp4forgeError, given_options, require_choice
 
 AUDIT_FORMATS = ("auto",) + FORMATS
 DEFAULT_VLLM_VERSION = "0.32"  # the vLLM release the audit's known blind spots are judged for
@@ -44,7 +44,7 @@ class AuditOptions:
 def audit_options(**given: object) -> AuditOptions:
     """The audit's options from the command line or the pipeline: fields by name, a value left out
     (None) keeps its default. The one place either makes them."""
-    return AuditOptions(**{name: value for name, value in given.items() if value is not None})  # type: ignore[arg-type]
+    return AuditOptions(**given_options(**given))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,12 @@ class PerfOptions:
         )
 
 
+def perf_options(**given: Any) -> PerfOptions:
+    """The perf job's options, from `fp4forge bench perf` or the pipeline: the one place either
+    makes them (``given``: the fields by name)."""
+    return PerfOptions(**given)
+
+
 @dataclass
 class PerfResult:
     """What a run left: its summary (None when no sample was written) and how it ended.

@@ -98,12 +98,12 @@ def perf_command(
     no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
 ) -> None:
     """Measure TTFT, prefill and decode per prompt length, warmups discarded, every request kept."""
-    from fp4forge.bench.perf import PerfOptions, run_perf
+    from fp4forge.bench.perf import perf_options, run_perf
     from fp4forge.bench.runner import BenchAborted
     from fp4forge.report.bench_plots import BENCH_PRESENTER
 
     try:
-        options = PerfOptions(
+        options = perf_options(
             url=url, model=model, out_dir=out_dir, workload=workload, workloads_file=workloads_file, mode=mode,
             endpoint=endpoint, prompt_tokens=_int_list(prompt_tokens, "--prompt-tokens"), output_tokens=output_tokens,
             concurrency=_int_list(concurrency, "--concurrency"), rates_rps=_float_list(rate, "--rate"), warmups=warmups,

@@ -46,7 +46,7 @@ from fp4forge.quality.evaluate import run_and_score
 from fp4forge.quality.report import score_document
 from fp4forge.quality.stats import DEFAULT_ALPHA, DEFAULT_BOOTSTRAP
 from fp4forge.quality.answers import refusal_error
-from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript
+from fp4forge.quality.runner import IncompleteRunError, expand_transcripts, rescore_transcript, run_config
 from fp4forge.report.quality_files import write_compare, write_determinism, write_kl, write_score
 from fp4forge.report.quality_tables import (
     compare_markdown,
@@ -161,7 +161,7 @@ def run_command(
         progress.print(f"run {run} {record['id']}: {score.get('earned', '?')}/{score.get('max', '?')}{failed}", highlight=False)
 
     try:
-        config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, temperature=temperature,
+        config = run_config(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, temperature=temperature,
                            concurrency=concurrency,
                            timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs, stream=stream)
         outcome = run_and_score(config, out, only=_csv(only), categories=_csv(category), on_scenario=on_scenario, write=write_score,
@@ -261,12 +261,12 @@ def compare_command(
     allow_unreadable: bool = typer.Option(False, "--allow-unreadable", help=ALLOW_UNREADABLE_HELP),
 ) -> None:
     """Compare two arms: noise floor, paired sign test / McNemar, bootstrap CI, flips, power, verdict."""
-    from fp4forge.quality.compare import CompareOptions, compare_runs
+    from fp4forge.quality.compare import compare_options, compare_runs
 
     if not runs_b:
         raise _fail("no arm B: write `quality compare A_RUNS... -- B_RUNS...`", as_json=as_json)
     try:
-        options = CompareOptions(alpha=alpha, bootstrap=bootstrap, seed=seed, allow_unreadable=allow_unreadable)
+        options = compare_options(alpha=alpha, bootstrap=bootstrap, seed=seed, allow_unreadable=allow_unreadable)
         doc = compare_runs(runs_a, runs_b, options)
     except (Fp4forgeError, OSError) as error:
         raise _fail(error, as_json=as_json) from error

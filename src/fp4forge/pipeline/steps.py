@@ -46,9 +46,9 @@ PIPELINE_PERF_WORKLOAD = "cpu-tiny"
 
 def _pipeline_perf(**given: Any) -> Any:
     """The perf step's ``PerfOptions`` (its server filled in when it runs); ``given`` overrides."""
-    from fp4forge.bench.perf import PerfOptions
+    from fp4forge.bench.perf import perf_options
 
-    return PerfOptions(url="", model="", out_dir=Path("bench"), **{"workload": PIPELINE_PERF_WORKLOAD, **given})
+    return perf_options(url="", model="", out_dir=Path("bench"), **{"workload": PIPELINE_PERF_WORKLOAD, **given})
 
 
 # Thinking is on by default (as Laguna's template): a turn is reasoning, </think>, then the answer.
@@ -58,9 +58,9 @@ PIPELINE_QUALITY = {"runs": 2, "max_tokens": 128, "concurrency": 4}
 
 def _pipeline_quality(**given: Any) -> Any:
     """The quality runs' ``RunConfig`` (its server filled in when it runs); ``given`` overrides."""
-    from fp4forge.quality.runner import RunConfig
+    from fp4forge.quality.runner import run_config
 
-    return RunConfig(base_url="", model="", **{**PIPELINE_QUALITY, **given})
+    return run_config(base_url="", model="", **{**PIPELINE_QUALITY, **given})
 
 
 @dataclass(frozen=True)
@@ -521,11 +521,11 @@ def run_quality(ctx: Context) -> dict[str, Any]:
 
 def run_quality_teacher(ctx: Context) -> dict[str, Any]:
     """Arm B: the BF16 teacher through the same suite, then paired tests of the two arms."""
-    from fp4forge.quality.compare import CompareOptions, compare_runs
+    from fp4forge.quality.compare import compare_options, compare_runs
     from fp4forge.report.quality_files import write_compare
 
     teacher = _quality_runs(ctx, "teacher").results
-    doc = compare_runs([ctx.report(QUALITY_DIRS["student"])], teacher, CompareOptions(allow_unreadable=ctx.options.quality_allow_unreadable))
+    doc = compare_runs([ctx.report(QUALITY_DIRS["student"])], teacher, compare_options(allow_unreadable=ctx.options.quality_allow_unreadable))
     write_compare(doc, ctx.report(QUALITY_DIRS["teacher"]))
     return {"verdict": doc["verdict"]["label"], "diff_points": round(doc["points"]["diff"], 1),
             "teacher points": _points(teacher), **_answers_summary(doc["answers"])}
