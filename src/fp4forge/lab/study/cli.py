@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -53,8 +52,8 @@ def _register_frontier(app: typer.Typer) -> None:
     ) -> None:
         """Bits per parameter (scales included) against relative weight error, per component, format, group size and method."""
         from fp4forge.report.plotting import pyplot
-        from fp4forge.lab.study.tables import frontier_markdown, frontier_plot, frontier_rich
-        from fp4forge.lab.study.frontier import compute_frontier, frontier_options
+        from fp4forge.lab.study.frontier import compute_frontier, frontier_options, write_frontier
+        from fp4forge.lab.study.tables import frontier_plot, frontier_rich
 
         try:
             options = frontier_options(formats=_csv(formats) or None, components=_csv(components) or None, int_groups=_groups(groups) or None,
@@ -67,10 +66,7 @@ def _register_frontier(app: typer.Typer) -> None:
             raise fail(error, ExitCode.UNUSABLE, as_json) from None
         doc = result.to_json()
         if out_dir is not None:
-            from fp4forge.checkpoint.atomic import write_text_atomic
-
-            write_text_atomic(out_dir / "frontier.json", json.dumps(doc, indent=1))
-            write_text_atomic(out_dir / "frontier.md", frontier_markdown(doc))
+            write_frontier(doc, out_dir)
             frontier_plot(doc, out_dir / "frontier.png", pyplot())
         if as_json:
             emit_json(doc)

@@ -113,6 +113,18 @@ def frontier_options(**given: Any) -> FrontierOptions:
     return FrontierOptions(**given_options(**given))
 
 
+def write_frontier(doc: dict[str, Any], out_dir: Path) -> None:
+    """``frontier.json`` (saying which fp4forge made it) and ``frontier.md`` in ``out_dir``."""
+    import json
+
+    from fp4forge import versioned
+    from fp4forge.checkpoint.atomic import write_text_atomic
+    from fp4forge.lab.study.tables import frontier_markdown
+
+    write_text_atomic(out_dir / "frontier.json", json.dumps(versioned(doc), indent=1))
+    write_text_atomic(out_dir / "frontier.md", frontier_markdown(doc))
+
+
 @dataclass(frozen=True)
 class FrontierArm:
     component: str

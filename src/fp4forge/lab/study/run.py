@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge import __version__
+from fp4forge import versioned
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError, Fp4forgeError
 from fp4forge.fidelity.evaluate import FidelityOptions
 from fp4forge.lab.study.arms import measure_arm, read_bpp, write_fake_quantized
-from fp4forge.lab.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier, frontier_options
+from fp4forge.lab.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier, frontier_options, write_frontier
 from fp4forge.stats import bootstrap_mean_ci
 
 STATE_FILE = "study-state.json"
@@ -83,6 +83,10 @@ class StudyOptions:
         for option in ("fidelity_seq_len", "calibration_seq_len"):
             if getattr(self, option) < 8:
                 raise ConfigError(f"must be at least 8, got {getattr(self, option)}", option=option)
+        for option in ("text_files", "calibration_text_files"):
+            missing = [name for name in getattr(self, option) if not Path(name).is_file()]
+            if missing:
+                raise ConfigError(f"no such file: {', '.join(missing)}", option=option)
 
     def frontier(self) -> FrontierOptions:
         """The frontier part's options."""
@@ -282,10 +286,9 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
                     "or `fp4forge bench compare` against one server per arm"})
     not_run.append({"part": "quality-suite arms", "reason": "the suite needs a served model per arm (`fp4forge quality run` / `quality compare`)"})
     plots = _plots(frontier_doc, arms, out, not_run)
-    doc = {
+    doc = versioned({
         "format": "fp4forge-study/1",
         "source": src,
-        "fp4forge": __version__,
         "finished_at": _now(),
         "options": json.loads(json.dumps(asdict(options), default=str)),
         "frontier": frontier_doc,
@@ -299,7 +302,7 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
         "plots": plots,
         "not_run": not_run,
         "seconds_this_run": round(time.monotonic() - started, 1),
-    }
+    })
     write_text_atomic(out / STUDY_JSON, json.dumps(doc, indent=1))
     write_text_atomic(out / STUDY_MD, study_markdown(doc))
     parts.done("report")
@@ -325,13 +328,9 @@ class _Parts:
 
 
 def _frontier_part(src: str, options: StudyOptions, parts: _Parts, progress: Progress) -> dict[str, Any]:
-    from fp4forge.lab.study.tables import frontier_markdown
-
     out = parts.out
     if not parts.resume("frontier"):
-        frontier = compute_frontier(src, options.frontier(), progress=progress)
-        write_text_atomic(out / "frontier.json", json.dumps(frontier.to_json(), indent=1))
-        write_text_atomic(out / "frontier.md", frontier_markdown(frontier.to_json()))
+        write_frontier(compute_frontier(src, options.frontier(), progress=progress).to_json(), out)
         parts.done("frontier")
     return json.loads((out / "frontier.json").read_text(encoding="utf-8"))
 
