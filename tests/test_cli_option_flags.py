@@ -84,6 +84,7 @@ DRIVEN = {
     "study": ["/nonexistent/src", "/nonexistent/out"],
     "audit": ["/nonexistent/ckpt"],
     "bytes": ["/nonexistent/ckpt"],
+    "serve cmd": ["/nonexistent/ckpt"],
     "bench perf": ["--url", "http://127.0.0.1:9/v1", "--model", "m", "--out", "/nonexistent/out"],
 }
 def _bad_value(param: click.Option) -> str:

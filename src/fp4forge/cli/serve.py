@@ -24,8 +24,9 @@ from fp4forge.cli.common import emit_json as _emit
 from fp4forge.cli.common import fail
 from fp4forge.endpoint import api_url
 from fp4forge.errors import ExitCode, Fp4forgeError
+from fp4forge.serve.recommend import HARDWARE, ServeCmdOptions
 
-DEFAULT_VENV = Path(".venv-vllm")
+DEFAULT_VENV = ServeCmdOptions.venv
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 serve_app = typer.Typer(no_args_is_help=True, help="Serve checkpoints with vLLM: the right command, log diagnosis, start/stop.")
@@ -42,17 +43,16 @@ def _fail(error: Exception, as_json: bool) -> SystemExit:
 @serve_app.command("cmd")
 def cmd_command(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint directory, HF repo id or https://…/resolve/<rev> URL."),
-    hardware: str = typer.Option("gb10", "--hardware", help="gb10 | b200 | h100 | h200 | cpu"),
-    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM (default: the one in --venv, else the newest known)."),
-    venv: Path = typer.Option(DEFAULT_VENV, "--venv", help="vLLM venv whose version is the default target."),
+    hardware: str = typer.Option(ServeCmdOptions.hardware, "--hardware", help=" | ".join(HARDWARE)),
+    vllm_version: Optional[str] = typer.Option(ServeCmdOptions.vllm_version, "--vllm-version", help="Target vLLM (default: the one in --venv, else the newest known)."),
+    venv: Path = typer.Option(ServeCmdOptions.venv, "--venv", help="vLLM venv whose version is the default target."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document: env, argv, command, notes, warnings."),
 ) -> None:
     """Print the `vllm serve` command that serves MODEL correctly on HARDWARE, with why-comments."""
-    from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
+    from fp4forge.serve.recommend import serve_cmd_options, serve_command
 
     try:
-        version = target_vllm_version(vllm_version, str(venv))
-        rec = recommend(model, read_checkpoint_facts(model), hardware, version)
+        rec = serve_command(model, serve_cmd_options(hardware=hardware, vllm_version=vllm_version, venv=venv))
     except Fp4forgeError as error:
         raise _fail(error, as_json) from None
     if as_json:

@@ -398,11 +398,10 @@ def run_fidelity(ctx: Context) -> dict[str, Any]:
 
 
 def run_serve_cmd(ctx: Context) -> dict[str, Any]:
-    from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
+    from fp4forge.serve.recommend import serve_cmd_options, serve_command
 
     o = ctx.options
-    version = target_vllm_version(o.vllm_version)
-    rec = recommend(str(ctx.out), read_checkpoint_facts(str(ctx.out)), o.hardware, version)
+    rec = serve_command(str(ctx.out), serve_cmd_options(hardware=o.hardware, vllm_version=o.vllm_version, venv=None))
     write_json(ctx.report("serve-cmd.json"), rec.to_json())
     return {"hardware": o.hardware, "warnings": len(rec.to_json()["warnings"])}
 
