@@ -91,8 +91,10 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         from fp4forge.quality.suite import load_suite
+        from fp4forge.report.card import card_options
         from fp4forge.serve.recommend import HARDWARE
 
+        card_options(base_model=self.base_model)  # the card step's option, checked before any step
         require_choice(self.hardware, HARDWARE, "hardware")
         require_choice(self.serve_hardware, HARDWARE, "serve_hardware")
         unknown = set(self.bench) - set(BENCH_KINDS)
@@ -531,9 +533,9 @@ def run_quality_teacher(ctx: Context) -> dict[str, Any]:
 
 
 def run_card(ctx: Context) -> dict[str, Any]:
-    from fp4forge.report.card import write_card
+    from fp4forge.report.card import card_options, write_card
 
-    card = write_card(ctx.out, ctx.reports, ctx.out / CARD, ctx.options.base_model)
+    card = write_card(ctx.out, card_options(reports=ctx.reports, out=ctx.out / CARD, base_model=ctx.options.base_model))
     return {"sections": len(card.sections), "missing": len(card.missing)}
 
 
