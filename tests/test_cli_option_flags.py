@@ -85,6 +85,8 @@ DRIVEN = {
     "audit": ["/nonexistent/ckpt"],
     "bytes": ["/nonexistent/ckpt"],
     "serve cmd": ["/nonexistent/ckpt"],
+    "serve doctor": ["/nonexistent/vllm.log"],
+    "serve up": ["/nonexistent/ckpt"],
     "bench perf": ["--url", "http://127.0.0.1:9/v1", "--model", "m", "--out", "/nonexistent/out"],
 }
 def _bad_value(param: click.Option) -> str:

@@ -190,7 +190,8 @@ class ServerSlot:
 
     def get(self):  # type: ignore[no-untyped-def]
         if self.record is None:
-            from fp4forge.serve.process import serve_up, startup_status
+            from fp4forge.serve.options import serve_up_options, start_server
+            from fp4forge.serve.process import startup_status
 
             venv = self.ctx.options.vllm_venv
             if venv is None:
@@ -205,10 +206,9 @@ class ServerSlot:
                 if status:
                     self.ctx.progress(0, 0, f"{what}, {time.monotonic() - started:.0f} s: {status}")
 
-            self.record, self.doctor = serve_up(
-                self.model, venv=venv, name=f"fp4forge-{self.role}-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
-                ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory, on_line=on_line,
-            )
+            options = serve_up_options(venv=venv, name=f"fp4forge-{self.role}-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
+                                       ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory)
+            self.record, self.doctor = start_server(self.model, options, on_line=on_line)
             self.ready_seconds = time.monotonic() - started
             self.ready_line = self.doctor.line_count
             self.ctx.progress(0, 0, f"vLLM ({self.role}) ready after {self.ready_seconds:.0f} s")

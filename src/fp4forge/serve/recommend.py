@@ -26,6 +26,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from fp4forge.errors import ConfigError, require_choice
+from fp4forge.serve.options import DEFAULT_VLLM_VENV
 
 KNOWLEDGE_FILE = "serve_knowledge.toml"
 HARDWARE = ("gb10", "b200", "h100", "h200", "cpu")
@@ -512,7 +513,7 @@ class ServeCmdOptions:
 
     hardware: str = "gb10"
     vllm_version: str | None = None  # None: the one in ``venv``, else the newest the table knows
-    venv: Path | None = Path(".venv-vllm")  # the vLLM venv whose version is the default target
+    venv: Path | None = DEFAULT_VLLM_VENV  # the vLLM venv whose version is the default target
 
     def __post_init__(self) -> None:
         require_choice(self.hardware, HARDWARE, "hardware")
