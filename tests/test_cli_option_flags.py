@@ -87,6 +87,7 @@ DRIVEN = {
     "serve cmd": ["/nonexistent/ckpt"],
     "serve doctor": ["/nonexistent/vllm.log"],
     "serve up": ["/nonexistent/ckpt"],
+    "quality run": ["--url", "http://127.0.0.1:9/v1", "--model", "m", "--out", "/nonexistent/out"],
     "bench perf": ["--url", "http://127.0.0.1:9/v1", "--model", "m", "--out", "/nonexistent/out"],
 }
 def _bad_value(param: click.Option) -> str:
