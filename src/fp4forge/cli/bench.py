@@ -26,9 +26,9 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
+from fp4forge.bench.perf import PerfOptions
 from fp4forge.cli.common import console, error_text, fail
 from fp4forge.cli.common import emit_json as _emit
-from fp4forge.bench.perf import PerfOptions
 from fp4forge.errors import ConfigError, ExitCode, Fp4forgeError
 
 EXIT_SOME_FAILED = ExitCode.FINDINGS

@@ -26,6 +26,7 @@ from fp4forge.endpoint import api_url
 from fp4forge.errors import ExitCode, Fp4forgeError
 from fp4forge.serve.options import DoctorOptions, ServeUpOptions
 from fp4forge.serve.recommend import HARDWARE, ServeCmdOptions
+
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 serve_app = typer.Typer(no_args_is_help=True, help="Serve checkpoints with vLLM: the right command, log diagnosis, start/stop.")

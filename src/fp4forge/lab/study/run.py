@@ -35,7 +35,8 @@ from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError, Fp4forgeError
 from fp4forge.fidelity.evaluate import FidelityOptions
 from fp4forge.lab.study.arms import measure_arm, read_bpp, write_fake_quantized
-from fp4forge.lab.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier, frontier_options, write_frontier
+from fp4forge.lab.study.frontier import (FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier, frontier_options,
+                                         write_frontier)
 from fp4forge.stats import bootstrap_mean_ci
 
 STATE_FILE = "study-state.json"
