@@ -22,6 +22,8 @@ from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, Serve
 from fp4forge.fidelity.options import FidelityOptions
 from fp4forge.pipeline.state import write_json as write_json_file
 from fp4forge.quantize.job import QuantizeJob
+from fp4forge.serve.options import ServeUpOptions
+from fp4forge.serve.recommend import ServeCmdOptions
 
 Progress = Callable[[int, int, str], None]
 
@@ -75,12 +77,12 @@ class PipelineOptions:
     fidelity: FidelityOptions = field(default_factory=FidelityOptions)
     audit_deep: bool = True
     vllm_version: str | None = None
-    hardware: str = "gb10"  # the serve line and its traps are written for this target
+    hardware: str = ServeCmdOptions.hardware  # the serve line and its traps are written for this target
     sibling: Path | None = None  # a checkpoint of the same model to diff against
     serve: bool = False  # serve OUT on this machine (vLLM in vllm_venv, with the plugin on CPU)
     vllm_venv: Path | None = None
-    serve_hardware: str = "cpu"
-    serve_timeout_s: float = 900.0
+    serve_hardware: str = ServeUpOptions.hardware
+    serve_timeout_s: float = ServeUpOptions.ready_timeout_s
     bench: tuple[str, ...] = ()  # "perf", "quality"
     perf: Any = field(default_factory=_pipeline_perf)  # fp4forge.bench.perf.PerfOptions
     quality: Any = field(default_factory=_pipeline_quality)  # fp4forge.quality.runner.RunConfig
