@@ -2,7 +2,7 @@
 check against its headers (plus the few small scale tensors, which are bytes, not gigabytes; all
 values with ``deep=True``) and return one ``AuditReport``.
 
-    report = audit_checkpoint("path/or/org/repo", AuditOptions(deep=True, fmt="modelopt"))
+    report = audit_checkpoint("path/or/org/repo", options)  # options: an AuditOptions (deep, fmt, vllm_version, ...)
     report.exit_code   # 0 no errors, 1 errors; unreadable input raises an Fp4forgeError (exit 2)
 
 The checks live in ``checks_integrity`` (files, index, values), ``checks_declarations``
