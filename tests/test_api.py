@@ -68,3 +68,17 @@ def test_quantize_checks_its_options_and_writes_a_checkpoint(tiny_laguna_dense_d
     written = safetensors_view(tmp_path / "fp8")
     assert summary.tensors_written == len(written) and summary.layout_format == "compressed-tensors"
     assert fp4forge.audit_checkpoint(tmp_path / "fp8").summary["errors"] == 0
+
+
+def test_the_read_only_jobs_take_one_options_object_checked_when_made(tiny_laguna_dense_dir: Path) -> None:
+    """audit, bytes and diff take their options as the command line makes them; a bad value is
+    refused when the options are made, naming the keyword, before any checkpoint is read."""
+    report = fp4forge.audit_checkpoint(tiny_laguna_dense_dir, fp4forge.AuditOptions(deep=True, vllm_version="0.31"))
+    assert report.to_json()["audit"] == {**report.to_json()["audit"], "deep": True, "vllm_version": "0.31", "format": "auto"}
+    for make, option in ((lambda: fp4forge.AuditOptions(fmt="gguf"), "fmt"), (lambda: fp4forge.AuditOptions(vllm_version="zero"), "vllm_version"),
+                         (lambda: fp4forge.ByteTableOptions(layout="no-such-layout"), "layout")):
+        with pytest.raises(fp4forge.errors.Fp4forgeError) as refused:
+            make()
+        assert refused.value.option == option
+    named = fp4forge.byte_table(tiny_laguna_dense_dir, fp4forge.ByteTableOptions(layout=fp4forge.byte_table(tiny_laguna_dense_dir).layout))
+    assert named.to_json() == fp4forge.byte_table(tiny_laguna_dense_dir).to_json()

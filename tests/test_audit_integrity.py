@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fp4forge.audit.engine import audit_checkpoint
+from fp4forge.audit.options import AuditOptions
 from fp4forge.audit.findings import AuditReport
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.checkpoint.names import INDEX_JSON
@@ -75,7 +76,7 @@ def patch_json(path: Path, edit: Callable[[dict], None]) -> None:
 
 
 def audit(path: Path | str, **kwargs) -> AuditReport:
-    return audit_checkpoint(str(path), **kwargs)
+    return audit_checkpoint(str(path), AuditOptions(**kwargs))
 
 
 def rules(report: AuditReport, severity: str | None = None) -> set[str]:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from fp4forge.audit.checks_declarations import MAGNITUDE_MIN_RATIO
 from fp4forge.audit.engine import audit_checkpoint
+from fp4forge.audit.options import AuditOptions
 from fp4forge.quantize.act_scales import ConstantAmax
 from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
 from fp4forge.quantize.recipe import builtin_recipe_names, load_recipe
@@ -46,7 +47,7 @@ def exports(tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 
 def magnitude_findings(path: Path):
-    report = audit_checkpoint(str(path), deep=True)
+    report = audit_checkpoint(str(path), AuditOptions(deep=True))
     return report, [f for f in report.findings if f.rule == "scale-magnitude"]
 
 

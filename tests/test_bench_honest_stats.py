@@ -8,11 +8,13 @@ medians of 5 samples each.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import fp4forge
 from fp4forge.bench import stats
 from fp4forge.bench.analyze import analyze_dir, read_samples, summarize_samples
 from fp4forge.report.bench_tables import flatness_line, notes, prefill_line
@@ -125,6 +127,7 @@ def test_plots_start_at_zero(tmp_path: Path) -> None:
     finally:
         bench_plots._plot_decode_vs_context = original
     assert "decode_vs_context.png" in summary["plots"]
+    assert json.loads((tmp_path / "summary.json").read_text())["fp4forge_version"] == fp4forge.__version__
     assert captured["decode_ylim"][0] == 0.0
     assert any("cannot tell" in line for line in notes(summary))
 

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fp4forge.audit.engine import audit_checkpoint
+from fp4forge.audit.options import AuditOptions
 from fp4forge.checkpoint.convert import BlockFp8Source, dequantized_source
 from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.errors import ConfigError
@@ -167,7 +168,7 @@ def test_quantize_from_block_fp8_equals_quantize_from_its_dequantization(fp8_sou
 def test_audit_reads_the_block_fp8_testbed(fp8_source):
     """The same testbed audits clean as block-FP8 (routers and lm_head unquantized by vLLM), and
     --deep finds every FP8 block reaching E4M3's top."""
-    report = audit_checkpoint(str(fp8_source), deep=True)
+    report = audit_checkpoint(str(fp8_source), AuditOptions(deep=True))
     assert not [f.message for f in report.findings if f.severity in ("error", "warning")]
     assert report.layout == "qwen3_moe"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from fp4forge.report.card import write_card
+from fp4forge.report.card import CardOptions, write_card
 
 FIXTURE = Path(__file__).parent / "fixtures" / "card" / "ckpt"
 SOURCE_CARD = "---\nlicense: apache-2.0\ntags:\n- testbed\n---\n# the source's own card\n"
@@ -36,7 +36,7 @@ def _source(tmp_path: Path, name_or_path: str | None = None) -> Path:
 
 def test_card_front_matter_round_trips_through_huggingface_hub(tmp_path):
     ckpt = _export_of(tmp_path, str(_source(tmp_path)))
-    write_card(ckpt, base_model="poolside/Laguna-XS.2")
+    write_card(ckpt, CardOptions(base_model="poolside/Laguna-XS.2"))
 
     card = ModelCard.load(ckpt / "README.md", ignore_metadata_errors=False)
     data = card.data.to_dict()

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from fp4forge.checkpoint import raw
 from fp4forge.audit.diff import diff_checkpoints
+from fp4forge.audit.options import DiffOptions
 from fp4forge.cli.audit import register
 from fp4forge.errors import Fp4forgeError
 from tests.http_repo_server import RepoServer
@@ -59,7 +60,7 @@ def test_statuses_reasons_and_components(lc_source_dir: Path, edited: Path) -> N
 
 
 def test_values_give_max_abs_and_rel_difference(lc_source_dir: Path, edited: Path) -> None:
-    report = diff_checkpoints(lc_source_dir, edited, values=True)
+    report = diff_checkpoints(lc_source_dir, edited, DiffOptions(values=True))
     by_name = {e.name: e for e in report.entries}
     before = load_tensors(lc_source_dir)[CHANGED].float()
     after = load_tensors(edited)[CHANGED].float()
@@ -110,8 +111,8 @@ def test_cli_json_and_exit_codes(lc_source_dir: Path, edited: Path, tmp_path: Pa
 
 def test_remote_diff_equals_local_diff(lc_source_dir: Path, edited: Path) -> None:
     with RepoServer({"org/a": lc_source_dir, "org/b": edited}) as server:
-        remote = diff_checkpoints(f"{server.endpoint}/org/a/resolve/main", f"{server.endpoint}/org/b/resolve/main", values=True)
-    local = diff_checkpoints(lc_source_dir, edited, values=True)
+        remote = diff_checkpoints(f"{server.endpoint}/org/a/resolve/main", f"{server.endpoint}/org/b/resolve/main", DiffOptions(values=True))
+    local = diff_checkpoints(lc_source_dir, edited, DiffOptions(values=True))
     assert remote.to_json()["tensors"] == local.to_json()["tensors"] and remote.summary == local.summary
 
 

@@ -23,6 +23,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+import fp4forge
 from fp4forge.cli.quality import register
 from fp4forge.errors import ExitCode, UnreadableAnswersError
 from fp4forge.quality.answers import UNREADABLE_SHARE, AnswerHealth, refusal_error
@@ -185,6 +186,7 @@ def test_card_quality_section_carries_the_refusal(tmp_path: Path) -> None:
     shutil.rmtree(ckpt / "reports" / "quality-teacher")
     suite = load_suite()
     write_score(score_document([rescore_transcript(RANDOM, suite)], suite), ckpt / "reports" / "quality")
+    assert json.loads((ckpt / "reports" / "quality" / "score.json").read_text())["fp4forge_version"] == fp4forge.__version__
     card = render_card(ckpt, None, tmp_path / "README.md").markdown
     quality = card.split("## Quality", 1)[1].split("\n## ", 1)[0]
     assert "**REFUSED TO SCORE: the suite could not read the answers.**" in quality

@@ -12,6 +12,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+import fp4forge
 from fp4forge.numerics.clip_search import intn_quantize_mse
 from fp4forge.numerics.intn import intn_dequantize, intn_quantize
 from fp4forge.lab.study.frontier import ArmSpec, quantize_dequantize
@@ -97,7 +98,9 @@ def test_frontier_json_and_named_errors(tiny_laguna: Path, tmp_path: Path) -> No
     assert {(a["format"], a["method"]) for a in doc["arms"]} >= {("nvfp4", "minmax"), ("nvfp4", "mse"), ("nvfp4", "four_over_six"),
                                                                   ("int2", "minmax"), ("int2", "mse")}
     assert all(a["component"] == "attention" and 0 < a["rel_error"] < 1 for a in doc["arms"])
-    assert (tmp_path / "f" / "frontier.json").is_file() and (tmp_path / "f" / "frontier.md").is_file()
+    assert (tmp_path / "f" / "frontier.md").is_file()
+    written = json.loads((tmp_path / "f" / "frontier.json").read_text())
+    assert written == doc and written["fp4forge_version"] == fp4forge.__version__  # the file is the printed document
     bad = _invoke("frontier", str(tiny_laguna), "--formats", "int9")
     assert bad.exit_code == 2 and "--formats" in bad.output
     # every arm skipped (width 256 is no multiple of 48): nothing measured is an error, not an empty table

@@ -24,18 +24,23 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
 API = ("audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint", "quantize_checkpoint",
-       "CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
+       "AuditOptions", "ByteTableOptions", "DiffOptions", "CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
 __all__ = ["__version__", *API]
 
 
 def versioned(doc: dict[str, Any]) -> dict[str, Any]:
     """A JSON document fp4forge writes or prints, saying which fp4forge made it (its own
     ``fp4forge_version``, when it already has one, is kept)."""
-    return {"fp4forge_version": __version__, **doc}
+    out = dict(doc)  # the document's own keys first: a report leads with its verdict
+    out.setdefault("fp4forge_version", __version__)
+    return out
 
 if TYPE_CHECKING:
     # Redundant aliases mark these as re-exports for linters (`__all__` is built from API).
+    from fp4forge.api import AuditOptions as AuditOptions
+    from fp4forge.api import ByteTableOptions as ByteTableOptions
     from fp4forge.api import CalibrationOptions as CalibrationOptions
+    from fp4forge.api import DiffOptions as DiffOptions
     from fp4forge.api import FidelityOptions as FidelityOptions
     from fp4forge.api import GptqOptions as GptqOptions
     from fp4forge.api import QuantizeJob as QuantizeJob

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 # The jobs' options (light modules: importing them loads no torch), under the package's name too.
+from fp4forge.audit.options import AuditOptions, ByteTableOptions, DiffOptions
 from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.fidelity.options import FidelityOptions
 from fp4forge.model.samples import SampleOptions
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from fp4forge.checkpoint.reader import Checkpoint
     from fp4forge.quantize.job import QuantizeResult
 
-OPTIONS = ("CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
+OPTIONS = ("AuditOptions", "ByteTableOptions", "DiffOptions", "CalibrationOptions", "FidelityOptions", "GptqOptions", "QuantizeJob", "SampleOptions")
 __all__ = ["audit_checkpoint", "byte_table", "calibrate_checkpoint", "diff_checkpoints", "measure_fidelity", "open_checkpoint",
            "quantize_checkpoint", *OPTIONS]
 
@@ -44,19 +45,12 @@ def open_checkpoint(location: str | Path) -> Checkpoint:
     return _open(location)
 
 
-def audit_checkpoint(
-    location: str | Path,
-    *,
-    deep: bool = False,
-    fmt: Literal["auto", "compressed-tensors", "modelopt"] = "auto",
-    vllm_version: str | None = None,
-    trust_remote_code: bool = False,
-) -> AuditReport:
-    """Will it load, and load right? ``report.findings``, ``report.exit_code``, ``report.to_json()``."""
-    from fp4forge.audit.engine import DEFAULT_VLLM_VERSION
+def audit_checkpoint(location: str | Path, options: AuditOptions | None = None) -> AuditReport:
+    """Will it load, and load right? ``options``: an :class:`AuditOptions` (``deep``, ``fmt``,
+    ``vllm_version``, ``trust_remote_code``). ``report.findings``, ``report.exit_code``, ``report.to_json()``."""
     from fp4forge.audit.engine import audit_checkpoint as _audit
 
-    return _audit(location, deep=deep, fmt=fmt, vllm_version=vllm_version or DEFAULT_VLLM_VERSION, trust_remote_code=trust_remote_code)
+    return _audit(location, options or AuditOptions())
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, job: QuantizeJob, *, progress: Progress | None = None) -> QuantizeResult:
@@ -85,20 +79,19 @@ def calibrate_checkpoint(
     return calibrate_to_file(src, stats_out, options or CalibrationOptions(), progress=progress)
 
 
-def byte_table(location: str | Path, *, layout: str | None = None) -> ByteTable:
-    """Where the bytes are: stored bytes, parameters and bits/param per component (headers only)."""
-    from fp4forge.audit.byte_table import compute_byte_table
-    from fp4forge.checkpoint.layout import layout_by_name, layout_for_config
+def byte_table(location: str | Path, options: ByteTableOptions | None = None) -> ByteTable:
+    """Where the bytes are: stored bytes, parameters and bits/param per component (headers only);
+    ``options``: a :class:`ByteTableOptions` (``layout`` by name, else the config's, else inferred)."""
+    from fp4forge.audit.byte_table import byte_table_of
 
-    ckpt = open_checkpoint(location)
-    return compute_byte_table(ckpt, layout_by_name(layout) if layout else layout_for_config(ckpt.config))
+    return byte_table_of(location, options or ByteTableOptions())
 
 
-def diff_checkpoints(a: str | Path, b: str | Path, *, values: bool = False, progress: Progress | None = None) -> DiffReport:
-    """Which tensors two checkpoints share byte for byte; ``values``: also the max abs / rel difference."""
+def diff_checkpoints(a: str | Path, b: str | Path, options: DiffOptions | None = None, *, progress: Progress | None = None) -> DiffReport:
+    """Which tensors two checkpoints share byte for byte; ``DiffOptions(values=True)``: also the max abs / rel difference."""
     from fp4forge.audit.diff import diff_checkpoints as _diff
 
-    return _diff(a, b, values=values, progress=progress)
+    return _diff(a, b, options or DiffOptions(), progress=progress)
 
 
 def measure_fidelity(

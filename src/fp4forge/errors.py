@@ -196,6 +196,12 @@ def require_choice(value: object, choices: tuple, option: str) -> None:
         raise ConfigError(f"unknown value {value!r}: choose one of {', '.join(map(str, choices))}", option=option)
 
 
+def given_options(**values: object) -> dict[str, object]:
+    """The options a caller set, by name: ``None`` means left out (the option's default stands), so
+    a command line's absent flag and a pipeline's unset option reach one options class alike."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 @contextmanager
 def option_path(prefix: str, options: type | Iterable[str]) -> Iterator[None]:
     """Errors raised inside about one of ``options`` (a dataclass, or field names) name it by its

@@ -25,7 +25,9 @@ from collections import Counter
 from itertools import compress, repeat
 from operator import add, methodcaller
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
+from fp4forge.audit.options import ByteTableOptions
 from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout, TensorRole
 from fp4forge.checkpoint.reader import Checkpoint, gc_paused
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS
@@ -184,6 +186,16 @@ def _role_of(layout: Layout, name: str, dtype: str, is_packed: bool, shape: tupl
         if by_shape != UNKNOWN:
             role = replace(role, component=by_shape, kind=role.kind if role.kind != UNKNOWN else "weight")
     return role
+
+
+def byte_table_of(location: str | Path, options: ByteTableOptions = ByteTableOptions()) -> ByteTable:
+    """The bytes job (`fp4forge bytes`, the API, the pipeline): the checkpoint at ``location``
+    read from its headers, by the named layout, else its config's, else one inferred."""
+    from fp4forge.checkpoint.layout import layout_or_inferred
+    from fp4forge.checkpoint.reader import open_checkpoint
+
+    ckpt = open_checkpoint(location)
+    return compute_byte_table(ckpt, layout_or_inferred(ckpt.config, options.layout))
 
 
 def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:

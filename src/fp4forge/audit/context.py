@@ -16,6 +16,7 @@ from operator import itemgetter, not_
 from typing import Any
 
 from fp4forge.audit.findings import Issue
+from fp4forge.audit.options import parse_version as parse_version  # the checks read it here
 from fp4forge.checkpoint.declarations import READ_FORMATS, QuantDeclaration
 from fp4forge.checkpoint.layout import UNKNOWN, Layout, split_suffix, split_suffixes
 from fp4forge.checkpoint.names import CONFIG_JSON
@@ -23,7 +24,6 @@ from fp4forge.checkpoint.raw import can_decode, decode, decode_all, read_coalesc
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, TensorInfo
 from fp4forge.checkpoint.skeleton_cache import expected_shapes_or_reason
-from fp4forge.errors import ConfigError
 
 # Components whose 2-D weights are Linear layers (vLLM builds routers and lm_head as Linears too,
 # so a "Linear" target reaches them unless they are ignored). Embeddings and norms are not.
@@ -49,13 +49,6 @@ _BACKREFERENCE = re.compile(r"\\[1-9]|\(\?P=")
 
 def modules_noun(component: str) -> str:
     return COMPONENT_NOUNS.get(component, f"{component} modules")
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.strip().lstrip("v").split("."))
-    except ValueError:
-        raise ConfigError(f"not a version number: {text!r} (expected e.g. 0.32)") from None
 
 
 @dataclass

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.audit.options import DiffOptions
 from fp4forge.checkpoint.layout import UNKNOWN, Layout, layout_for_config
 from fp4forge.checkpoint.raw import can_decode, iter_raw_chunks, iter_values, tensor_index
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
@@ -107,7 +108,7 @@ def _layout(*ckpts: Checkpoint) -> Layout | None:
     return None
 
 
-def diff_checkpoints(a: str | Path, b: str | Path, *, values: bool = False, progress: Progress = None) -> DiffReport:
+def diff_checkpoints(a: str | Path, b: str | Path, options: DiffOptions = DiffOptions(), *, progress: Progress = None) -> DiffReport:
     """Compare two checkpoints tensor by tensor (raises Fp4forgeError when one cannot be read)."""
     ckpt_a, ckpt_b = open_checkpoint(a), open_checkpoint(b)
     layout = _layout(ckpt_a, ckpt_b)
@@ -123,7 +124,7 @@ def diff_checkpoints(a: str | Path, b: str | Path, *, values: bool = False, prog
         elif name not in tensors_a:
             report.entries.append(TensorDiff(name, "only_in_b", component))
         else:
-            report.entries.append(compare_tensor(ckpt_a, tensors_a[name], ckpt_b, tensors_b[name], component, values))
+            report.entries.append(compare_tensor(ckpt_a, tensors_a[name], ckpt_b, tensors_b[name], component, options.values))
     for ckpt in (ckpt_a, ckpt_b):
         close = getattr(ckpt.source, "close", None)
         if close is not None:

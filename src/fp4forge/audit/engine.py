@@ -2,7 +2,7 @@
 check against its headers (plus the few small scale tensors, which are bytes, not gigabytes; all
 values with ``deep=True``) and return one ``AuditReport``.
 
-    report = audit_checkpoint("path/or/org/repo", deep=False, fmt="auto", vllm_version="0.32")
+    report = audit_checkpoint("path/or/org/repo", options)  # options: an AuditOptions (deep, fmt, vllm_version, ...)
     report.exit_code   # 0 no errors, 1 errors; unreadable input raises an Fp4forgeError (exit 2)
 
 The checks live in ``checks_integrity`` (files, index, values), ``checks_declarations``
@@ -16,36 +16,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from fp4forge.audit import checks_declarations, checks_integrity, checks_names
-from fp4forge.audit.context import AuditContext, parse_version
+from fp4forge.audit.context import AuditContext
 from fp4forge.audit.findings import AuditReport, group_issues
-from fp4forge.checkpoint.declarations import FORMATS, read_declaration
+from fp4forge.audit.options import AuditOptions
+from fp4forge.checkpoint.declarations import read_declaration
 from fp4forge.checkpoint.layout import layout_or_inferred
 from fp4forge.checkpoint.reader import gc_paused, open_checkpoint_lenient
-from fp4forge.errors import ConfigError
 
 CHECKS = (checks_integrity, checks_declarations, checks_names)
-AUDIT_FORMATS = ("auto",) + FORMATS
-DEFAULT_VLLM_VERSION = "0.32"
 
 
 # -- the audit ------------------------------------------------------------------------------------
-def audit_checkpoint(
-    location: str | Path,
-    *,
-    deep: bool = False,
-    fmt: str = "auto",
-    vllm_version: str = DEFAULT_VLLM_VERSION,
-    trust_remote_code: bool = False,
-) -> AuditReport:
+def audit_checkpoint(location: str | Path, options: AuditOptions = AuditOptions()) -> AuditReport:
     """Audit one checkpoint. Raises an Fp4forgeError (exit code 2) when it cannot be read at all."""
     with gc_paused():  # headers and name tables over 10^5 tensors: one collection after, not several
-        return _audit(location, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code)
+        return _audit(location, options)
 
 
-def _audit(location: str | Path, *, deep: bool, fmt: str, vllm_version: str, trust_remote_code: bool) -> AuditReport:
-    if fmt not in AUDIT_FORMATS:
-        raise ConfigError(f"unknown format {fmt!r}: choose one of {', '.join(AUDIT_FORMATS)}", option="fmt")
-    version = parse_version(vllm_version)
+def _audit(location: str | Path, options: AuditOptions) -> AuditReport:
     ckpt, rejected = open_checkpoint_lenient(location)
     issues = checks_integrity.unsafe_index_issues(rejected)
     # Every architecture gets a layout: its table, else the one derived from its transformers model
@@ -56,10 +44,10 @@ def _audit(location: str | Path, *, deep: bool, fmt: str, vllm_version: str, tru
         ckpt=ckpt,
         layout=layout,
         declaration=read_declaration(ckpt.config, ckpt.extra_json),
-        deep=deep,
-        fmt=fmt,
-        vllm_version=version,
-        trust_remote_code=trust_remote_code,
+        deep=options.deep,
+        fmt=options.fmt,
+        vllm_version=options.version,
+        trust_remote_code=options.trust_remote_code,
     )
     try:
         for check in CHECKS:
@@ -72,9 +60,9 @@ def _audit(location: str | Path, *, deep: bool, fmt: str, vllm_version: str, tru
     return AuditReport(
         checkpoint=str(location),
         findings=group_issues(issues),
-        format=fmt,
-        vllm_version=vllm_version,
-        deep=deep,
+        format=options.fmt,
+        vllm_version=options.vllm_version,
+        deep=options.deep,
         layout=layout.name if layout else None,
     )
 

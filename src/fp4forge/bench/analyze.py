@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fp4forge import versioned
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.bench import stats
 from fp4forge.bench.runner import RUN_FILE, SAMPLES_FILE, SERVER_METRICS_FILE
@@ -299,7 +300,7 @@ def analyze_dir(run_dir: Path, *, plots: bool = True, presenter: SummaryPresente
         unreadable_lines=unreadable,
     )
     summary["plots"] = presenter.plots(samples, summary, run_dir) if plots and presenter is not None else []
-    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(versioned(summary), indent=2) + "\n")
     if presenter is not None:
         write_text_atomic(run_dir / SUMMARY_MARKDOWN_FILE, presenter.markdown(summary))
     return summary

@@ -320,9 +320,13 @@ class StreamTimer:
         return self.result
 
 
+# (include_usage, continuous_usage_stats): continuous usage, then the final usage chunk, then none
+STREAM_OPTIONS_RICHEST_FIRST = tuple(StreamOptions(*flags) for flags in ((True, True), (True, False), (False, False)))
+
+
 async def probe_stream_options(client: StreamingClient, spec: RequestSpec) -> StreamOptions:
     """The richest ``stream_options`` the server accepts: continuous usage, then usage, then none."""
-    for candidate in (StreamOptions(True, True), StreamOptions(True, False), StreamOptions(False, False)):
+    for candidate in STREAM_OPTIONS_RICHEST_FIRST:
         client.stream_options = candidate
         result = await client.send(spec)
         if result.ok:

@@ -71,7 +71,13 @@ class PerfOptions:
         return self._config
 
     def _build_config(self) -> BenchConfig:
-        workloads = load_workloads(self.workloads_file)
+        try:
+            workloads = load_workloads(self.workloads_file)
+        except OSError as error:  # a missing or unreadable file: the option's error, not a traceback
+            raise ConfigError(f"cannot read the workloads file: {error.strerror or error}", option="workloads_file") from None
+        except ConfigError as error:
+            error.option = error.option or "workloads_file"
+            raise
         if self.workload not in workloads:
             raise ConfigError(f"unknown workload {self.workload!r}; known: {sorted(workloads)}", option="workload")
         chosen = workloads[self.workload]
@@ -102,6 +108,12 @@ class PerfOptions:
             workload=chosen.name,
             workloads_file=self.workloads_file,
         )
+
+
+def perf_options(**given: Any) -> PerfOptions:
+    """The perf job's options, from `fp4forge bench perf` or the pipeline: the one place either
+    makes them (``given``: the fields by name)."""
+    return PerfOptions(**given)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`fp4forge audit` and `fp4forge diff`, added to the main Typer app by ``register(app)``.
 
     fp4forge audit PATH_OR_REPO [--json] [--markdown] [--deep] [--format auto|compressed-tensors|modelopt]
-                   [--vllm-version 0.32] [--trust-remote-code]
+                   [--vllm-version V] [--trust-remote-code]
     fp4forge audit --list-rules [--json] [--markdown]
     fp4forge diff A B [--json] [--markdown] [--values]
 
@@ -17,6 +17,7 @@ from typing import Optional
 
 import typer
 
+from fp4forge.audit.options import AUDIT_FORMATS, AuditOptions, DiffOptions
 from fp4forge.cli.audit_run import _fail, run_audit
 from fp4forge.cli.common import emit_json as _emit
 from fp4forge.cli.common import error_text
@@ -32,10 +33,10 @@ def audit_command(
     location: Optional[str] = typer.Argument(None, metavar="PATH_OR_REPO", help="Checkpoint directory, .safetensors file, HF repo id, or https://…/resolve/<rev> URL."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document: checkpoint, findings, summary."),
     markdown: bool = typer.Option(False, "--markdown", help="A Markdown report (for issues and model cards)."),
-    deep: bool = typer.Option(False, "--deep", help="Also read every value: NaN/Inf weights, zero matrices, block scales, scale statistics."),
-    fmt: str = typer.Option("auto", "--format", help="auto, compressed-tensors or modelopt: the format the checkpoint must be in."),
-    vllm_version: str = typer.Option("0.32", "--vllm-version", help="vLLM version the checkpoint will be served with (selects known blind spots)."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own code when building its expected tensor names."),
+    deep: bool = typer.Option(AuditOptions.deep, "--deep", help="Also read every value: NaN/Inf weights, zero matrices, block scales, scale statistics."),
+    fmt: str = typer.Option(AuditOptions.fmt, "--format", help=f"{', '.join(AUDIT_FORMATS)}: the format the checkpoint must be in."),
+    vllm_version: str = typer.Option(AuditOptions.vllm_version, "--vllm-version", help="vLLM version the checkpoint will be served with (selects known blind spots)."),
+    trust_remote_code: bool = typer.Option(AuditOptions.trust_remote_code, "--trust-remote-code", help="Allow the model's own code when building its expected tensor names."),
     list_rules: bool = typer.Option(False, "--list-rules", help="Print every rule the audit applies and exit."),
 ) -> None:
     """Will this checkpoint load, and load right? Integrity, declarations vs tensors, names vs the architecture."""
@@ -47,7 +48,7 @@ def diff_command(
     b: str = typer.Argument(..., metavar="B", help="Second checkpoint."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document: summary, per component, differing tensors."),
     markdown: bool = typer.Option(False, "--markdown", help="A Markdown table of the counts."),
-    values: bool = typer.Option(False, "--values", help="Max abs / rel difference of differing tensors of equal shape (float32)."),
+    values: bool = typer.Option(DiffOptions.values, "--values", help="Max abs / rel difference of differing tensors of equal shape (float32)."),
 ) -> None:
     """Which tensors two checkpoints share byte for byte (blake2b per tensor, streamed)."""
     from rich.console import Console
@@ -57,7 +58,7 @@ def diff_command(
     from fp4forge.report.tables import fit_table
 
     try:
-        report = diff_checkpoints(a, b, values=values)
+        report = diff_checkpoints(a, b, DiffOptions(values=values))
     except Fp4forgeError as exc:
         raise _fail(f"could not diff: {error_text(exc)}", as_json, a=a, b=b) from None
     if as_json:

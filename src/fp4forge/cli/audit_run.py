@@ -1,41 +1,31 @@
 """`fp4forge audit` itself, without typer: the typer command (``fp4forge.cli.audit``) and a
-plain command line's fast path (``fp4forge.cli.fast``) call ``run_audit`` with the same values.
-Importing typer and pydantic costs a JSON audit ~0.4 s; nothing here imports them."""
+plain command line's fast path (``fp4forge.cli.fast``) call ``run_audit`` with the same values,
+which become the job's one :class:`AuditOptions` here. Importing typer and pydantic costs a JSON
+audit ~0.4 s; nothing here imports them."""
 
 from __future__ import annotations
 
 import sys
 
+from fp4forge.audit.options import audit_options
 from fp4forge.cli.common import emit_json as _emit
 from fp4forge.cli.common import error_text, fail
 from fp4forge.errors import ExitCode, Fp4forgeError
 
-DEFAULT_FORMAT, DEFAULT_VLLM_VERSION = "auto", "0.32"  # the typer options' defaults
 
-
-def run_audit(
-    location: str | None,
-    *,
-    as_json: bool = False,
-    markdown: bool = False,
-    deep: bool = False,
-    fmt: str | None = None,
-    vllm_version: str | None = None,
-    trust_remote_code: bool = False,
-    list_rules: bool = False,
-) -> None:
-    """Audit ``location`` and print the report; exits with the audit's code (SystemExit)."""
-    fmt = DEFAULT_FORMAT if fmt is None else fmt
-    vllm_version = DEFAULT_VLLM_VERSION if vllm_version is None else vllm_version
+def run_audit(location: str | None, *, as_json: bool = False, markdown: bool = False, list_rules: bool = False, **given: object) -> None:
+    """Audit ``location`` and print the report; exits with the audit's code (SystemExit).
+    ``given``: :class:`AuditOptions`' fields by name."""
     if list_rules:
         _print_rules(as_json, markdown)
         return
     if location is None:
         raise _fail("give a checkpoint (PATH_OR_REPO), or --list-rules", as_json)
-    from fp4forge.audit.engine import audit_checkpoint
-
     try:
-        report = audit_checkpoint(location, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code)
+        options = audit_options(**given)
+        from fp4forge.audit.engine import audit_checkpoint
+
+        report = audit_checkpoint(location, options)
     except Fp4forgeError as exc:
         raise _fail(f"could not audit: {error_text(exc)}", as_json, checkpoint=location) from None
     except (OSError, MemoryError, RecursionError) as exc:  # hostile input the checks did not foresee

@@ -26,8 +26,10 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
+from fp4forge.bench.perf import PerfOptions
 from fp4forge.cli.common import console, error_text, fail
 from fp4forge.cli.common import emit_json as _emit
+from fp4forge import versioned
 from fp4forge.errors import ConfigError, ExitCode, Fp4forgeError
 
 EXIT_SOME_FAILED = ExitCode.FINDINGS
@@ -77,10 +79,10 @@ def perf_command(
     url: str = typer.Option(..., "--url", help="Server root or its /v1 (e.g. http://127.0.0.1:8000)."),
     model: str = typer.Option(..., "--model", help="Served model name, as /v1/models lists it."),
     out_dir: Path = typer.Option(..., "--out", help="New directory for samples.jsonl, summary.json, summary.md and plots."),
-    workload: str = typer.Option("default", "--workload", help="Workload from workloads.toml (default, decode, cpu-small, cpu-tiny)."),
-    workloads_file: Optional[Path] = typer.Option(None, "--workloads-file", help="A TOML file with [workload.NAME] tables."),
-    mode: str = typer.Option("sequential", "--mode", help="sequential (concurrency 1), concurrency (sweep) or rate (Poisson sweep)."),
-    endpoint: str = typer.Option("completions", "--endpoint", help="completions (token-ID prompts) or chat."),
+    workload: str = typer.Option(PerfOptions.workload, "--workload", help="Workload from workloads.toml (default, decode, cpu-small, cpu-tiny)."),
+    workloads_file: Optional[Path] = typer.Option(PerfOptions.workloads_file, "--workloads-file", help="A TOML file with [workload.NAME] tables."),
+    mode: str = typer.Option(PerfOptions.mode, "--mode", help="sequential (concurrency 1), concurrency (sweep) or rate (Poisson sweep)."),
+    endpoint: str = typer.Option(PerfOptions.endpoint, "--endpoint", help="completions (token-ID prompts) or chat."),
     prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Override the ladder: comma-separated prompt lengths."),
     output_tokens: Optional[int] = typer.Option(None, "--output-tokens", min=1, help="Override generated tokens per request."),
     concurrency: Optional[str] = typer.Option(None, "--concurrency", help="Override the concurrency sweep, e.g. 1,2,4,8."),
@@ -89,21 +91,21 @@ def perf_command(
     samples: Optional[int] = typer.Option(None, "--samples", min=1, help="Kept requests per cell."),
     prefix_cache: bool = typer.Option(False, "--prefix-cache", help="Share a prompt prefix within each shape on purpose."),
     prefix_fraction: float = typer.Option(0.5, "--prefix-fraction", help="Shared share of each prompt with --prefix-cache."),
-    output_control: str = typer.Option("ignore_eos", "--output-control", help="How output length is fixed: ignore_eos, min_tokens or none."),
+    output_control: str = typer.Option(PerfOptions.output_control, "--output-control", help="How output length is fixed: ignore_eos, min_tokens or none."),
     extra_body: Optional[str] = typer.Option(None, "--extra-body", help='JSON merged into every request, e.g. \'{"chat_template_kwargs":{"enable_thinking":false}}\'.'),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Count tokens with this tokenizer instead of the server's /tokenize."),
-    timeout_s: float = typer.Option(600.0, "--timeout", help="Seconds one request may take before it counts as failed."),
-    seed: int = typer.Option(0, "--seed", help="Seed for prompt filler and Poisson gaps."),
+    tokenizer: Optional[str] = typer.Option(PerfOptions.tokenizer, "--tokenizer", help="Count tokens with this tokenizer instead of the server's /tokenize."),
+    timeout_s: float = typer.Option(PerfOptions.timeout_s, "--timeout", help="Seconds one request may take before it counts as failed."),
+    seed: int = typer.Option(PerfOptions.seed, "--seed", help="Seed for prompt filler and Poisson gaps."),
     as_json: bool = typer.Option(False, "--json", help="Print summary.json instead of tables."),
     no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
 ) -> None:
     """Measure TTFT, prefill and decode per prompt length, warmups discarded, every request kept."""
-    from fp4forge.bench.perf import PerfOptions, run_perf
+    from fp4forge.bench.perf import perf_options, run_perf
     from fp4forge.bench.runner import BenchAborted
     from fp4forge.report.bench_plots import BENCH_PRESENTER
 
     try:
-        options = PerfOptions(
+        options = perf_options(
             url=url, model=model, out_dir=out_dir, workload=workload, workloads_file=workloads_file, mode=mode,
             endpoint=endpoint, prompt_tokens=_int_list(prompt_tokens, "--prompt-tokens"), output_tokens=output_tokens,
             concurrency=_int_list(concurrency, "--concurrency"), rates_rps=_float_list(rate, "--rate"), warmups=warmups,
@@ -316,7 +318,7 @@ def gemm_command(
             dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
             with progress_bar("gemm", enabled=not as_json) as progress:
                 report = run_gemm_bench(shapes, m_values=ms, kernels=ks, device=dev, samples=samples, inner=inner, progress=progress)
-            data = report.to_json()
+            data = versioned(report.to_json())
             data["config"] = config
     except (Fp4forgeError, OSError, json.JSONDecodeError) as error:
         raise _fail(error, EXIT_UNUSABLE, as_json) from None

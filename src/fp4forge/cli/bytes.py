@@ -9,11 +9,13 @@ from typing import Optional
 def register(app) -> None:
     import typer
 
+    from fp4forge.audit.options import ByteTableOptions
+
     def bytes_command(
         location: str = typer.Argument(..., metavar="PATH_OR_REPO", help="Checkpoint directory, .safetensors file, HF repo id, or https://…/resolve/<rev> URL."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: total, components, dtypes."),
         markdown: bool = typer.Option(False, "--markdown", help="A Markdown table, for model cards."),
-        layout: Optional[str] = typer.Option(None, "--layout", help="Architecture layout when config.json is absent or unknown."),
+        layout: Optional[str] = typer.Option(ByteTableOptions.layout, "--layout", help="Architecture layout when config.json is absent or unknown."),
     ) -> None:
         """Where the bytes are: stored bytes, parameters and bits/param per component, from headers only."""
         show_byte_table(location, as_json=as_json, markdown=markdown, layout=layout)
@@ -24,14 +26,11 @@ def register(app) -> None:
 def show_byte_table(location: str, as_json: bool = False, markdown: bool = False, layout: str | None = None) -> None:
     """The command itself (also run without typer by ``fp4forge.cli.fast``): rich (and the
     report tables) load only for the text and Markdown forms."""
-    from fp4forge.audit.byte_table import compute_byte_table
-    from fp4forge.checkpoint.layout import layout_or_inferred
-    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.audit.byte_table import byte_table_of
+    from fp4forge.audit.options import ByteTableOptions
     from fp4forge.cli.common import console, emit_json
 
-    ckpt = open_checkpoint(location)
-    chosen = layout_or_inferred(ckpt.config, layout)
-    table = compute_byte_table(ckpt, chosen)
+    table = byte_table_of(location, ByteTableOptions(layout=layout))
     if as_json:
         emit_json(table.to_json())
     elif markdown:
@@ -46,6 +45,6 @@ def show_byte_table(location: str, as_json: bool = False, markdown: bool = False
             out.print(fit_table(rich_table, out))
         out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
     if table.unknown_tensors:
-        console(stderr=True).print(f"[yellow]warning:[/yellow] {len(table.unknown_tensors)} tensors match no component of layout {chosen.name!r}, e.g. {table.unknown_tensors[:3]}")
-    if chosen.inferred and not as_json:
-        console(stderr=True).print(f"[yellow]note:[/yellow] no layout table for this architecture: components were inferred from tensor names ({chosen.name})")
+        console(stderr=True).print(f"[yellow]warning:[/yellow] {len(table.unknown_tensors)} tensors match no component of layout {table.layout!r}, e.g. {table.unknown_tensors[:3]}")
+    if table.layout_inferred and not as_json:
+        console(stderr=True).print(f"[yellow]note:[/yellow] no layout table for this architecture: components were inferred from tensor names ({table.layout})")

@@ -260,12 +260,15 @@ def card_command(
     as_json: bool = typer.Option(False, "--json", help='{"card", "sections", "missing", "plots"}'),
 ) -> None:
     """Write the model card from measured artifacts only; a missing artifact is named, never invented."""
-    from fp4forge.report.card import write_card
+    from fp4forge.report.card import card_options, write_card
 
     if not checkpoint.is_dir():
         raise _fail(f"{checkpoint} is not a directory", ExitCode.UNUSABLE, as_json)
     target = out_path or checkpoint / "README.md"
-    card = write_card(checkpoint, reports, target, base_model)
+    try:
+        card = write_card(checkpoint, card_options(reports=reports, out=target, base_model=base_model))
+    except Fp4forgeError as error:
+        raise _fail(error, error.exit_code, as_json) from None
     if as_json:
         _emit({"card": str(target), "sections": card.sections, "missing": card.missing, "plots": card.plots})
     else:

@@ -46,7 +46,7 @@ from fp4forge.quality.evaluate import run_and_score
 from fp4forge.quality.report import score_document
 from fp4forge.quality.stats import DEFAULT_ALPHA, DEFAULT_BOOTSTRAP
 from fp4forge.quality.answers import refusal_error
-from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript
+from fp4forge.quality.runner import IncompleteRunError, RunConfig, expand_transcripts, rescore_transcript, run_config
 from fp4forge.report.quality_files import write_compare, write_determinism, write_kl, write_score
 from fp4forge.report.quality_tables import (
     compare_markdown,
@@ -128,20 +128,20 @@ def run_command(
     url: str = typer.Option(..., "--url", help="Server root or its /v1 (OpenAI-compatible)."),
     model: str = typer.Option(..., "--model", help="Served model name."),
     out: Path = typer.Option(..., "--out", help="Directory for <arm>-runNN.jsonl transcripts and score.json/.md."),
-    arm: str = typer.Option("A", "--arm", help="Arm label, used in file names and reports."),
-    runs: int = typer.Option(1, "--runs", min=1, help="Runs of the whole suite; 2+ gives this arm's noise floor."),
-    max_tokens: int = typer.Option(512, "--max-tokens", min=1),
-    seed: int = typer.Option(0, "--seed", help="Request seed; sampled runs use seed, seed + 1, ... run by run."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 (default): greedy, the measurement protocol. Above 0: sampled "
+    arm: str = typer.Option(RunConfig.arm, "--arm", help="Arm label, used in file names and reports."),
+    runs: int = typer.Option(RunConfig.runs, "--runs", min=1, help="Runs of the whole suite; 2+ gives this arm's noise floor."),
+    max_tokens: int = typer.Option(RunConfig.max_tokens, "--max-tokens", min=1),
+    seed: int = typer.Option(RunConfig.seed, "--seed", help="Request seed; sampled runs use seed, seed + 1, ... run by run."),
+    temperature: float = typer.Option(RunConfig.temperature, "--temperature", help="0 (default): greedy, the measurement protocol. Above 0: sampled "
                                       "runs, each with its own seed, so --runs 2+ measures how much the arm moves between samples "
                                       "(vLLM CPU 0.32: serve with --no-enable-chunked-prefill, or a seeded request kills the engine)."),
-    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Scenarios in flight; 1 (default) keeps batches of one."),
-    timeout_s: float = typer.Option(600.0, "--timeout", help="Per request, seconds."),
+    concurrency: int = typer.Option(RunConfig.concurrency, "--concurrency", min=1, help="Scenarios in flight; 1 (default) keeps batches of one."),
+    timeout_s: float = typer.Option(RunConfig.timeout_s, "--timeout", help="Per request, seconds."),
     system_prefix: Optional[str] = typer.Option(None, "--system-prefix", help="Text prepended to every system prompt (a request variant)."),
     chat_template_kwargs: Optional[str] = typer.Option(None, "--chat-template-kwargs", help='JSON, e.g. {"enable_thinking": true}.'),
     only: Optional[str] = typer.Option(None, "--only", help="Comma-separated scenario ids (a partial run)."),
     category: Optional[str] = typer.Option(None, "--category", help="Comma-separated categories (a partial run)."),
-    stream: bool = typer.Option(True, "--stream/--no-stream", help="Read answers streamed (default), as agent clients do "
+    stream: bool = typer.Option(RunConfig.stream, "--stream/--no-stream", help="Read answers streamed (default), as agent clients do "
                                 "and as vLLM splits reasoning from answers by the rendered prompt; --no-stream for comparison."),
     allow_unreadable: bool = typer.Option(False, "--allow-unreadable", help=ALLOW_UNREADABLE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the score document as JSON."),
@@ -161,7 +161,7 @@ def run_command(
         progress.print(f"run {run} {record['id']}: {score.get('earned', '?')}/{score.get('max', '?')}{failed}", highlight=False)
 
     try:
-        config = RunConfig(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, temperature=temperature,
+        config = run_config(base_url=url, model=model, arm=arm, runs=runs, max_tokens=max_tokens, seed=seed, temperature=temperature,
                            concurrency=concurrency,
                            timeout_s=timeout_s, system_prefix=system_prefix, chat_template_kwargs=kwargs, stream=stream)
         outcome = run_and_score(config, out, only=_csv(only), categories=_csv(category), on_scenario=on_scenario, write=write_score,
@@ -261,12 +261,12 @@ def compare_command(
     allow_unreadable: bool = typer.Option(False, "--allow-unreadable", help=ALLOW_UNREADABLE_HELP),
 ) -> None:
     """Compare two arms: noise floor, paired sign test / McNemar, bootstrap CI, flips, power, verdict."""
-    from fp4forge.quality.compare import CompareOptions, compare_runs
+    from fp4forge.quality.compare import compare_options, compare_runs
 
     if not runs_b:
         raise _fail("no arm B: write `quality compare A_RUNS... -- B_RUNS...`", as_json=as_json)
     try:
-        options = CompareOptions(alpha=alpha, bootstrap=bootstrap, seed=seed, allow_unreadable=allow_unreadable)
+        options = compare_options(alpha=alpha, bootstrap=bootstrap, seed=seed, allow_unreadable=allow_unreadable)
         doc = compare_runs(runs_a, runs_b, options)
     except (Fp4forgeError, OSError) as error:
         raise _fail(error, as_json=as_json) from error

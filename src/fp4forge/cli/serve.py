@@ -24,8 +24,9 @@ from fp4forge.cli.common import emit_json as _emit
 from fp4forge.cli.common import fail
 from fp4forge.endpoint import api_url
 from fp4forge.errors import ExitCode, Fp4forgeError
+from fp4forge.serve.options import DoctorOptions, ServeUpOptions
+from fp4forge.serve.recommend import HARDWARE, ServeCmdOptions
 
-DEFAULT_VENV = Path(".venv-vllm")
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 serve_app = typer.Typer(no_args_is_help=True, help="Serve checkpoints with vLLM: the right command, log diagnosis, start/stop.")
@@ -42,17 +43,16 @@ def _fail(error: Exception, as_json: bool) -> SystemExit:
 @serve_app.command("cmd")
 def cmd_command(
     model: str = typer.Argument(..., metavar="MODEL", help="Checkpoint directory, HF repo id or https://…/resolve/<rev> URL."),
-    hardware: str = typer.Option("gb10", "--hardware", help="gb10 | b200 | h100 | h200 | cpu"),
-    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Target vLLM (default: the one in --venv, else the newest known)."),
-    venv: Path = typer.Option(DEFAULT_VENV, "--venv", help="vLLM venv whose version is the default target."),
+    hardware: str = typer.Option(ServeCmdOptions.hardware, "--hardware", help=" | ".join(HARDWARE)),
+    vllm_version: Optional[str] = typer.Option(ServeCmdOptions.vllm_version, "--vllm-version", help="Target vLLM (default: the one in --venv, else the newest known)."),
+    venv: Path = typer.Option(ServeCmdOptions.venv, "--venv", help="vLLM venv whose version is the default target."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document: env, argv, command, notes, warnings."),
 ) -> None:
     """Print the `vllm serve` command that serves MODEL correctly on HARDWARE, with why-comments."""
-    from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
+    from fp4forge.serve.recommend import serve_cmd_options, serve_command
 
     try:
-        version = target_vllm_version(vllm_version, str(venv))
-        rec = recommend(model, read_checkpoint_facts(model), hardware, version)
+        rec = serve_command(model, serve_cmd_options(hardware=hardware, vllm_version=vllm_version, venv=venv))
     except Fp4forgeError as error:
         raise _fail(error, as_json) from None
     if as_json:
@@ -64,16 +64,20 @@ def cmd_command(
 @serve_app.command("doctor")
 def doctor_command(
     logfile: str = typer.Argument(..., metavar="LOGFILE|-", help="A vLLM log, or - for stdin."),
-    vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help="Override the version read from the log."),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="The served checkpoint (default: the log's model path, when it is a local directory): lets the doctor tell whether the FP8 KV cache runs at scale 1.0."),
-    partial: bool = typer.Option(False, "--partial", help="A log that ends before the server came up (still starting, cut) is not a failure: exit 0 unless an error is found."),
+    vllm_version: Optional[str] = typer.Option(DoctorOptions.vllm_version, "--vllm-version", help="Override the version read from the log."),
+    checkpoint: Optional[str] = typer.Option(DoctorOptions.checkpoint, "--checkpoint", help="The served checkpoint (default: the log's model path, when it is a local directory): lets the doctor tell whether the FP8 KV cache runs at scale 1.0."),
+    partial: bool = typer.Option(DoctorOptions.partial, "--partial", help="A log that ends before the server came up (still starting, cut) is not a failure: exit 0 unless an error is found."),
     as_json: bool = typer.Option(False, "--json", help='{"verdict": {"state","phase","summary",...}, "vllm_version", "findings": [...]}'),
 ) -> None:
     """Read a vLLM log the way vLLM starts: the verdict first (ready / failed at phase P / died after
     ready / cannot tell where the log ends), then the cause and what each telling line means."""
     from fp4forge.errors import NotAVllmLogError
-    from fp4forge.serve.doctor import diagnose_text
+    from fp4forge.serve.options import diagnose_log
 
+    try:
+        options = DoctorOptions(vllm_version=vllm_version, checkpoint=checkpoint, partial=partial)
+    except Fp4forgeError as error:
+        raise _fail(error, as_json) from None
     try:
         if logfile == "-":
             text = sys.stdin.read()
@@ -83,7 +87,7 @@ def doctor_command(
     except OSError as error:
         raise _fail(error, as_json) from None
     try:
-        diagnosis = diagnose_text(text, vllm_version=vllm_version, checkpoint=checkpoint)
+        diagnosis = diagnose_log(text, options)
     except NotAVllmLogError as error:  # the named verdict: empty, binary, not-vllm
         error.file = None if logfile == "-" else logfile
         raise fail(error, ExitCode.UNUSABLE, as_json, verdict={"state": error.kind}) from None
@@ -93,7 +97,7 @@ def doctor_command(
         _emit(diagnosis.to_json())
     else:
         _print_diagnosis(diagnosis)
-    if not diagnosis.passes(partial=partial):
+    if not diagnosis.passes(partial=options.partial):
         raise SystemExit(ExitCode.FINDINGS)
 
 
@@ -171,23 +175,22 @@ def up_command(
     model: Path = typer.Argument(..., metavar="MODEL", help="Local checkpoint directory."),
     name: Optional[str] = typer.Option(None, "--name", help="Served model name and state-file name (default: directory name)."),
     port: Optional[int] = typer.Option(None, "--port", help="Loopback port (default: a free one)."),
-    venv: Path = typer.Option(DEFAULT_VENV, "--venv", help="The vLLM venv (scripts/setup-vllm-venv.sh)."),
-    hardware: str = typer.Option("cpu", "--hardware", help="Target whose recommended flags to use."),
-    timeout: float = typer.Option(900.0, "--timeout", help="Seconds to wait for readiness."),
+    venv: Path = typer.Option(ServeUpOptions.venv, "--venv", help="The vLLM venv (scripts/setup-vllm-venv.sh)."),
+    hardware: str = typer.Option(ServeUpOptions.hardware, "--hardware", help="Target whose recommended flags to use."),
+    timeout: float = typer.Option(ServeUpOptions.ready_timeout_s, "--timeout", help="Seconds to wait for readiness."),
     state: Optional[Path] = typer.Option(None, "--state-dir", help="Where PID/state files go (default $FP4FORGE_STATE_DIR or ~/.cache/fp4forge/serve)."),
     as_json: bool = typer.Option(False, "--json", help="Print the server record (pid, port, base_url, log) as JSON."),
 ) -> None:
     """Start vLLM with the recommended flags, wait until ready (log through the doctor), record its PID.
     Arguments after MODEL that fp4forge does not know are passed to `vllm serve`."""
-    from fp4forge.serve.process import serve_up
+    from fp4forge.serve.options import serve_up_options, start_server
 
     err = _console(stderr=True)
     try:
+        options = serve_up_options(venv=venv, name=name, port=port, hardware=hardware, extra_args=tuple(ctx.args), ready_timeout_s=timeout,
+                                   directory=state)
         with _StartupStatus(err, f"starting vLLM ({name or model.name})", enabled=not as_json) as status:
-            record, doctor = serve_up(
-                model, venv=venv, name=name, port=port, hardware=hardware, extra_args=list(ctx.args),
-                ready_timeout_s=timeout, directory=state, on_finding=lambda f: _print_finding(err, f), on_line=status.line,
-            )
+            record, doctor = start_server(model, options, on_finding=lambda f: _print_finding(err, f), on_line=status.line)
     except Fp4forgeError as error:
         raise _fail(error, as_json) from None
     if as_json:

@@ -22,6 +22,8 @@ from fp4forge.errors import ConfigError, Fp4forgeError, PipelineStepError, Serve
 from fp4forge.fidelity.options import FidelityOptions
 from fp4forge.pipeline.state import write_json as write_json_file
 from fp4forge.quantize.job import QuantizeJob
+from fp4forge.serve.options import ServeUpOptions
+from fp4forge.serve.recommend import ServeCmdOptions
 
 Progress = Callable[[int, int, str], None]
 
@@ -46,9 +48,9 @@ PIPELINE_PERF_WORKLOAD = "cpu-tiny"
 
 def _pipeline_perf(**given: Any) -> Any:
     """The perf step's ``PerfOptions`` (its server filled in when it runs); ``given`` overrides."""
-    from fp4forge.bench.perf import PerfOptions
+    from fp4forge.bench.perf import perf_options
 
-    return PerfOptions(url="", model="", out_dir=Path("bench"), **{"workload": PIPELINE_PERF_WORKLOAD, **given})
+    return perf_options(url="", model="", out_dir=Path("bench"), **{"workload": PIPELINE_PERF_WORKLOAD, **given})
 
 
 # Thinking is on by default (as Laguna's template): a turn is reasoning, </think>, then the answer.
@@ -58,9 +60,9 @@ PIPELINE_QUALITY = {"runs": 2, "max_tokens": 128, "concurrency": 4}
 
 def _pipeline_quality(**given: Any) -> Any:
     """The quality runs' ``RunConfig`` (its server filled in when it runs); ``given`` overrides."""
-    from fp4forge.quality.runner import RunConfig
+    from fp4forge.quality.runner import run_config
 
-    return RunConfig(base_url="", model="", **{**PIPELINE_QUALITY, **given})
+    return run_config(base_url="", model="", **{**PIPELINE_QUALITY, **given})
 
 
 @dataclass(frozen=True)
@@ -75,12 +77,12 @@ class PipelineOptions:
     fidelity: FidelityOptions = field(default_factory=FidelityOptions)
     audit_deep: bool = True
     vllm_version: str | None = None
-    hardware: str = "gb10"  # the serve line and its traps are written for this target
+    hardware: str = ServeCmdOptions.hardware  # the serve line and its traps are written for this target
     sibling: Path | None = None  # a checkpoint of the same model to diff against
     serve: bool = False  # serve OUT on this machine (vLLM in vllm_venv, with the plugin on CPU)
     vllm_venv: Path | None = None
-    serve_hardware: str = "cpu"
-    serve_timeout_s: float = 900.0
+    serve_hardware: str = ServeUpOptions.hardware
+    serve_timeout_s: float = ServeUpOptions.ready_timeout_s
     bench: tuple[str, ...] = ()  # "perf", "quality"
     perf: Any = field(default_factory=_pipeline_perf)  # fp4forge.bench.perf.PerfOptions
     quality: Any = field(default_factory=_pipeline_quality)  # fp4forge.quality.runner.RunConfig
@@ -91,8 +93,10 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         from fp4forge.quality.suite import load_suite
+        from fp4forge.report.card import card_options
         from fp4forge.serve.recommend import HARDWARE
 
+        card_options(base_model=self.base_model)  # the card step's option, checked before any step
         require_choice(self.hardware, HARDWARE, "hardware")
         require_choice(self.serve_hardware, HARDWARE, "serve_hardware")
         unknown = set(self.bench) - set(BENCH_KINDS)
@@ -188,7 +192,8 @@ class ServerSlot:
 
     def get(self):  # type: ignore[no-untyped-def]
         if self.record is None:
-            from fp4forge.serve.process import serve_up, startup_status
+            from fp4forge.serve.options import serve_up_options, start_server
+            from fp4forge.serve.process import startup_status
 
             venv = self.ctx.options.vllm_venv
             if venv is None:
@@ -203,10 +208,9 @@ class ServerSlot:
                 if status:
                     self.ctx.progress(0, 0, f"{what}, {time.monotonic() - started:.0f} s: {status}")
 
-            self.record, self.doctor = serve_up(
-                self.model, venv=venv, name=f"fp4forge-{self.role}-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
-                ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory, on_line=on_line,
-            )
+            options = serve_up_options(venv=venv, name=f"fp4forge-{self.role}-{os.getpid()}", hardware=self.ctx.options.serve_hardware,
+                                       ready_timeout_s=self.ctx.options.serve_timeout_s, directory=self._directory)
+            self.record, self.doctor = start_server(self.model, options, on_line=on_line)
             self.ready_seconds = time.monotonic() - started
             self.ready_line = self.doctor.line_count
             self.ctx.progress(0, 0, f"vLLM ({self.role}) ready after {self.ready_seconds:.0f} s")
@@ -346,11 +350,12 @@ def run_kv(ctx: Context) -> dict[str, Any]:
 
 def run_audit(ctx: Context) -> dict[str, Any]:
     from fp4forge.audit.engine import audit_checkpoint
+    from fp4forge.audit.options import audit_options
     from fp4forge.audit.shard_facts import shard_facts
     from fp4forge.checkpoint.reader import open_checkpoint
 
     o = ctx.options
-    report = audit_checkpoint(str(ctx.out), deep=o.audit_deep, vllm_version=_vllm_minor(o))
+    report = audit_checkpoint(str(ctx.out), audit_options(deep=o.audit_deep, vllm_version=_vllm_minor(o)))
     doc = report.to_json()
     doc["checkpoint"] = "."
     write_json(ctx.report("audit.json"), doc)
@@ -363,12 +368,9 @@ def run_audit(ctx: Context) -> dict[str, Any]:
 
 
 def run_bytes(ctx: Context) -> dict[str, Any]:
-    from fp4forge.audit.byte_table import compute_byte_table
-    from fp4forge.checkpoint.layout import layout_or_inferred
-    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.audit.byte_table import byte_table_of
 
-    ckpt = open_checkpoint(str(ctx.out))
-    doc = compute_byte_table(ckpt, layout_or_inferred(ckpt.config)).to_json()
+    doc = byte_table_of(str(ctx.out)).to_json()
     doc["checkpoint"] = "."
     write_json(ctx.report("bytes.json"), doc)
     return {"bpp": round(doc["total"]["bpp"] or 0, 3), "experts_bpp": round(doc.get("experts_bpp") or 0, 3)}
@@ -400,11 +402,10 @@ def run_fidelity(ctx: Context) -> dict[str, Any]:
 
 
 def run_serve_cmd(ctx: Context) -> dict[str, Any]:
-    from fp4forge.serve.recommend import read_checkpoint_facts, recommend, target_vllm_version
+    from fp4forge.serve.recommend import serve_cmd_options, serve_command
 
     o = ctx.options
-    version = target_vllm_version(o.vllm_version)
-    rec = recommend(str(ctx.out), read_checkpoint_facts(str(ctx.out)), o.hardware, version)
+    rec = serve_command(str(ctx.out), serve_cmd_options(hardware=o.hardware, vllm_version=o.vllm_version, venv=None))
     write_json(ctx.report("serve-cmd.json"), rec.to_json())
     return {"hardware": o.hardware, "warnings": len(rec.to_json()["warnings"])}
 
@@ -523,20 +524,20 @@ def run_quality(ctx: Context) -> dict[str, Any]:
 
 def run_quality_teacher(ctx: Context) -> dict[str, Any]:
     """Arm B: the BF16 teacher through the same suite, then paired tests of the two arms."""
-    from fp4forge.quality.compare import CompareOptions, compare_runs
+    from fp4forge.quality.compare import compare_options, compare_runs
     from fp4forge.report.quality_files import write_compare
 
     teacher = _quality_runs(ctx, "teacher").results
-    doc = compare_runs([ctx.report(QUALITY_DIRS["student"])], teacher, CompareOptions(allow_unreadable=ctx.options.quality_allow_unreadable))
+    doc = compare_runs([ctx.report(QUALITY_DIRS["student"])], teacher, compare_options(allow_unreadable=ctx.options.quality_allow_unreadable))
     write_compare(doc, ctx.report(QUALITY_DIRS["teacher"]))
     return {"verdict": doc["verdict"]["label"], "diff_points": round(doc["points"]["diff"], 1),
             "teacher points": _points(teacher), **_answers_summary(doc["answers"])}
 
 
 def run_card(ctx: Context) -> dict[str, Any]:
-    from fp4forge.report.card import write_card
+    from fp4forge.report.card import card_options, write_card
 
-    card = write_card(ctx.out, ctx.reports, ctx.out / CARD, ctx.options.base_model)
+    card = write_card(ctx.out, card_options(reports=ctx.reports, out=ctx.out / CARD, base_model=ctx.options.base_model))
     return {"sections": len(card.sections), "missing": len(card.missing)}
 
 

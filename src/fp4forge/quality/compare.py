@@ -34,6 +34,12 @@ class CompareOptions:
             raise ConfigError(f"must be at least 100, got {self.bootstrap}", option="bootstrap")
 
 
+def compare_options(**given: Any) -> CompareOptions:
+    """The comparison's options, from `fp4forge quality compare` or the pipeline: the one place
+    either makes them (``given``: the fields by name)."""
+    return CompareOptions(**given)
+
+
 def _scored(arm: Arm, suite: Suite) -> list[RunResult]:
     if all(isinstance(item, RunResult) for item in arm):
         return list(arm)  # type: ignore[arg-type]

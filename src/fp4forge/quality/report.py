@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from fp4forge import versioned
 from fp4forge.errors import ReportError
 from fp4forge.quality.answers import arm_health, refusal_block
 from fp4forge.quality.suite import Suite
@@ -158,6 +159,6 @@ def write_document(doc: dict[str, Any], out_dir: Path, name: str, markdown: str)
     """``<name>.json`` and ``<name>.md`` (the Markdown already rendered) in ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    (out_dir / f"{name}.json").write_text(json.dumps(versioned(doc), indent=2) + "\n", encoding="utf-8")
     (out_dir / f"{name}.md").write_text(markdown, encoding="utf-8")
     return [f"{name}.json", f"{name}.md"]

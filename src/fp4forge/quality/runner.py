@@ -99,6 +99,12 @@ class RunConfig:
         }
 
 
+def run_config(**given: Any) -> RunConfig:
+    """A quality run's options, from `fp4forge quality run` or the pipeline: the one place either
+    makes them (``given``: the fields by name)."""
+    return RunConfig(**given)
+
+
 @dataclass
 class Reply:
     message: dict[str, Any] | None

@@ -18,6 +18,7 @@ from typing import Any
 
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
+from fp4forge.errors import ConfigError
 from fp4forge.report.card_metadata import front_matter
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
@@ -600,9 +601,28 @@ def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path |
     return Card("\n".join(lines).rstrip() + "\n", [s.key for s in SECTIONS], list(ctx.art.missing), ctx.plots)
 
 
-def write_card(checkpoint: Path, reports: Path | None = None, out: Path | None = None, base_model: str | None = None) -> Card:
-    out = Path(out) if out is not None else Path(checkpoint) / "README.md"
-    card = render_card(checkpoint, reports, out, base_model)
+@dataclass(frozen=True)
+class CardOptions:
+    """The card job's options (`fp4forge card`, the pipeline's card step)."""
+
+    reports: Path | None = None  # the artifacts directory (default: CHECKPOINT/reports)
+    out: Path | None = None  # the card to write (default: CHECKPOINT/README.md)
+    base_model: str | None = None  # the Hub repository of the source (default: what the source says)
+
+    def __post_init__(self) -> None:
+        if self.base_model is not None and (not self.base_model.strip() or any(c.isspace() for c in self.base_model)):
+            raise ConfigError(f"not a Hub repository id: {self.base_model!r}", option="base_model")
+
+
+def card_options(**given: Any) -> CardOptions:
+    """The card's options, from `fp4forge card` or the pipeline: the one place either makes them."""
+    return CardOptions(**given)
+
+
+def write_card(checkpoint: Path, options: CardOptions = CardOptions()) -> Card:
+    """The card job: the model card of ``checkpoint``, from its measured artifacts only."""
+    out = Path(options.out) if options.out is not None else Path(checkpoint) / "README.md"
+    card = render_card(checkpoint, options.reports, out, options.base_model)
     write_text_atomic(out, card.markdown)
     return card
 

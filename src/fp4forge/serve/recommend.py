@@ -19,13 +19,15 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from fp4forge.checkpoint.codecs import nvfp4_kinds, title as scheme_title
-from fp4forge.errors import ConfigError
+from fp4forge.errors import ConfigError, require_choice
+from fp4forge.serve.options import DEFAULT_VLLM_VENV
 
 KNOWLEDGE_FILE = "serve_knowledge.toml"
 HARDWARE = ("gb10", "b200", "h100", "h200", "cpu")
@@ -497,6 +499,36 @@ def recommend(
     if hw.get("extra_args"):
         rec.add(list(hw["extra_args"]), hw["extra_args_why"])
     return rec
+
+
+@dataclass(frozen=True)
+class ServeCmdOptions:
+    """`fp4forge serve cmd`'s options: checked when made (hardware, an explicit vLLM version)."""
+
+    hardware: str = "gb10"
+    vllm_version: str | None = None  # None: the one in ``venv``, else the newest the table knows
+    venv: Path | None = DEFAULT_VLLM_VENV  # the vLLM venv whose version is the default target
+
+    def __post_init__(self) -> None:
+        require_choice(self.hardware, HARDWARE, "hardware")
+        if self.vllm_version is not None:
+            try:
+                version_entry(self.vllm_version)
+            except ConfigError as error:
+                error.option = "vllm_version"
+                raise
+
+
+def serve_cmd_options(**given: Any) -> ServeCmdOptions:
+    """The serve command's options, from `fp4forge serve cmd` or the pipeline: the one place either
+    makes them (``given``: the fields by name)."""
+    return ServeCmdOptions(**given)
+
+
+def serve_command(model: str, options: ServeCmdOptions = ServeCmdOptions()) -> Recommendation:
+    """The serve-command job: the `vllm serve` line that serves ``model`` right, with why-notes."""
+    version = target_vllm_version(options.vllm_version, None if options.venv is None else str(options.venv))
+    return recommend(model, read_checkpoint_facts(model), options.hardware, version)
 
 
 def installed_vllm_version(venv: str | None) -> str | None:

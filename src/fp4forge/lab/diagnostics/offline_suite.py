@@ -29,7 +29,7 @@ import torch
 from transformers import AutoTokenizer, LagunaForCausalLM
 
 from fp4forge.endpoint import NO_SERVER_URL
-from fp4forge.quality.runner import Reply, RunConfig, run_scenario
+from fp4forge.quality.runner import Reply, run_config, run_scenario
 from fp4forge.quality.suite import load_suite
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -124,7 +124,7 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
     scenarios = generated_one_call_scenarios(generated, entities) if generated else load_suite().scenarios
     log: list[dict[str, Any]] = []
     post = make_post(model, tokenizer, device, max_new_tokens, log, temperature, seed)
-    config = RunConfig(base_url=NO_SERVER_URL, model="offline", max_tokens=max_new_tokens)
+    config = run_config(base_url=NO_SERVER_URL, model="offline", max_tokens=max_new_tokens)
     earned = maximum = 0
     choice_hits = choice_total = restraint_hits = restraint_total = 0
     per_scenario = []

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -53,15 +52,12 @@ def _register_frontier(app: typer.Typer) -> None:
     ) -> None:
         """Bits per parameter (scales included) against relative weight error, per component, format, group size and method."""
         from fp4forge.report.plotting import pyplot
-        from fp4forge.lab.study.tables import frontier_markdown, frontier_plot, frontier_rich
-        from fp4forge.lab.study.frontier import FrontierOptions, compute_frontier
+        from fp4forge.lab.study.frontier import compute_frontier, frontier_options, write_frontier
+        from fp4forge.lab.study.tables import frontier_plot, frontier_rich
 
         try:
-            defaults = FrontierOptions()
-            options = FrontierOptions(
-                formats=_csv(formats) or defaults.formats, components=_csv(components) or defaults.components,
-                int_groups=_groups(groups) or defaults.int_groups, max_tensors_per_component=max_tensors,
-            )
+            options = frontier_options(formats=_csv(formats) or None, components=_csv(components) or None, int_groups=_groups(groups) or None,
+                                       max_tensors_per_component=max_tensors)
             with progress_bar("frontier", enabled=not as_json) as progress:
                 result = compute_frontier(src, options, progress=progress)
         except Fp4forgeError as error:
@@ -70,10 +66,7 @@ def _register_frontier(app: typer.Typer) -> None:
             raise fail(error, ExitCode.UNUSABLE, as_json) from None
         doc = result.to_json()
         if out_dir is not None:
-            from fp4forge.checkpoint.atomic import write_text_atomic
-
-            write_text_atomic(out_dir / "frontier.json", json.dumps(doc, indent=1))
-            write_text_atomic(out_dir / "frontier.md", frontier_markdown(doc))
+            write_frontier(doc, out_dir)
             frontier_plot(doc, out_dir / "frontier.png", pyplot())
         if as_json:
             emit_json(doc)
@@ -92,25 +85,25 @@ def _register_study(app: typer.Typer) -> None:
         formats: Optional[str] = typer.Option(None, "--formats", help="Frontier formats (default all)."),
         components: Optional[str] = typer.Option(None, "--components", help="Frontier components (default every quantizable one)."),
         groups: Optional[str] = typer.Option(None, "--groups", help="Frontier INT-N group sizes ('row' = per output row)."),
-        samples: int = typer.Option(16, "--samples", help="Fidelity samples per arm (the KL interval resamples them)."),
-        seq_len: int = typer.Option(256, "--seq-len", help="Tokens per fidelity sample."),
-        calibration_samples: int = typer.Option(32, "--calibration-samples", help="Calibration samples (activation scales, GPTQ Hessians)."),
+        samples: Optional[int] = typer.Option(None, "--samples", help="Fidelity samples per arm (the KL interval resamples them)."),
+        seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per fidelity sample."),
+        calibration_samples: Optional[int] = typer.Option(None, "--calibration-samples", help="Calibration samples (activation scales, GPTQ Hessians)."),
         text: Optional[list[Path]] = typer.Option(None, "--text", metavar="FILE", help="Held-out text for the KL (.txt or .jsonl with a 'text' field; repeatable) instead of the built-in corpus."),
         calibration_text: Optional[list[Path]] = typer.Option(None, "--calibration-text", metavar="FILE", help="Calibration text (repeatable) instead of the built-in corpus."),
         as_json: bool = typer.Option(False, "--json", help="Print the study document as JSON."),
     ) -> None:
         """The quantization study in one resumable run: frontier, whole-model arms with KL and CIs, GEMM bench on a GPU; a Markdown report."""
+        from fp4forge.errors import given_options
         from fp4forge.lab.study.run import StudyOptions, run_study
         from fp4forge.lab.study.tables import arms_rich
 
         try:
-            defaults = StudyOptions()
-            options = StudyOptions(
-                formats=_csv(formats) or defaults.formats, components=_csv(components) or defaults.components,
-                int_groups=_groups(groups) or defaults.int_groups, arms=_csv(arms) or defaults.arms,
+            # a flag left out (None) keeps StudyOptions' default (importing it here: torch, so not for --help)
+            options = StudyOptions(**given_options(  # type: ignore[arg-type]
+                formats=_csv(formats) or None, components=_csv(components) or None, int_groups=_groups(groups) or None, arms=_csv(arms) or None,
                 fidelity_samples=samples, fidelity_seq_len=seq_len, calibration_samples=calibration_samples,
                 text_files=tuple(str(p) for p in text or ()), calibration_text_files=tuple(str(p) for p in calibration_text or ()),
-            )
+            ))
             with progress_bar("study", enabled=not as_json) as progress:
                 result = run_study(src, out, options, progress=progress)
         except Fp4forgeError as error:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fp4forge.checkpoint.layout import layout_or_inferred, quantizable_components
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
-from fp4forge.errors import ConfigError
+from fp4forge.errors import ConfigError, given_options
 from fp4forge.numerics.clip_search import intn_quantize_mse
 from fp4forge.numerics.fp8 import fp8_dequantize_weight, fp8_quantize_weight
 from fp4forge.numerics.intn import intn_dequantize, intn_quantize
@@ -105,6 +105,24 @@ class FrontierOptions:
                 raise ConfigError(f"INT group sizes must be positive (or 'row'), got {group}", option="int_groups")
         if self.max_tensors_per_component is not None and self.max_tensors_per_component < 1:
             raise ConfigError("max tensors per component must be at least 1", option="max_tensors")
+
+
+def frontier_options(**given: Any) -> FrontierOptions:
+    """The frontier's options from `fp4forge frontier` or the study (the one place either makes
+    them): fields by name, ``None`` keeps the default."""
+    return FrontierOptions(**given_options(**given))
+
+
+def write_frontier(doc: dict[str, Any], out_dir: Path) -> None:
+    """``frontier.json`` (saying which fp4forge made it) and ``frontier.md`` in ``out_dir``."""
+    import json
+
+    from fp4forge import versioned
+    from fp4forge.checkpoint.atomic import write_text_atomic
+    from fp4forge.lab.study.tables import frontier_markdown
+
+    write_text_atomic(out_dir / "frontier.json", json.dumps(versioned(doc), indent=1))
+    write_text_atomic(out_dir / "frontier.md", frontier_markdown(doc))
 
 
 @dataclass(frozen=True)

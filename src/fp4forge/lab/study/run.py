@@ -30,12 +30,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fp4forge import __version__
+from fp4forge import versioned
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError, Fp4forgeError
 from fp4forge.fidelity.evaluate import FidelityOptions
 from fp4forge.lab.study.arms import measure_arm, read_bpp, write_fake_quantized
-from fp4forge.lab.study.frontier import FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier
+from fp4forge.lab.study.frontier import (FORMATS, QUANTIZABLE_COMPONENTS, ArmSpec, FrontierOptions, Progress, compute_frontier, frontier_options,
+                                         write_frontier)
 from fp4forge.stats import bootstrap_mean_ci
 
 STATE_FILE = "study-state.json"
@@ -73,7 +74,7 @@ class StudyOptions:
     calibration_text_files: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        FrontierOptions(self.formats, self.components, self.int_groups)  # validates them
+        self.frontier()  # validates them
         unknown = sorted(set(self.arms) - set(ALL_ARMS))
         if unknown:
             raise ConfigError(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ALL_ARMS)}", option="arms")
@@ -83,6 +84,19 @@ class StudyOptions:
         for option in ("fidelity_seq_len", "calibration_seq_len"):
             if getattr(self, option) < 8:
                 raise ConfigError(f"must be at least 8, got {getattr(self, option)}", option=option)
+        for option in ("text_files", "calibration_text_files"):
+            missing = [name for name in getattr(self, option) if not Path(name).is_file()]
+            if missing:
+                raise ConfigError(f"no such file: {', '.join(missing)}", option=option)
+
+    def frontier(self) -> FrontierOptions:
+        """The frontier part's options."""
+        return frontier_options(formats=self.formats, components=self.components, int_groups=self.int_groups)
+
+    def calibration_text(self) -> dict[str, Any]:
+        """The calibration samples (activation scales, GPTQ Hessians), as the sample options' fields."""
+        files = tuple(Path(p) for p in self.calibration_text_files)
+        return {"samples": self.calibration_samples, "seq_len": self.calibration_seq_len, "text_files": files, "builtin_corpus": not files}
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -121,18 +135,21 @@ def _save_state(out: Path, state: dict[str, Any]) -> None:
     write_text_atomic(out / STATE_FILE, json.dumps(state, indent=1))
 
 
+# The jobs' options are made where the command line makes them (fp4forge.cli.calibrate,
+# fp4forge.cli.quantize): one construction site per options class.
 def _fidelity_options(options: StudyOptions, numerics: str, dense_student: bool = False) -> FidelityOptions:
-    return FidelityOptions(numerics=numerics, samples=options.fidelity_samples, seq_len=options.fidelity_seq_len,
-                           batch_size=4, seed=options.seed, dense_student=dense_student,
-                           text_files=tuple(Path(p) for p in options.text_files), builtin_corpus=not options.text_files)
+    from fp4forge.cli.calibrate import fidelity_options
+
+    own = dict(numerics=numerics, samples=options.fidelity_samples, seq_len=options.fidelity_seq_len, batch_size=4, seed=options.seed,
+               dense_student=dense_student)
+    return fidelity_options(own, text=tuple(Path(p) for p in options.text_files), no_builtin=bool(options.text_files))
 
 
 def _calibration_options(options: StudyOptions) -> Any:
-    from fp4forge.calibrate.run import CalibrationOptions
+    from fp4forge.cli.calibrate import calibration_options
 
-    return CalibrationOptions(samples=options.calibration_samples, seq_len=options.calibration_seq_len,
-                              text_files=tuple(Path(p) for p in options.calibration_text_files),
-                              builtin_corpus=not options.calibration_text_files)
+    text = options.calibration_text()
+    return calibration_options(dict(samples=text["samples"], seq_len=text["seq_len"]), text=text["text_files"], no_builtin=not text["builtin_corpus"])
 
 
 def _fresh(path: Path) -> Path:
@@ -142,11 +159,13 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def _export(src: str, out: Path, recipe: str, block_scales: str, stats: Path | None, progress: Progress = None, **job: Any) -> None:
-    from fp4forge.quantize.job import QuantizeJob, run_quantize
+def _export(src: str, out: Path, recipe: str, block_scales: str, stats: Path | None, progress: Progress = None,
+            calibration: dict[str, Any] | None = None, **job: Any) -> None:
+    from fp4forge.cli.quantize import quantize_job
+    from fp4forge.quantize.job import run_quantize
 
-    run_quantize(src, _fresh(out), QuantizeJob(recipe=recipe, block_scales=block_scales, stats=stats, threads=1, **job),  # type: ignore[arg-type]
-                 progress=progress)
+    made = quantize_job(calibration or {}, {}, recipe=recipe, block_scales=block_scales, stats=stats, threads=1, **job)
+    run_quantize(src, _fresh(out), made, progress=progress)
 
 
 ARM_DESCRIPTIONS = {
@@ -174,9 +193,7 @@ def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path 
     elif name.startswith("nvfp4-"):
         method = name.rsplit("-", 1)[1]
         if method == "gptq":
-            from fp4forge.quantize.gptq import GptqOptions
-
-            _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, progress, method="gptq", gptq=GptqOptions(calibration=_calibration_options(options)))
+            _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, progress, calibration=options.calibration_text(), method="gptq")
         else:
             # The recipe is W4A4, so the export carries activation scales; w4a16 numerics ignore them.
             _export(src, ckpt, NVFP4_RECIPE, method, stats)
@@ -270,10 +287,9 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
                     "or `fp4forge bench compare` against one server per arm"})
     not_run.append({"part": "quality-suite arms", "reason": "the suite needs a served model per arm (`fp4forge quality run` / `quality compare`)"})
     plots = _plots(frontier_doc, arms, out, not_run)
-    doc = {
+    doc = versioned({
         "format": "fp4forge-study/1",
         "source": src,
-        "fp4forge": __version__,
         "finished_at": _now(),
         "options": json.loads(json.dumps(asdict(options), default=str)),
         "frontier": frontier_doc,
@@ -287,7 +303,7 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
         "plots": plots,
         "not_run": not_run,
         "seconds_this_run": round(time.monotonic() - started, 1),
-    }
+    })
     write_text_atomic(out / STUDY_JSON, json.dumps(doc, indent=1))
     write_text_atomic(out / STUDY_MD, study_markdown(doc))
     parts.done("report")
@@ -313,13 +329,9 @@ class _Parts:
 
 
 def _frontier_part(src: str, options: StudyOptions, parts: _Parts, progress: Progress) -> dict[str, Any]:
-    from fp4forge.lab.study.tables import frontier_markdown
-
     out = parts.out
     if not parts.resume("frontier"):
-        frontier = compute_frontier(src, FrontierOptions(options.formats, options.components, options.int_groups), progress=progress)
-        write_text_atomic(out / "frontier.json", json.dumps(frontier.to_json(), indent=1))
-        write_text_atomic(out / "frontier.md", frontier_markdown(frontier.to_json()))
+        write_frontier(compute_frontier(src, options.frontier(), progress=progress).to_json(), out)
         parts.done("frontier")
     return json.loads((out / "frontier.json").read_text(encoding="utf-8"))
 

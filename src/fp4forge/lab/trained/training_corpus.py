@@ -28,7 +28,7 @@ from typing import Any
 from fp4forge.errors import ConfigError
 from fp4forge.quality.suite import CATALOGUE_FILE, SCENARIO_DIR, Scenario, load_catalogue, parse_scenario
 from fp4forge.endpoint import NO_SERVER_URL
-from fp4forge.quality.runner import Reply, RunConfig, run_scenario
+from fp4forge.quality.runner import Reply, run_config, run_scenario
 from fp4forge.quality.scorer import example_value
 
 Content = str | Callable[[list[dict[str, Any]]], str]  # fixed text, or text from the tool results so far
@@ -655,7 +655,7 @@ def play(generated: GeneratedScenario) -> Transcript:
         results = [json.loads(m["content"]) for m in body["messages"] if m["role"] == "tool"]
         return Reply(_scripted_message(generated, step_index, results), "stop", None, 0.0, None)
 
-    record = run_scenario(generated.scenario, RunConfig(base_url=NO_SERVER_URL, model="scripted"), post)
+    record = run_scenario(generated.scenario, run_config(base_url=NO_SERVER_URL, model="scripted"), post)
     score = record["score"]
     if score["earned"] != score["max"]:
         raise AssertionError(f"generated scenario {generated.scenario.id} is not solved by its script: {score}")
