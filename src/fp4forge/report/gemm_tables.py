@@ -7,8 +7,9 @@ from typing import Any
 
 from rich.table import Table
 
-from fp4forge.report.markdown import table as md_table
-from fp4forge.report.plotting import plain_log_scale
+from fp4forge.report.markdown import table_with_notes
+from fp4forge.report.tables import rows_table
+from fp4forge.report.plotting import plain_log_scale, save_figure
 
 SUMMARY_M = (1, 16, 128, 1024, 8192)
 
@@ -38,20 +39,12 @@ def gemm_rows(data: dict[str, Any], m_values: tuple[int, ...] = SUMMARY_M) -> tu
 
 def gemm_rich(data: dict[str, Any]) -> Table:
     headers, rows = gemm_rows(data)
-    t = Table(title=f"GEMM microbench — {data['device_name']}, torch {data['torch']} (median of samples; ratio < 1 is faster than bf16)")
-    for i, h in enumerate(headers):
-        t.add_column(h, justify="left" if i == 0 else "right")
-    for row in rows:
-        t.add_row(*row)
-    return t
+    return rows_table(f"GEMM microbench — {data['device_name']}, torch {data['torch']} (median of samples; ratio < 1 is faster than bf16)", headers, rows)
 
 
 def gemm_markdown(data: dict[str, Any]) -> str:
     headers, rows = gemm_rows(data)
-    lines = md_table(headers, rows)
-    if data.get("not_run"):
-        lines += ["", *(f"- not run: {n}" for n in data["not_run"])]
-    return "\n".join(lines) + "\n"
+    return table_with_notes(headers, rows, list(data.get("not_run", [])))
 
 
 def gemm_plot(data: dict[str, Any], path: Path, plt: Any) -> Path | None:
@@ -79,8 +72,4 @@ def gemm_plot(data: dict[str, Any], path: Path, plt: Any) -> Path | None:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(f"GEMM time per call — {data['device_name']} (log-log; band: 10–90 % of samples)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, plt)

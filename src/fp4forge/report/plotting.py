@@ -17,6 +17,15 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Any, plt: Any) -> Any:
+    """Lay the figure out, write it as a PNG at ``path`` (its folder made) and free it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plain_log_scale(axis: Any) -> None:
     """A log-scale y axis whose tick labels are plain numbers (``6``, ``0.2``, ``20``), never
     ``6×10⁰``: matplotlib still chooses which ticks get a label, only the text changes."""

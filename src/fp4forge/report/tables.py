@@ -41,6 +41,16 @@ def fit_table(table: Table, console: Any) -> Table | Text:
     return lines
 
 
+def rows_table(title: str, headers: list[str], rows: list[list[str]], left_columns: int = 1) -> Table:
+    """A rich table of text rows: the first ``left_columns`` columns (names) left, numbers right."""
+    t = Table(title=title)
+    for i, h in enumerate(headers):
+        t.add_column(h, justify="left" if i < left_columns else "right")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
 def _fmt_bpp(bpp: float | None) -> str:
     return "—" if bpp is None else f"{bpp:.2f}"
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from rich.table import Table
 
-from fp4forge.report.markdown import table as md_table
-from fp4forge.report.plotting import plain_log_scale
+from fp4forge.report.markdown import table as md_table, table_with_notes
+from fp4forge.report.tables import rows_table
+from fp4forge.report.plotting import plain_log_scale, save_figure
 
 
 def _group(arm: dict[str, Any]) -> str:
@@ -30,20 +31,12 @@ def frontier_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def frontier_rich(data: dict[str, Any]) -> Table:
     headers, rows = frontier_rows(data)
-    t = Table(title=f"Compression frontier — {data['source']} (relative Frobenius weight error per component)")
-    for i, h in enumerate(headers):
-        t.add_column(h, justify="left" if i < 5 else "right")
-    for row in rows:
-        t.add_row(*row)
-    return t
+    return rows_table(f"Compression frontier — {data['source']} (relative Frobenius weight error per component)", headers, rows, 5)
 
 
 def frontier_markdown(data: dict[str, Any]) -> str:
     headers, rows = frontier_rows(data)
-    lines = md_table(headers, rows)
-    if data.get("skipped"):
-        lines += ["", *(f"- not run: {s['component']} {s['arm']}: {s['reason']}" for s in data["skipped"])]
-    return "\n".join(lines) + "\n"
+    return table_with_notes(headers, rows, [f"{s['component']} {s['arm']}: {s['reason']}" for s in data.get("skipped", [])])
 
 
 def pareto(points: list[tuple[float, float, Any]]) -> list[tuple[float, float, Any]]:
@@ -87,11 +80,7 @@ def frontier_plot(data: dict[str, Any], path: Path, plt: Any) -> Path | None:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=6, ncol=2)
     fig.suptitle(f"Compression frontier — {Path(str(data['source'])).name}\nhollow: min-max; filled: searched scales; line: Pareto front", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, plt)
 
 
 # -- whole-model arms -------------------------------------------------------------------------------
@@ -134,11 +123,7 @@ def arms_plot(arms: list[dict[str, Any]], path: Path, plt: Any) -> Path | None:
     ax.set_xlabel("bits per parameter of the quantized Linears")
     ax.set_ylabel("KL(teacher || student) per token, nats")
     ax.set_title("Whole-model arms: KL against the BF16 teacher (95 % CI over samples)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, plt)
 
 
 # -- the report -------------------------------------------------------------------------------------
