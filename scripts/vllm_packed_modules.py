@@ -175,7 +175,9 @@ def vllm_packed_table() -> dict:
             if from_source is not None:
                 architectures[arch] = from_source
             else:
-                unavailable[arch] = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+                # the reason without the venv's own path, so the table is the same from any install
+                reason = f"{type(exc).__name__}: {exc}".replace(str(Path(vllm.__file__).parent.parent), "<site-packages>")
+                unavailable[arch] = reason.splitlines()[0][:160]
     return {"vllm": vllm.__version__, "architectures": architectures, "unavailable": unavailable}
 
 

@@ -130,7 +130,7 @@ def arms_plot(arms: list[dict[str, Any]], path: Path, plt: Any) -> Path | None:
 def study_markdown(study: dict[str, Any]) -> str:
     """The study's Markdown report: only measured numbers; every part not measured is named."""
     lines = [f"# Quantization study — {study['source']}", ""]
-    lines += [f"fp4forge {study['fp4forge']}, {study['finished_at']}. Every number below was measured by this run; parts that did not run are "
+    lines += [f"fp4forge {study['fp4forge_version']}, {study['finished_at']}. Every number below was measured by this run; parts that did not run are "
               "listed under *Not run* with the reason.", ""]
     frontier = study.get("frontier")
     if frontier:
