@@ -7,6 +7,7 @@ the thread, never from the doctor. Pure parsing: no server is started here."""
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,11 @@ from typer.testing import CliRunner
 
 from fp4forge.errors import NotAVllmLogError
 from fp4forge.serve.doctor import LogDoctor, diagnose_text, iter_lines
-from fp4forge.serve.doctor_startup import STATES, load_startup_table
+from fp4forge.serve.doctor_startup import STATES, load_startup_table, split_prefix
 from tests.test_serve_doctor import app  # noqa: F401  (the CLI harness fixture)
 
 CORPUS = Path(__file__).parent / "doctor_corpus"
+SERVE = Path(__file__).parents[1] / "src" / "fp4forge" / "serve"
 ENTRIES: list[dict[str, Any]] = tomllib.loads((CORPUS / "corpus.toml").read_text(encoding="utf-8"))["log"]
 BY_FILE = {entry["file"]: entry for entry in ENTRIES}
 DEAD = ("failed", "died")
@@ -272,3 +274,88 @@ def test_the_explained_lines_are_vllms_own(vllm_venv: Path) -> None:
     for pattern_id, (path, literal) in sources.items():
         text = (site / path).read_text(encoding="utf-8")
         assert literal in text, (pattern_id, path, literal)
+
+
+# -- the markers' evidence: vLLM's own sources, release by release ---------------------------------
+# scripts/vllm_startup_markers.py reads every line regex of doctor_startup.toml and
+# doctor_patterns.toml against the string constants of 17 vLLM releases' source distributions
+# (0.5.4 to 0.34.0, from PyPI, by sha256) and of the serving libraries (uvicorn, torch);
+# src/fp4forge/serve/_vllm_startup_markers.json keeps the result.
+SCRIPT = Path(__file__).parents[1] / "scripts" / "vllm_startup_markers.py"
+
+
+def _marker_script():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_startup_markers", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _evidence() -> dict[str, Any]:
+    return json.loads(_marker_script().DATA.read_text(encoding="utf-8"))
+
+
+def test_the_marker_evidence_is_current() -> None:
+    """The data file covers exactly the regexes the two tables hold now (regenerate it with the
+    script after editing a table)."""
+    rows = _evidence()["markers"]
+    assert [(r["where"], r["regex"]) for r in rows] == _marker_script().table_markers()
+
+
+def _in_corpus_logs(regex: str) -> bool:
+    compiled = re.compile(regex)
+    return any(compiled.search(split_prefix(line)[1]) for entry in ENTRIES for line in read(entry).split("\n"))
+
+
+def test_every_marker_is_printed_by_vllm_or_seen_in_a_real_log() -> None:
+    """No line pattern without evidence: a vLLM release's source prints it, a serving library does,
+    or a real log of the corpus holds it (torch's older device warnings, argparse's usage error)."""
+    rows = _evidence()["markers"]
+    unevidenced = [r["where"] + " " + r["regex"] for r in rows if not (r["vllm"] or r["libraries"] or _in_corpus_logs(r["regex"]))]
+    assert not unevidenced, unevidenced
+    printed = sum(bool(r["vllm"] or r["libraries"]) for r in rows)
+    assert printed / len(rows) >= 0.85, f"only {printed} of {len(rows)} patterns found in the sources"
+
+
+def test_release_ranges_come_from_the_sources() -> None:
+    """One home: a pattern whose line some vLLM release's source prints takes its release range from
+    that evidence, so it carries no hand-written `vllm`; the derived range holds every release read
+    that prints the line, and the doctor applies it."""
+    from fp4forge.serve.doctor import derived_versions, load_patterns, release_evidence
+
+    table = tomllib.loads((SERVE / "doctor_patterns.toml").read_text(encoding="utf-8"))["pattern"]
+    releases, printed = release_evidence()
+    both = [p["id"] for p in table if p.get("vllm") and printed.get(p["id"])]
+    assert not both, f"hand-written vllm ranges where the sources say: {both}"
+    compiled = {p.id: p for p in load_patterns()[1]}
+    for pattern_id, versions in printed.items():
+        if versions:
+            derived = derived_versions(versions, releases)
+            assert all(v in derived for v in versions), pattern_id
+            assert compiled[pattern_id].versions == derived, pattern_id
+
+
+def test_derived_ranges_by_hand() -> None:
+    from fp4forge.serve.doctor import derived_versions
+
+    releases = ("0.5.4", "0.9.2", "0.10.2", "0.32.0", "0.34.0")
+    assert str(derived_versions(["0.10.2", "0.32.0"], releases)) == "<0.34.0,>0.9.2"
+    assert str(derived_versions(["0.5.4"], releases)) == "<0.9.2"
+    assert str(derived_versions(["0.32.0", "0.34.0"], releases)) == ">0.10.2"
+
+
+@pytest.mark.slow
+def test_the_032_evidence_equals_the_installed_vllm(vllm_venv: Path) -> None:
+    """The shipped evidence for 0.32.0 (read from PyPI's sdist) equals what the installed vLLM CPU
+    build's own files give: the script reads sources the way the engine runs them."""
+    script = _marker_script()
+    site = next((vllm_venv / "lib").glob("python3.*/site-packages/vllm"))
+    constants: set[str] = set()
+    for path in site.rglob("*.py"):
+        constants |= script.string_constants(path.read_text(encoding="utf-8", errors="replace"))
+    installed = script.searchable(constants)
+    for row in _evidence()["markers"]:
+        assert any(script.found_in(lit, installed) for lit in row["literals"]) == ("0.32.0" in row["vllm"]), row["where"]

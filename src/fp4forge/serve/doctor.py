@@ -23,6 +23,7 @@ KV cache runs at scale 1.0, from the knowledge ``serve cmd`` uses
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from collections.abc import Iterable, Iterator
@@ -133,9 +134,43 @@ class _Missing(dict):
         return "{" + key + "}"
 
 
+EVIDENCE_FILE = "_vllm_startup_markers.json"
+
+
+@lru_cache(maxsize=1)
+def release_evidence() -> tuple[tuple[str, ...], dict[str, list[str]]]:
+    """The vLLM releases read by scripts/vllm_startup_markers.py, and per pattern id the ones whose
+    own source prints the pattern's line; a line a serving library prints (torch's exceptions,
+    uvicorn's) is that library's, whichever vLLM runs it, so it has no vLLM releases here."""
+    doc = json.loads(resources.files("fp4forge.serve").joinpath(EVIDENCE_FILE).read_text(encoding="utf-8"))
+    printed = {row["where"].removeprefix("pattern."): [] if row["libraries"] else row["vllm"]
+               for row in doc["markers"] if row["where"].startswith("pattern.")}
+    return tuple(doc["releases"]), printed
+
+
+def derived_versions(printed: list[str], releases: tuple[str, ...]) -> SpecifierSet:
+    """The releases a line is printed by, as a range between the releases read: after the last one
+    read that does not print it, before the first one after that stopped printing it (a release
+    between two read ones is given the benefit of the doubt)."""
+    ordered = sorted(releases, key=Version)
+    first, last = ordered.index(min(printed, key=Version)), ordered.index(max(printed, key=Version))
+    parts = [f">{ordered[first - 1]}"] if first > 0 else []
+    parts += [f"<{ordered[last + 1]}"] if last + 1 < len(ordered) else []
+    return SpecifierSet(",".join(parts))
+
+
+def _versions(entry: dict[str, Any]) -> SpecifierSet | None:
+    """From vLLM's own sources where they print the line; a hand-written `vllm` only for lines no
+    vLLM source holds (the plugin's, torch's and CUDA's messages)."""
+    releases, printed = release_evidence()
+    if printed.get(entry["id"]):
+        return derived_versions(printed[entry["id"]], releases)
+    return SpecifierSet(entry["vllm"]) if entry.get("vllm") else None
+
+
 def _compile(entry: dict[str, Any]) -> Pattern:
     try:
-        versions = SpecifierSet(entry["vllm"]) if entry.get("vllm") else None
+        versions = _versions(entry)
         regex = re.compile(entry["regex"])
     except (InvalidSpecifier, re.error, KeyError) as error:
         raise ConfigError(f"{PATTERNS_FILE}: pattern {entry.get('id')!r} is invalid: {error}") from error
