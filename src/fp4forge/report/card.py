@@ -16,28 +16,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.audit.findings import split_fix
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
 from fp4forge.errors import ConfigError
 from fp4forge.report.card_metadata import front_matter
+from fp4forge.report.card_verdict import UNREADABLE_PERPLEXITY_SHARE, Verdict, card_verdict, verdict_lines
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
 PLOTS = "plots"
-# A teacher whose perplexity exceeds this share of its vocabulary is guessing on that text: untrained, or
-# evaluated on text far from its training corpus.
-UNTRAINED_PERPLEXITY_SHARE = 0.5
+SERVERS_DIR = "servers/"  # reports/servers/<role>.json: each server's whole life
+
+
+# Step statuses of reports/pipeline.json whose artifacts belong to the run it records (pipeline/state.py).
+FINISHED_STEPS = ("done", "skipped", "running")
+MANIFEST_JSON = "pipeline.json"
+REPORTS_PREFIX = "reports/"  # how the manifest names an artifact under the reports directory
 
 
 @dataclass
 class Artifacts:
-    """Reads artifacts on demand and remembers which were asked for and missing."""
+    """Reads artifacts on demand and remembers which were asked for and why one could not be used.
+
+    An artifact is *missing* (no file), *corrupt* (a file that is not a JSON object), or *stale*: a
+    pipeline run's manifest (``reports/pipeline.json``) exists and no step it records as finished
+    wrote the file (left from an earlier run whose step is now off). The card quotes none of them
+    and names each as what it is."""
 
     checkpoint: Path
     reports: Path
-    missing: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # display names of every artifact not quoted, in order
+    problems: dict[str, str] = field(default_factory=dict)  # display name -> why it was not quoted
     reads: list[str] = field(default_factory=list)  # every artifact asked for, in order (a section's links)
     _loaded: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # each file parsed once
+    _manifest: dict[str, Any] | None | bool = False  # False: not read yet
 
     def path(self, name: str) -> Path:
         return self.checkpoint / name.removeprefix("ckpt:") if name.startswith("ckpt:") else self.reports / name
@@ -48,31 +61,93 @@ class Artifacts:
     def json(self, name: str) -> dict[str, Any] | None:
         self.reads.append(name)
         if name not in self._loaded:
-            try:
-                self._loaded[name] = json.loads(self.path(name).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                self._loaded[name] = None
-        if self._loaded[name] is None and self.display(name) not in self.missing:
-            self.missing.append(self.display(name))
+            doc, problem = _parse_json(self.path(name))
+            problem = problem or (self._stale(name, doc) if doc is not None else None)
+            self._loaded[name] = None if problem else doc
+            if problem:
+                self._record(name, problem)
         return self._loaded[name]
+
+    def _record(self, name: str, problem: str) -> None:
+        shown = self.display(name)
+        if shown not in self.problems:
+            self.missing.append(shown)
+            self.problems[shown] = problem
 
     def json_exists(self, name: str) -> bool:
         """Whether ``name`` was read and parsed (a report the card can quote and link)."""
         return self._loaded.get(name) is not None
 
     def exists(self, name: str) -> bool:
-        return self.path(name).exists()
+        """Whether ``name`` is there to be read: on disk and not left from an earlier run (a stale
+        file is recorded as such; a corrupt one counts as there, so that reading it names it)."""
+        if not self.path(name).exists():
+            return False
+        if name.startswith("ckpt:") or name == MANIFEST_JSON or name.startswith(SERVERS_DIR):
+            return True
+        stale = self._stale(name, None)
+        if stale:
+            self._record(name, stale)
+        return stale is None
+
+    def manifest(self) -> dict[str, Any] | None:
+        """The pipeline run's manifest, when there is one that parses."""
+        if self._manifest is False:
+            doc, problem = _parse_json(self.reports / MANIFEST_JSON)
+            self._manifest = doc if problem is None and isinstance(doc.get("steps"), list) else None
+        return self._manifest  # type: ignore[return-value]
+
+    def finished_steps(self) -> dict[str, dict[str, Any]]:
+        """The manifest's steps that finished in the run it records, by name ({} without a manifest)."""
+        manifest = self.manifest() or {}
+        return {s.get("name"): s for s in manifest.get("steps", []) if isinstance(s, dict) and s.get("status") in FINISHED_STEPS}
+
+    def _stale(self, name: str, doc: dict[str, Any] | None) -> str | None:
+        """Why a report is not the current run's (None: it is, or there is no manifest to say)."""
+        if name.startswith("ckpt:") or name == MANIFEST_JSON or self.manifest() is None:
+            return None
+        finished = self.finished_steps()
+        if name.startswith(SERVERS_DIR):  # a server's life belongs to the steps it served
+            served = (doc or {}).get("served_steps") or []
+            if any(step in finished for step in served):
+                return None
+            return (f"left from an earlier run: the steps it served ({', '.join(served) or 'none'}) are not finished in "
+                    f"the current `reports/{MANIFEST_JSON}`")
+        rel = REPORTS_PREFIX + name
+        for step in finished.values():
+            if any(rel == a or rel.startswith(a.rstrip("/") + "/") for a in step.get("artifacts") or {}):
+                return None
+        return f"left from an earlier run: no finished step of the current `reports/{MANIFEST_JSON}` wrote it"
 
     def relative(self, path: Path, card_dir: Path) -> str:
         return Path(os.path.relpath(path, card_dir)).as_posix()
+
+
+def _parse_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The JSON object in ``path``, or None and what is wrong: missing, or present but corrupt."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, "missing"
+    except (OSError, UnicodeDecodeError) as error:
+        return None, f"present but unreadable ({type(error).__name__}: {error})"
+    try:
+        doc = json.loads(text)
+    except ValueError as error:
+        return None, f"present but corrupt (not valid JSON: {error})"
+    if not isinstance(doc, dict):
+        return None, f"present but corrupt (a JSON {type(doc).__name__}, not an object)"
+    return doc, None
 
 
 @dataclass
 class Card:
     markdown: str
     sections: list[str]
-    missing: list[str]
+    missing: list[str]  # every artifact the card could not quote (missing, corrupt or stale)
     plots: list[str]
+    verdict: Verdict | None = None
+    problems: dict[str, str] = field(default_factory=dict)  # artifact -> why it was not quoted
 
 
 Renderer = Callable[["CardContext"], list[str]]
@@ -97,8 +172,13 @@ class CardContext:
 
 
 def _missing(ctx: CardContext, *names: str) -> list[str]:
-    shown = ", ".join(f"`{ctx.art.display(n)}`" for n in names)
-    return [f"_Not measured: {shown} {'is' if len(names) == 1 else 'are'} missing, so this section states nothing._"]
+    """A section without its artifacts: each named as missing, corrupt or stale, as it is."""
+    problems = [(ctx.art.display(n), ctx.art.problems.get(ctx.art.display(n), "missing")) for n in names]
+    if all(problem == "missing" for _, problem in problems):
+        shown = ", ".join(f"`{name}`" for name, _ in problems)
+        return [f"_Not measured: {shown} {'is' if len(names) == 1 else 'are'} missing, so this section states nothing._"]
+    shown = "; ".join(f"`{name}` is {problem}" for name, problem in problems)
+    return [f"_Not measured: {shown}; so this section states nothing._"]
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -188,12 +268,10 @@ def verification_section(ctx: CardContext) -> list[str]:
         lines += ["### Audit", "", f"`fp4forge audit` ({'deep: every value read' if a.get('deep') else 'headers only'}; "
                   f"target vLLM {a.get('vllm_version', '–')}; layout `{a.get('layout', '–')}`): "
                   f"**{_count(s['errors'], 'error')}, {_count(s['warnings'], 'warning')}, {_count(s['infos'], 'info')}**.", ""]
-        by_rule: dict[str, list[dict[str, Any]]] = {}
-        for f in audit["findings"]:
-            by_rule.setdefault(f["rule"], []).append(f)
-        if by_rule:
-            lines += table(["rule", "severity", "findings", "what"], [
-                [f"`{rule}`", fs[0]["severity"], str(len(fs)), fs[0].get("title", "")] for rule, fs in by_rule.items()
+        if audit["findings"]:
+            lines += table(["rule", "severity", "instances", "message", "fix"], [
+                [f"`{f['rule']}`", f["severity"], _int(f.get("count", 1)), *(_cell(part or "–") for part in split_fix(f["message"]))]
+                for f in audit["findings"]
             ])
     shards = ctx.art.json("shards.json")
     lines += ["", "### Shards and index", ""]
@@ -241,6 +319,8 @@ def verification_section(ctx: CardContext) -> list[str]:
 
 
 DIFF_COLUMNS = ("identical", "different", "only_in_a", "only_in_b")
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _first(value: float | list[float] | None) -> float | None:
@@ -264,7 +344,7 @@ def _portable_target_line(rec: dict[str, Any]) -> str:
 
 def _findings_table(findings: list[dict[str, Any]]) -> list[str]:
     return table(["finding", "severity", "line", "message"], [
-        [f"`{f['id']}`", f["severity"], str(f.get("line", "–")), f["message"].replace("|", "\\|")] for f in findings
+        [f"`{f['id']}`", f["severity"], str(f.get("line", "–")), _cell(f["message"])] for f in findings
     ])
 
 
@@ -298,6 +378,7 @@ def serve_section(ctx: CardContext) -> list[str]:
                               f"{rec['vllm_version']}; it was not run on {rec['hardware']} for this card.")
     lines += ["", "### Served on this machine", ""]
     lives = {role: ctx.art.json(f"servers/{role}.json") for role, _ in SERVER_ROLES if ctx.art.exists(f"servers/{role}.json")}
+    lives = {role: life for role, life in lives.items() if life is not None}
     if served is None:
         lines += _missing(ctx, "serve.json")
         ctx.non_claims.append("The checkpoint was not served here: nothing on this card shows that vLLM loads it.")
@@ -313,7 +394,7 @@ def serve_section(ctx: CardContext) -> list[str]:
         lines += [f"vLLM {served['vllm_version']} on `{served['hardware']}`, ready after {_num(served['ready_seconds'], 3)} s; "
                   f"the log doctor's findings at start-up (`fp4forge serve doctor reports/{served['log']}`):", ""]
         lines += table(["finding", "severity", "message"], [
-            [f"`{f['id']}`", f["severity"], f["message"].replace("|", "\\|")] for f in served["findings"]
+            [f"`{f['id']}`", f["severity"], _cell(f["message"])] for f in served["findings"]
         ])
         student_life = lives.get("student") or {}
         command = served.get("reproducible_command") or student_life.get("command")
@@ -470,7 +551,7 @@ def fidelity_section(ctx: CardContext) -> list[str]:
         return _missing(ctx, "fidelity.json")
     m = doc["metrics"]
     vocab = (ctx.art.json(f"ckpt:{CONFIG_JSON}") or {}).get("vocab_size")
-    if vocab and m["perplexity"]["teacher"] > UNTRAINED_PERPLEXITY_SHARE * vocab:
+    if vocab and m["perplexity"]["teacher"] >= UNREADABLE_PERPLEXITY_SHARE * vocab:
         ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
                               "on this text it predicts no better than chance. Either it is untrained (a random testbed) or the "
                               "text is far from what it learned (a trained testbed knows only its own corpus); either way "
@@ -548,7 +629,8 @@ def provenance_section(ctx: CardContext) -> list[str]:
 
 
 def non_claims_section(ctx: CardContext) -> list[str]:
-    lines = [f"- `{name}` is missing: the card states nothing that it would have measured." for name in ctx.art.missing]
+    lines = [f"- `{name}` is {ctx.art.problems.get(name, 'missing')}: the card states nothing that it would have measured."
+             for name in ctx.art.missing]
     lines += [f"- {claim}" for claim in dict.fromkeys(ctx.non_claims)]
     return lines or ["- Every section above comes from a measured artifact."]
 
@@ -592,13 +674,27 @@ def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path |
     ctx.non_claims += unstated
     name = checkpoint.resolve().name
     description = ((provenance or {}).get("recipe") or {}).get("name")
-    lines = [metadata + f"# {name}", "", f"Recipe `{description}`. " if description else "",
+    verdict = card_verdict(ctx)  # first: a reader who stops at the first screen knows it
+    lines = [metadata + f"# {name}", "", "## Verdict", "", *verdict_lines(ctx, verdict), "",
+             f"Recipe `{description}`. " if description else "",
              "Generated by `fp4forge card` from the artifacts in `reports/`; every number comes from one of them.", ""]
     for section in SECTIONS:
         first_read = len(ctx.art.reads)
-        body = section.render(ctx)
+        body = _render_section(ctx, section, first_read)
         lines += [f"## {section.title}", "", *body, "", *_report_links(ctx, first_read)]
-    return Card("\n".join(lines).rstrip() + "\n", [s.key for s in SECTIONS], list(ctx.art.missing), ctx.plots)
+    return Card("\n".join(lines).rstrip() + "\n", ["verdict", *(s.key for s in SECTIONS)], list(ctx.art.missing), ctx.plots,
+                verdict, dict(ctx.art.problems))
+
+
+def _render_section(ctx: CardContext, section: Section, first_read: int) -> list[str]:
+    """A section's body; a report without the fields it reads is named, never a traceback."""
+    try:
+        return section.render(ctx)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as error:
+        read = ", ".join(f"`{ctx.art.display(n)}`" for n in dict.fromkeys(ctx.art.reads[first_read:])) or "its reports"
+        ctx.non_claims.append(f"The {section.title} section states nothing: {read} lack what it reads "
+                              f"({type(error).__name__}: {error}); corrupt, or written by another fp4forge version.")
+        return [f"_Not stated: {read} lack what this section reads ({type(error).__name__}: {error})._"]
 
 
 @dataclass(frozen=True)
