@@ -620,5 +620,6 @@ STEPS: tuple[Step, ...] = (
          off=lambda o: _needs_bench("quality")(o) or (None if o.quality_teacher else "not requested (--quality-teacher)"),
          version=2),
 )
-# The card runs last, always, from whatever artifacts exist.
-CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",), ("base_model",))
+# The card runs last, always, from whatever artifacts exist; keyed also by which steps finished in
+# this run, so that a step turned off (a re-run without --serve) re-renders it.
+CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports", "steps"), ("base_model",), version=2)
