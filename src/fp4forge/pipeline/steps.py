@@ -538,7 +538,7 @@ def run_card(ctx: Context) -> dict[str, Any]:
     from fp4forge.report.card import card_options, write_card
 
     card = write_card(ctx.out, card_options(reports=ctx.reports, out=ctx.out / CARD, base_model=ctx.options.base_model))
-    return {"sections": len(card.sections), "missing": len(card.missing)}
+    return {"verdict": card.verdict.decision if card.verdict else "–", "sections": len(card.sections), "not quoted": len(card.missing)}
 
 
 def _vllm_minor(options: PipelineOptions) -> str:

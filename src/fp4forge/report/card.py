@@ -20,124 +20,13 @@ from fp4forge.audit.findings import split_fix
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
 from fp4forge.errors import ConfigError
+from fp4forge.report.card_artifacts import Artifacts, server_life
 from fp4forge.report.card_metadata import front_matter
 from fp4forge.report.card_verdict import UNREADABLE_PERPLEXITY_SHARE, Verdict, card_verdict, verdict_lines
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
 PLOTS = "plots"
-SERVERS_DIR = "servers/"  # reports/servers/<role>.json: each server's whole life
-
-
-# Step statuses of reports/pipeline.json whose artifacts belong to the run it records (pipeline/state.py).
-FINISHED_STEPS = ("done", "skipped", "running")
-MANIFEST_JSON = "pipeline.json"
-REPORTS_PREFIX = "reports/"  # how the manifest names an artifact under the reports directory
-
-
-@dataclass
-class Artifacts:
-    """Reads artifacts on demand and remembers which were asked for and why one could not be used.
-
-    An artifact is *missing* (no file), *corrupt* (a file that is not a JSON object), or *stale*: a
-    pipeline run's manifest (``reports/pipeline.json``) exists and no step it records as finished
-    wrote the file (left from an earlier run whose step is now off). The card quotes none of them
-    and names each as what it is."""
-
-    checkpoint: Path
-    reports: Path
-    missing: list[str] = field(default_factory=list)  # display names of every artifact not quoted, in order
-    problems: dict[str, str] = field(default_factory=dict)  # display name -> why it was not quoted
-    reads: list[str] = field(default_factory=list)  # every artifact asked for, in order (a section's links)
-    _loaded: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # each file parsed once
-    _manifest: dict[str, Any] | None | bool = False  # False: not read yet
-
-    def path(self, name: str) -> Path:
-        return self.checkpoint / name.removeprefix("ckpt:") if name.startswith("ckpt:") else self.reports / name
-
-    def display(self, name: str) -> str:
-        return name.removeprefix("ckpt:") if name.startswith("ckpt:") else f"reports/{name}"
-
-    def json(self, name: str) -> dict[str, Any] | None:
-        self.reads.append(name)
-        if name not in self._loaded:
-            doc, problem = _parse_json(self.path(name))
-            problem = problem or (self._stale(name, doc) if doc is not None else None)
-            self._loaded[name] = None if problem else doc
-            if problem:
-                self._record(name, problem)
-        return self._loaded[name]
-
-    def _record(self, name: str, problem: str) -> None:
-        shown = self.display(name)
-        if shown not in self.problems:
-            self.missing.append(shown)
-            self.problems[shown] = problem
-
-    def json_exists(self, name: str) -> bool:
-        """Whether ``name`` was read and parsed (a report the card can quote and link)."""
-        return self._loaded.get(name) is not None
-
-    def exists(self, name: str) -> bool:
-        """Whether ``name`` is there to be read: on disk and not left from an earlier run (a stale
-        file is recorded as such; a corrupt one counts as there, so that reading it names it)."""
-        if not self.path(name).exists():
-            return False
-        if name.startswith("ckpt:") or name == MANIFEST_JSON or name.startswith(SERVERS_DIR):
-            return True
-        stale = self._stale(name, None)
-        if stale:
-            self._record(name, stale)
-        return stale is None
-
-    def manifest(self) -> dict[str, Any] | None:
-        """The pipeline run's manifest, when there is one that parses."""
-        if self._manifest is False:
-            doc, problem = _parse_json(self.reports / MANIFEST_JSON)
-            self._manifest = doc if problem is None and isinstance(doc.get("steps"), list) else None
-        return self._manifest  # type: ignore[return-value]
-
-    def finished_steps(self) -> dict[str, dict[str, Any]]:
-        """The manifest's steps that finished in the run it records, by name ({} without a manifest)."""
-        manifest = self.manifest() or {}
-        return {s.get("name"): s for s in manifest.get("steps", []) if isinstance(s, dict) and s.get("status") in FINISHED_STEPS}
-
-    def _stale(self, name: str, doc: dict[str, Any] | None) -> str | None:
-        """Why a report is not the current run's (None: it is, or there is no manifest to say)."""
-        if name.startswith("ckpt:") or name == MANIFEST_JSON or self.manifest() is None:
-            return None
-        finished = self.finished_steps()
-        if name.startswith(SERVERS_DIR):  # a server's life belongs to the steps it served
-            served = (doc or {}).get("served_steps") or []
-            if any(step in finished for step in served):
-                return None
-            return (f"left from an earlier run: the steps it served ({', '.join(served) or 'none'}) are not finished in "
-                    f"the current `reports/{MANIFEST_JSON}`")
-        rel = REPORTS_PREFIX + name
-        for step in finished.values():
-            if any(rel == a or rel.startswith(a.rstrip("/") + "/") for a in step.get("artifacts") or {}):
-                return None
-        return f"left from an earlier run: no finished step of the current `reports/{MANIFEST_JSON}` wrote it"
-
-    def relative(self, path: Path, card_dir: Path) -> str:
-        return Path(os.path.relpath(path, card_dir)).as_posix()
-
-
-def _parse_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The JSON object in ``path``, or None and what is wrong: missing, or present but corrupt."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None, "missing"
-    except (OSError, UnicodeDecodeError) as error:
-        return None, f"present but unreadable ({type(error).__name__}: {error})"
-    try:
-        doc = json.loads(text)
-    except ValueError as error:
-        return None, f"present but corrupt (not valid JSON: {error})"
-    if not isinstance(doc, dict):
-        return None, f"present but corrupt (a JSON {type(doc).__name__}, not an object)"
-    return doc, None
 
 
 @dataclass
@@ -377,8 +266,7 @@ def serve_section(ctx: CardContext) -> list[str]:
         ctx.non_claims.append(f"The serve line for {rec['hardware']} comes from fp4forge's knowledge table for vLLM "
                               f"{rec['vllm_version']}; it was not run on {rec['hardware']} for this card.")
     lines += ["", "### Served on this machine", ""]
-    lives = {role: ctx.art.json(f"servers/{role}.json") for role, _ in SERVER_ROLES if ctx.art.exists(f"servers/{role}.json")}
-    lives = {role: life for role, life in lives.items() if life is not None}
+    lives = {role: life for role, _ in SERVER_ROLES if (life := server_life(ctx.art, role)) is not None}
     if served is None:
         lines += _missing(ctx, "serve.json")
         ctx.non_claims.append("The checkpoint was not served here: nothing on this card shows that vLLM loads it.")
@@ -445,13 +333,20 @@ def _server_lives(ctx: CardContext, lives: dict[str, dict[str, Any] | None], ser
             ctx.non_claims.append(f"The {role} server ({what}) logged errors while it served {steps} "
                                   f"(reports/servers/{life['log']}): results of those steps may be affected.")
         if role == "teacher":
-            lines += ["", f"The teacher ({life.get('model', '–')}) was served with:", "", "```bash", life["command"], "```", "",
-                      MODEL_NOTE.replace("the model's directory", "the teacher's directory")]
-            lines += _env_lines(life.get("env"))
-            startup = life.get("startup_findings", [])
-            lines += ["", "Its log doctor's findings at start-up:", ""]
-            lines += _findings_table(startup) if startup else ["none."]
+            lines += _teacher_lines(life)
     return lines
+
+
+def _teacher_lines(life: dict[str, Any]) -> list[str]:
+    """The teacher: the unquantized reference arm, its command and what its log said at start-up."""
+    lines = ["", f"The BF16 teacher ({life.get('model', '–')}), the unquantized reference arm, was served with:", "",
+             "```bash", life["command"], "```", "", MODEL_NOTE.replace("the model's directory", "the teacher's directory")]
+    lines += _env_lines(life.get("env"))
+    startup = life.get("startup_findings", [])
+    source = ("read again from its kept log by this fp4forge's log doctor" if life.get("reread")
+              else "as recorded when it stopped (its log is not kept, so they were not read again)")
+    lines += ["", f"Its log doctor's findings at start-up ({source}):", ""]
+    return lines + (_findings_table(startup) if startup else ["none."])
 
 
 def performance_section(ctx: CardContext) -> list[str]:

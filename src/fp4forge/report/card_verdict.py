@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp4forge.audit.findings import split_fix
 from fp4forge.checkpoint.names import CONFIG_JSON
+from fp4forge.report.card_artifacts import server_life
 
 if TYPE_CHECKING:
     from fp4forge.report.card import CardContext
@@ -123,7 +124,7 @@ def served_reason(ctx: CardContext) -> Reason:
     errors = [f for f in served.get("findings") or [] if f.get("severity") == "error"]
     if errors or (verdict and verdict.get("state") != "ready"):
         return Reason("served", DO_NOT_SHIP, f"{where} did not come up cleanly.{line} {_messages(errors)}".rstrip(), ("serve.json",))
-    life = ctx.art.json("servers/student.json") if ctx.art.exists("servers/student.json") else None
+    life = server_life(ctx.art, "student")
     late = [f for f in (life or {}).get("findings_after_ready") or [] if f.get("severity") == "error"]
     reports = ("serve.json", "servers/student.json") if life else ("serve.json",)
     if late:
