@@ -72,6 +72,11 @@ def test_every_step_writes_its_artifact(first_run: Path) -> None:
     from huggingface_hub import ModelCard
 
     assert ModelCard.load(first_run / "README.md").text.lstrip().startswith("# out")  # after the Hub front matter
+    # The first screen carries the verdict and its reasons: not served here, so not established.
+    first_screen = "\n".join((first_run / "README.md").read_text().splitlines()[:25])
+    assert "## Verdict" in first_screen and "**NOT ESTABLISHED.** Decided by:" in first_screen
+    assert "- **served: not established**" in first_screen and "`reports/serve.json` is missing" in first_screen
+    assert "- **audit: holds**" in first_screen and "Decision rule:" in first_screen
     assert json.loads((reports / "audit.json").read_text())["summary"]["errors"] == 0
     assert not (first_run / ".fp4forge-staging").exists()
 
@@ -200,6 +205,26 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, mode
         assert proc.returncode == 2, (args, proc.stderr)
         assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not any(p.name.startswith("o") for p in tmp_path.iterdir())
+
+
+def test_the_cards_key_follows_which_steps_finished(tmp_path: Path) -> None:
+    """A re-run without --serve turns the serve step off: the card's key changes, so the card is
+    rendered again from the current manifest instead of being skipped with the old step table."""
+    from fp4forge.pipeline.run import step_key
+    from fp4forge.pipeline.state import Hasher, Manifest, StepRecord
+    from fp4forge.pipeline.steps import CARD_STEP, Context
+
+    (tmp_path / "out" / "reports").mkdir(parents=True)
+    ctx = Context(tmp_path, tmp_path / "out", SMALL)
+    hasher = Hasher(tmp_path / "hashes.json")
+
+    def key(serve: str, card: str = "pending") -> str:
+        steps = {name: StepRecord(name, name, status) for name, status in (("audit", "done"), ("serve", serve), ("card", card))}
+        return step_key(CARD_STEP, ctx, hasher, Manifest(tmp_path / "m.json", "s", "o", {}, steps))
+
+    assert key("done") == key("skipped")  # an unchanged re-run keeps the card
+    assert key("done") != key("off")
+    assert key("off", card="done") == key("off", card="running")  # the card's own record is not its input
 
 
 def test_steps_table_is_consistent() -> None:
