@@ -146,22 +146,26 @@ def bytes_section(ctx: CardContext) -> list[str]:
     return lines
 
 
-def verification_section(ctx: CardContext) -> list[str]:
-    lines: list[str] = []
+def _audit_lines(ctx: CardContext) -> list[str]:
+    """The audit's counts, then every finding with its message and its fix."""
     audit = ctx.art.json("audit.json")
     if audit is None:
-        lines += ["### Audit", "", *_missing(ctx, "audit.json")]
-    else:
-        s = audit["summary"]
-        a = audit.get("audit", {})
-        lines += ["### Audit", "", f"`fp4forge audit` ({'deep: every value read' if a.get('deep') else 'headers only'}; "
-                  f"target vLLM {a.get('vllm_version', '–')}; layout `{a.get('layout', '–')}`): "
-                  f"**{_count(s['errors'], 'error')}, {_count(s['warnings'], 'warning')}, {_count(s['infos'], 'info')}**.", ""]
-        if audit["findings"]:
-            lines += table(["rule", "severity", "instances", "message", "fix"], [
-                [f"`{f['rule']}`", f["severity"], _int(f.get("count", 1)), *(_cell(part or "–") for part in split_fix(f["message"]))]
-                for f in audit["findings"]
-            ])
+        return ["### Audit", "", *_missing(ctx, "audit.json")]
+    s = audit["summary"]
+    a = audit.get("audit", {})
+    lines = ["### Audit", "", f"`fp4forge audit` ({'deep: every value read' if a.get('deep') else 'headers only'}; "
+             f"target vLLM {a.get('vllm_version', '–')}; layout `{a.get('layout', '–')}`): "
+             f"**{_count(s['errors'], 'error')}, {_count(s['warnings'], 'warning')}, {_count(s['infos'], 'info')}**.", ""]
+    if audit["findings"]:
+        lines += table(["rule", "severity", "instances", "message", "fix"], [
+            [f"`{f['rule']}`", f["severity"], _int(f.get("count", 1)), *(_cell(part or "–") for part in split_fix(f["message"]))]
+            for f in audit["findings"]
+        ])
+    return lines
+
+
+def verification_section(ctx: CardContext) -> list[str]:
+    lines = _audit_lines(ctx)
     shards = ctx.art.json("shards.json")
     lines += ["", "### Shards and index", ""]
     if shards is None:
@@ -198,16 +202,24 @@ def verification_section(ctx: CardContext) -> list[str]:
         for f in kv["findings"]:
             lines.append(f"- **{f['severity']}**: {f['message']}")
     if ctx.art.exists("diff.json"):
-        diff = ctx.art.json("diff.json") or {}
-        lines += ["", "### Against the sibling checkpoint", "",
-                  f"`fp4forge diff` against `{diff.get('sibling', '–')}` (blake2b of every tensor's raw bytes):", ""]
-        rows = [[name, *(_int(c.get(k)) for k in DIFF_COLUMNS)] for name, c in diff.get("components", {}).items()]
-        rows.append(["**total**", *(_int(diff.get("summary", {}).get(k)) for k in DIFF_COLUMNS)])
-        lines += table(["component", "identical", "different", "only here", "only in the sibling"], rows)
+        lines += _diff_lines(ctx)
     return lines
 
 
+def _diff_lines(ctx: CardContext) -> list[str]:
+    diff = ctx.art.json("diff.json")
+    lines = ["", "### Against the sibling checkpoint", ""]
+    if diff is None:
+        return lines + _missing(ctx, "diff.json")
+    lines += [f"`fp4forge diff` against `{diff.get('sibling', '–')}` (blake2b of every tensor's raw bytes):", ""]
+    rows = [[name, *(_int(c.get(k)) for k in DIFF_COLUMNS)] for name, c in diff.get("components", {}).items()]
+    rows.append(["**total**", *(_int(diff.get("summary", {}).get(k)) for k in DIFF_COLUMNS)])
+    return lines + table(["component", "identical", "different", "only here", "only in the sibling"], rows)
+
+
 DIFF_COLUMNS = ("identical", "different", "only_in_a", "only_in_b")
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -517,8 +529,10 @@ def provenance_section(ctx: CardContext) -> list[str]:
     pipeline = ctx.art.json("pipeline.json") if ctx.art.exists("pipeline.json") else None
     if pipeline is not None:
         lines += ["", f"Made by `fp4forge pipeline` (fp4forge {pipeline['fp4forge_version']}); steps:", ""]
-        lines += table(["step", "status", "seconds"], [
-            [s["name"], s["status"], "–" if s["seconds"] is None else f"{s['seconds']:.1f}"] for s in pipeline["steps"] if s["name"] != "card"
+        lines += table(["step", "status", "seconds", "why not run"], [
+            [s["name"], s["status"], "–" if s["seconds"] is None else f"{s['seconds']:.1f}",
+             _cell(s.get("message") or "") if s["status"] not in ("done", "skipped") else ""]
+            for s in pipeline["steps"] if s["name"] != "card"
         ])
     return lines
 
