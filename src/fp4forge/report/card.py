@@ -538,7 +538,7 @@ def provenance_section(ctx: CardContext) -> list[str]:
 
 
 def non_claims_section(ctx: CardContext) -> list[str]:
-    lines = [f"- `{name}` is {ctx.art.problems.get(name, 'missing')}: the card states nothing that it would have measured."
+    lines = [f"- `{name}` is {ctx.art.problems.get(name, 'missing')}; the card states nothing that it would have measured."
              for name in ctx.art.missing]
     lines += [f"- {claim}" for claim in dict.fromkeys(ctx.non_claims)]
     return lines or ["- Every section above comes from a measured artifact."]
