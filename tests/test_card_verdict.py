@@ -118,7 +118,7 @@ CASES = {  # (artifact, change, topic, state, text on the line)
     "KL beyond its level": ("fidelity.json", _interval("kl", 0.2, 0.3), "fidelity", "do not ship", "[0.2, 0.3]"),
     "top-1 across its level": ("fidelity.json", _interval("top1_agreement", 0.80, 0.90), "fidelity", "not established", "[80.0%, 90.0%]"),
     "unreadable text": ("fidelity.json", lambda d: d["metrics"]["perplexity"].update(teacher=4213.0), "fidelity", "not established",
-                        "teacher perplexity 4213 on a 4,096-token vocabulary"),
+                        "teacher perplexity 4213 on a 4,096-token vocabulary (over 50% of it)"),
     "teacher better": ("quality-teacher/compare.json", lambda d: d["verdict"].update(ordering="B>A", label="B better", text="B scores higher"),
                        "quality", "do not ship", "the teacher scores higher: B scores higher"),
     "power not stated": ("quality-teacher/compare.json", lambda d: d["power"].pop("min_discordant"), "quality", "not established",

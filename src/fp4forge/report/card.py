@@ -22,7 +22,7 @@ from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
 from fp4forge.errors import ConfigError
 from fp4forge.report.card_artifacts import Artifacts, server_life
 from fp4forge.report.card_metadata import front_matter
-from fp4forge.report.card_verdict import UNREADABLE_PERPLEXITY_SHARE, Verdict, card_verdict, verdict_lines
+from fp4forge.report.card_verdict import UNTRAINED_PERPLEXITY_SHARE, Verdict, card_verdict, verdict_lines
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
@@ -458,7 +458,7 @@ def fidelity_section(ctx: CardContext) -> list[str]:
         return _missing(ctx, "fidelity.json")
     m = doc["metrics"]
     vocab = (ctx.art.json(f"ckpt:{CONFIG_JSON}") or {}).get("vocab_size")
-    if vocab and m["perplexity"]["teacher"] >= UNREADABLE_PERPLEXITY_SHARE * vocab:
+    if vocab and m["perplexity"]["teacher"] > UNTRAINED_PERPLEXITY_SHARE * vocab:
         ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
                               "on this text it predicts no better than chance. Either it is untrained (a random testbed) or the "
                               "text is far from what it learned (a trained testbed knows only its own corpus); either way "

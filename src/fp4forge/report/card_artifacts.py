@@ -130,8 +130,6 @@ def _parse_json(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return doc, None
 
 
-
-
 def server_life(art: Artifacts, role: str) -> dict[str, Any] | None:
     """``reports/servers/<role>.json`` with its findings and verdict read again from the kept log by
     today's log doctor (``reread``: True), or as recorded when the log is gone; None when the

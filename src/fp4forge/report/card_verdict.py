@@ -38,8 +38,9 @@ ORDER = (HOLDS, NOT_ESTABLISHED, DO_NOT_SHIP)
 # wrong scales or a dropped tensor falls far outside. An interval across a level is not established.
 KL_MEAN_MAX = 0.10  # nats per predicted token, KL(teacher ‖ student)
 TOP1_AGREEMENT_MIN = 0.85
-# A teacher whose perplexity on the text reaches this share of its vocabulary size is guessing.
-UNREADABLE_PERPLEXITY_SHARE = 0.5
+# A teacher whose perplexity exceeds this share of its vocabulary is guessing on that text: untrained, or
+# evaluated on text far from its training corpus (the fidelity section says so too).
+UNTRAINED_PERPLEXITY_SHARE = 0.5
 COMPARE = "quality-teacher/compare.json"
 NUMERICS_KEYS = ("target", "moe_backend", "activations", "moe_input_scale")
 MESSAGE_CHARS = 240  # a finding's message on the verdict line (the audit table has it whole)
@@ -82,7 +83,7 @@ def card_verdict(ctx: CardContext) -> Verdict:
 
 def _unusable(ctx: CardContext, name: str, topic: str, what: str) -> Reason:
     problem = ctx.art.problems.get(ctx.art.display(name), "missing")
-    return Reason(topic, NOT_ESTABLISHED, f"`{ctx.art.display(name)}` is {problem}: {what}.")
+    return Reason(topic, NOT_ESTABLISHED, f"`{ctx.art.display(name)}` is {problem}; {what}.")
 
 
 def _short(message: str) -> str:
@@ -181,8 +182,8 @@ def _unreadable_text(ctx: CardContext, metrics: dict[str, Any]) -> str | None:
     vocab = config.get("vocab_size")
     if teacher is None or not vocab:
         return "the teacher's perplexity or the vocabulary size is not recorded"
-    if teacher >= UNREADABLE_PERPLEXITY_SHARE * vocab:
-        return f"teacher perplexity {teacher:.0f} on a {vocab:,}-token vocabulary (≥ {UNREADABLE_PERPLEXITY_SHARE:.0%} of it)"
+    if teacher > UNTRAINED_PERPLEXITY_SHARE * vocab:
+        return f"teacher perplexity {teacher:.0f} on a {vocab:,}-token vocabulary (over {UNTRAINED_PERPLEXITY_SHARE:.0%} of it)"
     return None
 
 
