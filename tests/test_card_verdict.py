@@ -207,6 +207,10 @@ def test_a_report_without_the_fields_a_section_reads_is_named_not_a_traceback(ck
     (ckpt / "reports" / "bytes.json").write_text('{"total": {}}')
     markdown = render_card(ckpt).markdown
     assert "_Not stated: `reports/bytes.json`" in markdown and "lack what this section reads (KeyError" in markdown
+    edit(ckpt, "fidelity.json", lambda d: d["metrics"]["kl"].update(mean="n/a"))
+    decision, lines = verdict_block(render_card(ckpt).markdown)
+    assert decision == "not established" and lines["fidelity"][0] == "not established"
+    assert "its report lacks what this line reads (ValueError" in lines["fidelity"][1]
 
 
 def _teacher_life(ckpt: Path, *, keep_log: bool) -> None:

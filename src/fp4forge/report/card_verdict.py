@@ -78,7 +78,18 @@ def decide(reasons: list[Reason]) -> Verdict:
 
 
 def card_verdict(ctx: CardContext) -> Verdict:
-    return decide([audit_reason(ctx), served_reason(ctx), fidelity_reason(ctx), quality_reason(ctx), target_reason(ctx)])
+    lines = (("audit", audit_reason), ("served", served_reason), ("fidelity", fidelity_reason), ("quality", quality_reason),
+             ("target numerics", target_reason))
+    return decide([_guarded(ctx, topic, reason) for topic, reason in lines])
+
+
+def _guarded(ctx: CardContext, topic: str, reason: Any) -> Reason:
+    """One line; a report without the fields it reads leaves it not established, never a traceback."""
+    try:
+        return reason(ctx)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as error:
+        return Reason(topic, NOT_ESTABLISHED, f"its report lacks what this line reads ({type(error).__name__}: {error}): "
+                      "corrupt, or written by another fp4forge version.")
 
 
 def _unusable(ctx: CardContext, name: str, topic: str, what: str) -> Reason:
