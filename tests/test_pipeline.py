@@ -286,6 +286,10 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     assert "**REFUSED TO SCORE: the suite could not read the answers.**" in card
     assert "_Not measured" not in card and "is missing" not in card
     assert "### Against the BF16 teacher (paired)" in card
+    # The teacher is the unquantized reference: its start-up table does not say the plugin computes NVFP4.
+    teacher = card.split("The BF16 teacher (", 1)[1]
+    assert "the unquantized reference arm" in teacher and "computes NVFP4" not in teacher
+    assert "- **quality: not established**" in card and "- **served: holds**" in card
     # The recipe declares an FP8 KV cache: kept where this CPU can (AVX-512/AMX), else served
     # unquantized with the serve line's override, and the card says so.
     fallback = served["kv_fallback"]
@@ -302,6 +306,16 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
 
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{served['command'][served['command'].index('--port') + 1]}/v1/models", timeout=2)
+    # Issue 36: a re-run without --serve turns the serving steps off; the card is rendered again
+    # from that manifest: no step table says `serve | done`, and the old server's reports are named
+    # as left from the earlier run, not quoted.
+    run_pipeline(model, out, SMALL)
+    state = statuses(out)
+    assert state["serve"] == "off" and state["card"] == "done"
+    card = (out / "README.md").read_text()
+    assert "| serve | off |" in card and "| serve | done |" not in card and "| serve | skipped |" not in card
+    assert "`reports/serve.json` is left from an earlier run" in card
+    assert "- **served: not established**" in card
 
 
 def test_one_server_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
