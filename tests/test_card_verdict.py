@@ -179,13 +179,33 @@ def test_a_report_left_from_an_earlier_run_is_named_stale_and_not_quoted(ckpt: P
     sections = {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
     assert "| serve | off |" in sections["Provenance"] and "| serve | done |" not in card.markdown
     assert "serve | skipped" not in card.markdown
-    stale = "`reports/serve.json` is left from an earlier run"
+    stale = "`reports/serve.json` is left from an earlier run: no step of the current `reports/pipeline.json` wrote it"
     assert stale in sections["Serving"] and stale in sections["What this card does not claim"]
     assert "ready after" not in sections["Serving"]  # nothing of the old server is quoted
     decision, lines = verdict_block(card.markdown)
     assert decision == "not established" and lines["served"][0] == "not established"
     assert "left from an earlier run" in lines["served"][1]
     assert card.problems["reports/serve.json"].startswith("left from an earlier run")
+
+
+def test_a_failed_steps_report_is_this_runs(ckpt: Path) -> None:
+    """The audit step failed on errors: the manifest records the audit.json it wrote, and the card
+    says do not ship from it (not "left from an earlier run")."""
+    edit(ckpt, "audit.json", _audit_error)
+
+    def audit_failed(doc: dict[str, Any]) -> None:
+        for step in doc["steps"]:
+            if step["name"] == "audit":
+                step.update(status="failed", message="the audit found 1 error(s) (scale-nonfinite)")
+                step["artifacts"] = {"reports/audit.json": step["artifacts"]["reports/audit.json"]}
+            elif step["name"] not in ("calibrate", "quantize", "kv"):
+                step.update(status="pending", artifacts={})
+
+    edit(ckpt, "pipeline.json", audit_failed)
+    card = render_card(ckpt)
+    decision, lines = verdict_block(card.markdown)
+    assert decision == "do not ship" and lines["audit"][0] == "do not ship"
+    assert "reports/audit.json" not in card.problems and "reports/fidelity.json" in card.problems  # later steps: stale
 
 
 def test_corrupt_and_missing_config_are_named_as_what_they_are(ckpt: Path) -> None:

@@ -137,6 +137,8 @@ def test_a_failed_step_stops_the_run_and_a_fixed_rerun_resumes_after_it(model: P
         run_pipeline(model, out, replace(SMALL, fidelity=replace(SMALL.fidelity, samples=100_000)))
     state = statuses(out)
     assert state["fidelity"] == "failed" and state["card"] == "pending"
+    records = {r["name"]: r for r in json.loads((out / "reports" / "pipeline.json").read_text())["steps"]}
+    assert records["fidelity"]["artifacts"] == {}  # it failed before writing its report: nothing is this run's
     assert all(state[n] == "done" for n in ("calibrate", "quantize", "kv", "audit", "bytes"))
     assert json.loads((out / "reports" / "pipeline.json").read_text())["status"] == "failed"
     assert not (out / "README.md").exists()
@@ -205,6 +207,29 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, mode
         assert proc.returncode == 2, (args, proc.stderr)
         assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not any(p.name.startswith("o") for p in tmp_path.iterdir())
+
+
+def test_a_failed_step_records_only_what_it_wrote(tmp_path: Path) -> None:
+    """A failed step's reports written before it failed are recorded (the card quotes them as this
+    run's); an earlier run's file it never reached is not."""
+    import os
+
+    from fp4forge.pipeline.run import _written_since
+    from fp4forge.pipeline.state import Hasher
+    from fp4forge.pipeline.steps import Context, Step
+
+    reports = tmp_path / "out" / "reports"
+    reports.mkdir(parents=True)
+    (reports / "old.json").write_text("{}")
+    os.utime(reports / "old.json", (1_000_000, 1_000_000))
+    since = time.time() - 1
+    (reports / "new.json").write_text('{"errors": 1}')
+    step = Step("x", "x", lambda ctx: {}, ("reports/old.json", "reports/new.json", "reports/never.json"), ())
+    written = _written_since(step, Context(tmp_path, tmp_path / "out", SMALL), Hasher(tmp_path / "h.json"), since)
+    assert list(written) == ["reports/new.json"]
+    import hashlib
+
+    assert written["reports/new.json"] == hashlib.sha256(b'{"errors": 1}').hexdigest()
 
 
 def test_the_cards_key_follows_which_steps_finished(tmp_path: Path) -> None:

@@ -179,8 +179,10 @@ def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | No
         record.status, record.seconds, record.message = FAILED, time.monotonic() - started, str(error)
         manifest.status = FAILED
         on_event(StepEvent(step.name, FAILED, detail=str(error)))
-        # Whatever the failed step managed to write stays in reports/ for inspection; its
-        # record is not finished, so the next run redoes it.
+        # Whatever the failed step managed to write stays in reports/ for inspection, recorded so
+        # that the card quotes it as this run's (an audit with errors); its record is not finished,
+        # so the next run redoes it.
+        record.artifacts = _written_since(step, ctx, hasher, time.time() - record.seconds)
         raise _step_failed(step, error, ctx.options) from error
     record.seconds = time.monotonic() - started
     record.artifacts = _artifact_hashes(step, ctx, hasher)
@@ -188,6 +190,17 @@ def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | No
     hasher.save()
     manifest.save()
     on_event(StepEvent(step.name, DONE, detail=_summary_text(record.summary)))
+
+
+def _written_since(step: Step, ctx: Context, hasher: Hasher, since: float) -> dict[str, str]:
+    """The hashes of the step's report artifacts written since ``since`` (a failed step's output,
+    not an earlier run's file it never reached)."""
+    written = {}
+    for rel in step.artifacts:
+        path = ctx.out / rel
+        if rel != "." and path.exists() and path.stat().st_mtime >= since:
+            written[rel] = hasher.path(path) or ""
+    return written
 
 
 def _named_by_path(step: Step, options: PipelineOptions) -> Any:

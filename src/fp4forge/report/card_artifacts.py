@@ -1,7 +1,7 @@
 """What the model card reads: the artifacts, each parsed once, and why one could not be used.
 
 An artifact is *missing* (no file), *corrupt* (present, but not a JSON object) or *stale*: a
-pipeline run's manifest (``reports/pipeline.json``) exists and no step it records as finished wrote
+pipeline run's manifest (``reports/pipeline.json``) exists and no step that ran in it wrote
 the file (left from an earlier run whose step is now off, e.g. ``serve.json`` after a re-run without
 ``--serve``). The card quotes none of them and names each as what it is. A server's life
 (``reports/servers/<role>.json``) is read again from its kept log by today's log doctor, so that what
@@ -18,8 +18,9 @@ from typing import Any
 
 SERVERS_DIR = "servers/"  # reports/servers/<role>.json and .log: each server's whole life
 
-# Step statuses of reports/pipeline.json whose artifacts belong to the run it records (pipeline/state.py).
-FINISHED_STEPS = ("done", "skipped", "running")
+# Step statuses of reports/pipeline.json whose recorded artifacts belong to the run it records
+# (pipeline/state.py; a failed step records what it wrote before it failed: an audit with errors).
+RAN_STEPS = ("done", "skipped", "running", "failed")
 MANIFEST_JSON = "pipeline.json"
 REPORTS_PREFIX = "reports/"  # how the manifest names an artifact under the reports directory
 
@@ -29,7 +30,7 @@ class Artifacts:
     """Reads artifacts on demand and remembers which were asked for and why one could not be used.
 
     An artifact is *missing* (no file), *corrupt* (a file that is not a JSON object), or *stale*: a
-    pipeline run's manifest (``reports/pipeline.json``) exists and no step it records as finished
+    pipeline run's manifest (``reports/pipeline.json``) exists and no step that ran in it
     wrote the file (left from an earlier run whose step is now off). The card quotes none of them
     and names each as what it is."""
 
@@ -87,27 +88,27 @@ class Artifacts:
             self._manifest = doc if problem is None and isinstance(doc.get("steps"), list) else None
         return self._manifest  # type: ignore[return-value]
 
-    def finished_steps(self) -> dict[str, dict[str, Any]]:
-        """The manifest's steps that finished in the run it records, by name ({} without a manifest)."""
+    def steps_that_ran(self) -> dict[str, dict[str, Any]]:
+        """The manifest's steps that ran in the run it records (finished, running or failed), by name ({} without a manifest)."""
         manifest = self.manifest() or {}
-        return {s.get("name"): s for s in manifest.get("steps", []) if isinstance(s, dict) and s.get("status") in FINISHED_STEPS}
+        return {s.get("name"): s for s in manifest.get("steps", []) if isinstance(s, dict) and s.get("status") in RAN_STEPS}
 
     def _stale(self, name: str, doc: dict[str, Any] | None) -> str | None:
         """Why a report is not the current run's (None: it is, or there is no manifest to say)."""
         if name.startswith("ckpt:") or name == MANIFEST_JSON or self.manifest() is None:
             return None
-        finished = self.finished_steps()
+        ran = self.steps_that_ran()
         if name.startswith(SERVERS_DIR):  # a server's life belongs to the steps it served
             served = (doc or {}).get("served_steps") or []
-            if any(step in finished for step in served):
+            if any(step in ran for step in served):
                 return None
-            return (f"left from an earlier run: the steps it served ({', '.join(served) or 'none'}) are not finished in "
+            return (f"left from an earlier run: the steps it served ({', '.join(served) or 'none'}) did not run in "
                     f"the current `reports/{MANIFEST_JSON}`")
         rel = REPORTS_PREFIX + name
-        for step in finished.values():
+        for step in ran.values():
             if any(rel == a or rel.startswith(a.rstrip("/") + "/") for a in step.get("artifacts") or {}):
                 return None
-        return f"left from an earlier run: no finished step of the current `reports/{MANIFEST_JSON}` wrote it"
+        return f"left from an earlier run: no step of the current `reports/{MANIFEST_JSON}` wrote it"
 
     def relative(self, path: Path, card_dir: Path) -> str:
         return Path(os.path.relpath(path, card_dir)).as_posix()
