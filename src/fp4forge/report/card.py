@@ -1,10 +1,13 @@
 """The model card: Markdown assembled only from artifacts that exist.
 
 Every number on the card comes from a file under ``reports/`` (or the checkpoint's own
-``config.json`` / ``fp4forge.json``); a section whose artifact is missing says so and lands in
-"What this card does not claim". Nothing here measures anything.
+``config.json`` / ``fp4forge.json``); a section whose artifact is missing, corrupt or left from an
+earlier run (``card_artifacts``) says so and lands in "What this card does not claim". Nothing here
+measures anything.
 
-``SECTIONS`` is the card's outline: title, the artifacts a section needs, and its renderer.
+The card opens with its verdict (``card_verdict``: ship / do not ship / not established, one line
+per report); ``SECTIONS`` is the rest of its outline: title, the artifacts a section needs, and its
+renderer.
 """
 
 from __future__ import annotations
