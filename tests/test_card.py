@@ -312,7 +312,10 @@ def test_card_cli(ckpt: Path, tmp_path: Path) -> None:
     proc = subprocess.run([fp4forge, "card", str(ckpt), "--out", str(target), "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["card"] == str(target) and doc["missing"] == []
+    assert doc["card"] == str(target) and doc["missing"] == [] and doc["unusable"] == {}
+    # the fixture's teacher cannot read its text and its reports predate intervals and power
+    assert doc["verdict"]["decision"] == "not established" and doc["verdict"]["rule"].startswith("Decision rule:")
+    assert [r["topic"] for r in doc["verdict"]["reasons"]] == ["audit", "served", "fidelity", "quality", "target numerics"]
     # Images are linked relative to the card's own directory.
     assert "](tiny-laguna-nvfp4/reports/plots/bytes.png)" in target.read_text()
     proc = subprocess.run([fp4forge, "card", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
