@@ -420,14 +420,7 @@ def quality_section(ctx: CardContext) -> list[str]:
     rows = [[c, *[f"{r['categories'][c]['earned']} / {r['categories'][c]['max']}" for r in runs]] for c in categories]
     rows.append(["**total**", *[f"{r['earned']} / {r['max']}" for r in runs]])
     lines += table(["category", *[f"run {r['run']}" for r in runs]], rows)
-    of_max = f" of {runs[0]['max']}" if runs else ""  # "28 / 28" would read as full marks
-    for arm, floor in doc.get("noise_floor", {}).items():
-        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals per run "
-                  f"{', '.join(str(t) for t in floor['total_per_run'])}{of_max}, "
-                  f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
-                  f"{floor['categories_moved']} of {len(floor['categories'])} categories moved."]
-    if not doc.get("noise_floor"):
-        ctx.non_claims.append("Quality ran once: its noise floor is unknown.")
+    lines += _score_floor_lines(ctx, doc)
     plot = _plot_quality(doc, ctx.plot_dir() / "quality.png")
     if plot:
         lines += ["", ctx.image(plot, "score per category and run")]
@@ -438,13 +431,38 @@ def quality_section(ctx: CardContext) -> list[str]:
     return lines
 
 
+def _score_floor_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
+    """Each arm's A/A floor, and whether its runs could measure one (greedy runs repeat themselves)."""
+    from fp4forge.quality.stats import arm_floor_status
+
+    runs = doc["runs"]
+    of_max = f" of {runs[0]['max']}" if runs else ""  # "28 / 28" would read as full marks
+    lines: list[str] = []
+    for arm, floor in doc.get("noise_floor", {}).items():
+        status = arm_floor_status(floor, [r.get("request") or {} for r in runs if r.get("arm") == arm])
+        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals per run "
+                  f"{', '.join(str(t) for t in floor['total_per_run'])}{of_max}, "
+                  f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
+                  f"{floor['categories_moved']} of {len(floor['categories'])} categories moved: {status['why']}."]
+        if not status["measured"]:
+            ctx.non_claims.append(f"Quality's noise floor (arm {arm}): {status['why']}.")
+    if not doc.get("noise_floor"):
+        ctx.non_claims.append("Quality ran once: its noise floor is unknown.")
+    return lines
+
+
 def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
-    from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows
+    from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows, power_lines
 
     arms, points, sign = doc["arms"], doc["points"], doc["sign_test"]
     low, high = doc["bootstrap_ci"]
+    power = doc.get("power") or {}
     lines = [f"A = `{arms['A']['label']}`, B = `{arms['B']['label']}`, {doc['runs']['A']} and {doc['runs']['B']} runs of "
              f"{doc['scenarios']} scenarios. **Verdict: {doc['verdict']['text']}.**", ""]
+    lines += [f"- {line}" for line in power_lines(power)] + [""]
+    if doc["verdict"].get("ordering") == "none" and doc["discordant"]:
+        ctx.non_claims.append("The paired quality comparison could not order the arms: that is not \"no regression\" "
+                              "(see the power statement in the Quality section).")
     lines += table(["test", "result"], [
         ["points, mean of runs", f"A {points['A']:.1f}, B {points['B']:.1f} of {doc['max_points']}; B − A {points['diff']:+.1f}"],
         ["95 % paired bootstrap CI, mean per-scenario difference", f"[{low:+.4f}, {high:+.4f}]"],
@@ -456,11 +474,23 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
 
     if answers_rows(doc):  # both arms: how many turns the suite could read
         lines += ["", *table(ANSWER_HEADERS, answers_rows(doc))]
-    lines += ["", *table(list(CATEGORY_HEADERS), category_rows(doc))]
+    lines += ["", "Per category (descriptive):", "",
+              *table(list(CATEGORY_HEADERS), category_rows(doc))]
+    lines += ["", *_flip_lines(doc)]
     plot = ctx.art.reports / "quality-teacher" / "category_scores.png"
     if plot.is_file():
         lines += ["", ctx.image(plot, "score per category, quantized vs teacher")]
     return lines
+
+
+def _flip_lines(doc: dict[str, Any]) -> list[str]:
+    """The flip list: every scenario whose score differs between the arms."""
+    flips = doc.get("flips") or []
+    if not flips:
+        return ["Flip list: none (every scenario earned the same points in both arms)."]
+    cells = [f"`{f['id']}` ({f['category']}, favours {f['favours']}"
+             + (", also flips within an arm" if f["flips_within_a"] or f["flips_within_b"] else "") + ")" for f in flips]
+    return [f"Flip list ({len(flips)} scenarios whose score differs between the arms): " + "; ".join(cells) + "."]
 
 
 def fidelity_section(ctx: CardContext) -> list[str]:

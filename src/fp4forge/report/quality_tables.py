@@ -115,7 +115,7 @@ def compare_markdown(doc: dict[str, Any]) -> str:
         "",
         f"## What {doc['scenarios']} scenarios can detect",
         "",
-        f"- The exact sign test needs at least {power['smallest_significant_discordance']} discordant scenarios, all in one direction, at α = {doc['alpha']}.",
+        *[f"- {line}" for line in power_lines(power)],
         "- Graded scores, 80% power: minimum detectable mean difference "
         + (f"{power['mde_80']:.3f} at the observed sd(d) = {power['sd_diff']:.3f}; " if power["mde_80"] is not None else "")
         + ", ".join(f"{v:.3f} at sd {k}" for k, v in power["mde_80_by_sd"].items()) + ".",
@@ -133,6 +133,25 @@ def compare_markdown(doc: dict[str, Any]) -> str:
     if doc.get("warnings"):
         lines += ["", "## Warnings", "", *[f"- {w}" for w in doc["warnings"]]]
     return "\n".join(lines) + "\n"
+
+
+def power_lines(power: dict[str, Any]) -> list[str]:
+    """The comparison's power statement as sentences (``compare.json``'s ``power``), for the
+    comparison's Markdown and the model card alike; a document without one says so."""
+    if "min_discordant" not in power:
+        return ["This comparison states no power (written by an older fp4forge): re-run `fp4forge quality compare`."]
+    floor = power["floor"]
+    lines = [f"A/A {floor['why']}."]
+    if power["floor_effect"]:
+        lines.append(f"**Floor effect** (both arms below {power['floor_effect_level']:.0%}): {power['floor_effect']}.")
+    lines.append(f"Power: {power['text']}.")
+    if power["power_at_observed"]:
+        lines.append("Sign test's power at the observed discordance ψ = " + f"{power['observed_discordance']:.3f}: " + ", ".join(
+            f"{row['power']:.2f} when {row['q']:.0%} of discordant scenarios favour one arm (gap δ = {row['delta']:.3f})"
+            for row in power["power_at_observed"]) + ".")
+    if power["descriptive_categories"]:
+        lines.append("Per-category tables are descriptive: a few scenarios per category support no per-category test.")
+    return lines
 
 
 def _describe_arm(arm: dict[str, Any]) -> str:
