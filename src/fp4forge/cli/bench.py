@@ -96,6 +96,9 @@ def perf_command(
     tokenizer: Optional[str] = typer.Option(PerfOptions.tokenizer, "--tokenizer", help="Count tokens with this tokenizer instead of the server's /tokenize."),
     timeout_s: float = typer.Option(PerfOptions.timeout_s, "--timeout", help="Seconds one request may take before it counts as failed."),
     seed: int = typer.Option(PerfOptions.seed, "--seed", help="Seed for prompt filler and Poisson gaps."),
+    repeats: Optional[int] = typer.Option(PerfOptions.repeats, "--repeats", min=1, help="Rounds over the shapes, each in a fresh random order (default: one kept request per shape per round in sequential mode, else 1)."),
+    order_seed: int = typer.Option(PerfOptions.order_seed, "--order-seed", help="Seed of the shapes' random order in each round."),
+    server_log: Optional[Path] = typer.Option(PerfOptions.server_log, "--server-log", help="The server's log: its warnings are recorded in run.json."),
     as_json: bool = typer.Option(False, "--json", help="Print summary.json instead of tables."),
     no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
 ) -> None:
@@ -111,6 +114,7 @@ def perf_command(
             concurrency=_int_list(concurrency, "--concurrency"), rates_rps=_float_list(rate, "--rate"), warmups=warmups,
             samples=samples, prefix_cache_fraction=prefix_fraction if prefix_cache else 0.0, output_control=output_control,
             extra_body=_extra_body(extra_body), tokenizer=tokenizer, timeout_s=timeout_s, seed=seed,
+            repeats=repeats, order_seed=order_seed, server_log=server_log,
         )
         with LiveCells(enabled=not as_json) as live:
             result = run_perf(options, on_event=live.update, presenter=BENCH_PRESENTER, plots=not no_plots)
