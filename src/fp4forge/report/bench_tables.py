@@ -152,7 +152,8 @@ def order_lines(summary: dict[str, Any]) -> list[str]:
     for entry in summary.get("order", []):
         r = entry["order_correlation"]
         lines.append(f"load {entry['load']}: send order: {rounds}; r = " + ("–" if r is None else f"{r:+.2f}")
-                     + f" between a request's position and its prompt length ({stats.ORDER_TEST_TEXT})")
+                     + f" between a request's position and its prompt length (a trend claim needs |r| < "
+                       f"{stats.ORDER_CORRELATION_LIMIT} and the trend in both halves of the run)")
     return lines
 
 
