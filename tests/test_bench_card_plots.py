@@ -39,7 +39,7 @@ def curved_run() -> list[dict[str, Any]]:
     return samples
 
 
-def legends_and_card(tmp_path: Path, samples_jsonl: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], str]:
+def legends_and_card(tmp_path: Path, samples_jsonl: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], str, str]:
     pytest.importorskip("matplotlib")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(CARD_FIXTURE, ckpt)
@@ -63,21 +63,26 @@ def legends_and_card(tmp_path: Path, samples_jsonl: str, monkeypatch: pytest.Mon
         monkeypatch.setattr(bench_plots, name, spy(getattr(bench_plots, name)))
     summary = analyze_dir(bench, presenter=bench_plots.BENCH_PRESENTER)
     assert summary["plots"] and labels
-    card = render_card(ckpt).markdown
-    performance = re.split(r"^## ", card, flags=re.M)
-    return labels, next(part for part in performance if part.startswith("Performance"))
+    parts = re.split(r"^## ", render_card(ckpt).markdown, flags=re.M)
+    section = {part.split("\n", 1)[0]: part for part in parts}
+    return labels, section["Performance"], section["What this card does not claim"]
 
 
 @pytest.mark.parametrize("run", ["real", "curved"])
 def test_every_number_in_the_plots_is_on_the_card(run: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = (REAL_RUN / "samples.jsonl").read_text() if run == "real" else "".join(json.dumps(s) + "\n" for s in curved_run())
-    labels, card = legends_and_card(tmp_path, text, monkeypatch)
+    labels, card, non_claims = legends_and_card(tmp_path, text, monkeypatch)
     for label in labels:
         for number in NUMBER.findall(label.split(":", 1)[1] if label.startswith("c1:") else label):
             assert number in card, f"{number!r} of the plot's {label!r} is not on the card"
     plotted = {value for label in labels for value in R2.findall(label)}
     stated = set(R2.findall(card))
     assert plotted and plotted == stated  # each R² the card states is a fit drawn with that number
-    if run == "curved":
+    assert "host: not recorded" in card and "speed was measured on (CPU, cores, load) was not recorded" in non_claims
+    trend_withheld = "No speed trend across context is claimed" in non_claims
+    if run == "curved":  # random rounds: the trends stand
         assert any("quadratic (curved)" in label for label in labels) and "TTFT is curved" in card
         assert any("falls with context" in label for label in labels)
+        assert not trend_withheld
+    else:  # the real run went shortest prompt first
+        assert trend_withheld and "r = +0.98" in card

@@ -387,11 +387,26 @@ def performance_section(ctx: CardContext) -> list[str]:
     lines += ["", *[f"- {line}" for line in notes(summary)]]
     for png in sorted((ctx.art.reports / "bench").glob("*.png")):
         lines += ["", ctx.image(png, png.stem.replace("_", " "))]
+    ctx.non_claims += _performance_non_claims(summary)
     served = ctx.art.json("serve.json") if ctx.art.exists("serve.json") else None
     if served and served.get("hardware") == "cpu":
         ctx.non_claims.append("Performance was measured on vLLM's CPU build with fp4forge's emulation plugin: it says nothing "
                               "about GPU kernels' speed.")
     return lines
+
+
+def _performance_non_claims(summary: dict[str, Any]) -> list[str]:
+    """What the speed figures cannot say: no host recorded, no order test possible."""
+    from fp4forge.bench.stats import ORDER_CORRELATION_LIMIT
+
+    claims = []
+    if not (summary.get("run") or {}).get("host"):
+        claims.append("The machine the speed was measured on (CPU, cores, load) was not recorded: the figures have no context.")
+    ordered = [e["load"] for e in summary.get("order", []) if e["order_correlation"] is None or abs(e["order_correlation"]) >= ORDER_CORRELATION_LIMIT]
+    if ordered or "order" not in summary:
+        claims.append("No speed trend across context is claimed where the shapes ran in an order that follows context, or in an "
+                      "unrecorded order" + (f" (load {', '.join(ordered)})" if ordered else "") + ": such a trend cannot be told from drift.")
+    return claims
 
 
 def quality_section(ctx: CardContext) -> list[str]:
