@@ -84,6 +84,17 @@ def group_cells(samples: Iterable[dict[str, Any]]) -> dict[tuple[str, str], list
     return cells
 
 
+def ladder_order(cells: dict[tuple[str, str], list[dict[str, Any]]]) -> list[tuple[str, str]]:
+    """Cell keys by load point (as first sent), then by prompt length: the shapes ran in random order."""
+    loads = list(dict.fromkeys(load for load, _ in cells))
+
+    def key(cell: tuple[str, str]) -> tuple[int, float, str]:
+        tokens = [s["prompt_tokens"] for s in cells[cell] if s.get("prompt_tokens") is not None]
+        return (loads.index(cell[0]), float(np.median(tokens)) if tokens else float("inf"), cell[1])
+
+    return sorted(cells, key=key)
+
+
 def kept_ok(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [s for s in samples if s["ok"] and not s.get("warmup", False)]
 
@@ -181,7 +192,7 @@ def summarize_samples(
 ) -> dict[str, Any]:
     """Everything ``summary.json`` holds, from samples (plus optional server-side context)."""
     cells = group_cells(samples)
-    entries = [summarize_cell(group) for group in cells.values()]
+    entries = [summarize_cell(cells[key]) for key in ladder_order(cells)]
     metrics_by_cell = merged_server_metrics(server_metrics)
     for entry in entries:
         entry["server"] = metrics_by_cell.get((entry["load"], entry["shape"]))
@@ -360,7 +371,7 @@ def compare_samples(samples_a: Sequence[dict[str, Any]], samples_b: Sequence[dic
     """Per matching (load, shape): median(B) / median(A) with a bootstrap CI, and a verdict."""
     cells_a, cells_b = group_cells(samples_a), group_cells(samples_b)
     rows = []
-    for key in [k for k in cells_a if k in cells_b]:
+    for key in [k for k in ladder_order(cells_a) if k in cells_b]:
         kept_a, kept_b = kept_ok(cells_a[key]), kept_ok(cells_b[key])
         rows.append(
             {

@@ -104,7 +104,6 @@ def perf_command(
 ) -> None:
     """Measure TTFT, prefill and decode per prompt length, warmups discarded, every request kept."""
     from fp4forge.bench.perf import perf_options, run_perf
-    from fp4forge.bench.runner import BenchAborted
     from fp4forge.report.bench_plots import BENCH_PRESENTER
 
     try:
@@ -122,6 +121,13 @@ def perf_command(
         raise _fail(error, EXIT_UNUSABLE, as_json) from None
 
     _print_summary(result.summary, as_json)
+    _exit_as_the_run_ended(result, out_dir, as_json)
+
+
+def _exit_as_the_run_ended(result: Any, out_dir: Path, as_json: bool) -> None:
+    """The exit code of a finished `bench perf` (docs/bench.md#exit-codes-of-bench-perf)."""
+    from fp4forge.bench.runner import BenchAborted
+
     ending: tuple[int, str] | None = None
     if result.interrupted:
         ending = (EXIT_INTERRUPTED, f"interrupted; every finished sample is in {out_dir / 'samples.jsonl'}")

@@ -110,18 +110,9 @@ def compare_markdown(doc: dict[str, Any]) -> str:
         ])
     else:
         lines.append("None: every scenario earned the same points in both arms.")
-    power = doc["power"]
     lines += [
         "",
-        f"## What {doc['scenarios']} scenarios can detect",
-        "",
-        *[f"- {line}" for line in power_lines(power)],
-        "- Graded scores, 80% power: minimum detectable mean difference "
-        + (f"{power['mde_80']:.3f} at the observed sd(d) = {power['sd_diff']:.3f}; " if power["mde_80"] is not None else "")
-        + ", ".join(f"{v:.3f} at sd {k}" for k, v in power["mde_80_by_sd"].items()) + ".",
-        "",
-        *_table(["discordance ψ", "share favouring one arm q", "gap δ", "power"],
-                [[f"{row['psi']:.3f}", f"{row['q']:.1f}", f"{row['delta']:.3f}", f"{row['power']:.2f}"] for row in power["sign_test"]]),
+        *_power_section(doc),
         "",
         "## Defects reported beside the score (scenarios affected, per run)",
         "",
@@ -133,6 +124,21 @@ def compare_markdown(doc: dict[str, Any]) -> str:
     if doc.get("warnings"):
         lines += ["", "## Warnings", "", *[f"- {w}" for w in doc["warnings"]]]
     return "\n".join(lines) + "\n"
+
+
+def _power_section(doc: dict[str, Any]) -> list[str]:
+    power = doc["power"]
+    return [
+        f"## What {doc['scenarios']} scenarios can detect",
+        "",
+        *[f"- {line}" for line in power_lines(power)],
+        "- Graded scores, 80% power: minimum detectable mean difference "
+        + (f"{power['mde_80']:.3f} at the observed sd(d) = {power['sd_diff']:.3f}; " if power["mde_80"] is not None else "")
+        + ", ".join(f"{v:.3f} at sd {k}" for k, v in power["mde_80_by_sd"].items()) + ".",
+        "",
+        *_table(["discordance ψ", "share favouring one arm q", "gap δ", "power"],
+                [[f"{row['psi']:.3f}", f"{row['q']:.1f}", f"{row['delta']:.3f}", f"{row['power']:.2f}"] for row in power["sign_test"]]),
+    ]
 
 
 def power_lines(power: dict[str, Any]) -> list[str]:
