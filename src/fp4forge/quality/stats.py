@@ -343,7 +343,7 @@ def floor_statement(floors: Mapping[str, dict[str, Any]], requests: Mapping[str,
 def _floor_why(arms: Mapping[str, dict[str, Any]]) -> str:
     reasons = {status["why"] for status in arms.values()}
     if len(reasons) == 1:
-        return f"both arms: {reasons.pop()}" if len(arms) > 1 else reasons.pop()
+        return f"{reasons.pop()} (both arms)" if len(arms) > 1 else reasons.pop()
     return "; ".join(f"{arm}: {status['why']}" for arm, status in arms.items())
 
 

@@ -180,7 +180,8 @@ def _floor_categories(floor: dict[str, Any]) -> str:
 
 
 def compare_rich(doc: dict[str, Any]) -> Table:
-    table = Table(title=f"A = {doc['arms']['A']['label']}, B = {doc['arms']['B']['label']}", caption=doc["verdict"]["text"])
+    caption = "\n".join([doc["verdict"]["text"], *power_lines(doc.get("power") or {})]).replace("**", "")  # the power beside the verdict
+    table = Table(title=f"A = {doc['arms']['A']['label']}, B = {doc['arms']['B']['label']}", caption=caption)
     for header in CATEGORY_HEADERS:
         table.add_column(header, justify="left" if header == "category" else "right")
     for row in category_rows(doc):
