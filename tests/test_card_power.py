@@ -49,6 +49,7 @@ def test_the_fixture_comparison_states_its_power_on_the_card(ckpt: Path) -> None
     assert rows[0][-1].strip() == "within noise" and len(rows) == len(doc["categories"]) + 2
     assert all(row[-1].strip() == "–" for row in rows[2:])  # greedy twice: no category is called within or outside noise
     assert "greedy is deterministic" in non_claims
+    assert f"The paired quality comparison (no difference) is not evidence of no regression: {power['text']}." in non_claims
 
 
 def plant_comparison(ckpt: Path, **compare: Any) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def test_cannot_order_names_what_the_suite_could_have_detected(ckpt: Path) -> No
                            requests={"A": sampled, "B": sampled})
     text, non_claims = quality_text(ckpt)
     assert doc["verdict"]["label"] == "cannot order the arms"
-    assert "is not \"no regression\"" in non_claims
+    assert "The paired quality comparison (cannot order the arms) is not evidence of no regression" in non_claims
     detectable = doc["power"]["detectable"]
     assert f"{detectable['one_way_share']:.1%} of scenarios" in text
     assert f"(with the observed 1 the other way: {doc['power']['min_discordant_given_minority']['majority']})" in text

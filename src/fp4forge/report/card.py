@@ -475,9 +475,9 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
     lines = [f"A = `{arms['A']['label']}`, B = `{arms['B']['label']}`, {doc['runs']['A']} and {doc['runs']['B']} runs of "
              f"{doc['scenarios']} scenarios. **Verdict: {doc['verdict']['text']}.**", ""]
     lines += [f"- {line}" for line in power_lines(power)] + [""]
-    if doc["verdict"].get("ordering") == "none" and doc["discordant"]:
-        ctx.non_claims.append("The paired quality comparison could not order the arms: that is not \"no regression\" "
-                              "(see the power statement in the Quality section).")
+    if doc["verdict"].get("ordering") == "none" and doc["verdict"].get("label") != "refused":
+        ctx.non_claims.append(f"The paired quality comparison ({doc['verdict'].get('label')}) is not evidence of no regression"
+                              + (f": {power['text']}." if power.get("text") else " (it states no power)."))
     lines += table(["test", "result"], [
         ["points, mean of runs", f"A {points['A']:.1f}, B {points['B']:.1f} of {doc['max_points']}; B − A {points['diff']:+.1f}"],
         ["95 % paired bootstrap CI, mean per-scenario difference", f"[{low:+.4f}, {high:+.4f}]"],
