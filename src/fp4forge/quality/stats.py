@@ -312,7 +312,7 @@ def arm_floor_status(floor: dict[str, Any], requests: Sequence[Mapping[str, Any]
         return {"measured": False, "kind": "one run", "why": "floor not measured: one run (an A/A floor needs two or more)"}
     if not requests or None in temperatures:
         return {"measured": True, "kind": "unrecorded", "why": f"floor measured from {runs} runs (their sampling is not recorded)"}
-    if temperatures == {0.0} or temperatures == {0}:
+    if temperatures == {0}:  # greedy (0 == 0.0)
         if flips == 0:
             return {"measured": False, "kind": "greedy",
                     "why": f"{GREEDY_DETERMINISTIC} ({runs} runs at temperature 0 repeat every score; sampled runs "

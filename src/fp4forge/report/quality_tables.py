@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
+from fp4forge.quality.stats import arm_floor_status
 from fp4forge.report.markdown import table
 
 
@@ -245,7 +246,8 @@ def score_markdown(doc: dict[str, Any]) -> str:
         lines += ["", f"## Noise floor of arm {arm} ({floor['runs']} runs)", "",
                   f"- totals per run {_runs(floor['total_per_run'])} (spread {floor['spread_points']} points);",
                   f"- {len(floor['flipping_scenarios'])} scenarios flip: {', '.join(floor['flipping_scenarios']) or 'none'};",
-                  f"- {floor['categories_moved']} of {len(floor['categories'])} categories moved."]
+                  f"- {floor['categories_moved']} of {len(floor['categories'])} categories moved;",
+                  f"- {arm_floor_status(floor, [r.get('request') or {} for r in runs if r.get('arm') == arm])['why']}."]
     warnings = [w for r in runs for w in r["warnings"]]
     if warnings:
         lines += ["", "## Warnings", "", *[f"- {w}" for w in warnings]]
