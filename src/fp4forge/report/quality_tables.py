@@ -103,14 +103,8 @@ def compare_markdown(doc: dict[str, Any]) -> str:
         "",
         "## Flip list (scenarios whose score differs between the arms)",
         "",
+        *_flip_table(doc),
     ]
-    if doc["flips"]:
-        lines += _table(["scenario", "category", "max", "A per run", "B per run", "favours", "flips within A", "flips within B"], [
-            [f["id"], f["category"], str(f["max"]), _runs(f["a"]), _runs(f["b"]), f["favours"],
-             "yes" if f["flips_within_a"] else "no", "yes" if f["flips_within_b"] else "no"] for f in doc["flips"]
-        ])
-    else:
-        lines.append("None: every scenario earned the same points in both arms.")
     lines += [
         "",
         *_power_section(doc),
@@ -125,6 +119,15 @@ def compare_markdown(doc: dict[str, Any]) -> str:
     if doc.get("warnings"):
         lines += ["", "## Warnings", "", *[f"- {w}" for w in doc["warnings"]]]
     return "\n".join(lines) + "\n"
+
+
+def _flip_table(doc: dict[str, Any]) -> list[str]:
+    if not doc["flips"]:
+        return ["None: every scenario earned the same points in both arms."]
+    return _table(["scenario", "category", "max", "A per run", "B per run", "favours", "flips within A", "flips within B"], [
+        [f["id"], f["category"], str(f["max"]), _runs(f["a"]), _runs(f["b"]), f["favours"],
+         "yes" if f["flips_within_a"] else "no", "yes" if f["flips_within_b"] else "no"] for f in doc["flips"]
+    ])
 
 
 def _power_section(doc: dict[str, Any]) -> list[str]:
