@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -263,6 +264,15 @@ def test_steps_table_is_consistent() -> None:
     assert len({s.name for s in STEPS}) == len(STEPS)
 
 
+def assert_bench_context(bench: dict[str, Any], samples: Path) -> None:
+    """Issue 36: the speed figures carry their host and the served log's warnings, sent in random rounds."""
+    host = bench["run"]["host"]
+    assert host["cores_logical"] >= 1 and host["load_before"] and host["load_after"]
+    assert host["server_warnings"]["before_run"]["count"] > 0  # vLLM CPU warns at start-up (no Triton, ...)
+    rounds = {json.loads(line).get("round") for line in samples.read_text().splitlines()}
+    assert bench["run"]["order"]["repeats"] > 1 and len(rounds - {None}) == bench["run"]["order"]["repeats"]
+
+
 @pytest.mark.slow
 def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path: Path, vllm_venv: Path) -> None:
     """The README's main job with serving: vLLM CPU + the plugin serves the export, the doctor reads
@@ -299,6 +309,7 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     assert "fp4forge-plugin-active" in ids and not [f for f in served["findings"] if f["severity"] == "error"]
     bench = json.loads((out / "reports" / "bench" / "summary.json").read_text())
     assert bench["totals"]["failed"] == 0 and bench["totals"]["kept_ok"] > 0
+    assert_bench_context(bench, out / "reports" / "bench" / "samples.jsonl")
     score = json.loads((out / "reports" / "quality" / "score.json").read_text())
     assert [r["run"] for r in score["runs"]] == [1, 2]
     assert all(Path(r["path"]).is_file() for r in score["runs"])  # transcripts where the score says

@@ -445,7 +445,7 @@ def run_perf(ctx: Context) -> dict[str, Any]:
     o = ctx.options
     record = ctx.slot("student").get()
     staged = ctx.staging("perf") / "bench"
-    options = replace(o.perf, url=record.base_url, model=record.name, out_dir=staged)
+    options = replace(o.perf, url=record.base_url, model=record.name, out_dir=staged, server_log=Path(record.log))
     config = options.bench_config
     requests = len(config.shapes) * len(config.points) * (config.warmups + config.samples)
     finished: dict[tuple[str, str], int] = {}

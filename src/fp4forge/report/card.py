@@ -378,11 +378,26 @@ def performance_section(ctx: CardContext) -> list[str]:
     lines += ["", *[f"- {line}" for line in notes(summary)]]
     for png in sorted((ctx.art.reports / "bench").glob("*.png")):
         lines += ["", ctx.image(png, png.stem.replace("_", " "))]
+    ctx.non_claims += _performance_non_claims(summary)
     served = ctx.art.json("serve.json") if ctx.art.exists("serve.json") else None
     if served and served.get("hardware") == "cpu":
         ctx.non_claims.append("Performance was measured on vLLM's CPU build with fp4forge's emulation plugin: it says nothing "
                               "about GPU kernels' speed.")
     return lines
+
+
+def _performance_non_claims(summary: dict[str, Any]) -> list[str]:
+    """What the speed figures cannot say: no host recorded, no order test possible."""
+    from fp4forge.bench.stats import ORDER_CORRELATION_LIMIT
+
+    claims = []
+    if not (summary.get("run") or {}).get("host"):
+        claims.append("The machine the speed was measured on (CPU, cores, load) was not recorded: the figures have no context.")
+    ordered = [e["load"] for e in summary.get("order", []) if e["order_correlation"] is None or abs(e["order_correlation"]) >= ORDER_CORRELATION_LIMIT]
+    if ordered or "order" not in summary:
+        claims.append("No speed trend across context is claimed where the shapes ran in an order that follows context, or in an "
+                      "unrecorded order" + (f" (load {', '.join(ordered)})" if ordered else "") + ": such a trend cannot be told from drift.")
+    return claims
 
 
 def quality_section(ctx: CardContext) -> list[str]:
@@ -411,14 +426,7 @@ def quality_section(ctx: CardContext) -> list[str]:
     rows = [[c, *[f"{r['categories'][c]['earned']} / {r['categories'][c]['max']}" for r in runs]] for c in categories]
     rows.append(["**total**", *[f"{r['earned']} / {r['max']}" for r in runs]])
     lines += table(["category", *[f"run {r['run']}" for r in runs]], rows)
-    of_max = f" of {runs[0]['max']}" if runs else ""  # "28 / 28" would read as full marks
-    for arm, floor in doc.get("noise_floor", {}).items():
-        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals per run "
-                  f"{', '.join(str(t) for t in floor['total_per_run'])}{of_max}, "
-                  f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
-                  f"{floor['categories_moved']} of {len(floor['categories'])} categories moved."]
-    if not doc.get("noise_floor"):
-        ctx.non_claims.append("Quality ran once: its noise floor is unknown.")
+    lines += _score_floor_lines(ctx, doc)
     plot = _plot_quality(doc, ctx.plot_dir() / "quality.png")
     if plot:
         lines += ["", ctx.image(plot, "score per category and run")]
@@ -429,13 +437,38 @@ def quality_section(ctx: CardContext) -> list[str]:
     return lines
 
 
+def _score_floor_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
+    """Each arm's A/A floor, and whether its runs could measure one (greedy runs repeat themselves)."""
+    from fp4forge.quality.stats import arm_floor_status
+
+    runs = doc["runs"]
+    of_max = f" of {runs[0]['max']}" if runs else ""  # "28 / 28" would read as full marks
+    lines: list[str] = []
+    for arm, floor in doc.get("noise_floor", {}).items():
+        status = arm_floor_status(floor, [r.get("request") or {} for r in runs if r.get("arm") == arm])
+        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals per run "
+                  f"{', '.join(str(t) for t in floor['total_per_run'])}{of_max}, "
+                  f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
+                  f"{floor['categories_moved']} of {len(floor['categories'])} categories moved: {status['why']}."]
+        if not status["measured"]:
+            ctx.non_claims.append(f"Quality's noise floor (arm {arm}): {status['why']}.")
+    if not doc.get("noise_floor"):
+        ctx.non_claims.append("Quality ran once: its noise floor is unknown.")
+    return lines
+
+
 def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
-    from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows
+    from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows, power_lines
 
     arms, points, sign = doc["arms"], doc["points"], doc["sign_test"]
     low, high = doc["bootstrap_ci"]
+    power = doc.get("power") or {}
     lines = [f"A = `{arms['A']['label']}`, B = `{arms['B']['label']}`, {doc['runs']['A']} and {doc['runs']['B']} runs of "
              f"{doc['scenarios']} scenarios. **Verdict: {doc['verdict']['text']}.**", ""]
+    lines += [f"- {line}" for line in power_lines(power)] + [""]
+    if doc["verdict"].get("ordering") == "none" and doc["verdict"].get("label") != "refused":
+        ctx.non_claims.append(f"The paired quality comparison ({doc['verdict'].get('label')}) is not evidence of no regression"
+                              + (f": {power['text']}." if power.get("text") else " (it states no power)."))
     lines += table(["test", "result"], [
         ["points, mean of runs", f"A {points['A']:.1f}, B {points['B']:.1f} of {doc['max_points']}; B − A {points['diff']:+.1f}"],
         ["95 % paired bootstrap CI, mean per-scenario difference", f"[{low:+.4f}, {high:+.4f}]"],
@@ -447,11 +480,23 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
 
     if answers_rows(doc):  # both arms: how many turns the suite could read
         lines += ["", *table(ANSWER_HEADERS, answers_rows(doc))]
-    lines += ["", *table(list(CATEGORY_HEADERS), category_rows(doc))]
+    lines += ["", "Per category (descriptive):", "",
+              *table(list(CATEGORY_HEADERS), category_rows(doc))]
+    lines += ["", *_flip_lines(doc)]
     plot = ctx.art.reports / "quality-teacher" / "category_scores.png"
     if plot.is_file():
         lines += ["", ctx.image(plot, "score per category, quantized vs teacher")]
     return lines
+
+
+def _flip_lines(doc: dict[str, Any]) -> list[str]:
+    """The flip list: every scenario whose score differs between the arms."""
+    flips = doc.get("flips") or []
+    if not flips:
+        return ["Flip list: none (every scenario earned the same points in both arms)."]
+    cells = [f"`{f['id']}` ({f['category']}, favours {f['favours']}"
+             + (", also flips within an arm" if f["flips_within_a"] or f["flips_within_b"] else "") + ")" for f in flips]
+    return [f"Flip list ({len(flips)} scenarios whose score differs between the arms): " + "; ".join(cells) + "."]
 
 
 def fidelity_section(ctx: CardContext) -> list[str]:
