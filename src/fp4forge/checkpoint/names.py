@@ -10,6 +10,10 @@ HF_QUANT_CONFIG_JSON = "hf_quant_config.json"  # ModelOpt's quantization declara
 PROVENANCE_JSON = "fp4forge.json"  # what fp4forge did to the checkpoint (recipe, sources, scales)
 KV_SCALES_SAFETENSORS = "model-kvscales.safetensors"  # the extra shard `kv calibrate` installs
 JOURNAL_FILE = ".fp4forge-journal"  # the writer's resume journal inside a partial output
+# A testbed's own text, shipped beside its weights (JSONL, ``{"text": ...}`` per line, as
+# ``--calib-text`` / ``--fidelity-text`` read them): calibration documents and held-out documents.
+CALIBRATION_TEXT_FILE = "fp4forge-calibration.jsonl"
+HELDOUT_TEXT_FILE = "fp4forge-heldout.jsonl"
 
 # What open_checkpoint reads besides config.json (into Checkpoint.extra_json).
 EXTRA_JSON = (HF_QUANT_CONFIG_JSON, PROVENANCE_JSON)
