@@ -39,7 +39,7 @@ from fp4forge.checkpoint.skeleton import (
     count_parameters,
     model_config_dict,
 )
-from fp4forge.checkpoint.names import CALIBRATION_TEXT_FILE, CONFIG_JSON, HELDOUT_TEXT_FILE
+from fp4forge.checkpoint.names import CALIBRATION_TEXT_FILE, CONFIG_JSON, HELDOUT_TEXT_FILE, TOKENIZER_FILES
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.checkpoint.atomic import ensure_fresh_output
@@ -61,7 +61,6 @@ COMPANION_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # a source that has one keeps it
 
 # --shrink: the keys it divides (docs/testbed.md#synth-shrink). Widths stay multiples of 64, so
 # NVFP4's 16-element blocks and vLLM's MoE kernels still divide evenly; per-head dims, top-k, the
@@ -218,6 +217,7 @@ def _check_shrunk(config: dict[str, Any], divisor: int) -> None:
 
 # -- the testbed's tokenizer, text and card -------------------------------------------------------
 def _has_tokenizer(source_dir: Path | None) -> bool:
+    """A source that has a tokenizer keeps it."""
     return source_dir is not None and any((source_dir / name).is_file() for name in TOKENIZER_FILES)
 
 
