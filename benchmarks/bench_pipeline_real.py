@@ -19,8 +19,9 @@ allocator, allocated and reserved, in that process). The projection: for each st
 ``per_layer = (t(N2) - t(N1)) / (N2 - N1)``, ``fixed = t(N1) - N1 * per_layer`` and
 ``t(48) = fixed + 48 * per_layer``; its assumptions are written beside it (``ASSUMPTIONS``).
 
-Writes ``pipeline-real.json`` and ``pipeline-real.md`` to ``--out`` (default ``$OUT``, else
-``benchmarks/out/pipeline-real``); the JSON is rewritten after each N, so a run stopped by a time
+Writes ``pipeline-real.json`` and ``pipeline-real.md`` (a benchmarks/RESULTS.md section with its
+command, machine, date, goal and raw-data fields filled in) to ``--out`` (default ``$OUT``, else
+``benchmarks/out/pipeline-real``); both are rewritten after each N, so a run stopped by a time
 limit keeps what it measured. The sources are deleted after their run (disk: N=4 is 16.5 GB).
 
     python3 benchmarks/bench_pipeline_real.py --layers 2,4                 # one H100: about 5 minutes
@@ -171,10 +172,19 @@ def machine() -> dict:
 
 
 def markdown(doc: dict) -> str:
-    runs, lines = doc["runs"], []
-    m = doc["machine"]
-    lines += [f"Machine: {m['gpu'] or 'CPU only'}, {m['cpu_cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, torch {m['torch']}, "
-              f"transformers {m['transformers']}, {m['date']}. Preset `{PRESET}` at shrink {doc['shrink']}, recipe `{RECIPE}`.", ""]
+    """A benchmarks/RESULTS.md section (its fields filled from the run; the figures' reading is left
+    to whoever records it)."""
+    runs, m = doc["runs"], doc["machine"]
+    lines = ["## The pipeline at real width", "",
+             f"`fp4forge pipeline` (no serving) on N `{PRESET}` layers ({_width(doc['shrink'])}, `testbed synth`), "
+             f"recipe `{RECIPE}`, each run from shards evicted from the page cache; the 48-layer projection from the "
+             "per-layer costs.", "",
+             f"- **Command:** `{doc['command']}`",
+             f"- **Machine:** {m['gpu'] or 'CPU only'}, {m['cpu_cores']} CPU cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, "
+             f"torch {m['torch']}, transformers {m['transformers']}",
+             f"- **Date:** {m['date']}",
+             "- **Goal:** the projected 48-layer pipeline ≤ 15 minutes on one H100",
+             "- **Raw data:** [data/pipeline-real/](data/pipeline-real/) (`pipeline-real.json`)", ""]
     lines += ["| step | " + " | ".join(f"N={r['layers']} (s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
     for step in STEPS:
         lines.append(f"| {step} | " + " | ".join(f"{r['step_seconds'].get(step, float('nan')):.1f}" for r in runs) + " |")
@@ -194,6 +204,10 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {step} | {row['fixed_s']:.1f} | {row['per_layer_s']:.2f} | {row[projected]:.0f} |")
         lines += ["", "Assumptions:", ""] + [f"- {a}" for a in p["assumptions"]]
     return "\n".join(lines) + "\n"
+
+
+def _width(shrink: int) -> str:
+    return "full width" if shrink == 1 else f"widths / {shrink}"
 
 
 def _gb(value: int | None) -> str:
@@ -218,7 +232,8 @@ def main() -> None:
         args.fidelity_samples, args.fidelity_seq_len = 2, 64
     layer_counts = sorted(int(n) for n in args.layers.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"preset": PRESET, "recipe": RECIPE, "shrink": args.shrink, "machine": machine(), "runs": [], "projection": None}
+    command = "python3 benchmarks/bench_pipeline_real.py " + " ".join(sys.argv[1:])
+    doc = {"preset": PRESET, "recipe": RECIPE, "shrink": args.shrink, "command": command.strip(), "machine": machine(), "runs": [], "projection": None}
     with tempfile.TemporaryDirectory(dir=args.work) as scratch:
         for layers in layer_counts:
             doc["runs"].append(run_one(Path(scratch), layers, args))
