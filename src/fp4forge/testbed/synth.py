@@ -281,6 +281,8 @@ def synth_checkpoint(
     config = truncated_config(shrunk_config(source, shrink), layers)
     texts: dict[str, str] = {}
     if not _has_tokenizer(source_dir):
+        if progress is not None:
+            progress(0, 1, "testbed tokenizer, chat template and own text")
         config, texts = testbed_files(config)
     specs = checkpoint_specs(config)
     companions = [name for name in COMPANION_FILES if source_dir is not None and (source_dir / name).is_file() and name not in texts]
