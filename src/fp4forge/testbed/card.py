@@ -19,7 +19,7 @@ model for use. `fp4forge-training.json` is its training report; `fp4forge-calibr
 """
 
 SYNTH_BODY = """
-# {name} (fp4forge synthetic testbed)
+# {architecture} (fp4forge synthetic testbed)
 
 A shape-true `{architecture}` written by `fp4forge testbed synth`: the tensor names, shapes and
 dtypes of the real model for {layers} decoder layer(s), filled with seeded random values. It

@@ -186,6 +186,8 @@ def shrunk_config(config: dict[str, Any], divisor: int) -> dict[str, Any]:
     out = copy.deepcopy(config)
     if divisor == 1:
         return out
+    if isinstance(out.get("text_config"), dict):
+        raise ConfigError("shrink divides a config's top-level keys; a wrapper's text_config is not shrunk", option="shrink")
     for key in SHRINK_WIDTH_KEYS:
         if type(out.get(key)) is int:
             out[key] = _rounded_width(out[key], divisor)
@@ -243,7 +245,12 @@ def testbed_files(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
     from fp4forge.testbed.tiny import quiet_transformers_progress
     from fp4forge.testbed.tokenizer import build_tokenizer, generation_stop_ids
 
-    tokenizer = build_tokenizer(config["vocab_size"])
+    vocab_size = config.get("vocab_size")
+    if type(vocab_size) is not int:
+        raise ConfigError("the config has no top-level integer vocab_size to build the testbed tokenizer for; give a source with a tokenizer")
+    tokenizer = build_tokenizer(vocab_size)
+    if len(tokenizer) != vocab_size:  # below the byte alphabet and control tokens
+        raise ConfigError(f"vocab_size {vocab_size:,} is smaller than the testbed tokenizer's {len(tokenizer):,} base tokens", option="shrink")
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": generation_stop_ids(tokenizer), "pad_token_id": tokenizer.pad_token_id}
     files: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as scratch, quiet_transformers_progress():
@@ -254,7 +261,7 @@ def testbed_files(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
     for name, split in ((CALIBRATION_TEXT_FILE, "calibration"), (HELDOUT_TEXT_FILE, "heldout")):
         files[name] = own_text_jsonl(split)
     architecture = (config.get("architectures") or [config["model_type"]])[0]
-    body = SYNTH_BODY.format(name=architecture, architecture=architecture, layers=config["num_hidden_layers"], vocab_size=config["vocab_size"])
+    body = SYNTH_BODY.format(architecture=architecture, layers=config["num_hidden_layers"], vocab_size=vocab_size)
     files["README.md"] = testbed_card(body)
     return {**config, **ids}, files
 
