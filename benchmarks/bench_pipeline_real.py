@@ -114,6 +114,7 @@ def run_one(work: Path, layers: int, args: argparse.Namespace) -> dict:
     """Build N layers, evict them, run the pipeline in its own process, read its step times."""
     src, build_s = build_source(work, layers, args.shrink)
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    os.sync()  # dirty pages are not evicted: write them back first
     evicted = all(drop_page_cache(p) for p in src.glob("*.safetensors"))
     out = work / f"out-L{layers}"
     log(f"N={layers}: source {source_bytes / 1e9:.2f} GB written in {build_s:.1f} s; pipeline ...")
