@@ -102,12 +102,9 @@ def build_model(work: Path, layers: int, tiny: bool) -> tuple[Path, Path]:
     if not (tokenizer / "tokenizer.json").exists():
         build_tokenizer().save_pretrained(tokenizer)
     src = work / f"synth-{PRESET}-L{layers}"
-    if not (src / "config.json").exists():
+    if not (src / "config.json").exists():  # synth writes its own tokenizer; the token ids come from `tokenizer`
         synth.synthetic_tensor = gpu_synthetic_tensor  # the writer looks it up at call time
         synth.synth_checkpoint(PRESET, layers, src, seed=0)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-            if (tokenizer / name).exists():
-                (src / name).write_bytes((tokenizer / name).read_bytes())
     return src, tokenizer
 
 

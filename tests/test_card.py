@@ -87,7 +87,7 @@ def test_card_is_written_from_the_artifacts(ckpt: Path) -> None:
     text = (ckpt / "README.md").read_text()
     assert text == card.markdown
     assert card.missing == []
-    assert list(sections(text)) == ["Summary", "Where the bytes are", "Verification", "Serving", "Performance", "Quality",
+    assert list(sections(text)) == ["Verdict", "Summary", "Where the bytes are", "Verification", "Serving", "Performance", "Quality",
                                     "Fidelity against the BF16 teacher", "How it was made", "Provenance",
                                     "What this card does not claim"]
     for plot in card.plots:
@@ -128,10 +128,10 @@ def test_verification_tables(ckpt: Path) -> None:
     audit, shards, kv = load(ckpt, "audit.json"), load(ckpt, "shards.json"), load(ckpt, "kv.json")
     text = sections(render_card(ckpt).markdown)["Verification"]
     rule_table, shard_table, kv_table, diff_table = tables(text)
-    counts: dict[str, int] = {}
-    for finding in audit["findings"]:
-        counts[finding["rule"]] = counts.get(finding["rule"], 0) + 1
-    assert {row[0].strip("`"): int(row[2]) for row in rule_table[1:]} == counts
+    # one row per finding: its message and its fix, split where the audit joined them
+    assert rule_table[0] == ["rule", "severity", "instances", "message", "fix"]
+    assert [(r[0].strip("`"), r[1], int(r[2]), f"{r[3]} Fix: {r[4]}") for r in rule_table[1:]] == [
+        (f["rule"], f["severity"], f["count"], f["message"]) for f in audit["findings"]]
     s = audit["summary"]
     assert f"{s['errors']} errors, {s['warnings']} warning{'s' if s['warnings'] != 1 else ''}" in text
     assert [(r[0].strip("`"), number(r[1]), number(r[2]), number(r[3]), r[4]) for r in shard_table[1:]] == [
@@ -312,7 +312,10 @@ def test_card_cli(ckpt: Path, tmp_path: Path) -> None:
     proc = subprocess.run([fp4forge, "card", str(ckpt), "--out", str(target), "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["card"] == str(target) and doc["missing"] == []
+    assert doc["card"] == str(target) and doc["missing"] == [] and doc["unusable"] == {}
+    # the fixture's teacher cannot read its text and its reports predate intervals and power
+    assert doc["verdict"]["decision"] == "not established" and doc["verdict"]["rule"].startswith("Decision rule:")
+    assert [r["topic"] for r in doc["verdict"]["reasons"]] == ["audit", "served", "fidelity", "quality", "target numerics"]
     # Images are linked relative to the card's own directory.
     assert "](tiny-laguna-nvfp4/reports/plots/bytes.png)" in target.read_text()
     proc = subprocess.run([fp4forge, "card", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -72,6 +73,11 @@ def test_every_step_writes_its_artifact(first_run: Path) -> None:
     from huggingface_hub import ModelCard
 
     assert ModelCard.load(first_run / "README.md").text.lstrip().startswith("# out")  # after the Hub front matter
+    # The first screen carries the verdict and its reasons: not served here, so not established.
+    first_screen = "\n".join((first_run / "README.md").read_text().splitlines()[:25])
+    assert "## Verdict" in first_screen and "**NOT ESTABLISHED.** Decided by:" in first_screen
+    assert "- **served: not established**" in first_screen and "`reports/serve.json` is missing" in first_screen
+    assert "- **audit: holds**" in first_screen and "Decision rule:" in first_screen
     assert json.loads((reports / "audit.json").read_text())["summary"]["errors"] == 0
     assert not (first_run / ".fp4forge-staging").exists()
 
@@ -132,6 +138,8 @@ def test_a_failed_step_stops_the_run_and_a_fixed_rerun_resumes_after_it(model: P
         run_pipeline(model, out, replace(SMALL, fidelity=replace(SMALL.fidelity, samples=100_000)))
     state = statuses(out)
     assert state["fidelity"] == "failed" and state["card"] == "pending"
+    records = {r["name"]: r for r in json.loads((out / "reports" / "pipeline.json").read_text())["steps"]}
+    assert records["fidelity"]["artifacts"] == {}  # it failed before writing its report: nothing is this run's
     assert all(state[n] == "done" for n in ("calibrate", "quantize", "kv", "audit", "bytes"))
     assert json.loads((out / "reports" / "pipeline.json").read_text())["status"] == "failed"
     assert not (out / "README.md").exists()
@@ -202,6 +210,49 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, mode
     assert not any(p.name.startswith("o") for p in tmp_path.iterdir())
 
 
+def test_a_failed_step_records_only_what_it_wrote(tmp_path: Path) -> None:
+    """A failed step's reports written before it failed are recorded (the card quotes them as this
+    run's); an earlier run's file it never reached is not."""
+    import os
+
+    from fp4forge.pipeline.run import _written_since
+    from fp4forge.pipeline.state import Hasher
+    from fp4forge.pipeline.steps import Context, Step
+
+    reports = tmp_path / "out" / "reports"
+    reports.mkdir(parents=True)
+    (reports / "old.json").write_text("{}")
+    os.utime(reports / "old.json", (1_000_000, 1_000_000))
+    since = time.time() - 1
+    (reports / "new.json").write_text('{"errors": 1}')
+    step = Step("x", "x", lambda ctx: {}, ("reports/old.json", "reports/new.json", "reports/never.json"), ())
+    written = _written_since(step, Context(tmp_path, tmp_path / "out", SMALL), Hasher(tmp_path / "h.json"), since)
+    assert list(written) == ["reports/new.json"]
+    import hashlib
+
+    assert written["reports/new.json"] == hashlib.sha256(b'{"errors": 1}').hexdigest()
+
+
+def test_the_cards_key_follows_which_steps_finished(tmp_path: Path) -> None:
+    """A re-run without --serve turns the serve step off: the card's key changes, so the card is
+    rendered again from the current manifest instead of being skipped with the old step table."""
+    from fp4forge.pipeline.run import step_key
+    from fp4forge.pipeline.state import Hasher, Manifest, StepRecord
+    from fp4forge.pipeline.steps import CARD_STEP, Context
+
+    (tmp_path / "out" / "reports").mkdir(parents=True)
+    ctx = Context(tmp_path, tmp_path / "out", SMALL)
+    hasher = Hasher(tmp_path / "hashes.json")
+
+    def key(serve: str, card: str = "pending") -> str:
+        steps = {name: StepRecord(name, name, status) for name, status in (("audit", "done"), ("serve", serve), ("card", card))}
+        return step_key(CARD_STEP, ctx, hasher, Manifest(tmp_path / "m.json", "s", "o", {}, steps))
+
+    assert key("done") == key("skipped")  # an unchanged re-run keeps the card
+    assert key("done") != key("off")
+    assert key("off", card="done") == key("off", card="running")  # the card's own record is not its input
+
+
 def test_steps_table_is_consistent() -> None:
     """Every key input names something the key function knows; artifacts are under reports/ or the checkpoint."""
     known = {"src", "checkpoint", "recipe", "sibling", "vllm", "calibration-stats.safetensors", "quality"}
@@ -211,6 +262,15 @@ def test_steps_table_is_consistent() -> None:
         assert not step.options or SMALL.has_option(step.options), step.name
         assert all(a == "." or a.startswith("reports/") for a in step.artifacts), step.name
     assert len({s.name for s in STEPS}) == len(STEPS)
+
+
+def assert_bench_context(bench: dict[str, Any], samples: Path) -> None:
+    """Issue 36: the speed figures carry their host and the served log's warnings, sent in random rounds."""
+    host = bench["run"]["host"]
+    assert host["cores_logical"] >= 1 and host["load_before"] and host["load_after"]
+    assert host["server_warnings"]["before_run"]["count"] > 0  # vLLM CPU warns at start-up (no Triton, ...)
+    rounds = {json.loads(line).get("round") for line in samples.read_text().splitlines()}
+    assert bench["run"]["order"]["repeats"] > 1 and len(rounds - {None}) == bench["run"]["order"]["repeats"]
 
 
 @pytest.mark.slow
@@ -249,6 +309,7 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     assert "fp4forge-plugin-active" in ids and not [f for f in served["findings"] if f["severity"] == "error"]
     bench = json.loads((out / "reports" / "bench" / "summary.json").read_text())
     assert bench["totals"]["failed"] == 0 and bench["totals"]["kept_ok"] > 0
+    assert_bench_context(bench, out / "reports" / "bench" / "samples.jsonl")
     score = json.loads((out / "reports" / "quality" / "score.json").read_text())
     assert [r["run"] for r in score["runs"]] == [1, 2]
     assert all(Path(r["path"]).is_file() for r in score["runs"])  # transcripts where the score says
@@ -261,6 +322,10 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
     assert "**REFUSED TO SCORE: the suite could not read the answers.**" in card
     assert "_Not measured" not in card and "is missing" not in card
     assert "### Against the BF16 teacher (paired)" in card
+    # The teacher is the unquantized reference: its start-up table does not say the plugin computes NVFP4.
+    teacher = card.split("The BF16 teacher (", 1)[1]
+    assert "the unquantized reference arm" in teacher and "computes NVFP4" not in teacher
+    assert "- **quality: not established**" in card and "- **served: holds**" in card
     # The recipe declares an FP8 KV cache: kept where this CPU can (AVX-512/AMX), else served
     # unquantized with the serve line's override, and the card says so.
     fallback = served["kv_fallback"]
@@ -277,6 +342,16 @@ def test_pipeline_serves_benches_and_writes_the_whole_card(model: Path, tmp_path
 
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{served['command'][served['command'].index('--port') + 1]}/v1/models", timeout=2)
+    # Issue 36: a re-run without --serve turns the serving steps off; the card is rendered again
+    # from that manifest: no step table says `serve | done`, and the old server's reports are named
+    # as left from the earlier run, not quoted.
+    run_pipeline(model, out, SMALL)
+    state = statuses(out)
+    assert state["serve"] == "off" and state["card"] == "done"
+    card = (out / "README.md").read_text()
+    assert "| serve | off |" in card and "| serve | done |" not in card and "| serve | skipped |" not in card
+    assert "`reports/serve.json` is left from an earlier run" in card
+    assert "- **served: not established**" in card
 
 
 def test_one_server_at_a_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

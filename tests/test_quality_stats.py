@@ -186,7 +186,7 @@ def test_power_block_is_computed_for_the_observed_discordance() -> None:
     result = compare_arms([run_of({})], runs_b, CATEGORIES, n_boot=500)
     psis = {row["psi"] for row in result["power"]["sign_test"]}
     assert 0.1 in psis  # observed 2/20 coincides with 0.1
-    assert result["power"]["smallest_significant_discordance"] == 6
+    assert result["power"]["min_discordant"] == 6
     assert result["power"]["mde_80"] == pytest.approx(minimum_detectable_effect(20, float(np.std([0.5, 0.5] + [0] * 18, ddof=1))))
 
 

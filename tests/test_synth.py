@@ -192,3 +192,97 @@ def test_count_parameters_matches_model(real):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert count_parameters(json.loads((real["laguna"] / "config.json").read_text())) == model.num_parameters()
+
+
+# -- the testbed tokenizer, text and presets ------------------------------------------------------
+def test_preset_gets_a_tokenizer_consistent_with_its_vocabulary(tmp_path):
+    """transformers' own loaders read what synth wrote: as many tokens as the config's vocabulary,
+    special ids inside it, a chat template that renders and encodes to ids the embedding has."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    out = synth_checkpoint("qwen3-235b-like", 1, tmp_path / "synth", shrink=16, sparse=True)
+    config = AutoConfig.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == config.vocab_size == 9472  # 151,936 / 16 rounded to a multiple of 64
+    generation = GenerationConfig.from_pretrained(out)
+    ids = [generation.bos_token_id, generation.pad_token_id, *generation.eos_token_id]
+    assert ids == [config.bos_token_id, config.pad_token_id, *config.eos_token_id]
+    assert all(0 <= i < config.vocab_size for i in ids)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "def f(x): return x"}], tokenize=False)
+    encoded = tokenizer(chat, add_special_tokens=False)["input_ids"]
+    assert encoded and max(encoded) < config.vocab_size and tokenizer.decode(encoded) == chat
+    from fp4forge.model.samples import file_documents
+
+    for name in ("fp4forge-calibration.jsonl", "fp4forge-heldout.jsonl"):
+        assert len(file_documents([out / name])) > 100, name
+
+
+def test_real_vocabulary_is_filled_to_the_config_size():
+    from fp4forge.testbed.tokenizer import RESERVED_TOKEN, build_tokenizer
+
+    tokenizer = build_tokenizer(100352)  # laguna's; the stdlib's merges stop near 26k
+    assert len(tokenizer) == 100352
+    assert tokenizer.convert_ids_to_tokens(100351).startswith(RESERVED_TOKEN.split("{")[0])
+    assert max(tokenizer("<|reserved_0|> import os")["input_ids"]) < 30000  # never produced by encoding
+
+
+def test_source_with_a_tokenizer_keeps_its_own(real, tmp_path):
+    out = synth_checkpoint(real["laguna"], 1, tmp_path / "synth")
+    assert (out / "tokenizer.json").read_bytes() == (real["laguna"] / "tokenizer.json").read_bytes()
+    assert not (out / "fp4forge-calibration.jsonl").exists()
+
+
+def _corpus_config(name: str) -> dict:
+    return json.loads((Path(__file__).parent / "corpus" / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize(("preset", "corpus", "dropped"), [
+    ("deepseek-v3-like", "deepseek-v3-fp8", {"quantization_config", "auto_map", "transformers_version"}),
+    ("qwen3-235b-like", "qwen3-235b-a22b", {"transformers_version"}),
+])
+def test_presets_are_the_published_configs(preset, corpus, dropped):
+    config = load_preset(preset)
+    notes = config.pop("_fp4forge_preset_notes")
+    assert config == {k: v for k, v in _corpus_config(corpus).items() if k not in dropped}
+    assert notes["total_parameters"] == count_parameters(config)
+
+
+def test_published_totals():
+    """Within 0.5 % of the published totals (DeepSeek-V3: 671 B without its next-n layer)."""
+    for preset, published in (("deepseek-v3-like", 671e9), ("qwen3-235b-like", 235e9)):
+        total = count_parameters(load_preset(preset))
+        assert abs(total / published - 1) < 0.005, (preset, total)
+        assert load_preset(preset)["_fp4forge_preset_notes"]["total_parameters"] == total
+
+
+def test_laguna_xs2_preset_is_transformers_laguna_default():
+    """transformers documents LagunaConfig's defaults as poolside/laguna-XS.2."""
+    from transformers import LagunaConfig
+
+    preset, default = load_preset("laguna-xs.2-like"), LagunaConfig()
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "sliding_window", "max_position_embeddings"):
+        assert preset[key] == getattr(default, key), key
+
+
+def test_shrink_divides_widths_heads_and_experts():
+    from fp4forge.testbed.synth import shrunk_config
+
+    small = shrunk_config(load_preset("deepseek-v3-like"), 16)
+    assert (small["hidden_size"], small["intermediate_size"], small["moe_intermediate_size"]) == (448, 1152, 128)
+    assert (small["q_lora_rank"], small["kv_lora_rank"], small["vocab_size"]) == (128, 64, 8064)  # 96 -> 128, 32 -> 64
+    assert (small["num_attention_heads"], small["n_routed_experts"], small["num_experts_per_tok"]) == (8, 16, 8)
+    assert small["qk_rope_head_dim"] == 64 and small["num_hidden_layers"] == 61  # per-head dims and layers kept
+    laguna = shrunk_config(load_preset("laguna-s-2.1-like"), 16)
+    assert set(laguna["num_attention_heads_per_layer"]) == {3, 4} and laguna["num_key_value_heads"] == 1
+    assert shrunk_config(load_preset("laguna-s-2.1-like"), 1) == load_preset("laguna-s-2.1-like")
+
+
+@pytest.mark.parametrize("divisor", [0, 3])
+def test_shrink_refuses_what_the_model_cannot_be(divisor):
+    from fp4forge.testbed.synth import shrunk_config
+
+    with pytest.raises(ConfigError) as caught:
+        shrunk_config(load_preset("laguna-s-2.1-like"), divisor)  # 3: 16 query heads on 2 KV heads is fine, 21 on 2 is not
+    assert caught.value.option == "shrink"

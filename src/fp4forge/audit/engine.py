@@ -6,8 +6,9 @@ values with ``deep=True``) and return one ``AuditReport``.
     report.exit_code   # 0 no errors, 1 errors; unreadable input raises an Fp4forgeError (exit 2)
 
 The checks live in ``checks_integrity`` (files, index, values), ``checks_declarations``
-(quantization_config vs tensors) and ``checks_names`` (tensors vs the architecture, and the
-serving engine's known blind spots). Each is ``run(ctx) -> list[Issue]``; the rules they report
+(quantization_config vs tensors), ``checks_names`` (tensors vs the architecture, and the
+serving engine's known blind spots) and ``checks_server_files`` (tokenizer, chat template,
+generation config, dtype, tied embeddings, processor files). Each is ``run(ctx) -> list[Issue]``; the rules they report
 are the table in ``rules.toml``. The JSON document is described in ``findings.py``.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp4forge.audit import checks_declarations, checks_integrity, checks_names
+from fp4forge.audit import checks_declarations, checks_integrity, checks_names, checks_server_files
 from fp4forge.audit.context import AuditContext
 from fp4forge.audit.findings import AuditReport, group_issues
 from fp4forge.audit.options import AuditOptions
@@ -23,7 +24,7 @@ from fp4forge.checkpoint.declarations import read_declaration
 from fp4forge.checkpoint.layout import layout_or_inferred
 from fp4forge.checkpoint.reader import gc_paused, open_checkpoint_lenient
 
-CHECKS = (checks_integrity, checks_declarations, checks_names)
+CHECKS = (checks_integrity, checks_declarations, checks_names, checks_server_files)
 
 
 # -- the audit ------------------------------------------------------------------------------------
@@ -53,6 +54,7 @@ def _audit(location: str | Path, options: AuditOptions) -> AuditReport:
         for check in CHECKS:
             issues += check.run(ctx)
         issues = checks_integrity.without_knock_on(issues, ckpt)
+        issues = checks_server_files.without_knock_on(issues, ctx)
     finally:
         close = getattr(ckpt.source, "close", None)
         if close is not None:

@@ -92,7 +92,7 @@ class Finding:
 
     @property
     def message(self) -> str:
-        return f"{self.what}. {self.why} Fix: {self.fix}"
+        return f"{self.what}. {self.why}{FIX_MARK}{self.fix}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,6 +104,15 @@ class Finding:
             "title": self.title,
             "count": self.count,
         }
+
+
+FIX_MARK = " Fix: "  # joins a finding's what and why to its fix in ``message``
+
+
+def split_fix(message: str) -> tuple[str, str | None]:
+    """A finding's ``message`` as (what is wrong and why, the fix or None)."""
+    what, mark, fix = message.rpartition(FIX_MARK)
+    return (what, fix) if mark else (message, None)
 
 
 def _example(issue: Issue) -> str:

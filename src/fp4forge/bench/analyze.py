@@ -21,7 +21,7 @@ import numpy as np
 from fp4forge import versioned
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.bench import stats
-from fp4forge.bench.runner import RUN_FILE, SAMPLES_FILE, SERVER_METRICS_FILE
+from fp4forge.bench.runner import RUN_FILE, SAMPLES_FILE, SERVER_METRICS_FILE, counters_of, with_means
 from fp4forge.errors import ConfigError
 
 SUMMARY_SCHEMA = "fp4forge.bench.summary/1"
@@ -82,6 +82,17 @@ def group_cells(samples: Iterable[dict[str, Any]]) -> dict[tuple[str, str], list
     for sample in samples:
         cells.setdefault(cell_key(sample), []).append(sample)
     return cells
+
+
+def ladder_order(cells: dict[tuple[str, str], list[dict[str, Any]]]) -> list[tuple[str, str]]:
+    """Cell keys by load point (as first sent), then by prompt length: the shapes ran in random order."""
+    loads = list(dict.fromkeys(load for load, _ in cells))
+
+    def key(cell: tuple[str, str]) -> tuple[int, float, str]:
+        tokens = [s["prompt_tokens"] for s in cells[cell] if s.get("prompt_tokens") is not None]
+        return (loads.index(cell[0]), float(np.median(tokens)) if tokens else float("inf"), cell[1])
+
+    return sorted(cells, key=key)
 
 
 def kept_ok(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -181,17 +192,19 @@ def summarize_samples(
 ) -> dict[str, Any]:
     """Everything ``summary.json`` holds, from samples (plus optional server-side context)."""
     cells = group_cells(samples)
-    entries = [summarize_cell(group) for group in cells.values()]
-    metrics_by_cell = {(m.get("load"), m.get("shape")): m.get("delta") for m in server_metrics}
+    entries = [summarize_cell(cells[key]) for key in ladder_order(cells)]
+    metrics_by_cell = merged_server_metrics(server_metrics)
     for entry in entries:
         entry["server"] = metrics_by_cell.get((entry["load"], entry["shape"]))
 
     loads = list(dict.fromkeys(entry["load"] for entry in entries))
-    prefill, flatness = [], []
+    prefill, flatness, order = [], [], []
     for load in loads:
         group = [e for e in entries if e["load"] == load]
-        prefill.append({"load": load, **_prefill_for_load(group, cells, load)})
-        flatness.append({"load": load, **_flatness_for_load(group, cells, load)})
+        load_samples = kept_ok([s for s in samples if cell_key(s)[0] == load])
+        order.append({"load": load, "order_correlation": send_order_correlation(load_samples)})
+        prefill.append({"load": load, **_prefill_for_load(group, cells, load, load_samples)})
+        flatness.append({"load": load, **_flatness_for_load(group, cells, load, load_samples)})
 
     measured = [s for s in samples if not s.get("warmup", False)]
     failures = Counter(s.get("error_kind") or "unknown" for s in measured if not s["ok"])
@@ -214,7 +227,9 @@ def summarize_samples(
         "shapes": entries,
         "prefill": prefill,
         "decode_flatness": flatness,
+        "order": order,
         "methods": {
+            "order_test": stats.ORDER_TEST_TEXT,
             "percentiles": "linear interpolation (numpy.percentile default, as vLLM bench and AIPerf)",
             "median_ci": f"percentile bootstrap, {stats.BOOTSTRAP_RESAMPLES} resamples, {stats.CI_CONFIDENCE:.0%}, seed 0",
             "bimodality": f"{stats.BIMODALITY_TEST_NAME}; bimodal when p < {stats.BIMODALITY_ALPHA} and modes >= {stats.MIN_MODE_RATIO}x apart",
@@ -227,14 +242,57 @@ def summarize_samples(
     }
 
 
-def _prefill_for_load(group: list[dict[str, Any]], cells: dict, load: str) -> dict[str, Any]:
+# -- the order test's inputs: send order and the run's halves in time -----------------------------
+def send_order_correlation(kept: Sequence[dict[str, Any]]) -> float | None:
+    """Pearson r between each kept request's position in the run (``seq``) and its prompt length
+    (None when either is constant or the samples carry no position)."""
+    pairs = [(s["seq"], s["prompt_tokens"]) for s in kept if s.get("seq") is not None and s.get("prompt_tokens") is not None]
+    if len(pairs) < 3:
+        return None
+    seq, tokens = (np.asarray(v, dtype=float) for v in zip(*pairs))
+    if np.ptp(seq) == 0 or np.ptp(tokens) == 0:
+        return None
+    return float(np.corrcoef(seq, tokens)[0, 1])
+
+
+def run_halves(kept: Sequence[dict[str, Any]], key: str) -> stats.RunHalves | None:
+    """One load's kept samples of metric ``key`` split at the middle of the run (by ``seq``)."""
+    timed = sorted((s for s in kept if s.get("seq") is not None and s.get(key) is not None), key=lambda s: s["seq"])
+    if len(timed) < 4:
+        return None
+    middle = len(timed) // 2
+    return stats.RunHalves(_shape_points(timed[:middle], key), _shape_points(timed[middle:], key), send_order_correlation(kept))
+
+
+def _shape_points(samples: Sequence[dict[str, Any]], key: str) -> list[stats.ShapePoint]:
+    by_tokens: dict[float, list[float]] = {}
+    for sample in samples:
+        by_tokens.setdefault(sample["prompt_tokens"], []).append(float(sample[key]))
+    return [stats.ShapePoint(tokens, values) for tokens, values in sorted(by_tokens.items())]
+
+
+def merged_server_metrics(records: Sequence[dict[str, Any]]) -> dict[tuple[Any, Any], dict[str, float | None] | None]:
+    """Per cell, the server's counters summed over its blocks (one per round) and their means."""
+    merged: dict[tuple[Any, Any], dict[str, float] | None] = {}
+    for record in records:
+        key, delta = (record.get("load"), record.get("shape")), record.get("delta")
+        if delta is None or (key in merged and merged[key] is None):
+            merged[key] = None  # a block without metrics: the cell's totals are unknown
+            continue
+        total = merged.setdefault(key, {})
+        for name, value in counters_of(delta).items():
+            total[name] = total.get(name, 0.0) + value
+    return {key: None if total is None else with_means(total) for key, total in merged.items()}
+
+
+def _prefill_for_load(group: list[dict[str, Any]], cells: dict, load: str, kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
     points = [
         stats.ShapePoint(e["prompt_tokens"], values_of(kept_ok(cells[(load, e["shape"])]), "ttft_s"))
         for e in group
         if e["prompt_tokens"] is not None
     ]
     bimodal = frozenset(e["prompt_tokens"] for e in group if e["bimodal"])
-    fit = stats.prefill_fit(points, exclude_from_fit=bimodal)
+    fit = stats.prefill_fit(points, exclude_from_fit=bimodal, halves=run_halves(kept, "ttft_s"))
     for entry in group:
         regime = fit.regimes.get(entry["prompt_tokens"])
         entry["prefill_regime"] = regime
@@ -245,13 +303,13 @@ def _prefill_for_load(group: list[dict[str, Any]], cells: dict, load: str) -> di
     return doc
 
 
-def _flatness_for_load(group: list[dict[str, Any]], cells: dict, load: str) -> dict[str, Any]:
+def _flatness_for_load(group: list[dict[str, Any]], cells: dict, load: str, kept: Sequence[dict[str, Any]]) -> dict[str, Any]:
     points = [
         stats.ShapePoint(e["prompt_tokens"], values_of(kept_ok(cells[(load, e["shape"])]), "decode_tok_s"))
         for e in group
         if e["prompt_tokens"] is not None
     ]
-    return stats.decode_flatness(points).to_json()
+    return stats.decode_flatness(points, halves=run_halves(kept, "decode_tok_s")).to_json()
 
 
 def _run_context(run: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -271,6 +329,8 @@ def _run_context(run: dict[str, Any] | None) -> dict[str, Any] | None:
         "server_version": server.get("version"),
         "stream_options": server.get("stream_options"),
         "client": run.get("client"),
+        "host": run.get("host"),
+        "order": run.get("order"),
     }
 
 
@@ -311,7 +371,7 @@ def compare_samples(samples_a: Sequence[dict[str, Any]], samples_b: Sequence[dic
     """Per matching (load, shape): median(B) / median(A) with a bootstrap CI, and a verdict."""
     cells_a, cells_b = group_cells(samples_a), group_cells(samples_b)
     rows = []
-    for key in [k for k in cells_a if k in cells_b]:
+    for key in [k for k in ladder_order(cells_a) if k in cells_b]:
         kept_a, kept_b = kept_ok(cells_a[key]), kept_ok(cells_b[key])
         rows.append(
             {

@@ -60,6 +60,9 @@ class PerfOptions:
     tokenizer: str | None = None
     timeout_s: float = 600.0
     seed: int = 0
+    repeats: int | None = None  # rounds over the shapes, each in a random order (None: the runner's default)
+    order_seed: int = 0  # seeds the shapes' order in each round
+    server_log: Path | None = None  # the server's log: its WARNING lines go into run.json
     _config: BenchConfig | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +110,9 @@ class PerfOptions:
             tokenizer_path=self.tokenizer,
             workload=chosen.name,
             workloads_file=self.workloads_file,
+            repeats=self.repeats,
+            order_seed=self.order_seed,
+            server_log=None if self.server_log is None else Path(self.server_log),
         )
 
 

@@ -8,8 +8,11 @@ Three modes, one cell per (load point, shape):
 * ``rate``: an open loop with Poisson arrivals at each mean rate of a sweep (seeded gaps), so a
   slow server builds a queue instead of slowing the client down.
 
-Each cell first sends warmups (distinct prompts, discarded from statistics but recorded with
-``"warmup": true``), then scrapes ``/metrics``, sends its kept samples, and scrapes again. Every
+Each load point first sends every shape's warmups (distinct prompts, discarded from statistics but
+recorded with ``"warmup": true``), then its kept samples in ``repeats`` rounds: each round visits
+every shape once, in a fresh seeded random order (``order_seed``), and sends its share of the
+samples, so that context length and time are not confounded (``schedule``; docs/bench.md#order).
+``/metrics`` is scraped before and after every block of one shape in one round. Every
 finished request is one line of ``DIR/samples.jsonl``, flushed at once, so a crash or Ctrl-C loses
 nothing that finished. A refused or broken connection is followed by a health check; when the
 server no longer answers, the run stops with ``BenchAborted`` (exit 3) and keeps what it has.
@@ -37,6 +40,7 @@ from fp4forge.bench.client import (
     StreamingClient,
     probe_stream_options,
 )
+from fp4forge.bench.host import host_facts, load_average, log_size, server_warnings
 from fp4forge.bench.prompts import HfTokenizer, Prompt, PromptFactory, PromptTokenizer, ServerTokenizer
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.endpoint import METRICS_PATH, Endpoint, server_root
@@ -158,6 +162,9 @@ class BenchConfig:
     max_in_flight: int = 256  # open-loop cap; waiting for it shows up as schedule_lag_s
     workload: str | None = None
     workloads_file: Path | None = None  # where ``workload`` came from (None: the built-in workloads.toml)
+    repeats: int | None = None  # rounds over the shapes (None: one kept request per shape per round when sequential)
+    order_seed: int = 0  # the shapes' random order in each round
+    server_log: Path | None = None  # the server's log, when known: its warnings go into run.json
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_KINDS:
@@ -168,6 +175,10 @@ class BenchConfig:
             raise ConfigError(f"warmups must be >= 0, not {self.warmups}", option="warmups")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, not {self.samples}", option="samples")
+        if self.repeats is None:
+            self.repeats = self.samples if all(p.mode == "sequential" for p in self.points) else 1
+        if not 1 <= self.repeats <= self.samples:
+            raise ConfigError(f"repeats must be between 1 and the samples per shape ({self.samples}), not {self.repeats}", option="repeats")
         if not 0.0 <= self.prefix_cache_fraction < 1.0:
             raise ConfigError(f"the shared prefix fraction must be in [0, 1), not {self.prefix_cache_fraction}", option="prefix_fraction")
 
@@ -175,6 +186,7 @@ class BenchConfig:
         doc = asdict(self)
         doc["out_dir"] = str(self.out_dir)
         doc["workloads_file"] = None if self.workloads_file is None else str(self.workloads_file)
+        doc["server_log"] = None if self.server_log is None else str(self.server_log)
         doc["shapes"] = [{"name": s.name, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens} for s in self.shapes]
         doc["points"] = [{"label": p.label, **asdict(p)} for p in self.points]
         return doc
@@ -197,6 +209,30 @@ def shapes_do_not_fit_message(config: BenchConfig, too_long: Sequence[str], max_
     if short:
         text += f"; or keep this ladder's shapes that fit (prompt tokens {','.join(str(p) for p in short)})"
     return text + "; or serve with a larger --max-model-len."
+
+
+# -- the order of requests ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Block:
+    """``count`` kept requests of one shape at one load point, in round ``round`` (1-based)."""
+
+    point: LoadPoint
+    shape: Shape
+    round: int
+    count: int
+
+
+def schedule(shapes: Sequence[Shape], points: Sequence[LoadPoint], samples: int, repeats: int, seed: int) -> list[Block]:
+    """The kept requests in the order they are sent: per load point, ``repeats`` rounds, each
+    visiting every shape once in a fresh permutation drawn from ``default_rng(seed)``, with the
+    samples split over the rounds as evenly as they divide (the first rounds take the remainder)."""
+    rng = np.random.default_rng(seed)
+    blocks = []
+    for point in points:
+        for index in range(repeats):
+            share = samples // repeats + (1 if index < samples % repeats else 0)
+            blocks += [Block(point, shapes[i], index + 1, share) for i in rng.permutation(len(shapes))]
+    return blocks
 
 
 # -- events for a live display ------------------------------------------------------------------
@@ -276,21 +312,32 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return values
 
 
-def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Counter differences over a cell and the server-side means they imply."""
-    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+# The server-side means a block's counters imply: name -> (numerator, denominator).
+METRIC_MEANS: dict[str, tuple[str, str]] = {
+    "prefix_cache_hit_rate": ("prefix_cache_hits", "prefix_cache_queries"),
+    "mean_queue_time_s": ("queue_time_s_sum", "queue_time_count"),
+    "mean_prefill_time_s": ("prefill_time_s_sum", "prefill_time_count"),
+    "mean_server_ttft_s": ("server_ttft_s_sum", "server_ttft_count"),
+}
 
+
+def with_means(delta: dict[str, float]) -> dict[str, float | None]:
+    """Counter differences and the server-side means they imply."""
     def ratio(num: str, den: str) -> float | None:
         d = delta.get(den)
         return delta[num] / d if d and num in delta else None
 
-    return {
-        **delta,
-        "prefix_cache_hit_rate": ratio("prefix_cache_hits", "prefix_cache_queries"),
-        "mean_queue_time_s": ratio("queue_time_s_sum", "queue_time_count"),
-        "mean_prefill_time_s": ratio("prefill_time_s_sum", "prefill_time_count"),
-        "mean_server_ttft_s": ratio("server_ttft_s_sum", "server_ttft_count"),
-    }
+    return {**delta, **{name: ratio(num, den) for name, (num, den) in METRIC_MEANS.items()}}
+
+
+def counters_of(delta: dict[str, float | None]) -> dict[str, float]:
+    """The counter differences of a ``metrics_delta`` (its means left out: they do not add up)."""
+    return {key: value for key, value in delta.items() if key not in METRIC_MEANS and value is not None}
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Counter differences over one block of requests and the server-side means they imply."""
+    return with_means({key: after[key] - before.get(key, 0.0) for key in after})
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -322,6 +369,9 @@ class BenchRun:
         self._prompts: PromptFactory | None = None
         self._tokenizer: PromptTokenizer | None = None
         self._server_gone: str | None = None
+        self._round: int | None = None  # the round of the kept block in flight (None while warming up)
+        self.host: dict[str, Any] = {}  # host_facts() of the run, load_after and the server's warnings at its end
+        self._log_start: int | None = None
         self.server_info: dict[str, Any] = {}
 
     # -- setup ----------------------------------------------------------------------------------
@@ -385,6 +435,8 @@ class BenchRun:
         )
         self._sink = SampleSink(out / SAMPLES_FILE)
         self._metrics_sink = SampleSink(out / SERVER_METRICS_FILE)
+        self.host = host_facts()
+        self._log_start = log_size(self.config.server_log)
         started = time.time()
         self._write_run_file(started=started, finished=None, status="running")
         try:
@@ -392,14 +444,14 @@ class BenchRun:
                 self._client = client
                 client.stream_options = await probe_stream_options(client, self._probe_spec())
                 self.server_info["stream_options"] = asdict(client.stream_options)
-                for point in self.config.points:
-                    for shape in self.config.shapes:
-                        await self._run_cell(shape, point)
+                await self._run_schedule()
         except BenchAborted as error:
             self.outcome.aborted = error.message
             raise
         finally:
             status = "aborted" if self.outcome.aborted else ("complete" if not self._interrupted() else "interrupted")
+            self.host["load_after"] = load_average()
+            self.host["server_warnings"] = server_warnings(self.config.server_log, self._log_start)
             self._write_run_file(started=started, finished=time.time(), status=status)
             self._sink.close()
             self._metrics_sink.close()
@@ -432,25 +484,45 @@ class BenchRun:
                 "cpu_s_per_request": self.outcome.client_cpu_s / self.outcome.requests if self.outcome.requests else None,
             },
             "aborted": self.outcome.aborted,
+            "host": self.host,
+            "order": {"repeats": self.config.repeats, "order_seed": self.config.order_seed},
         }
         path = Path(self.config.out_dir) / RUN_FILE
         write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
-    # -- one cell ---------------------------------------------------------------------------------
-    async def _run_cell(self, shape: Shape, point: LoadPoint) -> None:
-        warmups = self.config.warmups
-        if point.mode == "concurrency":
-            warmups = max(warmups, point.concurrency or 1)  # fill every slot once before measuring
+    # -- the cells, interleaved ---------------------------------------------------------------------
+    async def _run_schedule(self) -> None:
+        """Every load point: every shape's warmups, then the kept blocks in the scheduled order."""
+        config = self.config
+        blocks = schedule(config.shapes, config.points, config.samples, config.repeats or 1, config.order_seed)
+        for point in config.points:
+            mine = [b for b in blocks if b.point == point]
+            counters = {b.shape.name: CellCounter(b.shape.name, point.label, self.on_event) for b in mine}
+            for block in mine[: len(config.shapes)]:  # the first round's order
+                await self._warm(block.shape, point, counters[block.shape.name])
+            last = {b.shape.name: i for i, b in enumerate(mine)}
+            for index, block in enumerate(mine):
+                counter = counters[block.shape.name]
+                if block.round == 1:
+                    counter.start("measure", config.samples)
+                await self._measure(block, counter)
+                if last[block.shape.name] == index:
+                    counter.finish()
+
+    async def _prompts_for(self, shape: Shape, count: int) -> list[Prompt]:
         try:
-            warm_prompts = self._build_prompts(shape, warmups)
-            kept_prompts = self._build_prompts(shape, self.config.samples)
+            return self._build_prompts(shape, count)
         except Fp4forgeError as error:  # chat prompts call /tokenize: the server may be gone
             reason = await self._unreachable_reason()
             if reason is not None:
                 self._abort(f"building prompts for {shape.name}: {error}; health check: {reason}")
             raise
-        cell = CellCounter(shape.name, point.label, self.on_event)
 
+    async def _warm(self, shape: Shape, point: LoadPoint, cell: CellCounter) -> None:
+        warmups = self.config.warmups
+        if point.mode == "concurrency":
+            warmups = max(warmups, point.concurrency or 1)  # fill every slot once before measuring
+        warm_prompts = await self._prompts_for(shape, warmups)
         cell.start("warmup", len(warm_prompts))
         cpu_before = time.process_time()  # client CPU is counted per phase: concurrent requests overlap
         if point.mode == "concurrency":
@@ -459,9 +531,12 @@ class BenchRun:
             await self._closed_loop(warm_prompts, shape, LoadPoint("sequential", concurrency=1), cell, warmup=True, label=point)
         self.outcome.client_cpu_s += time.process_time() - cpu_before
 
+    async def _measure(self, block: Block, cell: CellCounter) -> None:
+        shape, point = block.shape, block.point
+        kept_prompts = await self._prompts_for(shape, block.count)
         before = await self._scrape_metrics()
-        cell.start("measure", len(kept_prompts))
         cpu_before = time.process_time()
+        self._round = block.round
         if point.mode == "rate":
             await self._open_loop(kept_prompts, shape, point, cell)
         else:
@@ -472,11 +547,11 @@ class BenchRun:
             {
                 "shape": shape.name,
                 "load": point.label,
+                "round": block.round,
                 "available": before is not None and after is not None,
                 "delta": metrics_delta(before, after) if before is not None and after is not None else None,
             }
         )
-        cell.finish()
 
     async def _closed_loop(
         self,
@@ -502,7 +577,7 @@ class BenchRun:
 
     async def _open_loop(self, prompts: list[Prompt], shape: Shape, point: LoadPoint, cell: CellCounter) -> None:
         """Poisson arrivals: exponential gaps at the mean rate, independent of how the server keeps up."""
-        rng = np.random.default_rng([self.config.seed, shape.prompt_tokens, int(point.rate_rps * 1000)])
+        rng = np.random.default_rng([self.config.seed, shape.prompt_tokens, int(point.rate_rps * 1000), self._round or 0])
         arrivals = np.cumsum(rng.exponential(1.0 / point.rate_rps, len(prompts)))
         slots = asyncio.Semaphore(self.config.max_in_flight)
         start = time.perf_counter()
@@ -625,6 +700,7 @@ class BenchRun:
             "concurrency": point.concurrency,
             "rate_rps": point.rate_rps,
             "warmup": warmup,
+            "round": None if warmup else self._round,
             "ok": result.ok,
             "error_kind": result.error_kind,
             "error": result.error,

@@ -298,17 +298,82 @@ def line_fit(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return float(slope), float(intercept)
 
 
+# -- the order test -----------------------------------------------------------------------------
+# A trend across shapes ("decode rises with context", "TTFT is curved") is also what drift over
+# time looks like when the shapes ran in context order. A trend claim therefore stands only when
+#   randomized  the send order is unrelated to context: |Pearson r| between each kept request's
+#               position in the run and its prompt length is below ORDER_CORRELATION_LIMIT (a
+#               run in ascending order has r near 1; seeded random rounds have r near 0), and
+#   both halves the same estimate (decode: the least-squares slope; TTFT: the x^2 coefficient),
+#               refitted on the first and on the second half of the run in time, has the sign of
+#               the whole run's in each half.
+# Otherwise the verdict is "cannot tell" and says which condition failed.
+ORDER_CORRELATION_LIMIT = 0.5
+ORDER_TEST_TEXT = (
+    f"a trend stands when the send order is unrelated to context (|r| < {ORDER_CORRELATION_LIMIT} between a request's "
+    "position in the run and its prompt length) and the refitted estimate has the whole run's sign in both halves of the run"
+)
+
+
+@dataclass(frozen=True)
+class RunHalves:
+    """The samples of one load split by time: the first and the second half of the kept requests."""
+
+    first: Sequence[ShapePoint]
+    second: Sequence[ShapePoint]
+    order_correlation: float | None  # Pearson r of send position against prompt tokens
+
+    @property
+    def randomized(self) -> bool:
+        return self.order_correlation is not None and abs(self.order_correlation) < ORDER_CORRELATION_LIMIT
+
+
+def order_test(whole: float, first: float | None, second: float | None, halves: RunHalves | None) -> dict[str, object]:
+    """Whether a trend estimated as ``whole`` on the full run survives the order test (see above);
+    ``first`` / ``second``: the same estimate on each half (None: too few shapes to refit)."""
+    if halves is None:
+        return {"tested": False, "survives": True, "reason": "send order not recorded: the order test was not run", "test": ORDER_TEST_TEXT}
+    doc: dict[str, object] = {"tested": True, "order_correlation": halves.order_correlation, "first_half": first,
+                              "second_half": second, "test": ORDER_TEST_TEXT}
+    r = halves.order_correlation
+    if not halves.randomized:
+        reason = ("the shapes ran in an order that follows context" + (f" (r = {r:+.2f} between send order and prompt tokens)" if r is not None else "")
+                  + ": the trend cannot be told from drift over time")
+    elif first is None or second is None:
+        reason = "a half of the run holds too few shapes to refit the trend"
+    elif np.sign(first) != np.sign(whole) or np.sign(second) != np.sign(whole):
+        reason = f"the trend does not hold in both halves of the run (first half {first:+.3g}, second half {second:+.3g}): it may be drift"
+    else:
+        return {**doc, "survives": True, "reason": "holds in both halves of a randomized run"}
+    return {**doc, "survives": False, "reason": reason}
+
+
+def polynomial_coefficient(points: Sequence[ShapePoint], degree: int) -> float | None:
+    """The leading least-squares coefficient over every sample (None with too few prompt lengths)."""
+    x, y = _all_samples([p for p in points if len(p.values)])
+    if len(np.unique(x)) <= degree:
+        return None
+    return float(np.polyfit(x, y, degree)[0])
+
+
+def format_r2(value: float | None) -> str:
+    """R² as every text and plot label prints it: one format, so the same fit reads the same everywhere."""
+    return "–" if value is None else f"{value:.3f}"
+
+
 def prefill_fit(
     points: Sequence[ShapePoint],
     *,
     exclude_from_fit: frozenset[float] = frozenset(),
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = 0,
+    halves: RunHalves | None = None,
 ) -> PrefillFit:
     """Prefill rate from TTFT samples per prompt length (concurrency 1 is the meaningful case).
 
     ``exclude_from_fit``: prompt lengths whose median must not enter the line (bimodal shapes:
-    their median sits between two real modes); they still get a regime label.
+    their median sits between two real modes); they still get a regime label. ``halves``: the
+    same samples split by time, for the curvature's order test.
     """
     usable = sorted((p for p in points if len(p.values) > 0), key=lambda p: p.prompt_tokens)
     if not usable:
@@ -328,13 +393,13 @@ def prefill_fit(
     curve_points = [p for p in usable if p.prompt_tokens not in exclude_from_fit]
     if len(fit_points) < MIN_FIT_SHAPES:
         reason = f"{len(fit_points)} usable shape(s) above the knee; a rate needs {MIN_FIT_SHAPES}"
-        goodness = fit_goodness(curve_points, None, None, fit_tokens, floor, resamples=resamples, seed=seed)
+        goodness = fit_goodness(curve_points, None, None, fit_tokens, floor, resamples=resamples, seed=seed, halves=halves)
         return PrefillFit(None, None, None, None, floor, KNEE_RULE_TEXT, regimes, fit_tokens, reason, goodness)
     slope, intercept = line_fit(fit_tokens, [m for _, m in fit_points])
     rate_ci = _bootstrap_rate_ci([p for p, _ in fit_points], resamples=resamples, seed=seed)
     rate = 1.0 / slope if slope > 0 else None
     reason = f"fit over {len(fit_points)} compute-dominated shapes" if rate else "non-positive slope"
-    goodness = fit_goodness(curve_points, slope, intercept, fit_tokens, floor, resamples=resamples, seed=seed)
+    goodness = fit_goodness(curve_points, slope, intercept, fit_tokens, floor, resamples=resamples, seed=seed, halves=halves)
     return PrefillFit(rate, rate_ci, slope, intercept, floor, KNEE_RULE_TEXT, regimes, fit_tokens, reason, goodness)
 
 
@@ -394,6 +459,7 @@ def fit_goodness(
     *,
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = 0,
+    halves: RunHalves | None = None,
 ) -> dict[str, object]:
     """How well the prefill line describes TTFT (see the comment above); ``verdict`` says it in words."""
     x, y = _all_samples(points)
@@ -416,6 +482,8 @@ def fit_goodness(
     doc["residuals"] = residuals
     doc["line_misses"] = misses
     doc["curvature"] = _curvature(x, y, resamples=resamples, seed=seed)
+    if isinstance(doc["curvature"], dict) and doc["curvature"]["curved"]:
+        doc["curvature"] = _curvature_order_test(doc["curvature"], points, halves)
     doc["verdict"] = _goodness_verdict(doc, slope, intercept, floor, fit_tokens)
     return doc
 
@@ -437,13 +505,23 @@ def _curvature(x: np.ndarray, y: np.ndarray, *, resamples: int, seed: int) -> di
         derivative = b + 2.0 * c * at
         return 1.0 / derivative if derivative > 0 else None
 
-    line_slope, line_intercept = np.polyfit(x, y, 1)
     return {
         "a_s": a, "b_s_per_tok": b, "c_s_per_tok2": c, "c_ci": list(c_ci) if c_ci else None,
-        "share_at_longest": share, "curved": curved,
-        "r2_quadratic": r_squared(x, y, [c, b, a]), "r2_line_all_shapes": r_squared(x, y, [line_slope, line_intercept]),
+        "share_at_longest": share, "curved": curved, "r2_quadratic": r_squared(x, y, [c, b, a]),
         "marginal_rate_tok_s": {"prompt_tokens": [x_min, x_max], "rate_tok_s": [marginal_rate(x_min), marginal_rate(x_max)]},
     }
+
+
+def _curvature_order_test(curvature: dict[str, object], points: Sequence[ShapePoint], halves: RunHalves | None) -> dict[str, object]:
+    """A curved TTFT stays curved only when the x² coefficient survives the order test."""
+    bimodal_free = {p.prompt_tokens for p in points}
+
+    def refit(half: Sequence[ShapePoint]) -> float | None:
+        return polynomial_coefficient([p for p in half if p.prompt_tokens in bimodal_free], 2)
+
+    first, second = (refit(halves.first), refit(halves.second)) if halves is not None else (None, None)
+    test = order_test(float(curvature["c_s_per_tok2"]), first, second, halves)  # type: ignore[arg-type]
+    return {**curvature, "curved": bool(test["survives"]), "curved_whole_run": True, "order_test": test}
 
 
 def _goodness_verdict(doc: dict[str, object], slope: float | None, intercept: float | None, floor: float | None,
@@ -456,9 +534,11 @@ def _goodness_verdict(doc: dict[str, object], slope: float | None, intercept: fl
         ends = ", ".join(f"{r:,.0f} tok/s at {t:,.0f}" if r else f"– at {t:,.0f}"
                          for t, r in zip(rates["prompt_tokens"], rates["rate_tok_s"]))
         parts.append(f"TTFT is curved, not a line (x² coefficient 95 % CI [{lo:.3g}, {hi:.3g}] excludes 0; the x² term is "
-                     f"{curvature['share_at_longest']:.0%} of TTFT at the longest prompt; R² quadratic "
-                     f"{curvature['r2_quadratic']:.3f} vs line {curvature['r2_line_all_shapes']:.3f}): no single prefill rate; "
+                     f"{curvature['share_at_longest']:.0%} of TTFT at the longest prompt; quadratic R² "
+                     f"{format_r2(curvature['r2_quadratic'])}; {curvature['order_test']['reason']}): no single prefill rate; "
                      f"marginal rate {ends}")
+    elif isinstance(curvature, dict) and curvature.get("curved_whole_run"):
+        parts.append(f"TTFT may be curved, cannot tell: the whole run's x² coefficient excludes 0, but {curvature['order_test']['reason']}")
     if slope is None or intercept is None:
         return "; ".join(parts) or "no line fitted"
     if len(fit_tokens) < 3:
@@ -472,7 +552,7 @@ def _goodness_verdict(doc: dict[str, object], slope: float | None, intercept: fl
         parts.append(f"its intercept is negative ({intercept * 1000:,.1f} ms): it is not a fixed overhead")
     if not parts:
         r2 = doc.get("r2_line")
-        return f"the line fits (every fitted median within {LINE_MISS_SHARE:.0%}" + (f", R² {r2:.3f} over every sample)" if r2 is not None else ")")
+        return f"the line fits (every fitted median within {LINE_MISS_SHARE:.0%}" + (f", R² {format_r2(r2)} over its shapes' samples)" if r2 is not None else ")")
     return "; ".join(parts)
 
 
@@ -530,15 +610,20 @@ class DecodeFlatness:
     r2: float | None = None
     residual_sd_tok_s: float | None = None
     test: str = DECODE_FLAT_TEST_TEXT
+    order_test: dict[str, object] | None = None  # a rise or fall only: see order_test()
+    line: tuple[float, float] | None = None  # the fitted (slope tok/s per token, intercept tok/s): what plots draw
 
     def to_json(self) -> dict[str, object]:
         doc = asdict(self)
-        for key in ("change_per_1k_ci", "change_across_context_ci", "context_range"):
+        for key in ("change_per_1k_ci", "change_across_context_ci", "context_range", "line"):
             doc[key] = list(doc[key]) if doc[key] is not None else None
         return doc
 
 
-def decode_flatness(points: Sequence[ShapePoint], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> DecodeFlatness:
+def decode_flatness(points: Sequence[ShapePoint], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+                    halves: RunHalves | None = None) -> DecodeFlatness:
+    """The decode-flatness test (see the comment above); a rise or fall must also survive the
+    order test on ``halves`` (the samples split by time), else it is "cannot tell apart"."""
     usable = sorted((p for p in points if len(p.values) > 0), key=lambda p: p.prompt_tokens)
     if len(usable) < 2:
         return DecodeFlatness(None, None, None, None, None, None, DECODE_FLAT_TOLERANCE, len(usable))
@@ -565,11 +650,21 @@ def decode_flatness(points: Sequence[ShapePoint], *, resamples: int = BOOTSTRAP_
         verdict, flat = (RISES if slope_ci[0] > 0 else FALLS), False
     else:
         verdict, flat = CANNOT_TELL, None
+    tested = None
+    if verdict in (RISES, FALLS):
+        first, second = (_half_slope(halves.first), _half_slope(halves.second)) if halves is not None else (None, None)
+        tested = {**order_test(slope, first, second, halves), "claim": verdict}
+        if not tested["survives"]:
+            verdict, flat = CANNOT_TELL, None
     return DecodeFlatness(
         flat, relative, centre, float(medians.min()), float(medians.max()), per_1k, DECODE_FLAT_TOLERANCE, len(usable),
         verdict, len(x), per_1k_ci, change, change_ci, (float(x.min()), float(x.max())),
-        r_squared(x, y, [slope, intercept]), residual_sd,
+        r_squared(x, y, [slope, intercept]), residual_sd, order_test=tested, line=(slope, intercept),
     )
+
+
+def _half_slope(points: Sequence[ShapePoint]) -> float | None:
+    return polynomial_coefficient(points, 1)
 
 
 # -- comparing two runs -------------------------------------------------------------------------

@@ -10,6 +10,19 @@ HF_QUANT_CONFIG_JSON = "hf_quant_config.json"  # ModelOpt's quantization declara
 PROVENANCE_JSON = "fp4forge.json"  # what fp4forge did to the checkpoint (recipe, sources, scales)
 KV_SCALES_SAFETENSORS = "model-kvscales.safetensors"  # the extra shard `kv calibrate` installs
 JOURNAL_FILE = ".fp4forge-journal"  # the writer's resume journal inside a partial output
+# A testbed's own text, shipped beside its weights (JSONL, ``{"text": ...}`` per line, as
+# ``--calib-text`` / ``--fidelity-text`` read them): calibration documents and held-out documents.
+CALIBRATION_TEXT_FILE = "fp4forge-calibration.jsonl"
+HELDOUT_TEXT_FILE = "fp4forge-heldout.jsonl"
+
+# The files a server reads beside the weights (what the audit's server-file checks look at).
+GENERATION_CONFIG_JSON = "generation_config.json"
+TOKENIZER_JSON = "tokenizer.json"  # the fast tokenizer transformers and vLLM load first
+TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
+# Any of these is a tokenizer transformers can load (tokenizer_config.json alone is not).
+TOKENIZER_FILES = (TOKENIZER_JSON, "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 # What open_checkpoint reads besides config.json (into Checkpoint.extra_json).
 EXTRA_JSON = (HF_QUANT_CONFIG_JSON, PROVENANCE_JSON)

@@ -9,6 +9,7 @@ against them.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable
 
@@ -39,7 +40,8 @@ def to_transformers_config(config: dict[str, Any] | PreTrainedConfig) -> PreTrai
     if model_type not in CONFIG_MAPPING:
         raise ConfigError(f"model_type {model_type!r} is not known to this transformers version")
     try:
-        return CONFIG_MAPPING[model_type].from_dict(model_config_dict(config))
+        # a deep copy: transformers writes into nested dicts (rope_scaling gains rope_theta)
+        return CONFIG_MAPPING[model_type].from_dict(copy.deepcopy(model_config_dict(config)))
     except Exception as exc:  # noqa: BLE001 - transformers validates an untrusted file in its own ways (strict dataclasses, ...)
         reason = " ".join(str(exc).split())  # one line: validation messages span several
         raise ConfigError(f"invalid {model_type} config: {type(exc).__name__}: {reason}") from exc

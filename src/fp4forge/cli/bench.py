@@ -96,12 +96,14 @@ def perf_command(
     tokenizer: Optional[str] = typer.Option(PerfOptions.tokenizer, "--tokenizer", help="Count tokens with this tokenizer instead of the server's /tokenize."),
     timeout_s: float = typer.Option(PerfOptions.timeout_s, "--timeout", help="Seconds one request may take before it counts as failed."),
     seed: int = typer.Option(PerfOptions.seed, "--seed", help="Seed for prompt filler and Poisson gaps."),
+    repeats: Optional[int] = typer.Option(PerfOptions.repeats, "--repeats", min=1, help="Rounds over the shapes, each in a fresh random order (default: one kept request per shape per round in sequential mode, else 1)."),
+    order_seed: int = typer.Option(PerfOptions.order_seed, "--order-seed", help="Seed of the shapes' random order in each round."),
+    server_log: Optional[Path] = typer.Option(PerfOptions.server_log, "--server-log", help="The server's log: its warnings are recorded in run.json."),
     as_json: bool = typer.Option(False, "--json", help="Print summary.json instead of tables."),
     no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
 ) -> None:
     """Measure TTFT, prefill and decode per prompt length, warmups discarded, every request kept."""
     from fp4forge.bench.perf import perf_options, run_perf
-    from fp4forge.bench.runner import BenchAborted
     from fp4forge.report.bench_plots import BENCH_PRESENTER
 
     try:
@@ -111,6 +113,7 @@ def perf_command(
             concurrency=_int_list(concurrency, "--concurrency"), rates_rps=_float_list(rate, "--rate"), warmups=warmups,
             samples=samples, prefix_cache_fraction=prefix_fraction if prefix_cache else 0.0, output_control=output_control,
             extra_body=_extra_body(extra_body), tokenizer=tokenizer, timeout_s=timeout_s, seed=seed,
+            repeats=repeats, order_seed=order_seed, server_log=server_log,
         )
         with LiveCells(enabled=not as_json) as live:
             result = run_perf(options, on_event=live.update, presenter=BENCH_PRESENTER, plots=not no_plots)
@@ -118,6 +121,13 @@ def perf_command(
         raise _fail(error, EXIT_UNUSABLE, as_json) from None
 
     _print_summary(result.summary, as_json)
+    _exit_as_the_run_ended(result, out_dir, as_json)
+
+
+def _exit_as_the_run_ended(result: Any, out_dir: Path, as_json: bool) -> None:
+    """The exit code of a finished `bench perf` (docs/bench.md#exit-codes-of-bench-perf)."""
+    from fp4forge.bench.runner import BenchAborted
+
     ending: tuple[int, str] | None = None
     if result.interrupted:
         ending = (EXIT_INTERRUPTED, f"interrupted; every finished sample is in {out_dir / 'samples.jsonl'}")

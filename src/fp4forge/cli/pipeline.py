@@ -257,7 +257,7 @@ def card_command(
     out_path: Optional[Path] = typer.Option(None, "--out", help="Card to write (default CKPT/README.md)."),
     base_model: Optional[str] = typer.Option(None, "--base-model", metavar="REPO_ID",
                                              help="The Hub repository the source is (front matter base_model); default: what the source says."),
-    as_json: bool = typer.Option(False, "--json", help='{"card", "sections", "missing", "plots"}'),
+    as_json: bool = typer.Option(False, "--json", help='{"card", "sections", "missing", "unusable", "verdict", "plots"}'),
 ) -> None:
     """Write the model card from measured artifacts only; a missing artifact is named, never invented."""
     from fp4forge.report.card import card_options, write_card
@@ -270,7 +270,12 @@ def card_command(
     except Fp4forgeError as error:
         raise _fail(error, error.exit_code, as_json) from None
     if as_json:
-        _emit({"card": str(target), "sections": card.sections, "missing": card.missing, "plots": card.plots})
+        _emit({"card": str(target), "sections": card.sections, "missing": card.missing, "unusable": card.problems,
+               "verdict": card.verdict.to_json() if card.verdict else None, "plots": card.plots})
     else:
         _console().print(f"[green]wrote[/green] {target} ({len(card.sections)} sections"
-                         + (f"; missing artifacts: {', '.join(card.missing)}" if card.missing else "") + ")")
+                         + (f"; not quoted: {', '.join(f'{n} ({why})' for n, why in card.problems.items())}" if card.problems else "") + ")")
+        if card.verdict:
+            _console().print(f"verdict: [bold]{card.verdict.decision}[/bold]", markup=True)
+            for reason in card.verdict.reasons:
+                _console().print(f"  {reason.topic}: {reason.state}", markup=False)

@@ -53,8 +53,9 @@ def testbed_tiny_qwen3_moe(
 @testbed_app.command("synth")
 def testbed_synth(
     out_dir: Path = typer.Argument(..., metavar="OUT"),
-    config: str = typer.Option(..., "--config", help="A config.json path or a preset name (e.g. laguna-s-2.1-like)."),
+    config: str = typer.Option(..., "--config", help="A config.json path or a preset name (laguna-s-2.1-like, laguna-xs.2-like, deepseek-v3-like, qwen3-235b-like)."),
     layers: int = typer.Option(..., "--layers", min=1, help="Decoder layers to write (the first N)."),
+    shrink: int = typer.Option(1, "--shrink", min=1, help="Divide widths, head and expert counts and the vocabulary by this (1: real size)."),
     seed: int = typer.Option(0),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", help="Shard size limit in GiB."),
     sparse: bool = typer.Option(False, "--sparse", help="Headers only; data regions are file holes."),
@@ -64,7 +65,8 @@ def testbed_synth(
     from fp4forge.testbed import synth_checkpoint
 
     with progress_bar("writing synthetic checkpoint", not as_json) as progress:
-        path = synth_checkpoint(config, layers, out_dir, seed=seed, max_shard_bytes=int(max_shard_gb * 2**30), sparse=sparse, progress=progress)
+        path = synth_checkpoint(config, layers, out_dir, seed=seed, max_shard_bytes=int(max_shard_gb * 2**30), sparse=sparse,
+                               shrink=shrink, progress=progress)
     _report_built(path, as_json)
 
 

@@ -176,6 +176,11 @@ def _jsonl_documents(path: Path) -> Iterator[Document]:
             raise ConfigError(f'line {number}: expected {{"messages": [...]}} or {{"text": "..."}}', file=str(path))
 
 
+def text_jsonl(texts: Iterable[str]) -> str:
+    """Raw documents as a ``.jsonl`` file of ``{"text": ...}`` lines, the form read above."""
+    return "".join(json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in texts)
+
+
 def file_documents(paths: Sequence[str | Path]) -> list[Document]:
     documents: list[Document] = []
     for raw in paths:

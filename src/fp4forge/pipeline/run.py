@@ -18,7 +18,7 @@ from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.model.distributed import launched
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed, option_path
 from fp4forge.pipeline.state import (
-    DONE, FAILED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
+    DONE, FAILED, FINISHED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
     require_empty_or_ours, still_valid,
 )
 from fp4forge.pipeline.steps import CARD_STEP, NOT_CHECKPOINT, REPORTS, STAGING, STEPS, Context, PipelineOptions, Step
@@ -52,12 +52,16 @@ def _vllm_identity(venv: Path | None) -> str | None:
     return f"{installed_vllm_version(str(venv))}@{venv.resolve()}"
 
 
-def step_key(step: Step, ctx: Context, hasher: Hasher) -> str:
-    """Hash of everything the step's result depends on."""
+def step_key(step: Step, ctx: Context, hasher: Hasher, manifest: Manifest | None = None) -> str:
+    """Hash of everything the step's result depends on. ``steps`` (the card's input): which of the
+    steps before it finished in this run, so that a step turned off re-renders the card."""
     o = ctx.options
     inputs: dict[str, Any] = {}
     for name in step.inputs:
-        if name == "src":
+        if name == "steps":
+            records = manifest.steps.values() if manifest is not None else ()
+            inputs[name] = {r.name: r.status in FINISHED for r in records if r.name != step.name}
+        elif name == "src":
             inputs[name] = hasher.tree(ctx.src)
         elif name == "checkpoint":
             inputs[name] = hasher.tree(ctx.out, NOT_CHECKPOINT)
@@ -150,7 +154,7 @@ def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | No
         record.status, record.message = OFF, reason
         on_event(StepEvent(step.name, OFF, detail=reason))
         return
-    key = step_key(step, ctx, hasher)
+    key = step_key(step, ctx, hasher, manifest)
     if still_valid(old, key, ctx.out, hasher, NOT_CHECKPOINT):
         record.status, record.key, record.artifacts, record.summary = SKIPPED, key, old.artifacts, old.summary
         record.seconds = old.seconds
@@ -175,8 +179,10 @@ def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | No
         record.status, record.seconds, record.message = FAILED, time.monotonic() - started, str(error)
         manifest.status = FAILED
         on_event(StepEvent(step.name, FAILED, detail=str(error)))
-        # Whatever the failed step managed to write stays in reports/ for inspection; its
-        # record is not finished, so the next run redoes it.
+        # Whatever the failed step managed to write stays in reports/ for inspection, recorded so
+        # that the card quotes it as this run's (an audit with errors); its record is not finished,
+        # so the next run redoes it.
+        record.artifacts = _written_since(step, ctx, hasher, time.time() - record.seconds)
         raise _step_failed(step, error, ctx.options) from error
     record.seconds = time.monotonic() - started
     record.artifacts = _artifact_hashes(step, ctx, hasher)
@@ -184,6 +190,17 @@ def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | No
     hasher.save()
     manifest.save()
     on_event(StepEvent(step.name, DONE, detail=_summary_text(record.summary)))
+
+
+def _written_since(step: Step, ctx: Context, hasher: Hasher, since: float) -> dict[str, str]:
+    """The hashes of the step's report artifacts written since ``since`` (a failed step's output,
+    not an earlier run's file it never reached)."""
+    written = {}
+    for rel in step.artifacts:
+        path = ctx.out / rel
+        if rel != "." and path.exists() and path.stat().st_mtime >= since:
+            written[rel] = hasher.path(path) or ""
+    return written
 
 
 def _named_by_path(step: Step, options: PipelineOptions) -> Any:

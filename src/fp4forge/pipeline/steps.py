@@ -445,7 +445,7 @@ def run_perf(ctx: Context) -> dict[str, Any]:
     o = ctx.options
     record = ctx.slot("student").get()
     staged = ctx.staging("perf") / "bench"
-    options = replace(o.perf, url=record.base_url, model=record.name, out_dir=staged)
+    options = replace(o.perf, url=record.base_url, model=record.name, out_dir=staged, server_log=Path(record.log))
     config = options.bench_config
     requests = len(config.shapes) * len(config.points) * (config.warmups + config.samples)
     finished: dict[tuple[str, str], int] = {}
@@ -538,7 +538,7 @@ def run_card(ctx: Context) -> dict[str, Any]:
     from fp4forge.report.card import card_options, write_card
 
     card = write_card(ctx.out, card_options(reports=ctx.reports, out=ctx.out / CARD, base_model=ctx.options.base_model))
-    return {"sections": len(card.sections), "missing": len(card.missing)}
+    return {"verdict": card.verdict.decision if card.verdict else "–", "sections": len(card.sections), "not quoted": len(card.missing)}
 
 
 def _vllm_minor(options: PipelineOptions) -> str:
@@ -620,5 +620,6 @@ STEPS: tuple[Step, ...] = (
          off=lambda o: _needs_bench("quality")(o) or (None if o.quality_teacher else "not requested (--quality-teacher)"),
          version=2),
 )
-# The card runs last, always, from whatever artifacts exist.
-CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports",), ("base_model",))
+# The card runs last, always, from whatever artifacts exist; keyed also by which steps finished in
+# this run, so that a step turned off (a re-run without --serve) re-renders it.
+CARD_STEP = Step("card", "the model card", run_card, (CARD,), ("reports", "steps"), ("base_model",), version=2)

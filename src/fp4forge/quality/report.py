@@ -110,8 +110,9 @@ def compare_document(results_a: list[RunResult], results_b: list[RunResult], sui
     if len(id_sets) != 1:
         raise ReportError("the runs do not hold the same scenarios (a partial run among full runs?)")
     categories = {s.id: s.category for s in suite.scenarios}
+    requests = {"A": [r.header.get("request") or {} for r in results_a], "B": [r.header.get("request") or {} for r in results_b]}
     stats = compare_arms([run_points(r) for r in results_a], [run_points(r) for r in results_b], categories,
-                         alpha=alpha, n_boot=n_boot, seed=seed)
+                         alpha=alpha, n_boot=n_boot, seed=seed, requests=requests)
     warnings = [w for r in results_a + results_b for w in r.warnings]
     answers = refusal_block([(f"A ({results_a[0].arm})", arm_health(r.answers for r in results_a), _max_tokens(results_a)),
                              (f"B ({results_b[0].arm})", arm_health(r.answers for r in results_b), _max_tokens(results_b))],

@@ -21,6 +21,12 @@ bootstrap CI excludes 0, the difference in points exceeds what an arm moved betw
 and there are more discordant scenarios between arms than within an arm. Otherwise it says
 "cannot order" and lists which condition failed; without two runs of at least one arm there is no
 noise floor and it never orders.
+
+The A/A floor is *measured* only where repeated runs can differ: sampled runs (temperature > 0)
+with distinct seeds, or greedy runs that did differ (the server's own non-determinism). Greedy runs
+that repeat every answer measure nothing ("floor not measured: greedy is deterministic"): the
+floor conditions are then not applied, and no per-category difference is called outside noise.
+``power_statement`` says what the suite could have detected (docs/quality.md#power).
 """
 
 from __future__ import annotations
@@ -155,6 +161,86 @@ def power_table(n: int, observed_psi: float | None, alpha: float = DEFAULT_ALPHA
     ]
 
 
+#: Both arms below this mean per-scenario score: the suite sits at its floor on the model.
+FLOOR_EFFECT_LEVEL = 0.20
+#: The power at which the suite's detectable difference is stated.
+DETECTABLE_POWER = 0.8
+
+
+def majority_needed(minority: int, alpha: float = DEFAULT_ALPHA) -> int:
+    """The fewest discordant scenarios one way that the exact sign test calls significant when
+    ``minority`` go the other way (``minority`` 0: :func:`smallest_significant_discordance`)."""
+    majority = max(minority, 1)
+    while sign_test(minority, majority) > alpha:
+        majority += 1
+    return majority
+
+
+def detectable_one_way_rate(n: int, alpha: float = DEFAULT_ALPHA, power: float = DETECTABLE_POWER) -> float | None:
+    """The smallest share psi of scenarios that must differ, all favouring one arm, for the sign
+    test to reach ``power`` with ``n`` scenarios: P(Binomial(n, psi) >= k0) = power, k0 the
+    smallest significant discordance (bisection; None when k0 > n: no difference is detectable)."""
+    if smallest_significant_discordance(alpha) > n:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if sign_test_power(n, middle, 1.0, alpha) < power else (low, middle)
+    return high
+
+
+def floor_effect(mean_a: float, mean_b: float, level: float = FLOOR_EFFECT_LEVEL) -> str | None:
+    """The warning when both arms score below ``level`` (mean per-scenario fraction), else None."""
+    if mean_a >= level or mean_b >= level:
+        return None
+    return (f"both arms score below {level:.0%} of the suite (A {mean_a:.1%}, B {mean_b:.1%} per scenario): the suite sits "
+            "at its floor on this model, most scenarios tie because both arms fail them, and a tie there says the model "
+            "cannot do the task, not that the arms are equal")
+
+
+def power_statement(n: int, favours_a: int, favours_b: int, means: tuple[float, float], floor: dict[str, Any],
+                    alpha: float = DEFAULT_ALPHA) -> dict[str, Any]:
+    """What a comparison of ``n`` paired scenarios could have detected (docs/quality.md#power)."""
+    discordant = favours_a + favours_b
+    psi = discordant / n if n else 0.0
+    minority = min(favours_a, favours_b)
+    rate = detectable_one_way_rate(n, alpha)
+    statement = {
+        "floor": floor,
+        "alpha": alpha,
+        "min_discordant": smallest_significant_discordance(alpha),
+        "min_discordant_given_minority": {"minority": minority, "majority": majority_needed(minority, alpha)},
+        "observed_discordance": psi,
+        "power_at_observed": [{"q": q, "delta": psi * (2 * q - 1), "power": sign_test_power(n, psi, q, alpha)}
+                              for q in (0.8, 0.9, 1.0)] if discordant else [],
+        "detectable": None if rate is None else {"power": DETECTABLE_POWER, "one_way_share": rate, "scenarios": rate * n},
+        "floor_effect": floor_effect(*means),
+        "floor_effect_level": FLOOR_EFFECT_LEVEL,
+        "descriptive_categories": True,
+    }
+    statement["text"] = power_text(n, discordant, statement)
+    return statement
+
+
+def power_text(n: int, discordant: int, power: dict[str, Any]) -> str:
+    """The statement in words: what difference the suite could have detected at this size."""
+    k0, given = power["min_discordant"], power["min_discordant_given_minority"]
+    parts = [f"with {n} scenarios at α = {power['alpha']}, a difference needs at least {k0} scenarios that differ all "
+             f"one way" + (f" (with the observed {given['minority']} the other way: {given['majority']})" if given["minority"] else "")]
+    at_one_way = next((row for row in power["power_at_observed"] if row["q"] == 1.0), None)
+    if at_one_way is not None:
+        parts.append(f"at the observed discordance ({discordant} of {n} scenarios) the sign test would detect even a "
+                     f"one-way difference with power {at_one_way['power']:.2f}")
+    detectable = power["detectable"]
+    if detectable is None:
+        parts.append(f"no difference is detectable: the suite has fewer than {k0} scenarios")
+    else:
+        parts.append(f"{detectable['power']:.0%} power needs {detectable['one_way_share']:.1%} of scenarios "
+                     f"(≈ {detectable['scenarios']:.1f}) to differ all one way; a smaller regression goes undetected, "
+                     "so \"cannot order\" is not \"no regression\"")
+    return "; ".join(parts)
+
+
 # -- one arm: the noise floor -------------------------------------------------------------------
 def fraction(points: tuple[int, int]) -> float:
     earned, maximum = points
@@ -213,6 +299,54 @@ def noise_floor(runs: Sequence[Run], categories: Mapping[str, str]) -> dict[str,
     }
 
 
+GREEDY_DETERMINISTIC = "floor not measured: greedy is deterministic"
+
+
+def arm_floor_status(floor: dict[str, Any], requests: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Whether one arm's repeated runs measured an A/A floor, and why (``requests``: each run's
+    request parameters, ``temperature`` and ``seed``; empty when not recorded)."""
+    runs, flips = floor["runs"], len(floor["flipping_scenarios"])
+    temperatures = {r.get("temperature") for r in requests}
+    seeds = [r.get("seed") for r in requests]
+    if runs < 2:
+        return {"measured": False, "kind": "one run", "why": "floor not measured: one run (an A/A floor needs two or more)"}
+    if not requests or None in temperatures:
+        return {"measured": True, "kind": "unrecorded", "why": f"floor measured from {runs} runs (their sampling is not recorded)"}
+    if temperatures == {0}:  # greedy (0 == 0.0)
+        if flips == 0:
+            return {"measured": False, "kind": "greedy",
+                    "why": f"{GREEDY_DETERMINISTIC} ({runs} runs at temperature 0 repeat every score; sampled runs "
+                           "with seeds measure it)"}
+        return {"measured": True, "kind": "server",
+                "why": f"floor measured from {runs} greedy runs that differed on {flips} scenarios: the server's "
+                       "non-determinism, not sampling noise"}
+    if len(set(seeds)) < len(seeds) and flips == 0:
+        return {"measured": False, "kind": "one seed", "why": f"floor not measured: {runs} sampled runs with one seed repeat each other"}
+    return {"measured": True, "kind": "sampled",
+            "why": f"floor measured from {runs} sampled runs (temperature {', '.join(str(t) for t in sorted(temperatures))}, seeds {seeds})"}
+
+
+def floor_statement(floors: Mapping[str, dict[str, Any]], requests: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+    """The comparison's A/A floor: measured when an arm's runs measured one; its band from those arms."""
+    arms = {arm: arm_floor_status(floor, requests.get(arm, ())) for arm, floor in floors.items()}
+    measured = [floors[arm] for arm, status in arms.items() if status["measured"]]
+    return {
+        "measured": bool(measured),
+        "why": _floor_why(arms),
+        "arms": arms,
+        "repeated": any(floor["runs"] >= 2 for floor in floors.values()),
+        "band_points": max((floor["band_points"] for floor in measured), default=None),
+        "max_discordant": max((floor["max_discordant"] for floor in measured), default=None),
+    }
+
+
+def _floor_why(arms: Mapping[str, dict[str, Any]]) -> str:
+    reasons = {status["why"] for status in arms.values()}
+    if len(reasons) == 1:
+        return f"{reasons.pop()} (both arms)" if len(arms) > 1 else reasons.pop()
+    return "; ".join(f"{arm}: {status['why']}" for arm, status in arms.items())
+
+
 # -- two arms -----------------------------------------------------------------------------------
 def compare_arms(
     runs_a: Sequence[Run],
@@ -222,11 +356,15 @@ def compare_arms(
     alpha: float = DEFAULT_ALPHA,
     n_boot: int = DEFAULT_BOOTSTRAP,
     seed: int = 0,
+    requests: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
+    """The paired comparison of arm A against arm B; ``requests``: per arm, each run's request
+    parameters (temperature, seed), which say whether repeated runs measured an A/A floor."""
     if not runs_a or not runs_b:
         raise ReportError("each arm needs at least one run")
     ids = [i for i in common_ids(runs_a) if i in set(common_ids(runs_b))]
-    floor_a, floor_b = noise_floor(runs_a, categories), noise_floor(runs_b, categories)
+    floors = {"A": noise_floor(runs_a, categories), "B": noise_floor(runs_b, categories)}
+    floor = floor_statement(floors, requests or {})
     mean_a = {i: float(np.mean([fraction(run[i]) for run in runs_a])) for i in ids}
     mean_b = {i: float(np.mean([fraction(run[i]) for run in runs_b])) for i in ids}
     diffs = [mean_b[i] - mean_a[i] for i in ids]
@@ -235,33 +373,18 @@ def compare_arms(
     pass_a = {i: all(run[i][0] == run[i][1] for run in runs_a) for i in ids}
     pass_b = {i: all(run[i][0] == run[i][1] for run in runs_b) for i in ids}
     binary = mcnemar(sum(pass_a[i] and not pass_b[i] for i in ids), sum(pass_b[i] and not pass_a[i] for i in ids))
-    flipping_a, flipping_b = set(floor_a["flipping_scenarios"]), set(floor_b["flipping_scenarios"])
-    flips = [
-        {
-            "id": i,
-            "category": categories[i],
-            "max": runs_a[0][i][1],
-            "a": [run[i][0] for run in runs_a],
-            "b": [run[i][0] for run in runs_b],
-            "diff_fraction": mean_b[i] - mean_a[i],
-            "favours": "B" if mean_b[i] > mean_a[i] else "A",
-            "flips_within_a": i in flipping_a,
-            "flips_within_b": i in flipping_b,
-        }
-        for i in favours_a + favours_b
-    ]
-    flips.sort(key=lambda f: ids.index(f["id"]))
+    flips = flip_list(runs_a, runs_b, [i for i in ids if i in set(favours_a) | set(favours_b)], categories, floors)
+    n = len(ids)
+    discordant = len(favours_a) + len(favours_b)
+    means = (float(np.mean(list(mean_a.values()))) if n else 0.0, float(np.mean(list(mean_b.values()))) if n else 0.0)
     points_a = float(np.mean([sum(run[i][0] for i in ids) for run in runs_a]))
     points_b = float(np.mean([sum(run[i][0] for i in ids) for run in runs_b]))
-    n = len(ids)
-    sd_diff = float(np.std(diffs, ddof=1)) if n > 1 else 0.0
-    discordant = len(favours_a) + len(favours_b)
     result = {
         "scenarios": n,
         "max_points": sum(runs_a[0][i][1] for i in ids),
         "runs": {"A": len(runs_a), "B": len(runs_b)},
         "points": {"A": points_a, "B": points_b, "diff": points_b - points_a},
-        "mean_fraction": {"A": float(np.mean(list(mean_a.values()))) if n else 0.0, "B": float(np.mean(list(mean_b.values()))) if n else 0.0},
+        "mean_fraction": {"A": means[0], "B": means[1]},
         "mean_fraction_diff": float(np.mean(diffs)) if n else 0.0,
         "bootstrap_ci": list(paired_bootstrap_ci(diffs, n_boot=n_boot, seed=seed)),
         "bootstrap": {"resamples": n_boot, "seed": seed, "level": 0.95},
@@ -272,25 +395,50 @@ def compare_arms(
         "discordance_rate": discordant / n if n else 0.0,
         "flips": flips,
         "flips_also_within_arm": sum(1 for f in flips if f["flips_within_a"] or f["flips_within_b"]),
-        "noise_floor": {"A": floor_a, "B": floor_b},
-        "categories": category_comparison(runs_a, runs_b, ids, categories),
-        "power": {
-            "sd_diff": sd_diff,
-            "mde_80": minimum_detectable_effect(n, sd_diff, alpha) if n > 1 and sd_diff > 0 else None,
-            "mde_80_by_sd": {str(sd): minimum_detectable_effect(n, sd, alpha) for sd in (0.2, 0.3, 0.4, 0.5)} if n > 1 else {},
-            "smallest_significant_discordance": smallest_significant_discordance(alpha),
-            "sign_test": power_table(n, discordant / n if n else None, alpha) if n else [],
-        },
+        "noise_floor": floors,
+        "categories": category_comparison(runs_a, runs_b, ids, categories, floor_measured=floor["measured"]),
+        "power": {**power_statement(n, len(favours_a), len(favours_b), means, floor, alpha), **graded_power(n, diffs, alpha)},
         "alpha": alpha,
     }
     result["verdict"] = verdict(result, alpha)
     return result
 
 
-def category_comparison(runs_a: Sequence[Run], runs_b: Sequence[Run], ids: list[str], categories: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+def flip_list(runs_a: Sequence[Run], runs_b: Sequence[Run], discordant_ids: list[str], categories: Mapping[str, str],
+              floors: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The scenarios whose score differs between the arms, in suite order, with their runs' points."""
+    flipping_a, flipping_b = set(floors["A"]["flipping_scenarios"]), set(floors["B"]["flipping_scenarios"])
+    flips = []
+    for i in discordant_ids:
+        mean_a = float(np.mean([fraction(run[i]) for run in runs_a]))
+        mean_b = float(np.mean([fraction(run[i]) for run in runs_b]))
+        flips.append({
+            "id": i, "category": categories[i], "max": runs_a[0][i][1],
+            "a": [run[i][0] for run in runs_a], "b": [run[i][0] for run in runs_b],
+            "diff_fraction": mean_b - mean_a, "favours": "B" if mean_b > mean_a else "A",
+            "flips_within_a": i in flipping_a, "flips_within_b": i in flipping_b,
+        })
+    return flips
+
+
+def graded_power(n: int, diffs: Sequence[float], alpha: float) -> dict[str, Any]:
+    """The graded-score view: the minimum detectable mean difference and the sign test's power table."""
+    sd_diff = float(np.std(diffs, ddof=1)) if n > 1 else 0.0
+    return {
+        "sd_diff": sd_diff,
+        "mde_80": minimum_detectable_effect(n, sd_diff, alpha) if n > 1 and sd_diff > 0 else None,
+        "mde_80_by_sd": {str(sd): minimum_detectable_effect(n, sd, alpha) for sd in (0.2, 0.3, 0.4, 0.5)} if n > 1 else {},
+        "sign_test": power_table(n, sum(abs(d) > EPSILON for d in diffs) / n if n else None, alpha) if n else [],
+    }
+
+
+def category_comparison(runs_a: Sequence[Run], runs_b: Sequence[Run], ids: list[str], categories: Mapping[str, str],
+                        *, floor_measured: bool | None = None) -> dict[str, dict[str, Any]]:
     """Per category: points per run of each arm, the means, the difference and the within-arm spread.
 
-    Descriptive only: about four scenarios per category cannot support a per-category test.
+    Descriptive only: about four scenarios per category cannot support a per-category test. Where
+    no A/A floor was measured (one run, or greedy runs that repeat every score) no difference is
+    called within or outside noise (``floor_measured``; None: whenever an arm ran twice).
     """
     table: dict[str, dict[str, Any]] = {}
     for category in dict.fromkeys(categories[i] for i in ids):
@@ -298,7 +446,7 @@ def category_comparison(runs_a: Sequence[Run], runs_b: Sequence[Run], ids: list[
         earned_a = [sum(run[i][0] for i in members) for run in runs_a]
         earned_b = [sum(run[i][0] for i in members) for run in runs_b]
         spread = max(max(earned_a) - min(earned_a), max(earned_b) - min(earned_b))
-        measured = len(runs_a) > 1 or len(runs_b) > 1
+        measured = (len(runs_a) > 1 or len(runs_b) > 1) if floor_measured is None else floor_measured
         diff = float(np.mean(earned_b) - np.mean(earned_a))
         table[category] = {
             "scenarios": len(members),
@@ -315,19 +463,36 @@ def category_comparison(runs_a: Sequence[Run], runs_b: Sequence[Run], ids: list[
 
 
 def verdict(result: dict[str, Any], alpha: float = DEFAULT_ALPHA) -> dict[str, Any]:
-    """Order the arms only when the difference clears every test and the noise floor."""
-    floors = result["noise_floor"]
-    measured = [floor for floor in floors.values() if floor["measured"]]
-    diff = result["points"]["diff"]
-    discordant = result["discordant"]
-    sign = result["sign_test"]
+    """Order the arms only when the difference clears every test and the noise floor; a floor that
+    was not measured (greedy runs repeat every score) adds no condition and is said so."""
+    floor = result["power"]["floor"]
+    diff, discordant, sign = result["points"]["diff"], result["discordant"], result["sign_test"]
     if discordant == 0:
         text = "no difference: both arms earned the same points on every scenario"
-        if not measured:
+        if not floor["repeated"]:
             text += " (no noise floor measured: run an arm twice to know how stable that is)"
-        return {"ordering": "none", "label": "no difference", "text": text, "reasons": []}
+        return {"ordering": "none", "label": "no difference", "text": text, "reasons": [], "notes": _power_notes(result)}
+    reasons = _failed_conditions(result, alpha)
+    also = result["flips_also_within_arm"]
+    notes = ([f"{also} of the {discordant} discordant scenarios also flip within an arm's own runs"] if floor["measured"] else [])
+    notes += _power_notes(result)
+    if reasons:
+        return {"ordering": "none", "label": "cannot order the arms", "text": "cannot order the arms: " + "; ".join(reasons),
+                "reasons": reasons, "notes": notes}
+    better = "B" if diff > 0 else "A"
+    worse = "A" if better == "B" else "B"
+    low, high = result["bootstrap_ci"]
+    floor_text = "outside the A/A noise floor" if floor["measured"] else f"{floor['why']}: the ordering rests on the paired tests"
+    text = (f"{better} scores higher than {worse}: {abs(diff):.1f} points (mean per-scenario difference "
+            f"{result['mean_fraction_diff']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}]), sign test p = {sign['p']:.3g}, {floor_text}")
+    return {"ordering": f"{better}>{worse}", "label": f"{better} better", "text": text, "reasons": [], "notes": notes}
+
+
+def _failed_conditions(result: dict[str, Any], alpha: float) -> list[str]:
+    """The conditions of an ordering that the comparison fails, in words."""
+    floor, sign, discordant, diff = result["power"]["floor"], result["sign_test"], result["discordant"], result["points"]["diff"]
     reasons = []
-    if not measured:
+    if not floor["repeated"]:
         reasons.append("no A/A noise floor: run at least one arm twice")
     if sign["p"] >= alpha:
         reasons.append(f"sign test p = {sign['p']:.3f} on {discordant} discordant scenarios "
@@ -335,20 +500,19 @@ def verdict(result: dict[str, Any], alpha: float = DEFAULT_ALPHA) -> dict[str, A
     low, high = result["bootstrap_ci"]
     if low <= 0.0 <= high:
         reasons.append(f"the 95% bootstrap CI of the mean difference [{low:+.3f}, {high:+.3f}] includes 0")
-    if measured:
-        band = max(floor["band_points"] for floor in measured)
-        within = max(floor["max_discordant"] for floor in measured)
+    if floor["measured"]:
+        band, within = floor["band_points"], floor["max_discordant"]
         if abs(diff) <= band:
             reasons.append(f"the difference ({diff:+.1f} points) is within the noise floor (an arm moved up to {band} points between its own runs)")
         if discordant <= within:
             reasons.append(f"{discordant} scenarios differ between the arms, no more than the {within} that differ between one arm's own runs")
-    also = result["flips_also_within_arm"]
-    notes = [f"{also} of the {discordant} discordant scenarios also flip within an arm's own runs"] if measured else []
-    if reasons:
-        return {"ordering": "none", "label": "cannot order the arms", "text": "cannot order the arms: " + "; ".join(reasons), "reasons": reasons, "notes": notes}
-    better = "B" if diff > 0 else "A"
-    worse = "A" if better == "B" else "B"
-    text = (f"{better} scores higher than {worse}: {abs(diff):.1f} points (mean per-scenario difference "
-            f"{result['mean_fraction_diff']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}]), sign test p = {sign['p']:.3g}, "
-            f"outside the A/A noise floor")
-    return {"ordering": f"{better}>{worse}", "label": f"{better} better", "text": text, "reasons": [], "notes": notes}
+    return reasons
+
+
+def _power_notes(result: dict[str, Any]) -> list[str]:
+    """What the suite could have detected, the floor and a floor effect: beside every verdict."""
+    power = result["power"]
+    notes = [f"A/A {power['floor']['why']}"]
+    if power["floor_effect"]:
+        notes.append("FLOOR EFFECT: " + power["floor_effect"])
+    return [*notes, "power: " + power["text"]]

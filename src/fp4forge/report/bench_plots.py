@@ -14,7 +14,7 @@ import numpy as np
 
 from fp4forge.bench import stats
 from fp4forge.bench.analyze import group_cells, kept_ok, values_of
-from fp4forge.report.bench_tables import summary_markdown
+from fp4forge.report.bench_tables import flatness_claim, prefill_claim, quadratic_claim, summary_markdown
 from fp4forge.report.plotting import pyplot, plain_log_scale
 
 PLOT_FILES = {
@@ -107,10 +107,7 @@ def _plot_ttft_vs_prompt(plt: Any, cells: dict, summary: dict[str, Any]) -> Any:
         if fit.get("slope_s_per_tok") is not None and fit["fit_prompt_tokens"]:
             xs = np.linspace(0, longest, 80)
             ys = (fit["intercept_s"] + fit["slope_s_per_tok"] * xs) * 1000.0
-            rate = fit["rate_tok_s"]
-            r2 = goodness.get("r2_line")
-            label = (f"{load}: line {rate:,.0f} tok/s, intercept {fit['intercept_s'] * 1000:.1f} ms"
-                     + (f", R² {r2:.2f}" if r2 is not None else "")) if rate else f"{load}: line"
+            label = f"{load}: {prefill_claim(fit)}" if fit["rate_tok_s"] else f"{load}: line"
             if goodness.get("line_misses") or (goodness.get("intercept_over_floor") or 0) > 1:
                 label += " (misses its points)"
             axis.plot(xs, ys, color=colour, linewidth=1.2, label=label)
@@ -120,8 +117,7 @@ def _plot_ttft_vs_prompt(plt: Any, cells: dict, summary: dict[str, Any]) -> Any:
         if curvature and curvature.get("curved"):
             xs = np.linspace(0, longest, 80)
             ys = (curvature["a_s"] + curvature["b_s_per_tok"] * xs + curvature["c_s_per_tok2"] * xs * xs) * 1000.0
-            axis.plot(xs, ys, color=colour, linewidth=1.2, linestyle="--",
-                      label=f"{load}: quadratic (curved), R² {curvature['r2_quadratic']:.2f}")
+            axis.plot(xs, ys, color=colour, linewidth=1.2, linestyle="--", label=f"{load}: {quadratic_claim(curvature)}")
     if not drew:
         plt.close(figure)
         return None
@@ -159,16 +155,11 @@ def _plot_decode_vs_context(plt: Any, cells: dict, summary: dict[str, Any]) -> A
             # no line joining the medians: the tested trend is the least-squares line below
             axis.errorbar(xs, medians, yerr=[lows, highs], color=colour, marker="s", linestyle="none", capsize=3, label=f"{load}: median, 95% CI")
         flat = next((f for f in summary.get("decode_flatness", []) if f["load"] == load), None)
-        if flat and flat.get("change_per_1k_prompt_tokens") is not None and flat.get("context_range"):
-            first, last = flat["context_range"]
-            line = _decode_line(cells, load, entries)
-            if line is not None:
-                slope, intercept = line
-                grid = np.linspace(first, last, 40)
-                lo, hi = flat["change_per_1k_ci"]
-                axis.plot(grid, intercept + slope * grid, color=colour, linestyle="--", linewidth=1.0,
-                          label=f"{load}: least-squares line, {flat['change_per_1k_prompt_tokens']:+.1%}/1k tok "
-                                f"(95% CI {lo:+.1%} to {hi:+.1%}): {flat['verdict']}")
+        if flat and flat.get("line") and flat.get("change_across_context_ci") and flat.get("context_range"):
+            slope, intercept = flat["line"]  # the fit the notes state, drawn as fitted
+            grid = np.linspace(*flat["context_range"], 40)
+            axis.plot(grid, intercept + slope * grid, color=colour, linestyle="--", linewidth=1.0,
+                      label=f"{load}: least-squares line, {flatness_claim(flat)}: {flat['verdict']}")
     if not drew:
         plt.close(figure)
         return None
@@ -179,18 +170,6 @@ def _plot_decode_vs_context(plt: Any, cells: dict, summary: dict[str, Any]) -> A
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
-
-
-def _decode_line(cells: dict, load: str, entries: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """The least-squares line over every kept sample, as the flatness test fitted it."""
-    x, y = [], []
-    for entry in entries:
-        decode = values_of(kept_ok(cells[(load, entry["shape"])]), "decode_tok_s")
-        x += [entry["prompt_tokens"]] * len(decode)
-        y += decode
-    if len(set(x)) < 2:
-        return None
-    return stats.line_fit(x, y)
 
 
 def _max_shapes(summary: dict[str, Any]) -> int:

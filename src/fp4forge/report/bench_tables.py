@@ -12,6 +12,8 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from fp4forge.bench import stats
+
 OVERHEAD_STYLE = "dim"
 
 
@@ -57,6 +59,26 @@ def failures_cell(entry: dict[str, Any]) -> str:
     return f"{entry['n_failed']} (" + ", ".join(f"{k} {v}" for k, v in sorted(entry["failures_by_kind"].items())) + ")"
 
 
+# -- the fits' claims: one text per fit, printed alike in the notes and the plots' legends ------------
+def prefill_claim(fit: dict[str, Any]) -> str:
+    """The prefill line as a claim: rate, intercept and its R² over its shapes' samples."""
+    r2 = (fit.get("goodness") or {}).get("r2_line")
+    return (f"line {fit['rate_tok_s']:,.0f} tok/s, intercept {fit['intercept_s'] * 1000:,.1f} ms"
+            + (f", R² {stats.format_r2(r2)}" if r2 is not None else ""))
+
+
+def quadratic_claim(curvature: dict[str, Any]) -> str:
+    return f"quadratic (curved), R² {stats.format_r2(curvature['r2_quadratic'])}"
+
+
+def flatness_claim(flat: dict[str, Any]) -> str:
+    """The decode line as a claim: the change across the measured context with its CI and R²."""
+    lo, hi = flat["change_across_context_ci"]
+    first, last = flat["context_range"]
+    return (f"{flat['change_across_context']:+.1%} from {first:,.0f} to {last:,.0f} prompt tokens "
+            f"(95% CI {lo:+.1%} to {hi:+.1%}; R² {stats.format_r2(flat.get('r2'))})")
+
+
 def prefill_line(fit: dict[str, Any]) -> str:
     goodness = fit.get("goodness") or {}
     verdict = goodness.get("verdict")
@@ -70,9 +92,8 @@ def prefill_line(fit: dict[str, Any]) -> str:
         ci_text = f" (95% CI {ci[0]:,.0f}–{upper})"
     overhead = [r["prompt_tokens"] for r in fit["regimes"] if r["regime"] != "compute-dominated"]
     text = (
-        f"load {fit['load']}: prefill line {fit['rate_tok_s']:,.0f} tok/s{ci_text}, intercept "
-        f"{fit['intercept_s'] * 1000:,.1f} ms, fitted over the medians at {fit['fit_prompt_tokens']} prompt tokens; "
-        f"below the knee (overhead, not throughput): {overhead}"
+        f"load {fit['load']}: prefill {prefill_claim(fit)}{ci_text}, fitted over the medians at {fit['fit_prompt_tokens']} "
+        f"prompt tokens; below the knee (overhead, not throughput): {overhead}"
     )
     return text + (f". Goodness of fit: {verdict}" if verdict else "")
 
@@ -84,23 +105,56 @@ def flatness_line(flat: dict[str, Any]) -> str:
               f"({flat['relative_spread']:.1%} of {flat['median_tok_s']:,.2f})")
     if "verdict" not in flat or flat.get("change_across_context_ci") is None:  # a summary from before the regression test
         return f"load {flat['load']}: decode across context — {spread}; no regression test recorded"
-    lo, hi = flat["change_across_context_ci"]
-    first, last = flat["context_range"]
-    tested = (f"slope over all n={flat['n']} samples: {flat['change_across_context']:+.1%} from {first:,.0f} to {last:,.0f} "
-              f"prompt tokens (95% CI {lo:+.1%} to {hi:+.1%}; R² {_r2(flat.get('r2'))})")
-    verdict = flat["verdict"]
+    tested = f"slope over all n={flat['n']} samples: {flatness_claim(flat)}"
+    verdict, order = flat["verdict"], flat.get("order_test") or {}
     if verdict == "flat":
         head = f"decode flat across context (the change's CI lies within ±{flat['tolerance']:.0%})"
+    elif verdict == "cannot tell apart" and order.get("claim"):
+        head = f"decode across context: cannot tell (the whole run's slope says \"{order['claim']}\", but {order['reason']})"
     elif verdict == "cannot tell apart":
         head = (f"decode across context: cannot tell flat from changing (n={flat['n']}; the CI covers 0 and reaches past "
                 f"±{flat['tolerance']:.0%})")
     else:
-        head = f"decode {verdict} (the slope's CI excludes 0)"
+        head = f"decode {verdict} (the slope's CI excludes 0; {order.get('reason', 'order not tested')})"
     return f"load {flat['load']}: {head} — {tested}; {spread}"
 
 
-def _r2(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
+def host_line(run: dict[str, Any]) -> str:
+    """Where and under what load the run was measured (``run.json``'s host facts)."""
+    host = run.get("host")
+    if not host:
+        return "host: not recorded (a run by an older fp4forge): CPU, cores and load are unknown"
+    gpus = host.get("gpus")
+    gpu_text = "GPU unknown (no nvidia-smi)" if gpus is None else ("no GPU" if not gpus else "GPU " + ", ".join(gpus))
+    load = [("before", host.get("load_before")), ("after", host.get("load_after"))]
+    load_text = ", ".join(f"{v[0]:.2f} {k}" for k, v in load if v) or "unknown"
+    text = (f"host: {host.get('cpu_model') or 'CPU model unknown'}, {host.get('cores_usable')} of {host.get('cores_logical')} "
+            f"cores usable, {gpu_text}; 1-minute load average {load_text}")
+    return text + server_warnings_text(host.get("server_warnings"))
+
+
+def server_warnings_text(block: dict[str, Any] | None) -> str:
+    if not block:
+        return "; the server's log was not given: its warnings are not recorded"
+    if block.get("error"):
+        return f"; the server's log could not be read ({block['error']})"
+    during = block["during_run"]
+    text = f"; the server logged {block['before_run']['count']} warnings before the run and {during['count']} during it"
+    return text + (": " + " | ".join(during["messages"][:3]) if during["messages"] else "")
+
+
+def order_lines(summary: dict[str, Any]) -> list[str]:
+    """How the requests were ordered, and whether trend claims could be tested against time."""
+    run = summary.get("run") or {}
+    order = run.get("order") or {}
+    rounds = f"{order['repeats']} rounds over the shapes, each in a random order (seed {order['order_seed']})" if order else "order not recorded"
+    lines = []
+    for entry in summary.get("order", []):
+        r = entry["order_correlation"]
+        lines.append(f"load {entry['load']}: send order: {rounds}; r = " + ("–" if r is None else f"{r:+.2f}")
+                     + f" between a request's position and its prompt length (a trend claim needs |r| < "
+                       f"{stats.ORDER_CORRELATION_LIMIT} and the trend in both halves of the run)")
+    return lines
 
 
 SUMMARY_COLUMNS = (
@@ -133,6 +187,7 @@ def summary_rows(summary: dict[str, Any]) -> list[list[str]]:
 
 def notes(summary: dict[str, Any]) -> list[str]:
     lines = [prefill_line(f) for f in summary["prefill"]] + [flatness_line(f) for f in summary["decode_flatness"]]
+    lines += order_lines(summary) + [host_line(summary.get("run") or {})]
     totals = summary["totals"]
     lines.append(
         f"{totals['requests']} requests: {totals['kept_ok']} kept, {totals['warmups']} warmups discarded, "

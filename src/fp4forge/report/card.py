@@ -1,10 +1,13 @@
 """The model card: Markdown assembled only from artifacts that exist.
 
 Every number on the card comes from a file under ``reports/`` (or the checkpoint's own
-``config.json`` / ``fp4forge.json``); a section whose artifact is missing says so and lands in
-"What this card does not claim". Nothing here measures anything.
+``config.json`` / ``fp4forge.json``); a section whose artifact is missing, corrupt or left from an
+earlier run (``card_artifacts``) says so and lands in "What this card does not claim". Nothing here
+measures anything.
 
-``SECTIONS`` is the card's outline: title, the artifacts a section needs, and its renderer.
+The card opens with its verdict (``card_verdict``: ship / do not ship / not established, one line
+per report); ``SECTIONS`` is the rest of its outline: title, the artifacts a section needs, and its
+renderer.
 """
 
 from __future__ import annotations
@@ -16,63 +19,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.audit.findings import split_fix
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
 from fp4forge.errors import ConfigError
+from fp4forge.report.card_artifacts import Artifacts, server_life
 from fp4forge.report.card_metadata import front_matter
+from fp4forge.report.card_verdict import UNTRAINED_PERPLEXITY_SHARE, Verdict, card_verdict, verdict_lines
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
 PLOTS = "plots"
-# A teacher whose perplexity exceeds this share of its vocabulary is guessing on that text: untrained, or
-# evaluated on text far from its training corpus.
-UNTRAINED_PERPLEXITY_SHARE = 0.5
-
-
-@dataclass
-class Artifacts:
-    """Reads artifacts on demand and remembers which were asked for and missing."""
-
-    checkpoint: Path
-    reports: Path
-    missing: list[str] = field(default_factory=list)
-    reads: list[str] = field(default_factory=list)  # every artifact asked for, in order (a section's links)
-    _loaded: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # each file parsed once
-
-    def path(self, name: str) -> Path:
-        return self.checkpoint / name.removeprefix("ckpt:") if name.startswith("ckpt:") else self.reports / name
-
-    def display(self, name: str) -> str:
-        return name.removeprefix("ckpt:") if name.startswith("ckpt:") else f"reports/{name}"
-
-    def json(self, name: str) -> dict[str, Any] | None:
-        self.reads.append(name)
-        if name not in self._loaded:
-            try:
-                self._loaded[name] = json.loads(self.path(name).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                self._loaded[name] = None
-        if self._loaded[name] is None and self.display(name) not in self.missing:
-            self.missing.append(self.display(name))
-        return self._loaded[name]
-
-    def json_exists(self, name: str) -> bool:
-        """Whether ``name`` was read and parsed (a report the card can quote and link)."""
-        return self._loaded.get(name) is not None
-
-    def exists(self, name: str) -> bool:
-        return self.path(name).exists()
-
-    def relative(self, path: Path, card_dir: Path) -> str:
-        return Path(os.path.relpath(path, card_dir)).as_posix()
 
 
 @dataclass
 class Card:
     markdown: str
     sections: list[str]
-    missing: list[str]
+    missing: list[str]  # every artifact the card could not quote (missing, corrupt or stale)
     plots: list[str]
+    verdict: Verdict | None = None
+    problems: dict[str, str] = field(default_factory=dict)  # artifact -> why it was not quoted
 
 
 Renderer = Callable[["CardContext"], list[str]]
@@ -97,8 +64,13 @@ class CardContext:
 
 
 def _missing(ctx: CardContext, *names: str) -> list[str]:
-    shown = ", ".join(f"`{ctx.art.display(n)}`" for n in names)
-    return [f"_Not measured: {shown} {'is' if len(names) == 1 else 'are'} missing, so this section states nothing._"]
+    """A section without its artifacts: each named as missing, corrupt or stale, as it is."""
+    problems = [(ctx.art.display(n), ctx.art.problems.get(ctx.art.display(n), "missing")) for n in names]
+    if all(problem == "missing" for _, problem in problems):
+        shown = ", ".join(f"`{name}`" for name, _ in problems)
+        return [f"_Not measured: {shown} {'is' if len(names) == 1 else 'are'} missing, so this section states nothing._"]
+    shown = "; ".join(f"`{name}` is {problem}" for name, problem in problems)
+    return [f"_Not measured: {shown}; so this section states nothing._"]
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -177,24 +149,26 @@ def bytes_section(ctx: CardContext) -> list[str]:
     return lines
 
 
-def verification_section(ctx: CardContext) -> list[str]:
-    lines: list[str] = []
+def _audit_lines(ctx: CardContext) -> list[str]:
+    """The audit's counts, then every finding with its message and its fix."""
     audit = ctx.art.json("audit.json")
     if audit is None:
-        lines += ["### Audit", "", *_missing(ctx, "audit.json")]
-    else:
-        s = audit["summary"]
-        a = audit.get("audit", {})
-        lines += ["### Audit", "", f"`fp4forge audit` ({'deep: every value read' if a.get('deep') else 'headers only'}; "
-                  f"target vLLM {a.get('vllm_version', '–')}; layout `{a.get('layout', '–')}`): "
-                  f"**{_count(s['errors'], 'error')}, {_count(s['warnings'], 'warning')}, {_count(s['infos'], 'info')}**.", ""]
-        by_rule: dict[str, list[dict[str, Any]]] = {}
-        for f in audit["findings"]:
-            by_rule.setdefault(f["rule"], []).append(f)
-        if by_rule:
-            lines += table(["rule", "severity", "findings", "what"], [
-                [f"`{rule}`", fs[0]["severity"], str(len(fs)), fs[0].get("title", "")] for rule, fs in by_rule.items()
-            ])
+        return ["### Audit", "", *_missing(ctx, "audit.json")]
+    s = audit["summary"]
+    a = audit.get("audit", {})
+    lines = ["### Audit", "", f"`fp4forge audit` ({'deep: every value read' if a.get('deep') else 'headers only'}; "
+             f"target vLLM {a.get('vllm_version', '–')}; layout `{a.get('layout', '–')}`): "
+             f"**{_count(s['errors'], 'error')}, {_count(s['warnings'], 'warning')}, {_count(s['infos'], 'info')}**.", ""]
+    if audit["findings"]:
+        lines += table(["rule", "severity", "instances", "message", "fix"], [
+            [f"`{f['rule']}`", f["severity"], _int(f.get("count", 1)), *(_cell(part or "–") for part in split_fix(f["message"]))]
+            for f in audit["findings"]
+        ])
+    return lines
+
+
+def verification_section(ctx: CardContext) -> list[str]:
+    lines = _audit_lines(ctx)
     shards = ctx.art.json("shards.json")
     lines += ["", "### Shards and index", ""]
     if shards is None:
@@ -231,16 +205,26 @@ def verification_section(ctx: CardContext) -> list[str]:
         for f in kv["findings"]:
             lines.append(f"- **{f['severity']}**: {f['message']}")
     if ctx.art.exists("diff.json"):
-        diff = ctx.art.json("diff.json") or {}
-        lines += ["", "### Against the sibling checkpoint", "",
-                  f"`fp4forge diff` against `{diff.get('sibling', '–')}` (blake2b of every tensor's raw bytes):", ""]
-        rows = [[name, *(_int(c.get(k)) for k in DIFF_COLUMNS)] for name, c in diff.get("components", {}).items()]
-        rows.append(["**total**", *(_int(diff.get("summary", {}).get(k)) for k in DIFF_COLUMNS)])
-        lines += table(["component", "identical", "different", "only here", "only in the sibling"], rows)
+        lines += _diff_lines(ctx)
     return lines
 
 
+def _diff_lines(ctx: CardContext) -> list[str]:
+    diff = ctx.art.json("diff.json")
+    lines = ["", "### Against the sibling checkpoint", ""]
+    if diff is None:
+        return lines + _missing(ctx, "diff.json")
+    lines += [f"`fp4forge diff` against `{diff.get('sibling', '–')}` (blake2b of every tensor's raw bytes):", ""]
+    rows = [[name, *(_int(c.get(k)) for k in DIFF_COLUMNS)] for name, c in diff.get("components", {}).items()]
+    rows.append(["**total**", *(_int(diff.get("summary", {}).get(k)) for k in DIFF_COLUMNS)])
+    return lines + table(["component", "identical", "different", "only here", "only in the sibling"], rows)
+
+
 DIFF_COLUMNS = ("identical", "different", "only_in_a", "only_in_b")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _first(value: float | list[float] | None) -> float | None:
@@ -264,7 +248,7 @@ def _portable_target_line(rec: dict[str, Any]) -> str:
 
 def _findings_table(findings: list[dict[str, Any]]) -> list[str]:
     return table(["finding", "severity", "line", "message"], [
-        [f"`{f['id']}`", f["severity"], str(f.get("line", "–")), f["message"].replace("|", "\\|")] for f in findings
+        [f"`{f['id']}`", f["severity"], str(f.get("line", "–")), _cell(f["message"])] for f in findings
     ])
 
 
@@ -297,7 +281,7 @@ def serve_section(ctx: CardContext) -> list[str]:
         ctx.non_claims.append(f"The serve line for {rec['hardware']} comes from fp4forge's knowledge table for vLLM "
                               f"{rec['vllm_version']}; it was not run on {rec['hardware']} for this card.")
     lines += ["", "### Served on this machine", ""]
-    lives = {role: ctx.art.json(f"servers/{role}.json") for role, _ in SERVER_ROLES if ctx.art.exists(f"servers/{role}.json")}
+    lives = {role: life for role, _ in SERVER_ROLES if (life := server_life(ctx.art, role)) is not None}
     if served is None:
         lines += _missing(ctx, "serve.json")
         ctx.non_claims.append("The checkpoint was not served here: nothing on this card shows that vLLM loads it.")
@@ -313,7 +297,7 @@ def serve_section(ctx: CardContext) -> list[str]:
         lines += [f"vLLM {served['vllm_version']} on `{served['hardware']}`, ready after {_num(served['ready_seconds'], 3)} s; "
                   f"the log doctor's findings at start-up (`fp4forge serve doctor reports/{served['log']}`):", ""]
         lines += table(["finding", "severity", "message"], [
-            [f"`{f['id']}`", f["severity"], f["message"].replace("|", "\\|")] for f in served["findings"]
+            [f"`{f['id']}`", f["severity"], _cell(f["message"])] for f in served["findings"]
         ])
         student_life = lives.get("student") or {}
         command = served.get("reproducible_command") or student_life.get("command")
@@ -364,13 +348,20 @@ def _server_lives(ctx: CardContext, lives: dict[str, dict[str, Any] | None], ser
             ctx.non_claims.append(f"The {role} server ({what}) logged errors while it served {steps} "
                                   f"(reports/servers/{life['log']}): results of those steps may be affected.")
         if role == "teacher":
-            lines += ["", f"The teacher ({life.get('model', '–')}) was served with:", "", "```bash", life["command"], "```", "",
-                      MODEL_NOTE.replace("the model's directory", "the teacher's directory")]
-            lines += _env_lines(life.get("env"))
-            startup = life.get("startup_findings", [])
-            lines += ["", "Its log doctor's findings at start-up:", ""]
-            lines += _findings_table(startup) if startup else ["none."]
+            lines += _teacher_lines(life)
     return lines
+
+
+def _teacher_lines(life: dict[str, Any]) -> list[str]:
+    """The teacher: the unquantized reference arm, its command and what its log said at start-up."""
+    lines = ["", f"The BF16 teacher ({life.get('model', '–')}), the unquantized reference arm, was served with:", "",
+             "```bash", life["command"], "```", "", MODEL_NOTE.replace("the model's directory", "the teacher's directory")]
+    lines += _env_lines(life.get("env"))
+    startup = life.get("startup_findings", [])
+    source = ("read again from its kept log by this fp4forge's log doctor" if life.get("reread")
+              else "as recorded when it stopped (its log is not kept, so they were not read again)")
+    lines += ["", f"Its log doctor's findings at start-up ({source}):", ""]
+    return lines + (_findings_table(startup) if startup else ["none."])
 
 
 def performance_section(ctx: CardContext) -> list[str]:
@@ -387,11 +378,26 @@ def performance_section(ctx: CardContext) -> list[str]:
     lines += ["", *[f"- {line}" for line in notes(summary)]]
     for png in sorted((ctx.art.reports / "bench").glob("*.png")):
         lines += ["", ctx.image(png, png.stem.replace("_", " "))]
+    ctx.non_claims += _performance_non_claims(summary)
     served = ctx.art.json("serve.json") if ctx.art.exists("serve.json") else None
     if served and served.get("hardware") == "cpu":
         ctx.non_claims.append("Performance was measured on vLLM's CPU build with fp4forge's emulation plugin: it says nothing "
                               "about GPU kernels' speed.")
     return lines
+
+
+def _performance_non_claims(summary: dict[str, Any]) -> list[str]:
+    """What the speed figures cannot say: no host recorded, no order test possible."""
+    from fp4forge.bench.stats import ORDER_CORRELATION_LIMIT
+
+    claims = []
+    if not (summary.get("run") or {}).get("host"):
+        claims.append("The machine the speed was measured on (CPU, cores, load) was not recorded: the figures have no context.")
+    ordered = [e["load"] for e in summary.get("order", []) if e["order_correlation"] is None or abs(e["order_correlation"]) >= ORDER_CORRELATION_LIMIT]
+    if ordered or "order" not in summary:
+        claims.append("No speed trend across context is claimed where the shapes ran in an order that follows context, or in an "
+                      "unrecorded order" + (f" (load {', '.join(ordered)})" if ordered else "") + ": such a trend cannot be told from drift.")
+    return claims
 
 
 def quality_section(ctx: CardContext) -> list[str]:
@@ -420,14 +426,7 @@ def quality_section(ctx: CardContext) -> list[str]:
     rows = [[c, *[f"{r['categories'][c]['earned']} / {r['categories'][c]['max']}" for r in runs]] for c in categories]
     rows.append(["**total**", *[f"{r['earned']} / {r['max']}" for r in runs]])
     lines += table(["category", *[f"run {r['run']}" for r in runs]], rows)
-    of_max = f" of {runs[0]['max']}" if runs else ""  # "28 / 28" would read as full marks
-    for arm, floor in doc.get("noise_floor", {}).items():
-        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals per run "
-                  f"{', '.join(str(t) for t in floor['total_per_run'])}{of_max}, "
-                  f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
-                  f"{floor['categories_moved']} of {len(floor['categories'])} categories moved."]
-    if not doc.get("noise_floor"):
-        ctx.non_claims.append("Quality ran once: its noise floor is unknown.")
+    lines += _score_floor_lines(ctx, doc)
     plot = _plot_quality(doc, ctx.plot_dir() / "quality.png")
     if plot:
         lines += ["", ctx.image(plot, "score per category and run")]
@@ -438,13 +437,38 @@ def quality_section(ctx: CardContext) -> list[str]:
     return lines
 
 
+def _score_floor_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
+    """Each arm's A/A floor, and whether its runs could measure one (greedy runs repeat themselves)."""
+    from fp4forge.quality.stats import arm_floor_status
+
+    runs = doc["runs"]
+    of_max = f" of {runs[0]['max']}" if runs else ""  # "28 / 28" would read as full marks
+    lines: list[str] = []
+    for arm, floor in doc.get("noise_floor", {}).items():
+        status = arm_floor_status(floor, [r.get("request") or {} for r in runs if r.get("arm") == arm])
+        lines += ["", f"Noise floor (arm {arm}, {floor['runs']} runs): totals per run "
+                  f"{', '.join(str(t) for t in floor['total_per_run'])}{of_max}, "
+                  f"spread {floor['spread_points']} points; {len(floor['flipping_scenarios'])} scenarios flip; "
+                  f"{floor['categories_moved']} of {len(floor['categories'])} categories moved: {status['why']}."]
+        if not status["measured"]:
+            ctx.non_claims.append(f"Quality's noise floor (arm {arm}): {status['why']}.")
+    if not doc.get("noise_floor"):
+        ctx.non_claims.append("Quality ran once: its noise floor is unknown.")
+    return lines
+
+
 def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
-    from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows
+    from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows, power_lines
 
     arms, points, sign = doc["arms"], doc["points"], doc["sign_test"]
     low, high = doc["bootstrap_ci"]
+    power = doc.get("power") or {}
     lines = [f"A = `{arms['A']['label']}`, B = `{arms['B']['label']}`, {doc['runs']['A']} and {doc['runs']['B']} runs of "
              f"{doc['scenarios']} scenarios. **Verdict: {doc['verdict']['text']}.**", ""]
+    lines += [f"- {line}" for line in power_lines(power)] + [""]
+    if doc["verdict"].get("ordering") == "none" and doc["verdict"].get("label") != "refused":
+        ctx.non_claims.append(f"The paired quality comparison ({doc['verdict'].get('label')}) is not evidence of no regression"
+                              + (f": {power['text']}." if power.get("text") else " (it states no power)."))
     lines += table(["test", "result"], [
         ["points, mean of runs", f"A {points['A']:.1f}, B {points['B']:.1f} of {doc['max_points']}; B − A {points['diff']:+.1f}"],
         ["95 % paired bootstrap CI, mean per-scenario difference", f"[{low:+.4f}, {high:+.4f}]"],
@@ -456,11 +480,23 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
 
     if answers_rows(doc):  # both arms: how many turns the suite could read
         lines += ["", *table(ANSWER_HEADERS, answers_rows(doc))]
-    lines += ["", *table(list(CATEGORY_HEADERS), category_rows(doc))]
+    lines += ["", "Per category (descriptive):", "",
+              *table(list(CATEGORY_HEADERS), category_rows(doc))]
+    lines += ["", *_flip_lines(doc)]
     plot = ctx.art.reports / "quality-teacher" / "category_scores.png"
     if plot.is_file():
         lines += ["", ctx.image(plot, "score per category, quantized vs teacher")]
     return lines
+
+
+def _flip_lines(doc: dict[str, Any]) -> list[str]:
+    """The flip list: every scenario whose score differs between the arms."""
+    flips = doc.get("flips") or []
+    if not flips:
+        return ["Flip list: none (every scenario earned the same points in both arms)."]
+    cells = [f"`{f['id']}` ({f['category']}, favours {f['favours']}"
+             + (", also flips within an arm" if f["flips_within_a"] or f["flips_within_b"] else "") + ")" for f in flips]
+    return [f"Flip list ({len(flips)} scenarios whose score differs between the arms): " + "; ".join(cells) + "."]
 
 
 def fidelity_section(ctx: CardContext) -> list[str]:
@@ -541,14 +577,17 @@ def provenance_section(ctx: CardContext) -> list[str]:
     pipeline = ctx.art.json("pipeline.json") if ctx.art.exists("pipeline.json") else None
     if pipeline is not None:
         lines += ["", f"Made by `fp4forge pipeline` (fp4forge {pipeline['fp4forge_version']}); steps:", ""]
-        lines += table(["step", "status", "seconds"], [
-            [s["name"], s["status"], "–" if s["seconds"] is None else f"{s['seconds']:.1f}"] for s in pipeline["steps"] if s["name"] != "card"
+        lines += table(["step", "status", "seconds", "why not run"], [
+            [s["name"], s["status"], "–" if s["seconds"] is None else f"{s['seconds']:.1f}",
+             _cell(s.get("message") or "") if s["status"] not in ("done", "skipped") else ""]
+            for s in pipeline["steps"] if s["name"] != "card"
         ])
     return lines
 
 
 def non_claims_section(ctx: CardContext) -> list[str]:
-    lines = [f"- `{name}` is missing: the card states nothing that it would have measured." for name in ctx.art.missing]
+    lines = [f"- `{name}` is {ctx.art.problems.get(name, 'missing')}; the card states nothing that it would have measured."
+             for name in ctx.art.missing]
     lines += [f"- {claim}" for claim in dict.fromkeys(ctx.non_claims)]
     return lines or ["- Every section above comes from a measured artifact."]
 
@@ -592,13 +631,27 @@ def render_card(checkpoint: Path, reports: Path | None = None, card_path: Path |
     ctx.non_claims += unstated
     name = checkpoint.resolve().name
     description = ((provenance or {}).get("recipe") or {}).get("name")
-    lines = [metadata + f"# {name}", "", f"Recipe `{description}`. " if description else "",
+    verdict = card_verdict(ctx)  # first: a reader who stops at the first screen knows it
+    lines = [metadata + f"# {name}", "", "## Verdict", "", *verdict_lines(ctx, verdict), "",
+             f"Recipe `{description}`. " if description else "",
              "Generated by `fp4forge card` from the artifacts in `reports/`; every number comes from one of them.", ""]
     for section in SECTIONS:
         first_read = len(ctx.art.reads)
-        body = section.render(ctx)
+        body = _render_section(ctx, section, first_read)
         lines += [f"## {section.title}", "", *body, "", *_report_links(ctx, first_read)]
-    return Card("\n".join(lines).rstrip() + "\n", [s.key for s in SECTIONS], list(ctx.art.missing), ctx.plots)
+    return Card("\n".join(lines).rstrip() + "\n", ["verdict", *(s.key for s in SECTIONS)], list(ctx.art.missing), ctx.plots,
+                verdict, dict(ctx.art.problems))
+
+
+def _render_section(ctx: CardContext, section: Section, first_read: int) -> list[str]:
+    """A section's body; a report without the fields it reads is named, never a traceback."""
+    try:
+        return section.render(ctx)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as error:
+        read = ", ".join(f"`{ctx.art.display(n)}`" for n in dict.fromkeys(ctx.art.reads[first_read:])) or "its reports"
+        ctx.non_claims.append(f"The {section.title} section states nothing: {read} lack what it reads "
+                              f"({type(error).__name__}: {error}); corrupt, or written by another fp4forge version.")
+        return [f"_Not stated: {read} lack what this section reads ({type(error).__name__}: {error})._"]
 
 
 @dataclass(frozen=True)

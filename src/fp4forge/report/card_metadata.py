@@ -94,13 +94,15 @@ def front_matter(checkpoint: Path, provenance: dict[str, Any] | None, config: di
     location = ((provenance or {}).get("source") or {}).get("location")
     base = base_model or source_repo_id(location)
     license_id = source_card_metadata(location).get("license")
-    extra = {}
+    extra, unstated = {}, []
     if (checkpoint / HF_QUANT_CONFIG_JSON).is_file():
-        extra[HF_QUANT_CONFIG_JSON] = json.loads((checkpoint / HF_QUANT_CONFIG_JSON).read_text(encoding="utf-8"))
+        try:
+            extra[HF_QUANT_CONFIG_JSON] = json.loads((checkpoint / HF_QUANT_CONFIG_JSON).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            unstated.append(f"`{HF_QUANT_CONFIG_JSON}` is present but corrupt ({error}): the tags name no quantization it declares.")
     tags = ["fp4forge", "quantized", *quantization_tags(config, extra), "vllm"]
     data = ModelCardData(base_model=base, license=license_id, tags=list(dict.fromkeys(tags)), pipeline_tag=PIPELINE_TAG,
                          **({"base_model_relation": "quantized"} if base else {}))
-    unstated = []
     if base is None:
         unstated.append(f"The front matter names no `base_model`: the source (`{location or 'unknown'}`) is not a Hub repository "
                         "and does not name one; `fp4forge card --base-model REPO_ID` states it.")

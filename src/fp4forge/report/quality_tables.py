@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
+from fp4forge.quality.stats import arm_floor_status
 from fp4forge.report.markdown import table
 
 
@@ -102,26 +103,11 @@ def compare_markdown(doc: dict[str, Any]) -> str:
         "",
         "## Flip list (scenarios whose score differs between the arms)",
         "",
+        *_flip_table(doc),
     ]
-    if doc["flips"]:
-        lines += _table(["scenario", "category", "max", "A per run", "B per run", "favours", "flips within A", "flips within B"], [
-            [f["id"], f["category"], str(f["max"]), _runs(f["a"]), _runs(f["b"]), f["favours"],
-             "yes" if f["flips_within_a"] else "no", "yes" if f["flips_within_b"] else "no"] for f in doc["flips"]
-        ])
-    else:
-        lines.append("None: every scenario earned the same points in both arms.")
-    power = doc["power"]
     lines += [
         "",
-        f"## What {doc['scenarios']} scenarios can detect",
-        "",
-        f"- The exact sign test needs at least {power['smallest_significant_discordance']} discordant scenarios, all in one direction, at α = {doc['alpha']}.",
-        "- Graded scores, 80% power: minimum detectable mean difference "
-        + (f"{power['mde_80']:.3f} at the observed sd(d) = {power['sd_diff']:.3f}; " if power["mde_80"] is not None else "")
-        + ", ".join(f"{v:.3f} at sd {k}" for k, v in power["mde_80_by_sd"].items()) + ".",
-        "",
-        *_table(["discordance ψ", "share favouring one arm q", "gap δ", "power"],
-                [[f"{row['psi']:.3f}", f"{row['q']:.1f}", f"{row['delta']:.3f}", f"{row['power']:.2f}"] for row in power["sign_test"]]),
+        *_power_section(doc),
         "",
         "## Defects reported beside the score (scenarios affected, per run)",
         "",
@@ -133,6 +119,49 @@ def compare_markdown(doc: dict[str, Any]) -> str:
     if doc.get("warnings"):
         lines += ["", "## Warnings", "", *[f"- {w}" for w in doc["warnings"]]]
     return "\n".join(lines) + "\n"
+
+
+def _flip_table(doc: dict[str, Any]) -> list[str]:
+    if not doc["flips"]:
+        return ["None: every scenario earned the same points in both arms."]
+    return _table(["scenario", "category", "max", "A per run", "B per run", "favours", "flips within A", "flips within B"], [
+        [f["id"], f["category"], str(f["max"]), _runs(f["a"]), _runs(f["b"]), f["favours"],
+         "yes" if f["flips_within_a"] else "no", "yes" if f["flips_within_b"] else "no"] for f in doc["flips"]
+    ])
+
+
+def _power_section(doc: dict[str, Any]) -> list[str]:
+    power = doc["power"]
+    return [
+        f"## What {doc['scenarios']} scenarios can detect",
+        "",
+        *[f"- {line}" for line in power_lines(power)],
+        "- Graded scores, 80% power: minimum detectable mean difference "
+        + (f"{power['mde_80']:.3f} at the observed sd(d) = {power['sd_diff']:.3f}; " if power["mde_80"] is not None else "")
+        + ", ".join(f"{v:.3f} at sd {k}" for k, v in power["mde_80_by_sd"].items()) + ".",
+        "",
+        *_table(["discordance ψ", "share favouring one arm q", "gap δ", "power"],
+                [[f"{row['psi']:.3f}", f"{row['q']:.1f}", f"{row['delta']:.3f}", f"{row['power']:.2f}"] for row in power["sign_test"]]),
+    ]
+
+
+def power_lines(power: dict[str, Any]) -> list[str]:
+    """The comparison's power statement as sentences (``compare.json``'s ``power``), for the
+    comparison's Markdown and the model card alike; a document without one says so."""
+    if "min_discordant" not in power:
+        return ["This comparison states no power (written by an older fp4forge): re-run `fp4forge quality compare`."]
+    floor = power["floor"]
+    lines = [f"A/A {floor['why']}."]
+    if power["floor_effect"]:
+        lines.append(f"**Floor effect** (both arms below {power['floor_effect_level']:.0%}): {power['floor_effect']}.")
+    lines.append(f"Power: {power['text']}.")
+    if power["power_at_observed"]:
+        lines.append("Sign test's power at the observed discordance ψ = " + f"{power['observed_discordance']:.3f}: " + ", ".join(
+            f"{row['power']:.2f} when {row['q']:.0%} of discordant scenarios favour one arm (gap δ = {row['delta']:.3f})"
+            for row in power["power_at_observed"]) + ".")
+    if power["descriptive_categories"]:
+        lines.append("Per-category tables are descriptive: a few scenarios per category support no per-category test.")
+    return lines
 
 
 def _describe_arm(arm: dict[str, Any]) -> str:
@@ -155,7 +184,8 @@ def _floor_categories(floor: dict[str, Any]) -> str:
 
 
 def compare_rich(doc: dict[str, Any]) -> Table:
-    table = Table(title=f"A = {doc['arms']['A']['label']}, B = {doc['arms']['B']['label']}", caption=doc["verdict"]["text"])
+    caption = "\n".join([doc["verdict"]["text"], *power_lines(doc.get("power") or {})]).replace("**", "")  # the power beside the verdict
+    table = Table(title=f"A = {doc['arms']['A']['label']}, B = {doc['arms']['B']['label']}", caption=caption)
     for header in CATEGORY_HEADERS:
         table.add_column(header, justify="left" if header == "category" else "right")
     for row in category_rows(doc):
@@ -219,7 +249,8 @@ def score_markdown(doc: dict[str, Any]) -> str:
         lines += ["", f"## Noise floor of arm {arm} ({floor['runs']} runs)", "",
                   f"- totals per run {_runs(floor['total_per_run'])} (spread {floor['spread_points']} points);",
                   f"- {len(floor['flipping_scenarios'])} scenarios flip: {', '.join(floor['flipping_scenarios']) or 'none'};",
-                  f"- {floor['categories_moved']} of {len(floor['categories'])} categories moved."]
+                  f"- {floor['categories_moved']} of {len(floor['categories'])} categories moved;",
+                  f"- {arm_floor_status(floor, [r.get('request') or {} for r in runs if r.get('arm') == arm])['why']}."]
     warnings = [w for r in runs for w in r["warnings"]]
     if warnings:
         lines += ["", "## Warnings", "", *[f"- {w}" for w in warnings]]

@@ -67,6 +67,9 @@ class Pattern:
     fatal: bool = False  # the line alone means the start-up (or the engine) stopped
     # (regex, overrides): once a line matched regex, later matches take these severity/message/fix
     after: tuple[re.Pattern[str], dict[str, str]] | None = None
+    # overrides by the engine line's context ([context] engine_config groups), wherever that line comes:
+    # {"quantization": {"None": {...}}} rewrites the finding of a log whose engine serves no quantization
+    engine: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
 
     def applies_to(self, version: Version | None) -> bool:
         return version is None or self.versions is None or self.versions.contains(version, prereleases=True)
@@ -186,6 +189,7 @@ def _compile(entry: dict[str, Any]) -> Pattern:
         versions=versions,
         cases=entry.get("cases", {}),
         after=(re.compile(after["regex"]), {k: v for k, v in after.items() if k != "regex"}) if after else None,
+        engine=entry.get("engine", {}),
         phase=entry.get("phase"),
         fatal=bool(entry.get("fatal")),
     )
@@ -249,12 +253,13 @@ def _knowledge_values() -> dict[str, str]:
     return {"cpu_kv_override": " ".join(part for flag in override for part in flag)}
 
 
-def _finding(pattern: Pattern, match: re.Match[str], number: int, text: str, after_seen: bool) -> Finding:
-    groups = {k: v for k, v in match.groupdict().items() if v is not None}
+def _finding(pattern: Pattern, groups: dict[str, str], number: int, text: str, after_seen: bool,
+             engine: dict[str, str] | None = None) -> Finding:
     severity, message, fix = pattern.severity, pattern.message, pattern.fix
     overrides = [table.get(groups.get(group, ""), table.get("*")) for group, table in pattern.cases.items()]
     if after_seen and pattern.after is not None:
         overrides.append({"fix": None, **pattern.after[1]})
+    overrides += [table.get((engine or {}).get(key, "")) for key, table in pattern.engine.items()]
     for case in overrides:
         if case:
             severity = case.get("severity", severity)
@@ -266,7 +271,7 @@ def _finding(pattern: Pattern, match: re.Match[str], number: int, text: str, aft
         severity=severity,
         message=message.format_map(values),
         line=number,
-        fix=None if fix is None else fix.format_map(values),
+        fix=fix.format_map(values) if fix else None,  # "" in the table: no fix
         text=text[:MAX_TEXT],
     )
 
@@ -292,6 +297,7 @@ class LogDoctor:
         self.engine: dict[str, str] = {}  # model, quantization, kv_cache_dtype from the engine line
         self.engine_line: int | None = None
         self._facts: dict[str | None, Any] = {}  # checkpoint location -> CheckpointFacts | None
+        self._engine_bound: list[tuple[Pattern, dict[str, str], int, str, bool]] = []  # findings the engine line refines
 
     def feed(self, line: str) -> list[Finding]:
         self.line_count += 1
@@ -311,7 +317,10 @@ class LogDoctor:
             match = pattern.regex.search(line)
             if match is None:
                 continue
-            finding = _finding(pattern, match, self.line_count, text, pattern.id in self._after_seen)
+            groups = {k: v for k, v in match.groupdict().items() if v is not None}
+            finding = _finding(pattern, groups, self.line_count, text, pattern.id in self._after_seen, self.engine)
+            if pattern.engine:  # the engine line may come later: diagnosis() renders it again then
+                self._engine_bound.append((pattern, groups, self.line_count, text, pattern.id in self._after_seen))
             if finding.severity == "error":
                 self.explained.setdefault(self.line_count, pattern.phase)
                 if pattern.fatal and not body.startswith((" ", "\t")):  # not a traceback's source line
@@ -360,6 +369,20 @@ class LogDoctor:
             return Finding(life.failed_id, "error", message, line, fix, verdict.evidence[:MAX_TEXT])
         message = life.died_message.format(root=verdict.evidence[:MAX_TEXT])
         return Finding(life.died_id, "error", message, line, fix, verdict.evidence[:MAX_TEXT])
+
+    def _engine_refined(self) -> list[Finding]:
+        """The findings, those whose pattern depends on the engine line rendered with it (the line may
+        follow theirs: the plugin announces itself before the engine says what it serves)."""
+        refined = {}
+        for pattern, groups, number, text, after_seen in self._engine_bound:
+            refined[(pattern.id, number)] = _finding(pattern, groups, number, text, after_seen, self.engine)
+        out, seen = [], set()
+        for finding in self.findings:
+            finding = refined.get((finding.id, finding.line), finding)
+            if (finding.id, finding.message) not in seen:
+                seen.add((finding.id, finding.message))
+                out.append(finding)
+        return out
 
     def _request_findings(self) -> list[Finding]:
         """Served requests answered with HTTP 4xx/5xx: an error when a server error (5xx) or when no
@@ -412,7 +435,7 @@ class LogDoctor:
         leaves no line)."""
         order = {s: i for i, s in enumerate(SEVERITIES)}
         verdict = self.verdict(process_exited=process_exited)
-        findings = list(self.findings) + self._request_findings()
+        findings = self._engine_refined() + self._request_findings()
         for extra in (self._life_finding(verdict), self._kv_finding()):
             if extra is not None:
                 findings.append(extra)

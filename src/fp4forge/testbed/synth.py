@@ -8,11 +8,19 @@ device with N layers, run through the same steps ``save_pretrained`` uses (ignor
 weights, and transformers' reverse weight conversion, which turns the fused 3-D expert tensors into
 per-expert 2-D ones), so no full model is ever materialised. Only one tensor is in memory at a time;
 ``sparse=True`` writes the headers only and leaves the data as file holes.
+
+A source without a tokenizer of its own (every preset, a bare config.json) gets the testbed's:
+the tiny testbeds' BPE with the config's vocabulary size, its chat template, a
+``generation_config.json`` with its ids (the config's bos/eos/pad ids are set to them), the
+testbed's own calibration and held-out text, and a card saying what the model is. ``shrink``
+divides the widths, head counts, expert counts and vocabulary (docs/testbed.md#synth-shrink), so
+the same presets also run at test size.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -31,13 +39,15 @@ from fp4forge.checkpoint.skeleton import (
     count_parameters,
     model_config_dict,
 )
-from fp4forge.checkpoint.names import CONFIG_JSON
+from fp4forge.checkpoint.names import CALIBRATION_TEXT_FILE, CONFIG_JSON, HELDOUT_TEXT_FILE, TOKENIZER_FILES
 from fp4forge.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.checkpoint.atomic import ensure_fresh_output
 from fp4forge.testbed.tiny import Progress
 
-PRESETS: dict[str, str] = {"laguna-s-2.1-like": "laguna-s-2.1-like.json"}
+PRESETS: dict[str, str] = {
+    name: f"{name}.json" for name in ("laguna-s-2.1-like", "laguna-xs.2-like", "deepseek-v3-like", "qwen3-235b-like")
+}
 
 # Keys holding one entry per decoder layer: cut to the first N with the layer count.
 PER_LAYER_LIST_KEYS = ("layer_types", "mlp_layer_types", "num_attention_heads_per_layer")
@@ -51,6 +61,15 @@ COMPANION_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+
+# --shrink: the keys it divides (docs/testbed.md#synth-shrink). Widths stay multiples of 64, so
+# NVFP4's 16-element blocks and vLLM's MoE kernels still divide evenly; per-head dims, top-k, the
+# layer pattern and every other key are kept.
+SHRINK_WIDTH_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "q_lora_rank", "kv_lora_rank", "vocab_size")
+SHRINK_HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_attention_heads_per_layer")
+SHRINK_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+WIDTH_MULTIPLE = 64
 
 SAFETENSORS_TO_TORCH = {v: k for k, v in TORCH_TO_SAFETENSORS.items()}
 
@@ -154,6 +173,99 @@ def synthetic_tensor(spec: TensorSpec, seed: int, *, threads: int = GENERATION_T
     return flat.view(spec.shape)
 
 
+# -- shrinking ------------------------------------------------------------------------------------
+def _rounded_width(value: int, divisor: int) -> int:
+    return max(WIDTH_MULTIPLE, int(value / divisor / WIDTH_MULTIPLE + 0.5) * WIDTH_MULTIPLE)
+
+
+def shrunk_config(config: dict[str, Any], divisor: int) -> dict[str, Any]:
+    """``config`` with its widths, head counts, expert counts and vocabulary divided by ``divisor``
+    (widths rounded to a multiple of 64, counts at least 1 and experts at least top-k)."""
+    if type(divisor) is not int or divisor < 1:
+        raise ConfigError(f"shrink must be a positive integer, got {divisor!r}", option="shrink")
+    out = copy.deepcopy(config)
+    if divisor == 1:
+        return out
+    if isinstance(out.get("text_config"), dict):
+        raise ConfigError("shrink divides a config's top-level keys; a wrapper's text_config is not shrunk", option="shrink")
+    for key in SHRINK_WIDTH_KEYS:
+        if type(out.get(key)) is int:
+            out[key] = _rounded_width(out[key], divisor)
+    for key in SHRINK_HEAD_KEYS:
+        if type(out.get(key)) is int:
+            out[key] = max(1, out[key] // divisor)
+        elif isinstance(out.get(key), list):
+            out[key] = [max(1, heads // divisor) for heads in out[key]]
+    top_k = out.get("num_experts_per_tok") if type(out.get("num_experts_per_tok")) is int else 1
+    for key in SHRINK_EXPERT_KEYS:
+        if type(out.get(key)) is int:
+            out[key] = max(top_k, out[key] // divisor)
+    _check_shrunk(out, divisor)
+    return out
+
+
+def _check_shrunk(config: dict[str, Any], divisor: int) -> None:
+    """What a divisor can break and the model classes need: whole query groups per KV head, whole
+    expert groups (DeepSeek's grouped routing)."""
+    kv_heads = config.get("num_key_value_heads")
+    heads = config.get("num_attention_heads_per_layer") or [config.get("num_attention_heads")]
+    if type(kv_heads) is int and any(type(h) is int and h % kv_heads for h in heads):
+        raise ConfigError(f"shrink {divisor} leaves query heads {sorted(set(heads))} that {kv_heads} KV heads do not divide; choose another divisor", option="shrink")
+    groups = config.get("n_group")
+    experts = next((config[k] for k in SHRINK_EXPERT_KEYS if type(config.get(k)) is int), None)
+    if type(groups) is int and experts is not None and experts % groups:
+        raise ConfigError(f"shrink {divisor} leaves {experts} experts in {groups} routing groups; choose another divisor", option="shrink")
+
+
+# -- the testbed's tokenizer, text and card -------------------------------------------------------
+def _has_tokenizer(source_dir: Path | None) -> bool:
+    """A source that has a tokenizer keeps it."""
+    return source_dir is not None and any((source_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
+@functools.lru_cache(maxsize=2)
+def own_text_jsonl(split: str) -> str:
+    """The built-in corpus's ``split`` rendered through the testbed chat template, as JSONL. The
+    template is the same at every vocabulary size, so one rendering serves every synth build."""
+    from fp4forge.model.samples import builtin_documents, render, text_jsonl
+    from fp4forge.testbed.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    return text_jsonl(render(tokenizer, document) for document in builtin_documents(split))
+
+
+def testbed_files(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(config with the tokenizer's special ids, {file name: text}) for a source without a tokenizer:
+    the testbed tokenizer at the config's vocabulary size, the generation config, own text, card."""
+    import tempfile
+
+    from transformers import GenerationConfig
+
+    from fp4forge.testbed.card import SYNTH_BODY, testbed_card
+    from fp4forge.testbed.tiny import quiet_transformers_progress
+    from fp4forge.testbed.tokenizer import build_tokenizer, generation_stop_ids
+
+    vocab_size = config.get("vocab_size")
+    if type(vocab_size) is not int:
+        raise ConfigError("the config has no top-level integer vocab_size to build the testbed tokenizer for; give a source with a tokenizer")
+    tokenizer = build_tokenizer(vocab_size)
+    if len(tokenizer) != vocab_size:  # below the byte alphabet and control tokens
+        raise ConfigError(f"vocab_size {vocab_size:,} is smaller than the testbed tokenizer's {len(tokenizer):,} base tokens", option="shrink")
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": generation_stop_ids(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+    files: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as scratch, quiet_transformers_progress():
+        tokenizer.save_pretrained(scratch)
+        GenerationConfig(**ids).save_pretrained(scratch)
+        for path in sorted(Path(scratch).iterdir()):
+            files[path.name] = path.read_text(encoding="utf-8")
+    for name, split in ((CALIBRATION_TEXT_FILE, "calibration"), (HELDOUT_TEXT_FILE, "heldout")):
+        files[name] = own_text_jsonl(split)
+    architecture = (config.get("architectures") or [config["model_type"]])[0]
+    body = SYNTH_BODY.format(architecture=architecture, layers=config["num_hidden_layers"], vocab_size=vocab_size)
+    files["README.md"] = testbed_card(body)
+    return {**config, **ids}, files
+
+
 # -- writing --------------------------------------------------------------------------------------
 def synth_checkpoint(
     config_path_or_preset: str | Path,
@@ -163,43 +275,47 @@ def synth_checkpoint(
     seed: int = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     sparse: bool = False,
+    shrink: int = 1,
     progress: Progress = None,
 ) -> Path:
-    """Write a synthetic checkpoint of the first ``layers`` layers of a config or preset to ``out``."""
+    """Write a synthetic checkpoint of the first ``layers`` layers of a config or preset to ``out``,
+    every width divided by ``shrink``."""
     out = Path(out)
     ensure_fresh_output(out)
     if max_shard_bytes < 1:
         raise ConfigError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     source, source_dir = resolve_config_source(config_path_or_preset)
-    config = truncated_config(source, layers)
+    config = truncated_config(shrunk_config(source, shrink), layers)
+    texts: dict[str, str] = {}
+    if not _has_tokenizer(source_dir):
+        if progress is not None:
+            progress(0, 1, "testbed tokenizer, chat template and own text")
+        config, texts = testbed_files(config)
     specs = checkpoint_specs(config)
-    total_parameters = sum(math.prod(spec.shape) for spec in specs)
-    total_bytes = sum(spec.nbytes for spec in specs)
-
-    with CheckpointWriter(
-        out,
-        specs,
-        max_shard_bytes=max_shard_bytes,
-        metadata={"format": "pt"},
-        sparse=sparse,
-        index_metadata={"total_parameters": total_parameters},
-    ) as writer:
+    companions = [name for name in COMPANION_FILES if source_dir is not None and (source_dir / name).is_file() and name not in texts]
+    with CheckpointWriter(out, specs, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"}, sparse=sparse,
+                          index_metadata={"total_parameters": sum(math.prod(spec.shape) for spec in specs)}) as writer:
         writer.write_text(CONFIG_JSON, json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-        if source_dir is not None:
-            for name in COMPANION_FILES:
-                if (source_dir / name).is_file():
-                    writer.copy_file(source_dir / name, name)
-        if sparse:
-            if progress is not None:
-                progress(total_bytes, total_bytes, "headers written (sparse)")
-            return out
-        done = 0
-        for spec in specs:
-            writer.write(spec.name, synthetic_tensor(spec, seed))
-            done += spec.nbytes
-            if progress is not None:
-                progress(done, total_bytes, spec.name)
+        for name in companions:
+            writer.copy_file(source_dir / name, name)
+        for name, text in texts.items():
+            writer.write_text(name, text)
+        _write_values(writer, specs, seed, sparse, progress)
     return out
+
+
+def _write_values(writer: CheckpointWriter, specs: list[TensorSpec], seed: int, sparse: bool, progress: Progress) -> None:
+    total_bytes = sum(spec.nbytes for spec in specs)
+    if sparse:
+        if progress is not None:
+            progress(total_bytes, total_bytes, "headers written (sparse)")
+        return
+    done = 0
+    for spec in specs:
+        writer.write(spec.name, synthetic_tensor(spec, seed))
+        done += spec.nbytes
+        if progress is not None:
+            progress(done, total_bytes, spec.name)
 
 
 __all__ = [
@@ -207,6 +323,7 @@ __all__ = [
     "checkpoint_specs",
     "count_parameters",
     "load_preset",
+    "shrunk_config",
     "synth_checkpoint",
     "synthetic_tensor",
     "truncated_config",

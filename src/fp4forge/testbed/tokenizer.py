@@ -58,6 +58,11 @@ CONTROL_TOKENS: tuple[str, ...] = SPECIAL_TOKENS + PARSER_TOKENS
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
+# Filler for ids the trained merges do not reach (the stdlib sources give ~26k merges at most):
+# a config's vocabulary of 100k+ ids still gets exactly that many tokens, as real tokenizers
+# reserve ids. Byte-level pre-tokenization never forms them, so encoding never produces them.
+RESERVED_TOKEN = "<|reserved_{}|>"
+
 
 def training_files() -> list[Path]:
     """Top-level stdlib modules in a fixed (sorted) order: the same text every run on a machine."""
@@ -101,7 +106,18 @@ def _bpe_json(texts: list[str], vocab_size: int) -> str:
     for added in data["added_tokens"]:
         if added["content"] in PARSER_TOKENS:
             added["special"] = False
+    _reserve_up_to(data["model"]["vocab"], vocab_size)
     return json.dumps(data, ensure_ascii=False)
+
+
+def _reserve_up_to(vocab: dict[str, int], vocab_size: int) -> None:
+    """Fill the ids the trainer did not reach with reserved tokens, so the vocabulary has exactly
+    ``vocab_size`` ids (0 .. vocab_size - 1, none skipped)."""
+    next_id = len(vocab)
+    if sorted(vocab.values()) != list(range(next_id)):  # the trainer numbers its tokens densely
+        raise ValueError("the trained BPE vocabulary is not numbered 0..n-1")
+    for number in range(vocab_size - next_id):
+        vocab[RESERVED_TOKEN.format(number)] = next_id + number
 
 
 def chat_template() -> str:

@@ -30,7 +30,9 @@ import torch
 from transformers import GenerationConfig, LagunaForCausalLM
 
 from fp4forge.checkpoint.atomic import atomic_output_dir, write_text_atomic
+from fp4forge.checkpoint.names import CALIBRATION_TEXT_FILE, HELDOUT_TEXT_FILE
 from fp4forge.errors import ConfigError
+from fp4forge.model.samples import text_jsonl
 from fp4forge.testbed.tiny import (
     TINY_MAX_SHARD_BYTES,
     init_model,
@@ -46,8 +48,8 @@ Progress = Callable[[int, int, str], None] | None
 REPORT_FILE = "fp4forge-training.json"
 # The testbed ships text from its own distribution, so calibration and fidelity can be run on what
 # the model knows (on foreign text a tiny model predicts no better than chance and KL says little).
-HELDOUT_TEXT_FILE = "fp4forge-heldout.jsonl"  # every held-out document: never trained on
-CALIBRATION_TEXT_FILE = "fp4forge-calibration.jsonl"  # an even spread over the training documents
+# HELDOUT_TEXT_FILE: every held-out document, never trained on; CALIBRATION_TEXT_FILE: an even
+# spread over the training documents (checkpoint/names.py).
 CALIBRATION_DOCUMENTS = 48
 
 
@@ -184,11 +186,7 @@ def text_corpus_files(train_documents: list[str], heldout_documents: list[str]) 
     even stride through the training documents so every family is in it."""
     stride = max(1, len(train_documents) // CALIBRATION_DOCUMENTS)
     calibration = train_documents[::stride][:CALIBRATION_DOCUMENTS]
-
-    def jsonl(documents: list[str]) -> str:
-        return "".join(json.dumps({"text": doc}, ensure_ascii=False) + "\n" for doc in documents)
-
-    return {HELDOUT_TEXT_FILE: jsonl(heldout_documents), CALIBRATION_TEXT_FILE: jsonl(calibration)}
+    return {HELDOUT_TEXT_FILE: text_jsonl(heldout_documents), CALIBRATION_TEXT_FILE: text_jsonl(calibration)}
 
 
 def _lr_at(step: int, config: TrainingConfig) -> float:
