@@ -14,6 +14,7 @@ declaration in ``declarations.py``; ``tests/test_codecs.py`` fails while any par
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,6 +63,21 @@ class Peek:
     largest: float
     implied_amax: float
     family: str
+
+
+def blocks_match(packed_bytes: int, block_scale_bytes: int) -> bool:
+    """Whether NVFP4 codes and E4M3 block scales of these sizes pair up block by block (eight
+    bytes of two codes each per block scale)."""
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+
+    return packed_bytes % (NVFP4_BLOCK // 2) == 0 and packed_bytes // (NVFP4_BLOCK // 2) == block_scale_bytes
+
+
+def _byte_tensor(raw: bytes) -> Tensor:
+    """Stored bytes as a flat uint8 tensor (a copy: torch wants a writable buffer)."""
+    import torch
+
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
 def _cast_to_entry(value: Tensor, entry: dict, out_features: int = 0, in_features: int = 0) -> Tensor:
@@ -194,21 +210,39 @@ class Nvfp4Codec(Codec):
         """From the stored bytes of the codes and block scales and the per-tensor scalar's value:
         the largest code x block scale x step multiplier against 6 x 448 x that multiplier.
         None where there is nothing to judge (shapes disagree, or every code is zero)."""
-        import numpy as np
+        if not blocks_match(len(raw["packed"]), len(raw["block_scale"])):
+            return None  # a shape finding elsewhere
+        any_code, product = self.peek_piece(_byte_tensor(raw["packed"]), _byte_tensor(raw["block_scale"])).tolist()
+        return self.peek_finish(bool(any_code), product, per_tensor, layout)
 
-        from fp4forge.checkpoint.raw import fp8_e4m3_table
-        from fp4forge.numerics.conventions import convention_rule
+    def peek_piece(self, packed: Tensor, block_scale: Tensor) -> Tensor:
+        """The value check over one piece of the stored bytes (flat uint8, on any device; block i
+        is packed bytes [8i, 8i+8) and block_scale byte i), whole tensors at a time: float64
+        [any code nonzero, the largest top code x |block scale| (NaN scales skipped; -inf where
+        none)]. Pieces combine by max, so a tensor may be read in any number of them."""
+        import torch
+
         from fp4forge.numerics.e2m1 import E2M1_VALUES
-        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
 
+        # E2M1's magnitude grows with its low three bits: the top code of a block is a max of bytes
+        top = torch.maximum(packed & 7, (packed >> 4) & 7).view(-1, NVFP4_BLOCK // 2).amax(dim=1)
+        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+        products = table[top.int()] * block_scale.view(torch.float8_e4m3fn).float().abs()  # exact in F32
+        largest = products.nan_to_num(nan=-math.inf).amax() if products.numel() else torch.tensor(-math.inf, device=packed.device)
+        return torch.stack([top.any().double(), largest.double()])
+
+    def peek_finish(self, any_code: bool, product: float, per_tensor: float, layout: str) -> Peek | None:
+        """The Peek from a Linear's pieces combined (None where every code is zero). Any scalar
+        gives a Peek, never an exception: 0 makes the multiplier infinite (the ratio NaN)."""
+        from fp4forge.numerics.conventions import convention_rule
+        from fp4forge.numerics.nvfp4 import NVFP4_GLOBAL_NUMERATOR
+
+        if not any_code:
+            return None  # weight-all-zero's business
         multiplier = convention_rule(layout).step_multiplier(per_tensor)
-        codes = np.frombuffer(raw["packed"], dtype=np.uint8)
-        mags = np.asarray(E2M1_VALUES)
-        top = np.maximum(mags[codes & 7], mags[(codes >> 4) & 7]).reshape(-1, NVFP4_BLOCK // 2).max(axis=1)
-        scales = np.abs(fp8_e4m3_table()[np.frombuffer(raw["block_scale"], dtype=np.uint8)])
-        if top.size != scales.size or not top.any():
-            return None  # a shape finding elsewhere / weight-all-zero's business
-        return Peek(float(np.nanmax(top * scales)) * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, self.family)
+        largest = math.nan if product == -math.inf else product  # every block scale NaN
+        return Peek(largest * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, self.family)
 
 
 class Fp8Codec(Codec):
@@ -266,15 +300,29 @@ class Fp8Codec(Codec):
 
     def peek(self, raw: dict[str, bytes], per_tensor: float | None, layout: str | None) -> Peek | None:
         """The largest |code| against E4M3's 448 (the scale multiplies both sides)."""
-        import numpy as np
+        return self.peek_finish(int(self.peek_piece(_byte_tensor(raw["weight"]))))
 
+    def peek_piece(self, weight: Tensor) -> Tensor:
+        """Over one piece of the stored codes (flat uint8, any device): the largest magnitude byte
+        that is not NaN (E4M3's magnitude grows with its low seven bits), 0 where none; pieces
+        combine by max."""
+        import torch
+
+        from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+
+        magnitude = weight & 0x7F
+        if not magnitude.numel():
+            return torch.zeros((), dtype=torch.uint8, device=weight.device)
+        return magnitude.masked_fill(magnitude == FP8_E4M3_NAN_BITS, 0).amax()
+
+    def peek_finish(self, top_code: int) -> Peek | None:
+        """The Peek from the largest magnitude byte of a Linear (None where every code is 0 or NaN)."""
         from fp4forge.checkpoint.raw import fp8_e4m3_table
         from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 
-        codes = np.abs(fp8_e4m3_table()[np.frombuffer(raw["weight"], dtype=np.uint8)])
-        if not codes.size or not np.nanmax(codes) > 0:
+        if top_code <= 0:
             return None
-        return Peek(float(np.nanmax(codes)), FP8_E4M3_MAX, self.family)
+        return Peek(float(fp8_e4m3_table()[top_code]), FP8_E4M3_MAX, self.family)
 
 
 _CODECS: dict[str, Codec] = {
