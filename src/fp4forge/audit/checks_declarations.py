@@ -32,6 +32,7 @@ KV_SUFFIXES = ("k_scale", "v_scale")
 EXPERTS = "routed_experts"
 MISSING_TENSOR_RULES = ("scheme-tensor-missing", "moe-input-scale-invalid")
 W4A4_SCHEME = "nvfp4"
+F32_SMALLEST_NORMAL, F32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
 
 
 def run(ctx: AuditContext) -> list[Issue]:
@@ -396,7 +397,9 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
         if value is not None:
             if 0 < value < math.inf:  # NaN compares false
                 side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
-                if side is not None and ((side == "below" and value < 1.0) or (side == "above" and value > 1.0)):
+                if value < F32_SMALLEST_NORMAL:
+                    issues.append(_subnormal_issue(ctx, name, _as_array(value)))
+                elif side is not None and ((side == "below" and value < 1.0) or (side == "above" and value > 1.0)):
                     issues.append(_convention_issue(ctx, name, _as_array(value)))
                 continue
             values = _as_array(value)
@@ -406,7 +409,9 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
                 continue
             if is_finite_positive(values):
                 side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
-                if side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+                if float(values.min()) < F32_SMALLEST_NORMAL:
+                    issues.append(_subnormal_issue(ctx, name, values))
+                elif side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
                     issues.append(_convention_issue(ctx, name, values))
                 continue
         module, suffix, kind = roles[name]
@@ -421,6 +426,12 @@ def _as_array(value: float):
     import numpy as np  # only for a finding: a clean audit of F32 scales never imports numpy
 
     return np.array([value], dtype=np.float32)
+
+
+def _subnormal_issue(ctx: AuditContext, name: str, values) -> Issue:
+    """A scale below float32's smallest normal: the range it implies over- or underflows."""
+    suffix = ctx.roles[name][1]
+    return issue("scale-invalid", f"{suffix} tensors that are subnormal (below 2^-126)", name, tensors=[name], detail=describe_value(values) if values.size == 1 else f"smallest {float(values.min()):.4g}", file=ctx.file_of(name))
 
 
 def _convention_issue(ctx: AuditContext, name: str, values) -> Issue:
@@ -484,10 +495,14 @@ def scale_magnitude_issues(ctx: AuditContext) -> list[Issue]:
         dequantized = max(measured[s][0] for s in shards)
         implied = max(measured[s][1] for s in shards)
         ratio = dequantized / implied if implied > 0 else float("nan")
-        if not (MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO):
+        in_range = MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO
+        # a subnormal (or huge) per-tensor scale keeps the ratio but not the weights: BF16 GEMMs flush them to zero
+        representable = F32_SMALLEST_NORMAL <= dequantized <= F32_MAX
+        if not (in_range and representable):
             family = measured[module][2]
             names = [f"{s}.{suffix}" for s in shards for suffix in ctx.modules[s] if _kind(suffix) in ("weight_scale", "weight_global_scale", "packed_fp4") or suffix == "weight"]
             detail = f"largest dequantized value {dequantized:.4g}, implied amax {implied:.4g}, ratio {ratio:.3g}"
+            detail += "" if not in_range else ", not a normal float32: served, these weights are zero or infinite"
             issues.append(issue("scale-magnitude", f"{family.upper()} weights whose scales imply a range their values do not reach", ", ".join(shards) if len(shards) > 1 else module, tensors=names, detail=detail, file=ctx.file_of(names[0]) if names else None))
     return issues
 
