@@ -223,12 +223,12 @@ class Nvfp4Codec(Codec):
         import torch
 
         from fp4forge.numerics.e2m1 import E2M1_VALUES
-        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, e4m3_to_f32
 
         # E2M1's magnitude grows with its low three bits: the top code of a block is a max of bytes
         top = torch.maximum(packed & 7, (packed >> 4) & 7).view(-1, NVFP4_BLOCK // 2).amax(dim=1)
         table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-        products = table[top.int()] * block_scale.view(torch.float8_e4m3fn).float().abs()  # exact in F32
+        products = table[top.int()] * e4m3_to_f32(block_scale).abs()  # exact in F32
         largest = products.nan_to_num(nan=-math.inf).amax() if products.numel() else torch.tensor(-math.inf, device=packed.device)
         return torch.stack([top.any().double(), largest.double()])
 
