@@ -1,7 +1,7 @@
 """`fp4forge audit` and `fp4forge diff`, added to the main Typer app by ``register(app)``.
 
     fp4forge audit PATH_OR_REPO [--json] [--markdown] [--deep] [--format auto|compressed-tensors|modelopt]
-                   [--vllm-version V] [--trust-remote-code]
+                   [--vllm-version V] [--trust-remote-code] [--device auto|cpu|cuda|cuda:N]
     fp4forge audit --list-rules [--json] [--markdown]
     fp4forge diff A B [--json] [--markdown] [--values]
 
