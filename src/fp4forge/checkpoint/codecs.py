@@ -73,6 +73,74 @@ def blocks_match(packed_bytes: int, block_scale_bytes: int) -> bool:
     return packed_bytes % (NVFP4_BLOCK // 2) == 0 and packed_bytes // (NVFP4_BLOCK // 2) == block_scale_bytes
 
 
+_NIBBLE_MAGNITUDES = 0x7777777777777777  # the E2M1 magnitude bits of sixteen packed codes
+_LOW_THREE_BITS = 0x0707070707070707
+
+
+def _top_codes(packed: Tensor) -> Tensor:
+    """Each block's largest E2M1 magnitude code (0..7; the magnitude grows with the low three
+    bits), from its eight packed bytes (flat uint8, a whole number of blocks)."""
+    import torch
+
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+
+    if packed.numel() % 8 == 0 and packed.storage_offset() % 8 == 0:  # eight lanes per int64 op
+        words = packed.view(torch.int64)
+        lo, hi = (words & _LOW_THREE_BITS).view(torch.uint8), ((words >> 4) & _LOW_THREE_BITS).view(torch.uint8)
+    else:
+        lo, hi = packed & 7, (packed >> 4) & 7
+    return torch.maximum(lo, hi).view(-1, NVFP4_BLOCK // 2).amax(dim=1)
+
+
+def _scale_magnitudes(block_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(|block scale| in F32 with NaN as 0, which scales are not NaN) of E4M3 bytes."""
+    from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+    from fp4forge.numerics.nvfp4 import e4m3_to_f32
+
+    magnitude = block_scale & 0x7F  # |x| of E4M3 is its low seven bits
+    valid = magnitude != FP8_E4M3_NAN_BITS
+    return e4m3_to_f32(magnitude.masked_fill(~valid, 0)), valid
+
+
+def _products(packed_blocks: Tensor, scales: Tensor) -> Tensor:
+    """E2M1 value of each block's top code x its |scale| (exact in F32)."""
+    import torch
+
+    from fp4forge.numerics.e2m1 import E2M1_VALUES
+
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=scales.device)
+    return table[_top_codes(packed_blocks).int()] * scales
+
+
+def _largest_product(packed: Tensor, block_scale: Tensor) -> Tensor:
+    """max over blocks of top code x |scale|, NaN scales skipped, -inf where none: every block."""
+    import torch
+
+    scales, valid = _scale_magnitudes(block_scale)
+    products = _products(packed, scales).masked_fill(~valid, -math.inf)
+    return products.amax() if products.numel() else torch.tensor(-math.inf, device=packed.device)
+
+
+def _largest_product_by_search(packed: Tensor, block_scale: Tensor) -> Tensor:
+    """The same maximum, computed on the blocks that can reach it: the block with the largest
+    scale gives a lower bound; only blocks whose scale x 6 (E2M1's top) exceeds it can beat it."""
+    import torch
+
+    from fp4forge.numerics.e2m1 import E2M1_MAX
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+
+    scales, valid = _scale_magnitudes(block_scale)
+    if not bool(valid.any()):
+        return torch.tensor(-math.inf, device=packed.device)
+    blocks = packed.view(-1, NVFP4_BLOCK // 2)
+    first = scales.argmax().reshape(1)
+    best = _products(blocks.index_select(0, first).reshape(-1), scales.index_select(0, first)).amax()
+    rivals = torch.nonzero((scales * E2M1_MAX > best) & valid).reshape(-1)
+    if rivals.numel():
+        best = torch.maximum(best, _products(blocks.index_select(0, rivals).reshape(-1), scales.index_select(0, rivals)).amax())
+    return best
+
+
 def _byte_tensor(raw: bytes) -> Tensor:
     """Stored bytes as a flat uint8 tensor (a copy: torch wants a writable buffer)."""
     import torch
@@ -215,22 +283,19 @@ class Nvfp4Codec(Codec):
         any_code, product = self.peek_piece(_byte_tensor(raw["packed"]), _byte_tensor(raw["block_scale"])).tolist()
         return self.peek_finish(bool(any_code), product, per_tensor, layout)
 
-    def peek_piece(self, packed: Tensor, block_scale: Tensor) -> Tensor:
+    def peek_piece(self, packed: Tensor, block_scale: Tensor, *, search: bool = True) -> Tensor:
         """The value check over one piece of the stored bytes (flat uint8, on any device; block i
-        is packed bytes [8i, 8i+8) and block_scale byte i), whole tensors at a time: float64
-        [any code nonzero, the largest top code x |block scale| (NaN scales skipped; -inf where
-        none)]. Pieces combine by max, so a tensor may be read in any number of them."""
+        is packed bytes [8i, 8i+8) and block_scale byte i): float64 [any code nonzero, the
+        largest top code x |block scale| (NaN scales skipped; -inf where none)]. Pieces combine
+        by max, so a tensor may be read in any number of them. ``search``: find the largest
+        product among the blocks whose scale could reach it (a few, in a min-max export) rather
+        than computing every block's; the same number either way."""
         import torch
 
-        from fp4forge.numerics.e2m1 import E2M1_VALUES
-        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, e4m3_to_f32
-
-        # E2M1's magnitude grows with its low three bits: the top code of a block is a max of bytes
-        top = torch.maximum(packed & 7, (packed >> 4) & 7).view(-1, NVFP4_BLOCK // 2).amax(dim=1)
-        table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-        products = table[top.int()] * e4m3_to_f32(block_scale).abs()  # exact in F32
-        largest = products.nan_to_num(nan=-math.inf).amax() if products.numel() else torch.tensor(-math.inf, device=packed.device)
-        return torch.stack([top.any().double(), largest.double()])
+        words = packed.view(torch.int64) if packed.numel() % 8 == 0 and packed.storage_offset() % 8 == 0 else None
+        any_code = (words & _NIBBLE_MAGNITUDES).any() if words is not None else (packed & 0x77).any()
+        largest = _largest_product_by_search(packed, block_scale) if search else _largest_product(packed, block_scale)
+        return torch.stack([any_code.double(), largest.double()])
 
     def peek_finish(self, any_code: bool, product: float, per_tensor: float, layout: str) -> Peek | None:
         """The Peek from a Linear's pieces combined (None where every code is zero). Any scalar
