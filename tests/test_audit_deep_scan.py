@@ -134,3 +134,73 @@ def test_all_zero_block_scales_and_codes_are_findings(exports, tmp_path) -> None
 
     report = audit_checkpoint(str(rebuild(exports["nvfp4-experts-compressed-tensors"], tmp_path / "z", plant)), AuditOptions(deep=True, device="cpu"))
     assert "scale-magnitude" in {f.rule for f in report.findings if f.severity == "error"}
+
+
+# -- the reductions against numpy, on bytes made to hit every branch ----------------------------------
+def _bytes(values) -> torch.Tensor:
+    import numpy as np
+
+    raw = bytearray(np.ascontiguousarray(values).tobytes())
+    return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [("BF16", None), ("F16", "<f2"), ("F32", "<f4"), ("F64", "<f8")])
+@pytest.mark.parametrize("count", [0, 1, 3, 4096, 4099])
+def test_float_rows_count_what_numpy_counts(dtype, np_dtype, count) -> None:
+    import numpy as np
+
+    from fp4forge.checkpoint.raw import float_view
+
+    rng = np.random.default_rng(count)
+    values = rng.standard_normal(count).astype(np.float32)
+    if count > 3:
+        values[rng.integers(0, count, 5)] = [np.nan, np.inf, -np.inf, -0.0, 0.0]
+    raw = (values.view("<u4") >> 16).astype("<u2") if dtype == "BF16" else values.astype(np_dtype)
+    decoded = float_view(dtype, raw.tobytes())
+    expected = [int((~np.isfinite(decoded)).sum()), float(bool(np.any(decoded != 0)))]
+    unit = deep_scan.Unit("float", ("w",), dtype, ())
+    for shortcuts in (True, False):
+        assert deep_scan.reduce_piece(unit, [_bytes(raw)], shortcuts=shortcuts).tolist()[:2] == expected, shortcuts
+    zeros = np.zeros(count, dtype=raw.dtype)  # also -0.0 only: all zero
+    assert deep_scan.reduce_piece(unit, [_bytes(zeros)]).tolist()[:2] == [0, 0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nvfp4_products_by_search_equal_every_block(seed) -> None:
+    """The search and the branch-free reduction against numpy over E4M3 / E2M1 tables by hand."""
+    import numpy as np
+
+    from fp4forge.checkpoint.codecs import Nvfp4Codec
+    from fp4forge.checkpoint.raw import fp8_e4m3_table
+
+    rng = np.random.default_rng(seed)
+    blocks = int(rng.integers(1, 300))
+    packed = rng.integers(0, 256, blocks * 8, dtype=np.uint8)
+    scales = rng.integers(0, 256, blocks, dtype=np.uint8) if seed % 2 else rng.integers(0, 0x7E, blocks, dtype=np.uint8)
+    if seed == 2:
+        scales[:] = 0x7F  # every scale NaN: -inf
+    if seed == 4:
+        packed[:] &= 0x88  # every code zero (signs only)
+    magnitudes = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    top = np.maximum(magnitudes[packed & 7], magnitudes[packed >> 4 & 7]).reshape(-1, 8).max(axis=1)
+    products = top * np.abs(fp8_e4m3_table()[scales])
+    expected = [float(top.any()), float(np.nanmax(products)) if not np.isnan(products).all() else -math.inf]
+    for search in (True, False):
+        assert Nvfp4Codec("nvfp4").peek_piece(_bytes(packed), _bytes(scales), search=search).tolist() == expected, search
+
+
+def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:
+    import numpy as np
+
+    from fp4forge.checkpoint.raw import fp8_e4m3_table
+
+    rng = np.random.default_rng(0)
+    for codes in (rng.integers(0, 256, 1001, dtype=np.uint8), rng.integers(0, 0x7F, 64, dtype=np.uint8), np.zeros(9, dtype=np.uint8)):
+        values = fp8_e4m3_table()[codes]
+        nan, negative = int(np.isnan(values).sum()), int((values < 0).sum())
+        finite = np.abs(values[~np.isnan(values)])
+        top = int(np.argmax(fp8_e4m3_table()[:0x7F] == finite.max())) if finite.size and finite.max() > 0 else 0
+        for shortcuts in (True, False):
+            block = deep_scan.reduce_piece(deep_scan.Unit("block_scale", ("s",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
+            fp8 = deep_scan.reduce_piece(deep_scan.Unit("fp8", ("w",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
+            assert block[:2] == [nan, negative] and fp8[:3] == [nan, float(bool((codes & 0x7F).any())), top], shortcuts
