@@ -88,6 +88,7 @@ class SampledRun:
     peak_file_mib: float
     stdout: bytes
     stderr: bytes
+    cpu_s: float = 0.0  # user + system time of the child (what a busy machine does not inflate)
 
 
 def _proc_status_kib(pid: int) -> dict[str, int]:
@@ -106,12 +107,17 @@ def run_sampled(cmd: list[str], env: dict[str, str] | None = None, interval_s: f
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
-        while proc.poll() is None:
+        while True:
             for key, value in _proc_status_kib(proc.pid).items():
                 peaks[key] = max(peaks[key], value)
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
             time.sleep(interval_s)
         wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    return SampledRun(wall, proc.returncode, peaks["VmHWM"] / 1024, peaks["RssAnon"] / 1024, peaks["RssFile"] / 1024, stdout, stderr)
+    cpu = usage.ru_utime + usage.ru_stime
+    return SampledRun(wall, proc.returncode, peaks["VmHWM"] / 1024, peaks["RssAnon"] / 1024, peaks["RssFile"] / 1024, stdout, stderr, cpu)
