@@ -89,6 +89,7 @@ class SampledRun:
     stdout: bytes
     stderr: bytes
     cpu_s: float = 0.0  # user + system time of the child (what a busy machine does not inflate)
+    samples: list[tuple[float, float, float]] | None = None  # (seconds since start, anon MiB, file MiB)
 
 
 def _proc_status_kib(pid: int) -> dict[str, int]:
@@ -104,12 +105,16 @@ def run_sampled(cmd: list[str], env: dict[str, str] | None = None, interval_s: f
     import time
 
     peaks = {"VmHWM": 0, "RssAnon": 0, "RssFile": 0}
+    samples: list[tuple[float, float, float]] = []
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         while True:
-            for key, value in _proc_status_kib(proc.pid).items():
+            status_kib = _proc_status_kib(proc.pid)
+            for key, value in status_kib.items():
                 peaks[key] = max(peaks[key], value)
+            if status_kib:
+                samples.append((time.perf_counter() - start, status_kib.get("RssAnon", 0) / 1024, status_kib.get("RssFile", 0) / 1024))
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
@@ -120,4 +125,4 @@ def run_sampled(cmd: list[str], env: dict[str, str] | None = None, interval_s: f
         err.seek(0)
         stdout, stderr = out.read(), err.read()
     cpu = usage.ru_utime + usage.ru_stime
-    return SampledRun(wall, proc.returncode, peaks["VmHWM"] / 1024, peaks["RssAnon"] / 1024, peaks["RssFile"] / 1024, stdout, stderr, cpu)
+    return SampledRun(wall, proc.returncode, peaks["VmHWM"] / 1024, peaks["RssAnon"] / 1024, peaks["RssFile"] / 1024, stdout, stderr, cpu, samples)

@@ -69,12 +69,26 @@ def read_all(path: Path, block: int = 64 << 20) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
-def run_step(name: str, argv: list[str]) -> dict:
+def _peaks_by_step(samples: list, wall_s: float, steps: list[dict]) -> dict[str, float]:
+    """Peak anonymous RSS per pipeline step, placing the steps back to back so that the last ends
+    with the process (the manifest keeps each step's seconds, not its start): approximate by the
+    process start-up and the time between steps."""
+    timed = [(step["name"], step["seconds"]) for step in steps if step.get("seconds")]
+    at = wall_s - sum(seconds for _, seconds in timed)
+    peaks = {"start-up": max((a for t, a, _ in samples if t < at), default=0.0)}
+    for name, seconds in timed:
+        peaks[name] = max((a for t, a, _ in samples if at <= t < at + seconds), default=0.0)
+        at += seconds
+    return peaks
+
+
+def run_step(name: str, argv: list[str], keep_samples: bool = False) -> dict:
     run = run_sampled(CLI + argv, env=env())
     if run.returncode not in (0, 1):  # audit exits 1 on error findings: still a measured run
         raise SystemExit(f"{name} failed ({run.returncode}): {run.stderr.decode(errors='replace')[-2000:]}")
     print(f"  {name}: {run.wall_s:.2f} s ({run.cpu_s:.2f} CPU-s), peak RSS {run.peak_rss_mib:,.0f} MiB (anon {run.peak_anon_mib:,.0f}, file {run.peak_file_mib:,.0f})", flush=True)
-    return {"wall_s": run.wall_s, "cpu_s": run.cpu_s, "returncode": run.returncode, "peak_rss_mib": run.peak_rss_mib, "peak_anon_mib": run.peak_anon_mib, "peak_file_mib": run.peak_file_mib}
+    kept = {"samples": run.samples} if keep_samples else {}
+    return {**kept, "wall_s": run.wall_s, "cpu_s": run.cpu_s, "returncode": run.returncode, "peak_rss_mib": run.peak_rss_mib, "peak_anon_mib": run.peak_anon_mib, "peak_file_mib": run.peak_file_mib}
 
 
 def source_dir(args: argparse.Namespace) -> Path:
@@ -168,8 +182,9 @@ def measure_pipeline(args: argparse.Namespace, src: Path) -> dict:
     argv = ["pipeline", str(src), str(out), "--recipe", args.recipe, "--device", args.device, "--tokenizer", str(tokenizer_dir(args, src)),
             "--calib-samples", str(args.calib_samples), "--calib-seq-len", str(args.seq_len),
             "--fidelity-samples", str(args.fidelity_samples), "--fidelity-seq-len", str(args.seq_len), "--activation-budget", args.activation_budget]
-    run = run_step("pipeline", argv)
+    run = run_step("pipeline", argv, keep_samples=True)
     manifest = json.loads((out / "reports" / "pipeline.json").read_text())
+    run["peak_anon_mib_by_step"] = _peaks_by_step(run.pop("samples"), run["wall_s"], manifest["steps"])
     layers = layer_bytes(src)
     budget = _gib(args.activation_budget)
     two_layers = sum(sorted(layers.values())[-2:]) / 2**30
@@ -218,6 +233,7 @@ def print_table(doc: dict, s: dict) -> None:
         print(f"pipeline peak RSS {pipe['peak_rss_mib'] / 1024:.2f} GiB (anon {pipe['peak_anon_mib'] / 1024:.2f}, file-backed {pipe['peak_file_mib'] / 1024:.2f}); "
               f"bound: two layers {pipe['two_layers_gib']:.2f} + activation budget {pipe['activation_budget_gib']:.2f} + {pipe['constant_gib']:.1f} = {pipe['bound_gib']:.2f} GiB: "
               f"{'within' if pipe['peak_rss_within_bound'] else 'ABOVE'}")
+        print("peak anon RSS by step (MiB, approx.): " + ", ".join(f"{k} {v:,.0f}" for k, v in pipe["peak_anon_mib_by_step"].items()))
 
 
 def main() -> int:
