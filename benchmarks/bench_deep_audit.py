@@ -217,15 +217,9 @@ def summary(doc: dict) -> dict:
     }
 
 
-def print_table(doc: dict, s: dict) -> None:
-    print(f"\ncheckpoint {doc['export_bytes'] / 1e9:.3f} GB ({doc['recipe']}, {doc['format']}), source {doc['source_bytes'] / 1e9:.3f} GB, device {doc['device']}")
-    print(f"{'step':<22}{'median s':>9}{'GB/s':>8}{'CPU-s':>8}{'peak RSS MiB':>14}")
-    for step, seconds in s["median_s"].items():
-        rss, cpu = s["peak_rss_mib"].get(step), s["median_cpu_s"].get(step)
-        print(f"{step:<22}{seconds:>9.2f}{s['gb_per_s_of_checkpoint'][step]:>8.3f}{'' if cpu is None else f'{cpu:>8.2f}'}{'' if rss is None else f'{rss:>14,.0f}'}")
-    for where, ratio in s["deep_cold_vs_cold_read"].items():
-        print(f"--device {where}: deep audit / read rate, cold {ratio:.2f}, warm {s['deep_warm_vs_warm_read'][where]:.2f}; "
-              f"export time / deep audit time (cold) {s['export_s_over_deep_cold_s'][where]:.2f} (>= 1: not slower than the export)")
+def print_table(doc: dict) -> None:
+    if "summary" in doc:
+        print_summary(doc, doc["summary"])
     pipe = doc.get("pipeline")
     if pipe:
         steps = ", ".join(f"{name} {seconds:.1f}" for name, seconds in pipe["steps_s"].items())
@@ -234,6 +228,17 @@ def print_table(doc: dict, s: dict) -> None:
               f"bound: two layers {pipe['two_layers_gib']:.2f} + activation budget {pipe['activation_budget_gib']:.2f} + {pipe['constant_gib']:.1f} = {pipe['bound_gib']:.2f} GiB: "
               f"{'within' if pipe['peak_rss_within_bound'] else 'ABOVE'}")
         print("peak anon RSS by step (MiB, approx.): " + ", ".join(f"{k} {v:,.0f}" for k, v in pipe["peak_anon_mib_by_step"].items()))
+
+
+def print_summary(doc: dict, s: dict) -> None:
+    print(f"\ncheckpoint {doc['export_bytes'] / 1e9:.3f} GB ({doc['recipe']}, {doc['format']}), source {doc['source_bytes'] / 1e9:.3f} GB, device {doc['device']}")
+    print(f"{'step':<22}{'median s':>9}{'GB/s':>8}{'CPU-s':>8}{'peak RSS MiB':>14}")
+    for step, seconds in s["median_s"].items():
+        rss, cpu = s["peak_rss_mib"].get(step), s["median_cpu_s"].get(step)
+        print(f"{step:<22}{seconds:>9.2f}{s['gb_per_s_of_checkpoint'][step]:>8.3f}{'' if cpu is None else f'{cpu:>8.2f}'}{'' if rss is None else f'{rss:>14,.0f}'}")
+    for where, ratio in s["deep_cold_vs_cold_read"].items():
+        print(f"--device {where}: deep audit / read rate, cold {ratio:.2f}, warm {s['deep_warm_vs_warm_read'][where]:.2f}; "
+              f"export time / deep audit time (cold) {s['export_s_over_deep_cold_s'][where]:.2f} (>= 1: not slower than the export)")
 
 
 def main() -> int:
@@ -249,6 +254,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--gpu-synth", action="store_true", help="synthesise the laguna-s-2.1-like source on the GPU (benchmarks/bench_gpu.py), tokenizer included")
     parser.add_argument("--pipeline", action="store_true", help="also run `fp4forge pipeline` (no serving) and check its peak RSS against the bound")
+    parser.add_argument("--only-pipeline", action="store_true", help="the pipeline alone (no export / read / audit comparison)")
     parser.add_argument("--calib-samples", type=int, default=8)
     parser.add_argument("--fidelity-samples", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -258,12 +264,14 @@ def main() -> int:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     src = source_dir(args)
-    doc = {"recipe": args.recipe, "format": args.format, "device": args.device, "source": str(src), **measure(args, src)}
-    doc["summary"] = s = summary(doc)
-    if args.pipeline:
+    doc = {"recipe": args.recipe, "format": args.format, "device": args.device, "source": str(src)}
+    if not args.only_pipeline:
+        doc.update(measure(args, src))
+        doc["summary"] = summary(doc)
+    if args.pipeline or args.only_pipeline:
         doc["pipeline"] = measure_pipeline(args, src)
     doc["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    print_table(doc, s)
+    print_table(doc)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_deep_audit.json").write_text(json.dumps(doc, indent=2) + "\n")
     return 0
