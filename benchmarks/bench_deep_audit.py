@@ -241,6 +241,19 @@ def print_summary(doc: dict, s: dict) -> None:
               f"export time / deep audit time (cold) {s['export_s_over_deep_cold_s'][where]:.2f} (>= 1: not slower than the export)")
 
 
+def machine() -> dict:
+    """CPU model and cores, GPU, load average and date: what a figure is read against."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, help="an existing BF16 checkpoint directory")
@@ -270,7 +283,7 @@ def main() -> int:
         doc["summary"] = summary(doc)
     if args.pipeline or args.only_pipeline:
         doc["pipeline"] = measure_pipeline(args, src)
-    doc["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    doc["machine"] = machine()
     print_table(doc)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_deep_audit.json").write_text(json.dumps(doc, indent=2) + "\n")
