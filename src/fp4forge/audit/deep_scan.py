@@ -5,7 +5,7 @@ FP8 scale magnitude) need a few numbers per tensor, not its values. :func:`plan_
 which tensors to read (a Linear's NVFP4 codes together with their block scales, block by block)
 in pieces of at most ``PIECE_BYTES``; the pieces are read once, in shard order, with a bounded
 read-ahead; each piece is reduced by torch operations over the whole piece to four numbers
-(:data:`ROW`): two counts that add across pieces and two maxima. Where compute runs is
+(:data:`EMPTY_ROW` says how): two counts that add across pieces and two maxima. Where compute runs is
 ``device`` (``model/device.py``): a GPU gets the bytes copied over and keeps every row there
 until one transfer at the end (:func:`_rows_on_device`); the CPU reduces pieces on one thread
 per core (:func:`_rows_on_threads`). Neither the device, the piece size nor the thread count
@@ -37,12 +37,11 @@ if TYPE_CHECKING:
 PIECE_BYTES = 16 << 20
 #: The most bytes read ahead of the reductions (what the scan holds beyond the tensors' rows).
 READ_AHEAD_BYTES = 256 << 20
-#: What each piece reduces to: (count, count, maximum, maximum); the meaning is the kernel's:
+#: What each piece reduces to, a row (count, count, maximum, maximum), whose meaning is the kernel's:
 #: float (non-finite values, pieces with a nonzero value, -, -); fp8 (NaN codes, pieces with a
 #: nonzero code, largest non-NaN magnitude byte, -); codes (-, pieces with a nonzero code, -, -);
 #: block_scale (NaN scales, negative scales, -, -); nvfp4 (the block scales' NaN, negative, any
-#: nonzero code, largest top code x |block scale|).
-ROW = ("count", "count", "max", "max")
+#: nonzero code, largest top code x |block scale|). Rows of one unit's pieces add and maximise.
 EMPTY_ROW = (0.0, 0.0, 0.0, -math.inf)
 VALUE_KINDS = ("weight", "packed_fp4")  # the tensors whose values are checked for NaN/Inf and zeros
 NVFP4_SCHEME, FP8_SCHEME = "nvfp4", "fp8"  # the codecs that read a Linear's values for the magnitude check
@@ -84,7 +83,7 @@ class Part:
 class Unit:
     """One tensor (or an NVFP4 Linear's codes and block scales) and the pieces it is read in."""
 
-    kernel: str  # float, fp8, codes, block_scale or nvfp4 (ROW says what each reduces to)
+    kernel: str  # float, fp8, codes, block_scale or nvfp4 (EMPTY_ROW says what each reduces to)
     names: tuple[str, ...]
     dtype: str  # the first tensor's stored dtype
     pieces: tuple[tuple[Part, ...], ...]
@@ -148,12 +147,13 @@ def plan_units(ctx: AuditContext, piece_bytes: int = PIECE_BYTES) -> list[Unit]:
 
 # -- the reductions (torch, any device) -------------------------------------------------------------
 def _row(*values: Any) -> torch.Tensor:
-    """A piece's ROW as float64 on the device of its tensor values (missing values: EMPTY_ROW's)."""
+    """A piece's row as float64 on the device of its tensor values (missing values: EMPTY_ROW's)."""
     import torch
 
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
     full = list(values) + list(EMPTY_ROW[len(values):])
-    return torch.stack([torch.as_tensor(v, device=device).double() for v in full])
+    # constants are filled on the device (a kernel, no copy from the host to wait for)
+    return torch.stack([v.double() if isinstance(v, torch.Tensor) else torch.full((), float(v), dtype=torch.float64, device=device) for v in full])
 
 
 #: float dtype -> (integer lanes of its bit patterns, |x| mask of one lane, the smallest |x| pattern
@@ -217,7 +217,7 @@ def _block_scale_counts(raw: torch.Tensor, shortcuts: bool) -> tuple[Any, Any]:
 
 
 def reduce_piece(unit: Unit, data: list[torch.Tensor], *, shortcuts: bool = True) -> torch.Tensor:
-    """One piece's ROW from its bytes (flat uint8 tensors, one per part, on any device).
+    """One piece's row from its bytes (flat uint8 tensors, one per part, on any device).
     ``shortcuts``: skip the exact counts where one maximum shows there is nothing to count (a
     host round trip per piece: the CPU's path); the numbers are the same either way."""
     from fp4forge.checkpoint.codecs import codec
@@ -310,9 +310,9 @@ def _rows_on_device(ckpt: Checkpoint, units: list[Unit], device: torch.device, w
 # -- the result -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DeepValues:
-    """Each planned unit's ROW, summed and maximised over its pieces, by the names it read."""
+    """Each planned unit's row, summed and maximised over its pieces, by the names it read."""
 
-    rows: dict[tuple[str, str], tuple[float, float, float, float]]  # (kernel, first name) -> ROW
+    rows: dict[tuple[str, str], tuple[float, float, float, float]]  # (kernel, first name) -> its row
 
     def _find(self, name: str, kernels: tuple[str, ...]) -> tuple[float, ...] | None:
         return next((self.rows[(k, name)] for k in kernels if (k, name) in self.rows), None)

@@ -73,6 +73,7 @@ def blocks_match(packed_bytes: int, block_scale_bytes: int) -> bool:
     return packed_bytes % (NVFP4_BLOCK // 2) == 0 and packed_bytes // (NVFP4_BLOCK // 2) == block_scale_bytes
 
 
+_E2M1_TABLES: dict = {}  # device -> E2M1 magnitude of each three-bit code, F32
 _NIBBLE_MAGNITUDES = 0x7777777777777777  # the E2M1 magnitude bits of sixteen packed codes
 _LOW_THREE_BITS = 0x0707070707070707
 
@@ -108,7 +109,9 @@ def _products(packed_blocks: Tensor, scales: Tensor) -> Tensor:
 
     from fp4forge.numerics.e2m1 import E2M1_VALUES
 
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=scales.device)
+    table = _E2M1_TABLES.get(scales.device)
+    if table is None:  # one copy to each device, not one per piece
+        table = _E2M1_TABLES[scales.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=scales.device)
     return table[_top_codes(packed_blocks).int()] * scales
 
 
