@@ -202,5 +202,5 @@ def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:
         top = int(np.argmax(fp8_e4m3_table()[:0x7F] == finite.max())) if finite.size and finite.max() > 0 else 0
         for shortcuts in (True, False):
             block = deep_scan.reduce_piece(deep_scan.Unit("block_scale", ("s",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
-            fp8 = deep_scan.reduce_piece(deep_scan.Unit("fp8", ("w",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
+            fp8 = deep_scan.reduce_piece(deep_scan.Unit("e4m3", ("w",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
             assert block[:2] == [nan, negative] and fp8[:3] == [nan, float(bool((codes & 0x7F).any())), top], shortcuts

@@ -38,10 +38,11 @@ PIECE_BYTES = 16 << 20
 #: The most bytes read ahead of the reductions (what the scan holds beyond the tensors' rows).
 READ_AHEAD_BYTES = 256 << 20
 #: What each piece reduces to, a row (count, count, maximum, maximum), whose meaning is the kernel's:
-#: float (non-finite values, pieces with a nonzero value, -, -); fp8 (NaN codes, pieces with a
+#: float (non-finite values, pieces with a nonzero value, -, -); e4m3 (NaN codes, pieces with a
 #: nonzero code, largest non-NaN magnitude byte, -); codes (-, pieces with a nonzero code, -, -);
-#: block_scale (NaN scales, negative scales, -, -); nvfp4 (the block scales' NaN, negative, any
-#: nonzero code, largest top code x |block scale|). Rows of one unit's pieces add and maximise.
+#: block_scale (NaN scales, negative scales, -, -); fp4_pair (NVFP4 codes with their block scales:
+#: the scales' NaN, negative, any nonzero code, largest top code x |block scale|). Rows of one
+#: unit's pieces add and maximise.
 EMPTY_ROW = (0.0, 0.0, 0.0, -math.inf)
 VALUE_KINDS = ("weight", "packed_fp4")  # the tensors whose values are checked for NaN/Inf and zeros
 NVFP4_SCHEME, FP8_SCHEME = "nvfp4", "fp8"  # the codecs that read a Linear's values for the magnitude check
@@ -83,14 +84,14 @@ class Part:
 class Unit:
     """One tensor (or an NVFP4 Linear's codes and block scales) and the pieces it is read in."""
 
-    kernel: str  # float, fp8, codes, block_scale or nvfp4 (EMPTY_ROW says what each reduces to)
+    kernel: str  # float, e4m3, codes, block_scale or fp4_pair (EMPTY_ROW says what each reduces to)
     names: tuple[str, ...]
     dtype: str  # the first tensor's stored dtype
     pieces: tuple[tuple[Part, ...], ...]
 
 
 def _value_kernel(dtype: str) -> str:
-    return "float" if dtype in FLOAT_DTYPES else "fp8" if dtype == "F8_E4M3" else "codes"
+    return "float" if dtype in FLOAT_DTYPES else "e4m3" if dtype == "F8_E4M3" else "codes"
 
 
 def _single(ckpt: Checkpoint, kernel: str, shard: str, info: TensorInfo, piece_bytes: int) -> Unit:
@@ -111,7 +112,7 @@ def _pair(ckpt: Checkpoint, packed: tuple[str, TensorInfo], block: tuple[str, Te
         (Part(shard, code_start + at * per_block, min(blocks, scales.nbytes - at) * per_block), Part(scale_shard, scale_start + at, min(blocks, scales.nbytes - at)))
         for at in range(0, scales.nbytes, blocks)
     )
-    return Unit("nvfp4", (codes.name, scales.name), codes.dtype, pieces)
+    return Unit("fp4_pair", (codes.name, scales.name), codes.dtype, pieces)
 
 
 def _nvfp4_pairs(ctx: AuditContext) -> dict[str, str]:
@@ -227,7 +228,7 @@ def reduce_piece(unit: Unit, data: list[torch.Tensor], *, shortcuts: bool = True
         return _float_row(raw, unit.dtype, shortcuts)
     if unit.kernel == "codes":  # packed FP4 (and any other integer codes): zero and negative zero
         return _row(0, _masked_lanes(raw, "uint8", 0x77).any())
-    if unit.kernel == "fp8":
+    if unit.kernel == "e4m3":
         return _row(*_fp8_rows(raw, shortcuts))
     if unit.kernel == "block_scale":
         return _row(*_block_scale_counts(raw, shortcuts))
@@ -319,25 +320,25 @@ class DeepValues:
 
     def weight(self, name: str) -> tuple[int, bool]:
         """(non-finite values, any value nonzero) of a weight or code tensor."""
-        row = self._find(name, ("float", "fp8", "codes"))
+        row = self._find(name, ("float", "e4m3", "codes"))
         if row is not None:
             return int(row[0]), row[1] > 0
-        pair = self.rows.get(("nvfp4", name), EMPTY_ROW)  # codes read with their block scales
+        pair = self.rows.get(("fp4_pair", name), EMPTY_ROW)  # codes read with their block scales
         return 0, pair[2] > 0
 
     def block_scale(self, name: str) -> tuple[int, int]:
         """(NaN, negative) FP8 block scales of a tensor."""
-        row = self._find(name, ("block_scale",)) or self.rows.get(("nvfp4-scales", name), EMPTY_ROW)
+        row = self._find(name, ("block_scale",)) or self.rows.get(("fp4_pair_scales", name), EMPTY_ROW)
         return int(row[0]), int(row[1])
 
     def fp8_top(self, name: str) -> int:
         """The largest non-NaN E4M3 magnitude byte of an FP8 weight (0: none)."""
-        return int(self.rows.get(("fp8", name), EMPTY_ROW)[2])
+        return int(self.rows.get(("e4m3", name), EMPTY_ROW)[2])
 
     def nvfp4(self, codes: str) -> tuple[bool, float] | None:
         """(any code nonzero, largest top code x |block scale|) of an NVFP4 Linear's codes; None
         where they were not read as a pair (sizes that do not pair up)."""
-        row = self.rows.get(("nvfp4", codes))
+        row = self.rows.get(("fp4_pair", codes))
         return None if row is None else (row[2] > 0, row[3])
 
 
@@ -352,8 +353,8 @@ def combine(units: list[Unit], rows: list[Any]) -> DeepValues:
         for piece in mine:
             row = [row[0] + piece[0], row[1] + piece[1], max(row[2], piece[2]), max(row[3], piece[3])]
         out[(unit.kernel, unit.names[0])] = tuple(row)  # type: ignore[assignment]
-        if unit.kernel == "nvfp4":
-            out[("nvfp4-scales", unit.names[1])] = tuple(row)  # type: ignore[assignment]
+        if unit.kernel == "fp4_pair":
+            out[("fp4_pair_scales", unit.names[1])] = tuple(row)  # type: ignore[assignment]
     return DeepValues(out)
 
 
