@@ -72,3 +72,57 @@ def drop_page_cache(path: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+@dataclass
+class SampledRun:
+    """A child's wall time, exit code and memory: its peak RSS as the kernel counts it (VmHWM),
+    and the peaks of the two parts of RSS sampled every ``interval_s``: anonymous memory (what
+    the process allocated) and file-backed pages (mapped files: page cache counted in RSS while
+    mapped, dropped by the kernel under pressure). Reads the child's /proc (Linux)."""
+
+    wall_s: float
+    returncode: int
+    peak_rss_mib: float
+    peak_anon_mib: float
+    peak_file_mib: float
+    stdout: bytes
+    stderr: bytes
+    cpu_s: float = 0.0  # user + system time of the child (what a busy machine does not inflate)
+    samples: list[tuple[float, float, float]] | None = None  # (seconds since start, anon MiB, file MiB)
+
+
+def _proc_status_kib(pid: int) -> dict[str, int]:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in status) if k in ("VmHWM", "RssAnon", "RssFile")}
+    except (OSError, ValueError):
+        return {}
+
+
+def run_sampled(cmd: list[str], env: dict[str, str] | None = None, interval_s: float = 0.02) -> SampledRun:
+    """Run ``cmd`` and sample its memory until it exits (see :class:`SampledRun`)."""
+    import time
+
+    peaks = {"VmHWM": 0, "RssAnon": 0, "RssFile": 0}
+    samples: list[tuple[float, float, float]] = []
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        while True:
+            status_kib = _proc_status_kib(proc.pid)
+            for key, value in status_kib.items():
+                peaks[key] = max(peaks[key], value)
+            if status_kib:
+                samples.append((time.perf_counter() - start, status_kib.get("RssAnon", 0) / 1024, status_kib.get("RssFile", 0) / 1024))
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            time.sleep(interval_s)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    cpu = usage.ru_utime + usage.ru_stime
+    return SampledRun(wall, proc.returncode, peaks["VmHWM"] / 1024, peaks["RssAnon"] / 1024, peaks["RssFile"] / 1024, stdout, stderr, cpu, samples)

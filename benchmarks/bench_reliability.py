@@ -1,6 +1,6 @@
 """The reliability suite at full count (docs/reliability.md): the figures CI's small counts stand for.
 
-    .venv/bin/python benchmarks/bench_reliability.py [--fuzz 2000] [--cli-fuzz 300] [--kills 50]
+    .venv/bin/python benchmarks/bench_reliability.py [--fuzz 2000] [--cli-fuzz 300] [--value-fuzz 200] [--kills 50]
         [--chain 5] [--commands calibrate,quantize,kv,pipeline] [--bench-kills 20] [--seed 0] [--json FILE]
 
 1. Fuzz: ``--fuzz`` malformed inputs per target (shard, index, config) through the library
@@ -48,6 +48,7 @@ from tests.reliability_support import (
     Violation,
     fuzz_cli_case,
     fuzz_library_case,
+    fuzz_value_case,
     write_base_checkpoint,
 )
 
@@ -88,6 +89,32 @@ def run_fuzz(count: int, cli_count: int, seed: int, work: Path, testbed: Path) -
             shutil.rmtree(case, ignore_errors=True)
         report["cli"][target] = {"inputs": cli_count, "outcomes": dict(codes), "seconds": round(time.monotonic() - started, 1)}
         print(f"fuzz cli {target}: {cli_count} inputs (bytes + audit each), {dict(codes)}", flush=True)
+    return report
+
+
+def run_value_fuzz(count: int, seed: int, work: Path, testbed: Path) -> dict:
+    """``count`` value mutations per export (NVFP4 in both layouts, FP8) under ``audit --deep``."""
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    report: dict = {"exports": {}, "violations": []}
+    for recipe, layout in (("nvfp4-experts", "compressed-tensors"), ("nvfp4-experts", "modelopt"), ("fp8", "compressed-tensors")):
+        template = work / f"values-{recipe}-{layout}"
+        quantize_checkpoint(testbed, template, QuantizeOptions(load_recipe(recipe), layout, act_amax=ConstantAmax(8.0)))
+        codes: collections.Counter = collections.Counter()
+        started = time.monotonic()
+        for i in range(count):
+            case = work / f"values-{i}"
+            try:
+                record = fuzz_value_case(random.Random(f"{seed}-values-{template.name}-{i}"), template, case)
+                codes[f"{'defect' if record['defect'] else 'other'}, audit {record['audit']}"] += 1
+            except Violation as exc:
+                codes["VIOLATION"] += 1
+                report["violations"].append(f"values {template.name} #{i}: {str(exc).splitlines()[0]}")
+            shutil.rmtree(case, ignore_errors=True)
+        report["exports"][template.name] = {"inputs": count, "outcomes": dict(codes), "seconds": round(time.monotonic() - started, 1)}
+        print(f"fuzz values {template.name}: {count} inputs (audit --deep each), {dict(codes)}", flush=True)
     return report
 
 
@@ -144,6 +171,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fuzz", type=int, default=2000, help="library inputs per target")
     parser.add_argument("--cli-fuzz", type=int, default=300, help="command-line inputs per target")
+    parser.add_argument("--value-fuzz", type=int, default=200, help="value mutations under audit --deep, per export (three exports)")
     parser.add_argument("--kills", type=int, default=50, help="SIGKILLs per command")
     parser.add_argument("--chain", type=int, default=5, help="kills per chain before the run to completion")
     parser.add_argument("--commands", default="calibrate,quantize,kv,pipeline")
@@ -163,6 +191,8 @@ def main() -> int:
     figures: dict = {"seed": args.seed}
     if args.fuzz or args.cli_fuzz:
         figures["fuzz"] = run_fuzz(args.fuzz, args.cli_fuzz, args.seed, work, testbed)
+    if args.value_fuzz:
+        figures["value_fuzz"] = run_value_fuzz(args.value_fuzz, args.seed, work, testbed)
     if args.kills:
         figures["kill"] = run_kills([c for c in args.commands.split(",") if c], args.kills, args.chain, args.seed, work, testbed)
     if args.bench_kills:
@@ -174,7 +204,7 @@ def main() -> int:
     if args.json:
         args.json.write_text(text + "\n")
     violations = len(figures.get("fuzz", {}).get("violations", [])) + sum(len(e["violations"]) for e in figures.get("kill", {}).values())
-    violations += figures.get("bench_kill", {}).get("failed", 0)
+    violations += figures.get("bench_kill", {}).get("failed", 0) + len(figures.get("value_fuzz", {}).get("violations", []))
     return 1 if violations else 0
 
 

@@ -558,3 +558,81 @@ def fuzz_cli_case(target: str, rng: random.Random, template: Path, workdir: Path
     if after != before:
         raise Violation(f"{target} mutation {label!r}: the CLI changed files: {sorted(set(after.items()) ^ set(before.items()))[:5]}")
     return record
+
+
+# -- value mutations under audit --deep ------------------------------------------------------------
+# Encoded values per stored dtype (little-endian bytes of one element); E4M3FN bytes by hand:
+# 0x7F / 0xFF NaN, 0x00 / 0x80 zero, 0x01 the smallest subnormal, 0xB8 = -1.0, 0x7E = 448.
+SPECIAL_FLOATS = {"zero": 0.0, "negative-zero": -0.0, "negative": -1.5, "nan": float("nan"), "inf": float("inf"),
+                  "-inf": float("-inf"), "subnormal": 1e-45, "tiny": 1e-40, "huge": 3e38}
+SPECIAL_E4M3 = {"nan": 0x7F, "negative-nan": 0xFF, "zero": 0x00, "negative-zero": 0x80, "subnormal": 0x01, "negative": 0xB8, "max": 0x7E}
+# The values vLLM cannot serve right whatever else holds: the audit must exit 1 on them.
+DEFECTS = {"nan", "negative-nan", "inf", "-inf", "zero", "negative-zero", "negative", "subnormal", "tiny"}
+
+
+def _encode(dtype: str, value: float, count: int) -> bytes:
+    if dtype == "F32":
+        return np.full(count, value, dtype="<f4").tobytes()
+    if dtype == "BF16":
+        return (np.full(count, value, dtype="<f4").view("<u4") >> 16).astype("<u2").tobytes()
+    if dtype == "F16":
+        with np.errstate(over="ignore"):
+            return np.full(count, value, dtype="<f2").tobytes()
+    raise ValueError(dtype)
+
+
+def mutate_values(rng: random.Random, data: bytes) -> tuple[bytes, str, bool]:
+    """One tensor's values of a valid shard replaced (header untouched, so the file stays valid):
+    a special float in some or all elements of a float tensor (scales and weights), a special E4M3
+    byte in FP8 block scales or weights, or codes zeroed / randomised / all at the extreme.
+    (damaged bytes, label, whether the change is a defect the audit must report as an error)."""
+    doc, raw_header, buffer = split_shard(data)
+    names = [n for n in _tensor_names(doc) if doc[n]["data_offsets"][1] > doc[n]["data_offsets"][0]]
+    name = rng.choice(names)
+    entry = doc[name]
+    begin, end = entry["data_offsets"]
+    dtype, width = entry["dtype"], {"F32": 4, "BF16": 2, "F16": 2}.get(entry["dtype"], 1)
+    count = (end - begin) // width
+    every = count == 1 or rng.random() < 0.4
+    start = 0 if every else rng.randrange(count)
+    many = count if every else rng.randint(1, count - start)
+    if dtype in ("F32", "BF16", "F16"):
+        kind = rng.choice(sorted(SPECIAL_FLOATS))
+        new = _encode(dtype, SPECIAL_FLOATS[kind], many)
+        defect = kind in DEFECTS and (name.endswith("scale") or name.endswith("scale_2") or kind in ("nan", "inf", "-inf"))
+    elif dtype == "F8_E4M3":
+        kind = rng.choice(sorted(SPECIAL_E4M3))
+        new = bytes([SPECIAL_E4M3[kind]]) * many
+        defect = kind in ("nan", "negative-nan") or (kind in ("negative",) and "scale" in name)
+    else:
+        kind = rng.choice(["codes-zero", "codes-random", "codes-extreme"])
+        new = {"codes-zero": bytes(many), "codes-extreme": b"\xff" * many}.get(kind) or bytes(rng.randrange(256) for _ in range(many))
+        defect = False
+    offset = begin + start * width
+    buffer = buffer[:offset] + new + buffer[offset + len(new):]
+    return join_shard(raw_header, buffer), f"{name.rsplit('.', 1)[-1]}:{dtype}:{kind}:{'all' if every else many}", defect
+
+
+def fuzz_value_case(rng: random.Random, template: Path, workdir: Path) -> dict:
+    """``fp4forge audit --deep --json`` on a hard-linked copy of ``template`` with one tensor's
+    values mutated (:func:`mutate_values`): exit 0 or 1, never 2 or a traceback (the file is
+    valid), JSON always, exit 1 on every defect, nothing written."""
+    import shutil
+
+    checkpoint, cwd = workdir / "checkpoint", workdir / "cwd"
+    shutil.copytree(template, checkpoint, copy_function=os.link)
+    cwd.mkdir()
+    path = checkpoint / rng.choice(sorted(p.name for p in template.glob("*.safetensors")))
+    damaged, label, defect = mutate_values(rng, path.read_bytes())
+    path.unlink()  # a hard link to the template: replace, never write through it
+    path.write_bytes(damaged)
+    before = tree_state(checkpoint, cwd)
+    code, stdout, stderr = run_cli(["audit", str(checkpoint), "--deep", "--json"], cwd)
+    check_cli_outcome("audit", f"values/{label}", code, stdout, stderr, False)
+    if code == 2:
+        raise Violation(f"audit --deep on values/{label}: exit 2 on a valid file: {stderr[-400:]!r}")
+    if defect and code != 1:
+        raise Violation(f"audit --deep on values/{label}: exit {code} (a green light) on a defect")
+    if tree_state(checkpoint, cwd) != before:
+        raise Violation(f"audit --deep on values/{label}: files changed")
+    return {"target": "values", "label": label, "defect": defect, "audit": code}

@@ -20,6 +20,11 @@ The contract checked on every input:
 Counts (CI): 200 library inputs per target (shard, index, config), 10 command-line inputs per
 target run in-process through ``fp4forge.cli.main`` (each runs ``bytes`` and ``audit``), and 3
 inputs through a real ``fp4forge`` subprocess.
+
+Values (``audit --deep``): valid exports (NVFP4 in both layouts, FP8) with one tensor's values
+replaced by zero, negative, NaN, infinite, subnormal or huge scales, NaN / negative / zero FP8
+block scales and codes, zeroed or random packed codes: exit 0 or 1 with JSON, never a traceback,
+exit 1 on every defect; the figures are stated in docs/reliability.md and recomputed here.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from tests.reliability_support import (
     check_cli_outcome,
     fuzz_cli_case,
     fuzz_library_case,
+    fuzz_value_case,
     mutate_shard,
     tree_state,
     write_base_checkpoint,
@@ -50,6 +56,8 @@ from hypothesis import strategies as st
 
 LIBRARY_EXAMPLES = 200
 CLI_EXAMPLES = 10
+VALUE_EXAMPLES = 12  # per template export (three of them)
+VALUE_TEMPLATES = (("nvfp4-experts", "compressed-tensors"), ("nvfp4-experts", "modelopt"), ("fp8", "compressed-tensors"))
 # Deterministic (derandomize): CI runs the same inputs every time; the benchmark explores.
 FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
@@ -160,3 +168,41 @@ def test_real_process_on_a_damaged_shard(seed: int, lc_source_dir: Path, cache_d
         if command == "audit" and proc.returncode != 2:
             json.loads(proc.stdout)
     assert tree_state(checkpoint, tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def value_templates(lc_source_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    from fp4forge.quantize.act_scales import ConstantAmax
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    root = tmp_path_factory.mktemp("value-fuzz")
+    out = []
+    for recipe, layout in VALUE_TEMPLATES:
+        quantize_checkpoint(lc_source_dir, root / f"{recipe}-{layout}", QuantizeOptions(load_recipe(recipe), layout, act_amax=ConstantAmax(8.0)))
+        out.append(root / f"{recipe}-{layout}")
+    return out
+
+
+def value_figure(records: list[dict]) -> str:
+    """The sentence docs/reliability.md states about the value fuzzer."""
+    defects = [r for r in records if r["defect"]]
+    others = [r for r in records if not r["defect"]]
+    flagged = sum(r["audit"] == 1 for r in others)
+    return (f"{len(records)} value mutations under `audit --deep`: 0 tracebacks, 0 exit 2; {len(defects)} defects, "
+            f"{sum(r['audit'] == 1 for r in defects)} of them exit 1; {len(others)} other changes: {len(others) - flagged} exit 0, {flagged} exit 1")
+
+
+def test_deep_audit_on_any_value(value_templates: list[Path], cache_dir: Path, tmp_path: Path) -> None:
+    """Seeded (the same inputs every run): the figure in docs/reliability.md is this run's."""
+    cases = _Cases(tmp_path)
+    records = []
+    for template in value_templates:
+        for i in range(VALUE_EXAMPLES):
+            workdir = cases.next()
+            records.append(fuzz_value_case(random.Random(f"values-{template.name}-{i}"), template, workdir))
+            shutil.rmtree(workdir, ignore_errors=True)
+    assert any(r["defect"] for r in records) and any(not r["defect"] for r in records)
+    reliability = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text(encoding="utf-8")
+    figure = value_figure(records)
+    assert figure in " ".join(reliability.split()), figure

@@ -17,6 +17,7 @@ from importlib import resources
 from operator import itemgetter
 
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
+from fp4forge.audit.deep_scan import FP8_SCHEME, NVFP4_SCHEME, DeepValues, deep_values, magnitude_tensors
 from fp4forge.audit.findings import Issue, natural_key
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
 from fp4forge.checkpoint.declarations import MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
@@ -31,8 +32,7 @@ KV_SUFFIXES = ("k_scale", "v_scale")
 EXPERTS = "routed_experts"
 MISSING_TENSOR_RULES = ("scheme-tensor-missing", "moe-input-scale-invalid")
 W4A4_SCHEME = "nvfp4"
-# the codecs that read a Linear's values for the magnitude check (every NVFP4 / FP8 scheme stores its codes alike)
-NVFP4_PEEK, FP8_PEEK = "nvfp4", "fp8"
+F32_SMALLEST_NORMAL, F32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
 
 
 def run(ctx: AuditContext) -> list[Issue]:
@@ -397,7 +397,9 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
         if value is not None:
             if 0 < value < math.inf:  # NaN compares false
                 side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
-                if side is not None and ((side == "below" and value < 1.0) or (side == "above" and value > 1.0)):
+                if value < F32_SMALLEST_NORMAL:
+                    issues.append(_subnormal_issue(ctx, name, _as_array(value)))
+                elif side is not None and ((side == "below" and value < 1.0) or (side == "above" and value > 1.0)):
                     issues.append(_convention_issue(ctx, name, _as_array(value)))
                 continue
             values = _as_array(value)
@@ -407,7 +409,9 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
                 continue
             if is_finite_positive(values):
                 side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
-                if side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+                if float(values.min()) < F32_SMALLEST_NORMAL:
+                    issues.append(_subnormal_issue(ctx, name, values))
+                elif side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
                     issues.append(_convention_issue(ctx, name, values))
                 continue
         module, suffix, kind = roles[name]
@@ -422,6 +426,12 @@ def _as_array(value: float):
     import numpy as np  # only for a finding: a clean audit of F32 scales never imports numpy
 
     return np.array([value], dtype=np.float32)
+
+
+def _subnormal_issue(ctx: AuditContext, name: str, values) -> Issue:
+    """A scale below float32's smallest normal: the range it implies over- or underflows."""
+    suffix = ctx.roles[name][1]
+    return issue("scale-invalid", f"{suffix} tensors that are subnormal (below 2^-126)", name, tensors=[name], detail=describe_value(values) if values.size == 1 else f"smallest {float(values.min()):.4g}", file=ctx.file_of(name))
 
 
 def _convention_issue(ctx: AuditContext, name: str, values) -> Issue:
@@ -443,39 +453,33 @@ MAGNITUDE_MIN_RATIO = 0.25
 MAGNITUDE_MAX_RATIO = 1.0 + 2.0**-10
 
 
-def _magnitude_of(ctx: AuditContext, module: str) -> tuple[float, float, str] | None:
+def _magnitude_of(ctx: AuditContext, module: str, values: DeepValues) -> tuple[float, float, str] | None:
     """(largest dequantized |value|, the amax the scales imply, family) of one quantized Linear,
     or None when it is not NVFP4 / FP8 with readable scales. Which scheme is told by the stored
-    dtypes (a damaged checkpoint may match no scheme); the bytes are read by its codec."""
-    params = ctx.modules.get(module, {})
-    packed = params.get("weight_packed") or (params.get("weight") if params.get("weight") is not None and params["weight"].dtype == "U8" else None)
-    block = params.get("weight_scale")
-    if packed is not None and block is not None and block.dtype == "F8_E4M3":
-        per_tensor = params.get("weight_global_scale") or params.get("weight_scale_2")
-        if per_tensor is None or per_tensor.numel != 1:
-            return None
-        suffix = _suffix_of(params, per_tensor)
-        value = float(ctx.values([f"{module}.{suffix}"]).popitem()[1][0])
-        raw = {"packed": ctx.ckpt.read_raw(f"{module}.{_suffix_of(params, packed)}"), "block_scale": ctx.ckpt.read_raw(f"{module}.weight_scale")}
-        peek = codec(NVFP4_PEEK).peek(raw, value, layout_of_suffix(NVFP4_PEEK, "global_scale", suffix))
+    dtypes; the values come from the one scan (``deep_scan``), finished by the scheme's codec."""
+    found = magnitude_tensors(ctx.modules.get(module, {}))
+    if found is None:
+        return None
+    scheme, suffixes = found
+    if scheme == FP8_SCHEME:
+        peek = codec(FP8_SCHEME).peek_finish(values.fp8_top(f"{module}.weight"))
     else:
-        weight = params.get("weight")
-        if weight is None or weight.dtype != "F8_E4M3":
-            return None
-        peek = codec(FP8_PEEK).peek({"weight": ctx.ckpt.read_raw(f"{module}.weight")}, None, None)
+        per_tensor = ctx.values([f"{module}.{suffixes['global_scale']}"])
+        pair = values.nvfp4(f"{module}.{suffixes['packed']}")
+        if pair is None or not per_tensor or not next(iter(per_tensor.values())).size:
+            return None  # sizes that do not pair up, or a torn scalar: findings of their own
+        value = float(next(iter(per_tensor.values()))[0])
+        peek = codec(NVFP4_SCHEME).peek_finish(*pair, value, layout_of_suffix(NVFP4_SCHEME, "global_scale", suffixes["global_scale"]))
     return None if peek is None else (peek.largest, peek.implied_amax, peek.family)
-
-
-def _suffix_of(params: dict, info) -> str:
-    return next(s for s, i in params.items() if i is info)
 
 
 def scale_magnitude_issues(ctx: AuditContext) -> list[Issue]:
     if ctx.layout is None:
         return []
     measured: dict[str, tuple[float, float, str]] = {}
+    values = deep_values(ctx)
     for module in ctx.modules:
-        found = _magnitude_of(ctx, module)
+        found = _magnitude_of(ctx, module, values)
         if found is not None:
             measured[module] = found
     # shards vLLM serves as one GEMM (gate/up, q/k/v, ...) are judged together
@@ -491,10 +495,14 @@ def scale_magnitude_issues(ctx: AuditContext) -> list[Issue]:
         dequantized = max(measured[s][0] for s in shards)
         implied = max(measured[s][1] for s in shards)
         ratio = dequantized / implied if implied > 0 else float("nan")
-        if not (MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO):
+        in_range = MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO
+        # a subnormal (or huge) per-tensor scale keeps the ratio but not the weights: BF16 GEMMs flush them to zero
+        representable = F32_SMALLEST_NORMAL <= dequantized <= F32_MAX
+        if not (in_range and representable):
             family = measured[module][2]
             names = [f"{s}.{suffix}" for s in shards for suffix in ctx.modules[s] if _kind(suffix) in ("weight_scale", "weight_global_scale", "packed_fp4") or suffix == "weight"]
             detail = f"largest dequantized value {dequantized:.4g}, implied amax {implied:.4g}, ratio {ratio:.3g}"
+            detail += "" if not in_range else ", not a normal float32: served, these weights are zero or infinite"
             issues.append(issue("scale-magnitude", f"{family.upper()} weights whose scales imply a range their values do not reach", ", ".join(shards) if len(shards) > 1 else module, tensors=names, detail=detail, file=ctx.file_of(names[0]) if names else None))
     return issues
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import statistics
 
 from fp4forge.audit.context import AuditContext, issue, modules_noun
+from fp4forge.audit.deep_scan import VALUE_KINDS, deep_values, is_block_scale_checked
 from fp4forge.audit.findings import Issue
 from fp4forge.checkpoint.layout import UNKNOWN
 from fp4forge.checkpoint.names import CONFIG_JSON, INDEX_JSON, SINGLE_SAFETENSORS
-from fp4forge.checkpoint.raw import FLOAT_DTYPES, float_view, iter_raw_chunks
 from fp4forge.checkpoint.reader import Checkpoint, RejectedIndexEntry
 from fp4forge.checkpoint.safetensors_format import LENGTH_PREFIX_BYTES, TensorInfo, header_length, parse_header, parse_lfs_pointer
 from fp4forge.errors import CheckpointError, DtypeError, Fp4forgeError, HeaderError, LfsPointerError, OffsetError
@@ -47,8 +47,6 @@ SHARD_GROUPS = {
 ABSENCE_RULES = frozenset({"parameter-missing", "kv-scale-absent", "scheme-tensor-missing", "moe-input-scale-invalid",
                            "w4a4-without-activation-scales", "index-tensor-not-in-shard", "fused-input-scale-mismatch"})
 LFS_POINTER_MAX_BYTES = 1024
-FP8_NAN_MASK = 0x7F  # E4M3FN: S.1111.111 is NaN, there is no Inf
-FP8_SIGN = 0x80
 STATISTICS_KINDS = ("weight_global_scale", "input_scale", "input_global_scale")
 
 
@@ -247,32 +245,20 @@ def config_issues(ctx: AuditContext) -> list[Issue]:
 
 # -- values (--deep) ------------------------------------------------------------------------------
 def value_issues(ctx: AuditContext) -> list[Issue]:
+    """NaN/Inf and all-zero weights, NaN or negative FP8 block scales: from the one scan of the
+    values (``deep_scan``), reported tensor by tensor in the checkpoint's order."""
+    values = deep_values(ctx)
     issues: list[Issue] = []
     for name, (shard, info) in ctx.tensors.items():
         kind = ctx.kind(name)
-        if kind in ("weight", "packed_fp4"):
-            issues += _weight_value_issues(ctx, shard, info, kind)
-        elif kind == "weight_scale" and info.dtype == "F8_E4M3" and len(info.shape) == 2 and info.shape[1] > 1:
-            issues += _block_scale_issues(ctx, shard, info)
+        if kind in VALUE_KINDS:
+            issues += _weight_value_issues(shard, info, *values.weight(name))
+        elif is_block_scale_checked(kind, info):
+            issues += _block_scale_issues(shard, info, *values.block_scale(name))
     return issues + scale_statistics(ctx)
 
 
-def _weight_value_issues(ctx: AuditContext, shard: str, info: TensorInfo, kind: str) -> list[Issue]:
-    import numpy as np
-
-    nonfinite = 0
-    nonzero = False
-    for chunk in iter_raw_chunks(ctx.ckpt, shard, info):
-        data = np.frombuffer(chunk, dtype=np.uint8)
-        if info.dtype in FLOAT_DTYPES:
-            values = float_view(info.dtype, chunk)
-            nonfinite += int((~np.isfinite(values)).sum())
-            nonzero = nonzero or bool(np.any(values != 0))
-        elif info.dtype == "F8_E4M3":
-            nonfinite += int(((data & FP8_NAN_MASK) == FP8_NAN_MASK).sum())
-            nonzero = nonzero or bool(np.any((data & FP8_NAN_MASK) != 0))
-        else:  # packed FP4 codes: zero and negative zero
-            nonzero = nonzero or bool(np.any((data & 0x77) != 0))
+def _weight_value_issues(shard: str, info: TensorInfo, nonfinite: int, nonzero: bool) -> list[Issue]:
     issues = []
     if nonfinite:
         issues.append(issue("weight-not-finite", "weights with NaN or Inf", info.name, tensors=[info.name], file=shard, detail=f"{nonfinite:,} of {info.numel:,} values"))
@@ -281,14 +267,7 @@ def _weight_value_issues(ctx: AuditContext, shard: str, info: TensorInfo, kind: 
     return issues
 
 
-def _block_scale_issues(ctx: AuditContext, shard: str, info: TensorInfo) -> list[Issue]:
-    import numpy as np
-
-    nan = negative = 0
-    for chunk in iter_raw_chunks(ctx.ckpt, shard, info):
-        data = np.frombuffer(chunk, dtype=np.uint8)
-        nan += int(((data & FP8_NAN_MASK) == FP8_NAN_MASK).sum())
-        negative += int((((data & FP8_SIGN) != 0) & ((data & FP8_NAN_MASK) != 0) & ((data & FP8_NAN_MASK) != FP8_NAN_MASK)).sum())
+def _block_scale_issues(shard: str, info: TensorInfo, nan: int, negative: int) -> list[Issue]:
     if not (nan or negative):
         return []
     return [issue("block-scale-invalid", "FP8 block scales that are NaN or negative", info.name, tensors=[info.name], file=shard, detail=f"{nan:,} NaN, {negative:,} negative")]

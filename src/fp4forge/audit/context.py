@@ -62,6 +62,7 @@ class AuditContext:
     fmt: str
     vllm_version: tuple[int, ...]
     trust_remote_code: bool = False
+    device: str | None = None  # where --deep reduces the values (model/device.py; None: a GPU if torch sees one)
     _values: dict[str, Any] = field(default_factory=dict, repr=False)
     memo: dict[str, Any] = field(default_factory=dict, repr=False)  # what a check computes once for another
 

@@ -49,6 +49,7 @@ def _audit(location: str | Path, options: AuditOptions) -> AuditReport:
         fmt=options.fmt,
         vllm_version=options.version,
         trust_remote_code=options.trust_remote_code,
+        device=options.device,
     )
     try:
         for check in CHECKS:

@@ -27,9 +27,14 @@ class AuditOptions:
     fmt: str = "auto"  # the format the checkpoint must be in: auto, compressed-tensors or modelopt
     vllm_version: str = DEFAULT_VLLM_VERSION  # the vLLM it will be served with (its known blind spots)
     trust_remote_code: bool = False  # the model's own code may build its expected tensor names
+    device: str = "auto"  # where --deep reduces the values: auto (a GPU if torch sees one), cpu, cuda, cuda:N
 
     def __post_init__(self) -> None:
         require_choice(self.fmt, AUDIT_FORMATS, "fmt")
+        if self.device not in ("auto", "cpu"):  # asking for a GPU is checked now (torch imported only then)
+            from fp4forge.model.device import resolve_device
+
+            resolve_device(self.device)
         try:
             parse_version(self.vllm_version)
         except ConfigError as error:

@@ -14,6 +14,7 @@ declaration in ``declarations.py``; ``tests/test_codecs.py`` fails while any par
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,6 +63,92 @@ class Peek:
     largest: float
     implied_amax: float
     family: str
+
+
+def blocks_match(packed_bytes: int, block_scale_bytes: int) -> bool:
+    """Whether NVFP4 codes and E4M3 block scales of these sizes pair up block by block (eight
+    bytes of two codes each per block scale)."""
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+
+    return packed_bytes % (NVFP4_BLOCK // 2) == 0 and packed_bytes // (NVFP4_BLOCK // 2) == block_scale_bytes
+
+
+_E2M1_TABLES: dict = {}  # device -> E2M1 magnitude of each three-bit code, F32
+_NIBBLE_MAGNITUDES = 0x7777777777777777  # the E2M1 magnitude bits of sixteen packed codes
+_LOW_THREE_BITS = 0x0707070707070707
+
+
+def _top_codes(packed: Tensor) -> Tensor:
+    """Each block's largest E2M1 magnitude code (0..7; the magnitude grows with the low three
+    bits), from its eight packed bytes (flat uint8, a whole number of blocks)."""
+    import torch
+
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+
+    if packed.numel() % 8 == 0 and packed.storage_offset() % 8 == 0:  # eight lanes per int64 op
+        words = packed.view(torch.int64)
+        lo, hi = (words & _LOW_THREE_BITS).view(torch.uint8), ((words >> 4) & _LOW_THREE_BITS).view(torch.uint8)
+    else:
+        lo, hi = packed & 7, (packed >> 4) & 7
+    return torch.maximum(lo, hi).view(-1, NVFP4_BLOCK // 2).amax(dim=1)
+
+
+def _scale_magnitudes(block_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(|block scale| in F32 with NaN as 0, which scales are not NaN) of E4M3 bytes."""
+    from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+    from fp4forge.numerics.nvfp4 import e4m3_to_f32
+
+    magnitude = block_scale & 0x7F  # |x| of E4M3 is its low seven bits
+    valid = magnitude != FP8_E4M3_NAN_BITS
+    return e4m3_to_f32(magnitude.masked_fill(~valid, 0)), valid
+
+
+def _products(packed_blocks: Tensor, scales: Tensor) -> Tensor:
+    """E2M1 value of each block's top code x its |scale| (exact in F32)."""
+    import torch
+
+    from fp4forge.numerics.e2m1 import E2M1_VALUES
+
+    table = _E2M1_TABLES.get(scales.device)
+    if table is None:  # one copy to each device, not one per piece
+        table = _E2M1_TABLES[scales.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=scales.device)
+    return table[_top_codes(packed_blocks).int()] * scales
+
+
+def _largest_product(packed: Tensor, block_scale: Tensor) -> Tensor:
+    """max over blocks of top code x |scale|, NaN scales skipped, -inf where none: every block."""
+    import torch
+
+    scales, valid = _scale_magnitudes(block_scale)
+    products = _products(packed, scales).masked_fill(~valid, -math.inf)
+    return products.amax() if products.numel() else torch.tensor(-math.inf, device=packed.device)
+
+
+def _largest_product_by_search(packed: Tensor, block_scale: Tensor) -> Tensor:
+    """The same maximum, computed on the blocks that can reach it: the block with the largest
+    scale gives a lower bound; only blocks whose scale x 6 (E2M1's top) exceeds it can beat it."""
+    import torch
+
+    from fp4forge.numerics.e2m1 import E2M1_MAX
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+
+    scales, valid = _scale_magnitudes(block_scale)
+    if not bool(valid.any()):
+        return torch.tensor(-math.inf, device=packed.device)
+    blocks = packed.view(-1, NVFP4_BLOCK // 2)
+    first = scales.argmax().reshape(1)
+    best = _products(blocks.index_select(0, first).reshape(-1), scales.index_select(0, first)).amax()
+    rivals = torch.nonzero((scales * E2M1_MAX > best) & valid).reshape(-1)
+    if rivals.numel():
+        best = torch.maximum(best, _products(blocks.index_select(0, rivals).reshape(-1), scales.index_select(0, rivals)).amax())
+    return best
+
+
+def _byte_tensor(raw: bytes) -> Tensor:
+    """Stored bytes as a flat uint8 tensor (a copy: torch wants a writable buffer)."""
+    import torch
+
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
 def _cast_to_entry(value: Tensor, entry: dict, out_features: int = 0, in_features: int = 0) -> Tensor:
@@ -194,21 +281,36 @@ class Nvfp4Codec(Codec):
         """From the stored bytes of the codes and block scales and the per-tensor scalar's value:
         the largest code x block scale x step multiplier against 6 x 448 x that multiplier.
         None where there is nothing to judge (shapes disagree, or every code is zero)."""
-        import numpy as np
+        if not blocks_match(len(raw["packed"]), len(raw["block_scale"])):
+            return None  # a shape finding elsewhere
+        any_code, product = self.peek_piece(_byte_tensor(raw["packed"]), _byte_tensor(raw["block_scale"])).tolist()
+        return self.peek_finish(bool(any_code), product, per_tensor, layout)
 
-        from fp4forge.checkpoint.raw import fp8_e4m3_table
+    def peek_piece(self, packed: Tensor, block_scale: Tensor, *, search: bool = True) -> Tensor:
+        """The value check over one piece of the stored bytes (flat uint8, on any device; block i
+        is packed bytes [8i, 8i+8) and block_scale byte i): float64 [any code nonzero, the
+        largest top code x |block scale| (NaN scales skipped; -inf where none)]. Pieces combine
+        by max, so a tensor may be read in any number of them. ``search``: find the largest
+        product among the blocks whose scale could reach it (a few, in a min-max export) rather
+        than computing every block's; the same number either way."""
+        import torch
+
+        words = packed.view(torch.int64) if packed.numel() % 8 == 0 and packed.storage_offset() % 8 == 0 else None
+        any_code = (words & _NIBBLE_MAGNITUDES).any() if words is not None else (packed & 0x77).any()
+        largest = _largest_product_by_search(packed, block_scale) if search else _largest_product(packed, block_scale)
+        return torch.stack([any_code.double(), largest.double()])
+
+    def peek_finish(self, any_code: bool, product: float, per_tensor: float, layout: str) -> Peek | None:
+        """The Peek from a Linear's pieces combined (None where every code is zero). Any scalar
+        gives a Peek, never an exception: 0 makes the multiplier infinite (the ratio NaN)."""
         from fp4forge.numerics.conventions import convention_rule
-        from fp4forge.numerics.e2m1 import E2M1_VALUES
-        from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, NVFP4_GLOBAL_NUMERATOR
+        from fp4forge.numerics.nvfp4 import NVFP4_GLOBAL_NUMERATOR
 
+        if not any_code:
+            return None  # weight-all-zero's business
         multiplier = convention_rule(layout).step_multiplier(per_tensor)
-        codes = np.frombuffer(raw["packed"], dtype=np.uint8)
-        mags = np.asarray(E2M1_VALUES)
-        top = np.maximum(mags[codes & 7], mags[(codes >> 4) & 7]).reshape(-1, NVFP4_BLOCK // 2).max(axis=1)
-        scales = np.abs(fp8_e4m3_table()[np.frombuffer(raw["block_scale"], dtype=np.uint8)])
-        if top.size != scales.size or not top.any():
-            return None  # a shape finding elsewhere / weight-all-zero's business
-        return Peek(float(np.nanmax(top * scales)) * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, self.family)
+        largest = math.nan if product == -math.inf else product  # every block scale NaN
+        return Peek(largest * multiplier, NVFP4_GLOBAL_NUMERATOR * multiplier, self.family)
 
 
 class Fp8Codec(Codec):
@@ -266,15 +368,29 @@ class Fp8Codec(Codec):
 
     def peek(self, raw: dict[str, bytes], per_tensor: float | None, layout: str | None) -> Peek | None:
         """The largest |code| against E4M3's 448 (the scale multiplies both sides)."""
-        import numpy as np
+        return self.peek_finish(int(self.peek_piece(_byte_tensor(raw["weight"]))))
 
+    def peek_piece(self, weight: Tensor) -> Tensor:
+        """Over one piece of the stored codes (flat uint8, any device): the largest magnitude byte
+        that is not NaN (E4M3's magnitude grows with its low seven bits), 0 where none; pieces
+        combine by max."""
+        import torch
+
+        from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+
+        magnitude = weight & 0x7F
+        if not magnitude.numel():
+            return torch.zeros((), dtype=torch.uint8, device=weight.device)
+        return magnitude.masked_fill(magnitude == FP8_E4M3_NAN_BITS, 0).amax()
+
+    def peek_finish(self, top_code: int) -> Peek | None:
+        """The Peek from the largest magnitude byte of a Linear (None where every code is 0 or NaN)."""
         from fp4forge.checkpoint.raw import fp8_e4m3_table
         from fp4forge.numerics.fp8 import FP8_E4M3_MAX
 
-        codes = np.abs(fp8_e4m3_table()[np.frombuffer(raw["weight"], dtype=np.uint8)])
-        if not codes.size or not np.nanmax(codes) > 0:
+        if top_code <= 0:
             return None
-        return Peek(float(np.nanmax(codes)), FP8_E4M3_MAX, self.family)
+        return Peek(float(fp8_e4m3_table()[top_code]), FP8_E4M3_MAX, self.family)
 
 
 _CODECS: dict[str, Codec] = {

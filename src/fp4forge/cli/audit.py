@@ -1,7 +1,7 @@
 """`fp4forge audit` and `fp4forge diff`, added to the main Typer app by ``register(app)``.
 
     fp4forge audit PATH_OR_REPO [--json] [--markdown] [--deep] [--format auto|compressed-tensors|modelopt]
-                   [--vllm-version V] [--trust-remote-code]
+                   [--vllm-version V] [--trust-remote-code] [--device auto|cpu|cuda|cuda:N]
     fp4forge audit --list-rules [--json] [--markdown]
     fp4forge diff A B [--json] [--markdown] [--values]
 
@@ -38,9 +38,10 @@ def audit_command(
     vllm_version: str = typer.Option(AuditOptions.vllm_version, "--vllm-version", help="vLLM version the checkpoint will be served with (selects known blind spots)."),
     trust_remote_code: bool = typer.Option(AuditOptions.trust_remote_code, "--trust-remote-code", help="Allow the model's own code when building its expected tensor names."),
     list_rules: bool = typer.Option(False, "--list-rules", help="Print every rule the audit applies and exit."),
+    device: str = typer.Option(AuditOptions.device, "--device", help="Where --deep reduces the values: auto (CUDA when available, else every CPU core) | cpu | cuda | cuda:N; the findings are the same."),
 ) -> None:
     """Will this checkpoint load, and load right? Integrity, declarations vs tensors, names vs the architecture."""
-    run_audit(location, as_json=as_json, markdown=markdown, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code, list_rules=list_rules)
+    run_audit(location, as_json=as_json, markdown=markdown, deep=deep, fmt=fmt, vllm_version=vllm_version, trust_remote_code=trust_remote_code, list_rules=list_rules, device=device)
 
 
 def diff_command(

@@ -30,7 +30,7 @@ FAST_COMMANDS = {
     "audit": FastCommand(
         "fp4forge.cli.audit_run", "run_audit", 1,
         flags={"--json": "as_json", "--markdown": "markdown", "--deep": "deep", "--trust-remote-code": "trust_remote_code", "--list-rules": "list_rules"},
-        values={"--format": "fmt", "--vllm-version": "vllm_version"},
+        values={"--format": "fmt", "--vllm-version": "vllm_version", "--device": "device"},
     ),
 }
 

@@ -14,6 +14,7 @@ object, so the difference lives here once instead of in an ``if`` per formula.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -69,7 +70,7 @@ class CompressedTensorsScalar:
 
     def step_multiplier(self, scalar: float) -> float:
         """What the per-tensor scalar multiplies a block step by, in float64."""
-        return 1.0 / scalar
+        return 1.0 / scalar if scalar != 0 else math.copysign(math.inf, scalar)  # 1/0 as IEEE says, not ZeroDivisionError
 
     def raw_block_scales(self, amax_blk: Tensor, g: Tensor) -> Tensor:
         # ``amax_blk / 6`` in amax_blk's dtype, as CT; ``g`` F32 and never 0-dim (a 0-dim F32

@@ -32,6 +32,7 @@ from fp4forge.numerics.e2m1 import NumericsError
 
 __all__ = [
     "FP8_E4M3_MAX",
+    "FP8_E4M3_NAN_BITS",
     "FP8_E5M2_MAX",
     "E4M3_ROUNDINGS",
     "E4M3Rounding",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_E4M3_NAN_BITS = 0x7F  # E4M3FN: S.1111.111 is NaN (low seven bits all set); there is no Inf
 FP8_E5M2_MAX = 57344.0  # torch.finfo(torch.float8_e5m2).max
 
 Fp8Strategy = Literal["tensor", "channel", "block"]

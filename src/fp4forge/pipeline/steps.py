@@ -355,7 +355,9 @@ def run_audit(ctx: Context) -> dict[str, Any]:
     from fp4forge.checkpoint.reader import open_checkpoint
 
     o = ctx.options
-    report = audit_checkpoint(str(ctx.out), audit_options(deep=o.audit_deep, vllm_version=_vllm_minor(o)))
+    # the deep audit reduces the values where the export ran (its device), right after the export
+    # wrote them: the shards are read from the page cache where memory holds them
+    report = audit_checkpoint(str(ctx.out), audit_options(deep=o.audit_deep, vllm_version=_vllm_minor(o), device=o.quantize.device))
     doc = report.to_json()
     doc["checkpoint"] = "."
     write_json(ctx.report("audit.json"), doc)

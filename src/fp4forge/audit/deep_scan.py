@@ -1,0 +1,385 @@
+"""`audit --deep`: every value the checks judge, read once and reduced over whole tensors.
+
+The deep checks (NaN/Inf and all-zero weights, NaN or negative FP8 block scales, the NVFP4 and
+FP8 scale magnitude) need a few numbers per tensor, not its values. :func:`plan_units` says
+which tensors to read (a Linear's NVFP4 codes together with their block scales, block by block)
+in pieces of at most ``PIECE_BYTES``; the pieces are read once, in shard order, with a bounded
+read-ahead; each piece is reduced by torch operations over the whole piece to four numbers
+(:data:`EMPTY_ROW` says how): two counts that add across pieces and two maxima. Where compute runs is
+``device`` (``model/device.py``): a GPU gets the bytes copied over and keeps every row there
+until one transfer at the end (:func:`_rows_on_device`); the CPU reduces pieces on one thread
+per core (:func:`_rows_on_threads`). Neither the device, the piece size nor the thread count
+changes a number the checks see (``tests/test_audit_deep_scan.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fp4forge.checkpoint.codecs import blocks_match
+from fp4forge.checkpoint.raw import FLOAT_DTYPES
+from fp4forge.checkpoint.safetensors_format import TensorInfo
+from fp4forge.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp4forge.audit.context import AuditContext
+    from fp4forge.checkpoint.reader import Checkpoint
+
+#: The most bytes of one tensor reduced at once (a larger tensor is read in several pieces).
+PIECE_BYTES = 16 << 20
+#: The most bytes read ahead of the reductions (what the scan holds beyond the tensors' rows).
+READ_AHEAD_BYTES = 256 << 20
+#: What each piece reduces to, a row (count, count, maximum, maximum), whose meaning is the kernel's:
+#: float (non-finite values, pieces with a nonzero value, -, -); e4m3 (NaN codes, pieces with a
+#: nonzero code, largest non-NaN magnitude byte, -); codes (-, pieces with a nonzero code, -, -);
+#: block_scale (NaN scales, negative scales, -, -); fp4_pair (NVFP4 codes with their block scales:
+#: the scales' NaN, negative, any nonzero code, largest top code x |block scale|). Rows of one
+#: unit's pieces add and maximise.
+EMPTY_ROW = (0.0, 0.0, 0.0, -math.inf)
+VALUE_KINDS = ("weight", "packed_fp4")  # the tensors whose values are checked for NaN/Inf and zeros
+NVFP4_SCHEME, FP8_SCHEME = "nvfp4", "fp8"  # the codecs that read a Linear's values for the magnitude check
+
+
+def is_block_scale_checked(kind: str, info: TensorInfo) -> bool:
+    """FP8 block scales (NVFP4's per 16 values, block-wise FP8's) are checked for NaN and sign."""
+    return kind == "weight_scale" and info.dtype == "F8_E4M3" and len(info.shape) == 2 and info.shape[1] > 1
+
+
+def magnitude_tensors(params: dict[str, TensorInfo]) -> tuple[str, dict[str, str]] | None:
+    """(scheme, role -> suffix) of a module whose scale magnitude can be judged, or None. Which
+    scheme is told by the stored dtypes (a damaged checkpoint may match no scheme)."""
+    packed = params.get("weight_packed") or (params.get("weight") if params.get("weight") is not None and params["weight"].dtype == "U8" else None)
+    block = params.get("weight_scale")
+    if packed is not None and block is not None and block.dtype == "F8_E4M3":
+        per_tensor = params.get("weight_global_scale") or params.get("weight_scale_2")
+        if per_tensor is None or per_tensor.numel != 1:
+            return None
+        suffix_of = {id(info): suffix for suffix, info in params.items()}
+        return NVFP4_SCHEME, {"packed": suffix_of[id(packed)], "block_scale": "weight_scale", "global_scale": suffix_of[id(per_tensor)]}
+    weight = params.get("weight")
+    if weight is None or weight.dtype != "F8_E4M3":
+        return None
+    return FP8_SCHEME, {"weight": "weight"}
+
+
+# -- the plan -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """Bytes ``[start, start + length)`` of a shard file."""
+
+    shard: str
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One tensor (or an NVFP4 Linear's codes and block scales) and the pieces it is read in."""
+
+    kernel: str  # float, e4m3, codes, block_scale or fp4_pair (EMPTY_ROW says what each reduces to)
+    names: tuple[str, ...]
+    dtype: str  # the first tensor's stored dtype
+    pieces: tuple[tuple[Part, ...], ...]
+
+
+def _value_kernel(dtype: str) -> str:
+    return "float" if dtype in FLOAT_DTYPES else "e4m3" if dtype == "F8_E4M3" else "codes"
+
+
+def _single(ckpt: Checkpoint, kernel: str, shard: str, info: TensorInfo, piece_bytes: int) -> Unit:
+    start = ckpt.headers[shard].data_start + info.begin
+    step = max(piece_bytes - piece_bytes % 8, 8)  # a whole number of elements of any dtype
+    pieces = tuple((Part(shard, start + at, min(step, info.nbytes - at)),) for at in range(0, info.nbytes, step))
+    return Unit(kernel, (info.name,), info.dtype, pieces)
+
+
+def _pair(ckpt: Checkpoint, packed: tuple[str, TensorInfo], block: tuple[str, TensorInfo], piece_bytes: int) -> Unit:
+    """Codes and block scales in step: piece k holds blocks [k*B, (k+1)*B) of both."""
+    (shard, codes), (scale_shard, scales) = packed, block
+    code_start = ckpt.headers[shard].data_start + codes.begin
+    scale_start = ckpt.headers[scale_shard].data_start + scales.begin
+    per_block = codes.nbytes // max(scales.nbytes, 1)
+    blocks = max(piece_bytes // (per_block + 1), 1)
+    pieces = tuple(
+        (Part(shard, code_start + at * per_block, min(blocks, scales.nbytes - at) * per_block), Part(scale_shard, scale_start + at, min(blocks, scales.nbytes - at)))
+        for at in range(0, scales.nbytes, blocks)
+    )
+    return Unit("fp4_pair", (codes.name, scales.name), codes.dtype, pieces)
+
+
+def _nvfp4_pairs(ctx: AuditContext) -> dict[str, str]:
+    """codes tensor -> its block scales, for every NVFP4 Linear the magnitude check judges."""
+    pairs: dict[str, str] = {}
+    if ctx.layout is None:
+        return pairs
+    for module, params in ctx.modules.items():
+        found = magnitude_tensors(params)
+        if found is not None and found[0] == NVFP4_SCHEME:
+            codes, scales = (f"{module}.{found[1][role]}" for role in ("packed", "block_scale"))
+            if blocks_match(ctx.tensors[codes][1].nbytes, ctx.tensors[scales][1].nbytes):
+                pairs[codes] = scales
+    return pairs
+
+
+def plan_units(ctx: AuditContext, piece_bytes: int = PIECE_BYTES) -> list[Unit]:
+    """Every unit the deep checks need, in shard order. A paired code tensor is read by its pair
+    alone, unless its dtype asks for another value check (a float or FP8 tensor named as codes)."""
+    pairs = _nvfp4_pairs(ctx)
+    paired_scales = set(pairs.values())
+    units = []
+    for name, (shard, info) in ctx.tensors.items():
+        kind = ctx.kind(name)
+        if name in pairs:
+            units.append(_pair(ctx.ckpt, (shard, info), ctx.tensors[pairs[name]], piece_bytes))
+        if kind in VALUE_KINDS and (name not in pairs or _value_kernel(info.dtype) != "codes"):
+            units.append(_single(ctx.ckpt, _value_kernel(info.dtype), shard, info, piece_bytes))
+        elif is_block_scale_checked(kind, info) and name not in paired_scales:
+            units.append(_single(ctx.ckpt, "block_scale", shard, info, piece_bytes))
+    return sorted(units, key=lambda u: (u.pieces[0][0].shard, u.pieces[0][0].start) if u.pieces else ("", -1))
+
+
+# -- the reductions (torch, any device) -------------------------------------------------------------
+def _row(*values: Any) -> torch.Tensor:
+    """A piece's row as float64 on the device of its tensor values (missing values: EMPTY_ROW's)."""
+    import torch
+
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    full = list(values) + list(EMPTY_ROW[len(values):])
+    # constants are filled on the device (a kernel, no copy from the host to wait for)
+    return torch.stack([v.double() if isinstance(v, torch.Tensor) else torch.full((), float(v), dtype=torch.float64, device=device) for v in full])
+
+
+#: float dtype -> (integer lanes of its bit patterns, |x| mask of one lane, the smallest |x| pattern
+#: that is Inf or NaN): a float is nonzero iff its masked bits are > 0, not finite iff >= the last.
+FLOAT_BITS = {
+    "BF16": ("int16", 0x7FFF, 0x7F80),
+    "F16": ("int16", 0x7FFF, 0x7C00),
+    "F32": ("int32", 0x7FFFFFFF, 0x7F800000),
+    "F64": ("int64", 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000),
+}
+
+
+def _masked_lanes(raw: torch.Tensor, lanes: str, mask: int) -> torch.Tensor:
+    """``raw`` (flat uint8) as integer lanes, each and-ed with ``mask``: eight bytes per int64
+    operation where the length allows (several times faster than narrow lanes on the CPU)."""
+    import torch
+
+    lane = getattr(torch, lanes)
+    width = torch.empty((), dtype=lane).element_size()
+    if raw.numel() % 8 == 0 and raw.storage_offset() % 8 == 0:
+        repeated = int.from_bytes(mask.to_bytes(width, "little") * (8 // width), "little")
+        repeated -= (1 << 64) if repeated >= 1 << 63 else 0  # as a signed int64 constant
+        return (raw.view(torch.int64) & repeated).view(lane)
+    return raw.view(lane) & mask
+
+
+def _float_row(raw: torch.Tensor, dtype: str, shortcuts: bool) -> torch.Tensor:
+    lanes, mask, nonfinite_from = FLOAT_BITS[dtype]
+    bits = _masked_lanes(raw, lanes, mask)
+    if not bits.numel():
+        return _row(0, 0)
+    largest = bits.amax()
+    if shortcuts and int(largest) < nonfinite_from:  # the usual case: no count to make
+        return _row(0, largest > 0)
+    return _row((bits >= nonfinite_from).sum(), largest > 0)
+
+
+def _fp8_rows(raw: torch.Tensor, shortcuts: bool) -> tuple[Any, Any, Any]:
+    """(NaN count, any nonzero, largest non-NaN magnitude byte) of E4M3 bytes."""
+    from fp4forge.checkpoint.codecs import codec
+    from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+
+    magnitude = _masked_lanes(raw, "uint8", 0x7F)
+    if not magnitude.numel():
+        return 0, 0, 0
+    largest = magnitude.amax()
+    if shortcuts and int(largest) < FP8_E4M3_NAN_BITS:
+        return 0, largest > 0, largest
+    return (magnitude == FP8_E4M3_NAN_BITS).sum(), largest > 0, codec(FP8_SCHEME).peek_piece(raw)
+
+
+def _block_scale_counts(raw: torch.Tensor, shortcuts: bool) -> tuple[Any, Any]:
+    """(NaN, negative) E4M3 scales: a sign bit on a value that is neither zero nor NaN."""
+    from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+
+    if not raw.numel() or (shortcuts and int(raw.amax()) < FP8_E4M3_NAN_BITS):  # no sign bit, no NaN
+        return 0, 0
+    magnitude = raw & 0x7F
+    nan = magnitude == FP8_E4M3_NAN_BITS
+    return nan.sum(), (((raw & 0x80) != 0) & (magnitude != 0) & ~nan).sum()
+
+
+def reduce_piece(unit: Unit, data: list[torch.Tensor], *, shortcuts: bool = True) -> torch.Tensor:
+    """One piece's row from its bytes (flat uint8 tensors, one per part, on any device).
+    ``shortcuts``: skip the exact counts where one maximum shows there is nothing to count (a
+    host round trip per piece: the CPU's path); the numbers are the same either way."""
+    from fp4forge.checkpoint.codecs import codec
+
+    raw = data[0]
+    if unit.kernel == "float":
+        return _float_row(raw, unit.dtype, shortcuts)
+    if unit.kernel == "codes":  # packed FP4 (and any other integer codes): zero and negative zero
+        return _row(0, _masked_lanes(raw, "uint8", 0x77).any())
+    if unit.kernel == "e4m3":
+        return _row(*_fp8_rows(raw, shortcuts))
+    if unit.kernel == "block_scale":
+        return _row(*_block_scale_counts(raw, shortcuts))
+    any_code, product = codec(NVFP4_SCHEME).peek_piece(raw, data[1], search=shortcuts)
+    return _row(*_block_scale_counts(data[1], shortcuts), any_code, product)
+
+
+# -- reading and reducing ---------------------------------------------------------------------------
+def _read(ckpt: Checkpoint, parts: tuple[Part, ...]) -> list[bytearray]:
+    """A piece's bytes, one writable buffer per part (straight from the page cache where the
+    source reads into a buffer)."""
+    out = []
+    for part in parts:
+        buffer = bytearray(part.length)
+        read_into = getattr(ckpt.source, "read_into", None)
+        if read_into is not None:
+            read_into(part.shard, part.start, memoryview(buffer))
+        else:
+            got = ckpt.source.read(part.shard, part.start, part.length)
+            if len(got) != part.length:
+                raise CheckpointError(f"file ends {part.length - len(got):,} bytes early", file=part.shard)
+            buffer[:] = got
+        out.append(buffer)
+    return out
+
+
+def _bytes_tensor(buffer: bytearray) -> torch.Tensor:
+    import torch
+
+    return torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+
+
+def _in_order(pool: ThreadPoolExecutor, work: Callable[[Any], Any], jobs: Iterable[Any], window: int) -> Iterator[Any]:
+    """``work(job)`` for every job on the pool, results in job order, at most ``window`` ahead."""
+    pending: deque = deque()
+    for job in jobs:
+        pending.append(pool.submit(work, job))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def _jobs(units: list[Unit]) -> list[tuple[Unit, tuple[Part, ...]]]:
+    return [(unit, piece) for unit in units for piece in unit.pieces]
+
+
+def _rows_on_threads(ckpt: Checkpoint, units: list[Unit], workers: int, piece_bytes: int) -> list[torch.Tensor]:
+    """The CPU path: every piece read and reduced on a pool thread (torch releases the GIL)."""
+
+    def work(job: tuple[Unit, tuple[Part, ...]]) -> torch.Tensor:
+        unit, parts = job
+        return reduce_piece(unit, [_bytes_tensor(b) for b in _read(ckpt, parts)], shortcuts=True)
+
+    import torch
+
+    window = max(2, min(2 * workers, READ_AHEAD_BYTES // piece_bytes))
+    intra_op = torch.get_num_threads()
+    torch.set_num_threads(1)  # the pool is the parallelism; a shared intra-op pool would make each small op wait for all
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deep-audit") as pool:
+            return list(_in_order(pool, work, _jobs(units), window))
+    finally:
+        torch.set_num_threads(intra_op)
+
+
+def _rows_on_device(ckpt: Checkpoint, units: list[Unit], device: torch.device, workers: int, piece_bytes: int) -> list[torch.Tensor]:
+    """The device path: pool threads read ahead; this thread copies each piece to ``device`` and
+    reduces it there; the rows stay on the device (no synchronisation per tensor)."""
+    jobs = _jobs(units)
+    window = max(2, READ_AHEAD_BYTES // piece_bytes)
+    rows = []
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deep-audit-read") as pool:
+        buffers = _in_order(pool, lambda job: _read(ckpt, job[1]), jobs, window)
+        for (unit, _), piece in zip(jobs, buffers):
+            rows.append(reduce_piece(unit, [_bytes_tensor(b).to(device, non_blocking=True) for b in piece], shortcuts=False))
+    return rows
+
+
+# -- the result -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeepValues:
+    """Each planned unit's row, summed and maximised over its pieces, by the names it read."""
+
+    rows: dict[tuple[str, str], tuple[float, float, float, float]]  # (kernel, first name) -> its row
+
+    def _find(self, name: str, kernels: tuple[str, ...]) -> tuple[float, ...] | None:
+        return next((self.rows[(k, name)] for k in kernels if (k, name) in self.rows), None)
+
+    def weight(self, name: str) -> tuple[int, bool]:
+        """(non-finite values, any value nonzero) of a weight or code tensor."""
+        row = self._find(name, ("float", "e4m3", "codes"))
+        if row is not None:
+            return int(row[0]), row[1] > 0
+        pair = self.rows.get(("fp4_pair", name), EMPTY_ROW)  # codes read with their block scales
+        return 0, pair[2] > 0
+
+    def block_scale(self, name: str) -> tuple[int, int]:
+        """(NaN, negative) FP8 block scales of a tensor."""
+        row = self._find(name, ("block_scale",)) or self.rows.get(("fp4_pair_scales", name), EMPTY_ROW)
+        return int(row[0]), int(row[1])
+
+    def fp8_top(self, name: str) -> int:
+        """The largest non-NaN E4M3 magnitude byte of an FP8 weight (0: none)."""
+        return int(self.rows.get(("e4m3", name), EMPTY_ROW)[2])
+
+    def nvfp4(self, codes: str) -> tuple[bool, float] | None:
+        """(any code nonzero, largest top code x |block scale|) of an NVFP4 Linear's codes; None
+        where they were not read as a pair (sizes that do not pair up)."""
+        row = self.rows.get(("fp4_pair", codes))
+        return None if row is None else (row[2] > 0, row[3])
+
+
+def combine(units: list[Unit], rows: list[Any]) -> DeepValues:
+    """Per unit: counts added, maxima taken over its pieces (``rows``: one per piece, in order)."""
+    out: dict[tuple[str, str], tuple[float, float, float, float]] = {}
+    at = 0
+    for unit in units:
+        mine = rows[at : at + len(unit.pieces)]
+        at += len(unit.pieces)
+        row = list(EMPTY_ROW)
+        for piece in mine:
+            row = [row[0] + piece[0], row[1] + piece[1], max(row[2], piece[2]), max(row[3], piece[3])]
+        out[(unit.kernel, unit.names[0])] = tuple(row)  # type: ignore[assignment]
+        if unit.kernel == "fp4_pair":
+            out[("fp4_pair_scales", unit.names[1])] = tuple(row)  # type: ignore[assignment]
+    return DeepValues(out)
+
+
+def scan(ctx: AuditContext, device: str | None = None, *, piece_bytes: int = PIECE_BYTES, threads: int | None = None, path: str | None = None) -> DeepValues:
+    """Read and reduce every unit :func:`plan_units` lists. ``device``: as ``--device``
+    (``model/device.py``); ``path``: ``device`` (reduce on the device, the GPU's path) or
+    ``threads`` (the CPU's path, ``threads`` of them, default one per core); default: the
+    device's own path."""
+    import torch
+
+    from fp4forge.model.device import resolve_device
+
+    where = resolve_device(device)
+    units = plan_units(ctx, piece_bytes)
+    workers = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if (path or ("threads" if where.type == "cpu" else "device")) == "threads":
+        rows = _rows_on_threads(ctx.ckpt, units, workers, piece_bytes)
+    else:
+        rows = _rows_on_device(ctx.ckpt, units, where, workers, piece_bytes)
+    return combine(units, torch.stack(rows).cpu().tolist() if rows else [])  # one transfer from the device
+
+
+def deep_values(ctx: AuditContext) -> DeepValues:
+    """The scan, once per audit (the integrity and the magnitude checks share it)."""
+    found = ctx.memo.get("deep_values")
+    if found is None:
+        found = ctx.memo["deep_values"] = scan(ctx, ctx.device)
+    return found

@@ -1,0 +1,206 @@
+"""`audit --deep` reads every value once (``audit/deep_scan.py``): its findings are exactly those
+of the per-tensor checks it replaced (``tests/deep_audit_reference.py``, numpy over whole tensors)
+on fp4forge's exports and on planted defects; the CPU's thread path and the device path (run on
+the CPU device here) give the same numbers for any piece size; and any scale value gives
+findings, never an exception (docs/audit.md#what-is-read)."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4forge.audit import checks_declarations, checks_integrity, deep_scan
+from fp4forge.audit.engine import audit_checkpoint
+from fp4forge.audit.options import AuditOptions
+from fp4forge.quantize.act_scales import ConstantAmax
+from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+from fp4forge.quantize.recipe import load_recipe
+from tests.deep_audit_reference import use_reference
+from tests.test_audit_integrity import rebuild
+
+EXPERT = "model.layers.2.mlp.experts.3"
+PER_TENSOR = {"compressed-tensors": "weight_global_scale", "modelopt": "weight_scale_2"}
+
+
+@pytest.fixture(scope="module")
+def exports(lc_source_dir: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deep-scan")
+    out = {"source": lc_source_dir}
+    for recipe, layout in (("nvfp4-experts", "compressed-tensors"), ("nvfp4-experts", "modelopt"), ("nvfp4-all-linear", "compressed-tensors"), ("fp8", "modelopt")):
+        out[f"{recipe}-{layout}"] = _export(lc_source_dir, root / f"{recipe}-{layout}", recipe, layout)
+    return out
+
+
+def _export(source: Path, target: Path, recipe: str, layout: str) -> Path:
+    quantize_checkpoint(source, target, QuantizeOptions(load_recipe(recipe), layout, act_amax=ConstantAmax(8.0)))
+    return target
+
+
+def _weights_nan_inf_zero(t: dict) -> None:
+    t["model.layers.1.mlp.experts.3.up_proj.weight"][5, 7] = float("nan")
+    t["model.layers.2.self_attn.o_proj.weight"][0, 0] = float("inf")
+    t["model.layers.3.mlp.shared_expert.down_proj.weight"].zero_()
+
+
+def _nvfp4_defects(layout: str, t: dict) -> None:
+    down = f"{EXPERT}.down_proj"
+    scale, per_tensor = t[f"{down}.weight_scale"].float(), t[f"{down}.{PER_TENSOR[layout]}"].float()
+    # block scales written without the global scale (the exporter bug scale-magnitude exists for)
+    t[f"{down}.weight_scale"] = (scale / per_tensor if layout == "compressed-tensors" else scale * per_tensor).to(torch.float8_e4m3fn)
+    t[f"{EXPERT}.up_proj.weight_scale"].view(torch.uint8)[0, 0] = 0x7F  # NaN
+    t[f"{EXPERT}.gate_proj.weight_scale"].view(torch.uint8)[1, 1] = 0xB8  # negative
+    codes = f"{EXPERT.replace('.3', '.5')}.down_proj.weight" + ("_packed" if layout == "compressed-tensors" else "")
+    t[codes].zero_()  # every code zero
+
+
+def _fp8_defects(t: dict) -> None:
+    t["model.layers.1.self_attn.o_proj.weight"] = (t["model.layers.1.self_attn.o_proj.weight"].float() / 16).to(torch.float8_e4m3fn)
+    t["model.layers.1.self_attn.q_proj.weight"].view(torch.uint8)[0, :3] = 0x7F
+
+
+PLANTED = {
+    "weights": ("source", _weights_nan_inf_zero),
+    "nvfp4-ct": ("nvfp4-experts-compressed-tensors", partial(_nvfp4_defects, "compressed-tensors")),
+    "nvfp4-modelopt": ("nvfp4-experts-modelopt", partial(_nvfp4_defects, "modelopt")),
+    "fp8": ("fp8-modelopt", _fp8_defects),
+}
+
+
+@pytest.fixture(scope="module")
+def cases(exports, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deep-planted")
+    planted = {f"planted-{name}": rebuild(exports[base], root / name, edit) for name, (base, edit) in PLANTED.items()}
+    return {**exports, **planted}
+
+
+def _doc(path: Path) -> dict:
+    return audit_checkpoint(str(path), AuditOptions(deep=True, device="cpu")).to_json()
+
+
+def test_the_scan_reports_what_the_per_tensor_checks_reported(cases, monkeypatch) -> None:
+    new = {name: _doc(path) for name, path in cases.items()}
+    use_reference(monkeypatch)
+    old = {name: _doc(path) for name, path in cases.items()}
+    for name in cases:
+        assert new[name] == old[name], name
+    # the planted defects are there to be found (else equality would prove little)
+    rules = {name: {f["rule"] for f in doc["findings"]} for name, doc in new.items()}
+    assert {"weight-not-finite", "weight-all-zero"} <= rules["planted-weights"]
+    for name in ("planted-nvfp4-ct", "planted-nvfp4-modelopt"):
+        assert {"scale-magnitude", "block-scale-invalid", "weight-all-zero"} <= rules[name], name
+    assert {"scale-magnitude", "weight-not-finite"} <= rules["planted-fp8"]
+
+
+def _scan_with(monkeypatch, **how) -> None:
+    def values(ctx):
+        if "scan" not in ctx.memo:
+            ctx.memo["scan"] = deep_scan.scan(ctx, "cpu", **how)
+        return ctx.memo["scan"]
+
+    monkeypatch.setattr(checks_integrity, "deep_values", values)
+    monkeypatch.setattr(checks_declarations, "deep_values", values)
+
+
+@pytest.mark.parametrize("how", [dict(path="device"), dict(path="device", piece_bytes=1000), dict(path="threads", piece_bytes=1000, threads=3)])
+def test_device_and_thread_paths_give_the_same_findings(how, cases, monkeypatch) -> None:
+    """The device path (what a GPU runs, here on the CPU device) and odd piece sizes (tensors cut
+    mid-row into many pieces) against the CPU's default thread path."""
+    expected = {name: _doc(path) for name, path in cases.items()}
+    _scan_with(monkeypatch, **how)
+    for name, path in cases.items():
+        assert _doc(path) == expected[name], (name, how)
+
+
+@pytest.mark.parametrize("value", [0.0, -0.0, -1.0, math.nan, math.inf, -math.inf, 1e-45])
+@pytest.mark.parametrize("layout", ["compressed-tensors", "modelopt"])
+def test_any_per_tensor_scale_gives_findings(layout, value, exports, tmp_path) -> None:
+    """Zero (ZeroDivisionError before), negative, NaN, infinite and subnormal NVFP4 global scales:
+    an error finding and exit 1, never an exception."""
+    down = f"{EXPERT}.down_proj.{PER_TENSOR[layout]}"
+    path = rebuild(exports[f"nvfp4-experts-{layout}"], tmp_path / "planted", lambda t: t[down].fill_(value))
+    report = audit_checkpoint(str(path), AuditOptions(deep=True, device="cpu"))
+    assert report.exit_code == 1
+    named = [f for f in report.findings if f.severity == "error" and any(down.rsplit(".", 1)[0] in t for t in f.tensors)]
+    assert named, [f.message for f in report.findings]
+
+
+def test_all_zero_block_scales_and_codes_are_findings(exports, tmp_path) -> None:
+    def plant(t):
+        t[f"{EXPERT}.down_proj.weight_scale"].zero_()
+
+    report = audit_checkpoint(str(rebuild(exports["nvfp4-experts-compressed-tensors"], tmp_path / "z", plant)), AuditOptions(deep=True, device="cpu"))
+    assert "scale-magnitude" in {f.rule for f in report.findings if f.severity == "error"}
+
+
+# -- the reductions against numpy, on bytes made to hit every branch ----------------------------------
+def _bytes(values) -> torch.Tensor:
+    import numpy as np
+
+    raw = bytearray(np.ascontiguousarray(values).tobytes())
+    return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [("BF16", None), ("F16", "<f2"), ("F32", "<f4"), ("F64", "<f8")])
+@pytest.mark.parametrize("count", [0, 1, 3, 4096, 4099])
+def test_float_rows_count_what_numpy_counts(dtype, np_dtype, count) -> None:
+    import numpy as np
+
+    from fp4forge.checkpoint.raw import float_view
+
+    rng = np.random.default_rng(count)
+    values = rng.standard_normal(count).astype(np.float32)
+    if count > 3:
+        values[rng.integers(0, count, 5)] = [np.nan, np.inf, -np.inf, -0.0, 0.0]
+    raw = (values.view("<u4") >> 16).astype("<u2") if dtype == "BF16" else values.astype(np_dtype)
+    decoded = float_view(dtype, raw.tobytes())
+    expected = [int((~np.isfinite(decoded)).sum()), float(bool(np.any(decoded != 0)))]
+    unit = deep_scan.Unit("float", ("w",), dtype, ())
+    for shortcuts in (True, False):
+        assert deep_scan.reduce_piece(unit, [_bytes(raw)], shortcuts=shortcuts).tolist()[:2] == expected, shortcuts
+    zeros = np.zeros(count, dtype=raw.dtype)  # also -0.0 only: all zero
+    assert deep_scan.reduce_piece(unit, [_bytes(zeros)]).tolist()[:2] == [0, 0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_nvfp4_products_by_search_equal_every_block(seed) -> None:
+    """The search and the branch-free reduction against numpy over E4M3 / E2M1 tables by hand."""
+    import numpy as np
+
+    from fp4forge.checkpoint.codecs import Nvfp4Codec
+    from fp4forge.checkpoint.raw import fp8_e4m3_table
+
+    rng = np.random.default_rng(seed)
+    blocks = int(rng.integers(1, 300))
+    packed = rng.integers(0, 256, blocks * 8, dtype=np.uint8)
+    scales = rng.integers(0, 256, blocks, dtype=np.uint8) if seed % 2 else rng.integers(0, 0x7E, blocks, dtype=np.uint8)
+    if seed == 2:
+        scales[:] = 0x7F  # every scale NaN: -inf
+    if seed == 4:
+        packed[:] &= 0x88  # every code zero (signs only)
+    magnitudes = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    top = np.maximum(magnitudes[packed & 7], magnitudes[packed >> 4 & 7]).reshape(-1, 8).max(axis=1)
+    products = top * np.abs(fp8_e4m3_table()[scales])
+    expected = [float(top.any()), float(np.nanmax(products)) if not np.isnan(products).all() else -math.inf]
+    for search in (True, False):
+        assert Nvfp4Codec("nvfp4").peek_piece(_bytes(packed), _bytes(scales), search=search).tolist() == expected, search
+
+
+def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:
+    import numpy as np
+
+    from fp4forge.checkpoint.raw import fp8_e4m3_table
+
+    rng = np.random.default_rng(0)
+    for codes in (rng.integers(0, 256, 1001, dtype=np.uint8), rng.integers(0, 0x7F, 64, dtype=np.uint8), np.zeros(9, dtype=np.uint8)):
+        values = fp8_e4m3_table()[codes]
+        nan, negative = int(np.isnan(values).sum()), int((values < 0).sum())
+        finite = np.abs(values[~np.isnan(values)])
+        top = int(np.argmax(fp8_e4m3_table()[:0x7F] == finite.max())) if finite.size and finite.max() > 0 else 0
+        for shortcuts in (True, False):
+            block = deep_scan.reduce_piece(deep_scan.Unit("block_scale", ("s",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
+            fp8 = deep_scan.reduce_piece(deep_scan.Unit("e4m3", ("w",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
+            assert block[:2] == [nan, negative] and fp8[:3] == [nan, float(bool((codes & 0x7F).any())), top], shortcuts
