@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fp4forge.audit.options import ByteTableOptions
-from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout, TensorRole
+from fp4forge.checkpoint.declarations import QuantDeclaration, group_for_module, not_understood, read_declaration
+from fp4forge.checkpoint.layout import KV_SCALES, PACKED_KINDS, UNKNOWN, Layout, TensorRole
 from fp4forge.checkpoint.reader import Checkpoint, gc_paused
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS
 
@@ -57,10 +58,12 @@ class ByteTable:
     unknown_reasons: dict[str, str] = field(default_factory=dict)  # name pattern (digits as #) -> why unknown
     layout_inferred: bool = False
     layout_derived: bool = False
+    not_understood: str | None = None  # why the declared format's parameters cannot be counted
 
     @property
     def bpp(self) -> float | None:
-        return bits_per_param(self.total_bytes, self.total_params)
+        """The headline; none where the format is not understood (a wrong number is worse)."""
+        return None if self.not_understood else bits_per_param(self.total_bytes, self.total_params)
 
     @property
     def experts_bpp(self) -> float | None:
@@ -81,6 +84,7 @@ class ByteTable:
             "dtypes": self.dtypes,
             "unknown_tensors": self.unknown_tensors,
             "unknown_reasons": self.unknown_reasons,
+            "not_understood": self.not_understood,
         }
 
 
@@ -88,13 +92,20 @@ def bits_per_param(nbytes: int, params: int) -> float | None:
     return None if params == 0 else nbytes * 8 / params
 
 
-def logical_params(kind: str, dtype: str, numel: int) -> int:
-    """Parameters a tensor holds (0 for quantization metadata)."""
-    if kind == "packed_fp4" and dtype == "U8":
-        return 2 * numel
-    if kind in ("weight", "bias", "packed_fp4"):
+def logical_params(kind: str, dtype: str, numel: int, per_element: int | None = None) -> int:
+    """Parameters a tensor holds (0 for quantization metadata). ``per_element``: the declaration's
+    values per stored element of a packed weight (8 for GPTQ's 4-bit values in an int32, 2 for
+    bitsandbytes' 4-bit bytes); without it a U8 FP4 tensor holds two, anything else one."""
+    if kind in PACKED_KINDS or (kind == "weight" and dtype in _INTEGER_DTYPES):
+        if per_element is not None:
+            return per_element * numel
+        return 2 * numel if dtype == "U8" and kind == "packed_fp4" else numel
+    if kind in ("weight", "bias"):
         return numel
     return 0
+
+
+_INTEGER_DTYPES = frozenset({"U8", "I8", "I32"})
 
 
 def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
@@ -209,6 +220,7 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     # counts (a tensor's bytes follow from its dtype and shape: the header check made sure), then
     # classify the first name of each group.
     names, stored_dtypes, shapes = _columns(ckpt)
+    declaration = read_declaration(ckpt.config, ckpt.extra_json)
     packed = _packed_among(names, stored_dtypes)
     templates = name_templates(names)
     flags = list(map(packed.__contains__, names)) if packed else [False] * len(names)
@@ -242,7 +254,7 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         entry = components[role.component]
         entry.tensors += tensors
         entry.bytes += nbytes
-        entry.params += logical_params(role.kind, dtype, numel)
+        entry.params += logical_params(role.kind, dtype, numel, _per_element(declaration, role))
         by_dtype = dtypes.setdefault(dtype, {"bytes": 0, "tensors": 0})
         by_dtype["bytes"] += nbytes
         by_dtype["tensors"] += tensors
@@ -265,4 +277,14 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         unknown_reasons=dict(sorted(reasons.items())),
         layout_inferred=layout.inferred,
         layout_derived=layout.derived,
+        not_understood=not_understood(declaration),
     )
+
+
+def _per_element(declaration: QuantDeclaration | None, role: TensorRole) -> int | None:
+    """The declaration's values per stored element for a packed weight's module (one call per
+    name template)."""
+    if declaration is None or (role.kind not in PACKED_KINDS and role.kind != "weight"):
+        return None
+    group = group_for_module(declaration, role.module)
+    return None if group is None else group.values_per_element

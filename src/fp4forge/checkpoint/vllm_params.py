@@ -106,6 +106,21 @@ def modelopt_key(algo: str | None, group_size: Any) -> str:
     return _canonical({"method": "modelopt", "quant_algo": algo, "group_size": group_size})
 
 
+def scheme_args(key: str) -> dict[str, Any]:
+    """The declaration's arguments a key holds (for messages)."""
+    return json.loads(key)
+
+
+def vllm_knows_method(method: str) -> bool:
+    """Whether the vLLM the data was taken from has a config class for this quant_method (vLLM
+    refuses to start on any other)."""
+    return method in quant_params_data()["methods"]
+
+
+def vllm_version() -> str:
+    return quant_params_data()["vllm"]
+
+
 @lru_cache(maxsize=1)
 def quant_params_data() -> dict[str, Any]:
     return json.loads((LAYOUTS_DIR / VLLM_QUANT_PARAMS).read_text(encoding="utf-8"))
