@@ -152,7 +152,12 @@ def _measure(cfg) -> dict:
     ratio = Fraction(i0 * o0, nbits(weight)[1])
     weight["weight"] = True
     weight["values_per_element"] = int(ratio) if ratio.denominator == 1 else float(ratio)
-    return {"method": type(cfg).__name__, "params": params}
+    mapper = cfg.get_checkpoint_weight_mapper()
+    return {"method": type(cfg).__name__, "params": params,
+            # checkpoint tensor suffixes vLLM drops before loading (GPTQ's g_idx), and those it
+            # skips when no parameter takes them (KV scales)
+            "discarded": sorted(k.lstrip(".") for k, v in mapper.orig_to_new_suffix.items() if v is None),
+            "ignored_if_unexpected": sorted(s.lstrip(".") for s in cfg._ignore_unexpected_suffixes)}
 
 
 def _resolved_method(qc: dict) -> str:
@@ -238,7 +243,10 @@ def table() -> dict:
         schemes[key] = {"declaration": qc, **probe(qc)}
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
-    return {"vllm": vllm.__version__, "methods": sorted(QUANTIZATION_METHODS), "sizes": [list(s) for s in SIZES], "schemes": dict(sorted(schemes.items()))}
+    from vllm.model_executor.model_loader.default_loader import _CONFIG_BUILT_PARAMS
+
+    return {"vllm": vllm.__version__, "methods": sorted(QUANTIZATION_METHODS),
+            "config_built": sorted(_CONFIG_BUILT_PARAMS), "sizes": [list(s) for s in SIZES], "schemes": dict(sorted(schemes.items()))}
 
 
 def main(argv: list[str]) -> int:

@@ -447,7 +447,7 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
     if detected == BNB:
         return parse_bitsandbytes(qc)
     if detected is not None:
-        return QuantDeclaration(detected, "config.json quantization_config", [], (), None, unsupported=[f"quant_method {detected}"])
+        return QuantDeclaration(detected, "config.json quantization_config", [], (), None)  # not_understood() says so
     return None
 
 
@@ -519,9 +519,10 @@ def resolve(decl: QuantDeclaration, linears: list[str], *, engine_unquantized: s
     regex, which beats the class target `Linear`; ignore always wins. ``engine_unquantized``:
     Linears the serving engine builds without a quantization method whatever the declaration
     says (routers, DeepSeek-V3.2's indexer weights_proj; the layout's data), counted as ignored
-    for the formats whose class-wide target would otherwise reach them (fp8, mxfp4)."""
+    for the formats whose class-wide target would otherwise reach them (fp8, mxfp4, GPTQ, AWQ,
+    bitsandbytes)."""
     names = NameSet(linears)
-    ignored: set[str] = set(engine_unquantized) & set(linears) if decl.format in (FP8_BLOCK, MXFP4) else set()
+    ignored: set[str] = set(engine_unquantized) & set(linears) if decl.format in (FP8_BLOCK, MXFP4) + KEYED_FORMATS + (BNB,) else set()
     unmatched_ignores = []
     for pattern in decl.ignore:
         hits = names.matching(pattern, decl.matcher)

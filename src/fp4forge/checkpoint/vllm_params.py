@@ -155,8 +155,27 @@ def expected_tensors(key: str, in_features: int, out_features: int) -> list[Expe
 
 def weight_values_per_element(key: str) -> int | None:
     """Logical parameters per stored element of the scheme's weight tensor (8 for 4-bit values in
-    an int32), from the data; None when the data does not hold the key."""
+    an int32), from the data; for a scheme vLLM refuses, from a scheme of the same method and bit
+    width it accepts (the packing does not depend on the flags it refuses); None when the data
+    holds neither."""
     entry = scheme_entry(key)
-    if entry is None or "params" not in entry:
+    if entry is None:
         return None
+    if "params" not in entry:
+        entry = _accepted_sibling(key)
+        if entry is None:
+            return None
     return next((p.get("values_per_element", 1) for p in entry["params"] if p.get("weight")), None)
+
+
+def _bits(args: dict[str, Any]) -> tuple:
+    weights = args.get("weights") or {}
+    return (args.get("method"), args.get("bits", weights.get("num_bits")), weights.get("type"), args.get("format"))
+
+
+def _accepted_sibling(key: str) -> dict[str, Any] | None:
+    wanted = _bits(scheme_args(key))
+    for other, entry in quant_params_data()["schemes"].items():
+        if "params" in entry and _bits(scheme_args(other)) == wanted:
+            return entry
+    return None
