@@ -12,6 +12,12 @@ Accounting rules (stated, because headline bpp numbers are only comparable under
   size) and MXFP4 ``*_scales`` are overhead, MXFP4 ``*_blocks`` hold two parameters per byte,
   parameters stored without a ``.weight`` suffix (``A_log``, ``dt_bias``, ``sinks``) count.
 
+Packed weights hold as many parameters per stored element as the declaration says (GPTQ's and AWQ's
+4-bit `qweight`: 8 per int32; bitsandbytes 4-bit: 2 per byte; from vLLM's parameter data,
+docs/formats.md#gptq-awq-and-bitsandbytes); zero points, `g_idx`, `weight_shape` and
+bitsandbytes' quantization state are overhead. Where the declared format is not understood
+(``not_understood`` says why) no bits/param is given: a wrong headline is worse than none.
+
 A checkpoint whose architecture has no layout table gets a table from the layout derived from its
 transformers model class (``layout_derived``), or, for a model type transformers does not know,
 from the inferred layout (components from name patterns; ``layout_inferred`` says so).
@@ -263,8 +269,9 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     total_bytes = sum(c.bytes for c in components.values())
     total_params = sum(c.params for c in components.values())
     kept = [c for c in components.values() if c.tensors]
+    unread = not_understood(declaration)
     for c in kept:
-        c.bpp = bits_per_param(c.bytes, c.params)
+        c.bpp = None if unread else bits_per_param(c.bytes, c.params)
         c.share = c.bytes / total_bytes if total_bytes else 0.0
     return ByteTable(
         checkpoint=ckpt.display,
@@ -277,7 +284,7 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         unknown_reasons=dict(sorted(reasons.items())),
         layout_inferred=layout.inferred,
         layout_derived=layout.derived,
-        not_understood=not_understood(declaration),
+        not_understood=unread,
     )
 
 
