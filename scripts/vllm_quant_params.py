@@ -160,6 +160,58 @@ def _measure(cfg) -> dict:
             "ignored_if_unexpected": sorted(s.lstrip(".") for s in cfg._ignore_unexpected_suffixes)}
 
 
+EXPERTS = 4
+_moe_layers = iter(range(10**6))  # vLLM registers each MoE layer by name: one fresh prefix per build
+
+
+def _expert_params(cfg, hidden: int, inter: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    import torch
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    with torch.device("meta"):
+        layer = FusedMoEFactory(num_experts=EXPERTS, top_k=2, hidden_size=hidden, intermediate_size=inter, quant_config=cfg,
+                                prefix=f"model.layers.{next(_moe_layers)}.mlp.experts", params_dtype=torch.bfloat16)
+    return {name.rpartition(".")[2]: (str(p.dtype), tuple(p.shape)) for name, p in layer.named_parameters()}
+
+
+def _per_linear(formulas: list, gate_up: bool) -> list:
+    """A stacked expert parameter's dimensions (after the expert one), solved in (hidden, inter),
+    as one expert Linear's (in, out) formulas: down_proj (w2) reads in = inter, out = hidden; gate
+    and up (w13) read in = hidden, out = inter, each half of the stacked 2 * inter, and a dimension
+    of 2 alone is one entry per shard."""
+    out = []
+    for (a, b, c) in formulas:
+        hidden_coef, inter_coef = Fraction(*a), Fraction(*b)
+        if not gate_up:
+            out.append([[inter_coef.numerator, inter_coef.denominator], [hidden_coef.numerator, hidden_coef.denominator], c])
+        elif inter_coef == 0 and hidden_coef == 0 and c == 2:
+            continue
+        elif c != 0 and inter_coef != 0:
+            return None
+        else:
+            half = inter_coef / 2
+            out.append([[hidden_coef.numerator, hidden_coef.denominator], [half.numerator, half.denominator], c])
+    return out
+
+
+def _measure_experts(cfg) -> dict:
+    """The parameters vLLM's MoE method for ``cfg`` creates per expert, as one expert Linear's
+    (in, out) formulas per suffix (w13_ gate/up and w2_ down must agree; biases left out)."""
+    runs = [_expert_params(cfg, h, i) for h, i in SIZES]
+    out: dict[str, dict] = {}
+    for name, (dtype, shape) in runs[0].items():
+        stack, _, suffix = name.partition("_")
+        if suffix == "bias" or shape[:1] != (EXPERTS,):
+            continue
+        formulas = _solve([run[name][1][1:] for run in runs])
+        linear = _per_linear(formulas, stack == "w13") if formulas is not None else None
+        entry = {"dtype": ST_DTYPES.get(dtype, dtype), "shape": linear}
+        if out.get(suffix, entry) != entry:
+            return {"unavailable": f"{suffix}: gate/up and down give different per-Linear parameters"}
+        out[suffix] = entry
+    return {"params": [{"name": k, **v} for k, v in sorted(out.items())]}
+
+
 def _resolved_method(qc: dict) -> str:
     """The config class vLLM picks for a checkpoint's declaration: the first method whose
     ``override_quantization_method`` claims it (ModelOpt NVFP4 -> modelopt_fp4), else its own."""
@@ -180,9 +232,16 @@ def probe(qc: dict) -> dict:
 
     try:
         cfg = get_quantization_config(_resolved_method(qc)).from_config(qc)
-        return _measure(cfg)
+        measured = _measure(cfg)
     except Exception as exc:  # noqa: BLE001 - whatever vLLM raises is what a server would do
         return {"refused": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+    if "params" not in measured:
+        return measured
+    try:
+        measured["experts"] = _measure_experts(cfg)
+    except Exception as exc:  # noqa: BLE001 - a MoE backend this CPU build lacks: not known here
+        measured["experts"] = {"unavailable": f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"}
+    return measured
 
 
 class _StubKernel:

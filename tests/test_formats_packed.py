@@ -247,3 +247,17 @@ def test_ct_args_read_as_compressed_tensors_reads_them(args):
         value = getattr(model, key)
         expected[key] = getattr(value, "value", value)
     assert ct_args(args) == expected
+
+
+@pytest.mark.slow
+def test_vllm_quant_params_shipped_equal_installed_vllm(vllm_venv):
+    """The shipped parameter data is what the installed vLLM's quant methods create."""
+    import subprocess
+
+    from fp4forge.checkpoint.layout import LAYOUTS_DIR
+    from fp4forge.checkpoint.vllm_params import VLLM_QUANT_PARAMS
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "vllm_quant_params.py"
+    result = subprocess.run([str(vllm_venv / "bin" / "python"), str(script)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / VLLM_QUANT_PARAMS).read_text())

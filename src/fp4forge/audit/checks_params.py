@@ -19,6 +19,7 @@ from fp4forge.checkpoint.declarations import QuantDeclaration, Resolution, Schem
 from fp4forge.checkpoint.vllm_params import MODEL_DTYPE, ExpectedTensor
 
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
+EXPERTS = "routed_experts"
 
 
 def format_issues(decl: QuantDeclaration) -> list[Issue]:
@@ -77,8 +78,10 @@ def module_param_issues(ctx: AuditContext, module: str, group: SchemeGroup, entr
     params = ctx.modules[module]
     component = ctx.linear_modules.get(module, "")
     file = ctx.file_of(f"{module}.{next(iter(params))}")
-    expected = vllm_params.expected_tensors(group.key, shape[1], shape[0]) if shape else None
-    names = {p["name"] for p in entry["params"]}
+    expert = component == EXPERTS
+    expected = vllm_params.expected_tensors(group.key, shape[1], shape[0], expert=expert) if shape else None
+    records = vllm_params.scheme_params(group.key, expert=expert)
+    names = {p["name"] for p in records}
     if "weight" in params and "weight" not in names and params["weight"].dtype in FLOAT_DTYPES:
         return [issue("module-not-quantized", f"{modules_noun(component)} targeted as {group.description}, stored {params['weight'].dtype}",
                       module, tensors=[f"{module}.weight"], file=file)]
@@ -89,7 +92,7 @@ def module_param_issues(ctx: AuditContext, module: str, group: SchemeGroup, entr
             name = f"{module}.{suffix}"
             issues.append(issue("vllm-param-unexpected", f"tensors no parameter of vLLM's {entry['method']} takes ({suffix})", name, tensors=[name], file=file,
                                 note=f"vLLM's {group.description} Linear has {', '.join(sorted(names))}"))
-    for tensor in expected or [_shapeless(p) for p in entry["params"]]:
+    for tensor in expected or [_shapeless(p) for p in records]:
         issues += _tensor_issues(module, tensor, params.get(tensor.suffix), group, file)
     return issues
 

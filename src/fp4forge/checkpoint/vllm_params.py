@@ -138,15 +138,26 @@ def _dimension(formula: list, in_features: int, out_features: int) -> int | None
     return int(value) if value.denominator == 1 and value > 0 else None
 
 
-def expected_tensors(key: str, in_features: int, out_features: int) -> list[ExpectedTensor] | None:
-    """The tensors vLLM creates for a Linear of ``in_features`` -> ``out_features`` under the
-    scheme ``key``; None when the data holds no parameters for it."""
+def scheme_params(key: str, *, expert: bool = False) -> list[dict[str, Any]] | None:
+    """The parameter records of a scheme: for a routed expert's Linear, those vLLM's MoE method
+    creates per expert (its stacked w13 / w2 parameters read per Linear) where the data holds
+    them, else the Linear method's; None when the data holds no parameters for the key."""
     entry = scheme_entry(key)
     if entry is None or "params" not in entry:
         return None
+    experts = entry.get("experts") or {}
+    return experts["params"] if expert and "params" in experts else entry["params"]
+
+
+def expected_tensors(key: str, in_features: int, out_features: int, *, expert: bool = False) -> list[ExpectedTensor] | None:
+    """The tensors vLLM creates for a Linear of ``in_features`` -> ``out_features`` (a routed
+    expert's, with ``expert``) under the scheme ``key``; None when the data holds no parameters."""
+    params = scheme_params(key, expert=expert)
+    if params is None:
+        return None
     out = []
-    for param in entry["params"]:
-        dims = [_dimension(f, in_features, out_features) for f in param["shape"]]
+    for param in params:
+        dims = [_dimension(f, in_features, out_features) for f in param["shape"]] if param["shape"] is not None else [None]
         shape = None if any(d is None for d in dims) else tuple(dims)
         out.append(ExpectedTensor(param["name"], param["dtype"], shape, param.get("values_per_element", 1),
                                   bool(param.get("weight"))))
