@@ -85,7 +85,8 @@ def other_probes() -> list[tuple[str, dict]]:
     for scheme, block in itertools.product(("dynamic", "static"), (None, [128, 128])):
         qc = {"quant_method": "fp8", "activation_scheme": scheme, "weight_block_size": block}
         out.append((vp.fp8_key(qc), qc))
-    for algo, group in (("FP8", None), ("NVFP4", 16), ("W4A16_NVFP4", 16), ("NVFP4_W4A16", 16)):
+    for algo, group in (("FP8", None), ("FP8_PER_CHANNEL_PER_TOKEN", None), ("FP8_PB_WO", None), ("MXFP8", None), ("MXFP8", 32),
+                        ("NVFP4", 16), ("W4A16_NVFP4", 16), ("NVFP4_W4A16", 16)):
         qc = {"quant_method": "modelopt", "quant_algo": algo, "group_size": group, "kv_cache_quant_algo": None, "exclude_modules": []}
         out.append((vp.modelopt_key(algo, group), qc))
     return out

@@ -107,7 +107,7 @@ class QuantDeclaration:
 
     @property
     def matcher(self) -> Callable[[str, str], bool]:
-        return {CT: match_ct, MODELOPT: match_modelopt}.get(self.format, match_skip_list)
+        return {CT: match_ct, MODELOPT: match_modelopt, AWQ: match_substring}.get(self.format, match_skip_list)
 
 
 # -- matching -------------------------------------------------------------------------------------
@@ -138,6 +138,12 @@ def match_skip_list(pattern: str, module: str) -> bool:
     if module == pattern or module.startswith(pattern + "."):
         return True
     return any(c in pattern for c in "*?[") and any(fnmatch.fnmatchcase(p, pattern) for p in _self_and_parents(module))
+
+
+def match_substring(pattern: str, module: str) -> bool:
+    """AWQ's `modules_to_not_convert` as vLLM's AutoAWQConfig matches it (is_layer_skipped,
+    match_mode "substring"): any entry contained in the module name."""
+    return pattern in module
 
 
 def is_class_name(target: str) -> bool:
@@ -259,28 +265,33 @@ def parse_modelopt(doc: dict[str, Any], *, where: str) -> QuantDeclaration:
     exclude = quant.get("exclude_modules", quant.get("ignore")) or []
     groups: list[SchemeGroup] = []
     if algo == "MIXED_PRECISION":
-        layers = quant.get("quantized_layers") or {}
-        by_scheme: dict[str | None, list[str]] = {}
-        for module, entry in layers.items():
-            layer_algo = (entry or {}).get("quant_algo")
-            scheme = SCHEME_OF_MODELOPT_ALGO.get(layer_algo)
-            if scheme is None and f"quantized_layers {layer_algo}" not in unsupported:
-                unsupported.append(f"quantized_layers {layer_algo}")
-            by_scheme.setdefault(scheme, []).append(module)
-        groups = [
-            SchemeGroup(f"quantized_layers {MODELOPT_ALGOS.get(s, '?')}", s, tuple(m), f"MIXED_PRECISION {MODELOPT_ALGOS.get(s, '?')}",
-                        key=vllm_params.modelopt_key(MODELOPT_ALGOS.get(s), quant.get("group_size")) if s else None)
-            for s, m in by_scheme.items()
-        ]
+        groups = _mixed_precision_groups(quant, unsupported)
     elif algo is not None:
         scheme = SCHEME_OF_MODELOPT_ALGO.get(algo)
         if scheme == "nvfp4" and _all_groups_weight_only(quant):
             scheme = "nvfp4a16"  # vLLM reroutes it (PR #54427)
-        if scheme is None:
+        if scheme is None and vllm_params.scheme_entry(vllm_params.modelopt_key(algo, quant.get("group_size"))) is None:
             unsupported.append(f"quant_algo {algo}")
         groups = [SchemeGroup(f"quant_algo {algo}", scheme, ("*",), f"quant_algo {algo}", key=vllm_params.modelopt_key(algo, quant.get("group_size")))]
     kv = _modelopt_kv(quant, where, problems)
     return QuantDeclaration(MODELOPT, where, groups, tuple(exclude), kv, problems, unsupported)
+
+
+def _mixed_precision_groups(quant: dict[str, Any], unsupported: list[str]) -> list[SchemeGroup]:
+    """MIXED_PRECISION's `quantized_layers`: one group per (quant_algo, group_size), keyed in vLLM's
+    parameter data by the layer's own group size, else the checkpoint's."""
+    by_algo: dict[tuple[Any, Any], list[str]] = {}
+    for module, entry in (quant.get("quantized_layers") or {}).items():
+        entry = entry or {}
+        by_algo.setdefault((entry.get("quant_algo"), entry.get("group_size", quant.get("group_size"))), []).append(module)
+    groups = []
+    for (layer_algo, group_size), modules in by_algo.items():
+        scheme = SCHEME_OF_MODELOPT_ALGO.get(layer_algo)
+        key = vllm_params.modelopt_key(layer_algo, group_size)
+        if scheme is None and vllm_params.scheme_entry(key) is None and f"quantized_layers {layer_algo}" not in unsupported:
+            unsupported.append(f"quantized_layers {layer_algo}")
+        groups.append(SchemeGroup(f"quantized_layers {layer_algo}", scheme, tuple(modules), f"MIXED_PRECISION {layer_algo}", key=key))
+    return groups
 
 
 def _all_groups_weight_only(quant: dict[str, Any]) -> bool:
@@ -600,6 +611,8 @@ class NameSet:
             return list(self.names)  # callers pass Linear modules only
         if is_class_name(pattern) and match is not match_skip_list:
             return []  # other class names cannot be resolved from headers
+        if match is match_substring:
+            return self.containing(pattern)
         if match is match_modelopt:
             hits = self.containing(pattern)
             if _is_pattern(pattern):
