@@ -261,3 +261,35 @@ def test_vllm_quant_params_shipped_equal_installed_vllm(vllm_venv):
     result = subprocess.run([str(vllm_venv / "bin" / "python"), str(script)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / VLLM_QUANT_PARAMS).read_text())
+
+
+def test_awq_modules_to_not_convert_match_by_substring(tmp_path, model):
+    """vLLM's AWQ skips every Linear whose name contains an entry: attention kept BF16 under
+    `self_attn` is clean; attention quantized all the same is quantized-but-not-targeted."""
+    keep = dict(AWQ, modules_to_not_convert=["self_attn"])
+
+    def attention_bf16(module, out, inp):
+        return [TensorSpec(f"{module}.weight", "BF16", (out, inp))] if "self_attn" in module else awq(module, out, inp)
+
+    assert errors(build(tmp_path, model, keep, attention_bf16)) == []
+    assert "quantized-but-not-targeted" in {f["rule"] for f in errors(build(tmp_path, model, keep, awq))}
+
+
+def fp8_channel(module: str, out: int, inp: int) -> list[TensorSpec]:
+    return [TensorSpec(f"{module}.weight", "F8_E4M3", (out, inp)), TensorSpec(f"{module}.weight_scale", "F32", (out,))]
+
+
+def test_modelopt_fp8_per_channel_judged_by_vllms_parameters(tmp_path, model):
+    """ModelOpt FP8_PER_CHANNEL_PER_TOKEN (no tensor table of fp4forge's own): one F32 scale per
+    output channel, as vLLM's Linear method creates it; a per-tensor scale instead is a shape vLLM
+    rejects. (The routed experts stay BF16 here: vLLM 0.32's ModelOpt FP8 MoE method creates
+    per-tensor scales and an input scale whatever the algo, and the audit says so for them.)"""
+    declaration = {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "exclude_modules": ["lm_head", "*.mlp.gate", "*.mlp.experts.*"]}
+
+    def experts_bf16(module, out, inp):
+        return [TensorSpec(f"{module}.weight", "BF16", (out, inp))] if ".experts." in module else fp8_channel(module, out, inp)
+
+    path = build(tmp_path, model, declaration, experts_bf16)
+    assert errors(path) == [] and byte_table_of(path).total_params == unquantized_params(model)
+    planted = build(tmp_path, model, declaration, experts_bf16, _reshape(f"{ATTENTION}.weight_scale", ()))
+    assert "vllm-param-shape" in {f["rule"] for f in errors(planted)}
