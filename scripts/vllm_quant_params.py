@@ -18,7 +18,6 @@ that is what a server would do. The probes are keyed by fp4forge's own scheme ke
 from __future__ import annotations
 
 import itertools
-import json
 import sys
 import tempfile
 from fractions import Fraction
@@ -310,13 +309,9 @@ def table() -> dict:
 
 
 def main(argv: list[str]) -> int:
-    data = table()
-    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
-    if "--write" in argv:
-        DATA.write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    return 0
+    from vllm_packed_modules import emit  # the sibling script (its directory is on sys.path)
+
+    return emit(table(), DATA, argv)
 
 
 if __name__ == "__main__":
