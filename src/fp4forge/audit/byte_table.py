@@ -221,30 +221,9 @@ def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
 
 
 def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
-    # Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): count per
-    # (name template, dtype, packed, shape) in C, total per (template, dtype, packed) from the
-    # counts (a tensor's bytes follow from its dtype and shape: the header check made sure), then
-    # classify the first name of each group.
     names, stored_dtypes, shapes = _columns(ckpt)
     declaration = read_declaration(ckpt.config, ckpt.extra_json)
-    packed = _packed_among(names, stored_dtypes)
-    templates = name_templates(names)
-    flags = list(map(packed.__contains__, names)) if packed else [False] * len(names)
-    counts = Counter(zip(templates, stored_dtypes, flags, shapes))
-    totals: dict[tuple, list[int]] = {}
-    group_shapes: dict[tuple, tuple[int, ...]] = {}  # one shape per group, for an inferred layout's shape rules
-    for (template, dtype, is_packed, shape), tensors in counts.items():
-        total = totals.get((template, dtype, is_packed))
-        if total is None:
-            total = totals[template, dtype, is_packed] = [0, 0, 0]
-            group_shapes[template, dtype, is_packed] = shape
-        numel = math.prod(shape)
-        total[0] += tensors
-        total[1] += tensors * (numel * DTYPE_BITS[dtype] >> 3)
-        total[2] += tensors * numel
-    first = _first_names(names, templates, stored_dtypes, flags, totals)
-    groups = {key: (first[key], *total) for key, total in totals.items()}
-
+    templates, flags, groups, group_shapes = _grouped(names, stored_dtypes, shapes)
     order = layout.component_names + [KV_SCALES, UNKNOWN]
     components = {name: ComponentBytes(name) for name in order}
     dtypes: dict[str, dict[str, int]] = {}
@@ -286,6 +265,32 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         layout_derived=layout.derived,
         not_understood=unread,
     )
+
+
+def _grouped(names: list[str], stored_dtypes: list[str], shapes: list[tuple[int, ...]]) -> tuple[list, list[bool], dict, dict]:
+    """Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): count per
+    (name template, dtype, packed, shape) in C, total per (template, dtype, packed) from the
+    counts (a tensor's bytes follow from its dtype and shape: the header check made sure), and
+    name the first tensor of each group (the one classified). Returns the templates, the packed
+    flags, {group: (first name, tensors, bytes, elements)} and one shape per group (for an
+    inferred layout's shape rules)."""
+    packed = _packed_among(names, stored_dtypes)
+    templates = name_templates(names)
+    flags = list(map(packed.__contains__, names)) if packed else [False] * len(names)
+    counts = Counter(zip(templates, stored_dtypes, flags, shapes))
+    totals: dict[tuple, list[int]] = {}
+    group_shapes: dict[tuple, tuple[int, ...]] = {}
+    for (template, dtype, is_packed, shape), tensors in counts.items():
+        total = totals.get((template, dtype, is_packed))
+        if total is None:
+            total = totals[template, dtype, is_packed] = [0, 0, 0]
+            group_shapes[template, dtype, is_packed] = shape
+        numel = math.prod(shape)
+        total[0] += tensors
+        total[1] += tensors * (numel * DTYPE_BITS[dtype] >> 3)
+        total[2] += tensors * numel
+    first = _first_names(names, templates, stored_dtypes, flags, totals)
+    return templates, flags, {key: (first[key], *total) for key, total in totals.items()}, group_shapes
 
 
 def _per_element(declaration: QuantDeclaration | None, role: TensorRole) -> int | None:
