@@ -239,7 +239,7 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         entry = components[role.component]
         entry.tensors += tensors
         entry.bytes += nbytes
-        entry.params += logical_params(role.kind, dtype, numel, _per_element(declaration, role))
+        entry.params += logical_params(role.kind, dtype, numel, _per_element(declaration, role, dtype))
         by_dtype = dtypes.setdefault(dtype, {"bytes": 0, "tensors": 0})
         by_dtype["bytes"] += nbytes
         by_dtype["tensors"] += tensors
@@ -293,10 +293,10 @@ def _grouped(names: list[str], stored_dtypes: list[str], shapes: list[tuple[int,
     return templates, flags, {key: (first[key], *total) for key, total in totals.items()}, group_shapes
 
 
-def _per_element(declaration: QuantDeclaration | None, role: TensorRole) -> int | None:
+def _per_element(declaration: QuantDeclaration | None, role: TensorRole, dtype: str) -> int | None:
     """The declaration's values per stored element for a packed weight's module (one call per
-    name template)."""
-    if declaration is None or (role.kind not in PACKED_KINDS and role.kind != "weight"):
+    name template of a packed or integer weight)."""
+    if declaration is None or not (role.kind in PACKED_KINDS or (role.kind == "weight" and dtype in _INTEGER_DTYPES)):
         return None
     group = group_for_module(declaration, role.module)
     return None if group is None else group.values_per_element
