@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fp4forge.audit.options import ByteTableOptions
-from fp4forge.checkpoint.declarations import QuantDeclaration, group_for_module, not_understood, read_declaration
+from fp4forge.checkpoint.declarations import QuantDeclaration, not_understood, read_declaration, resolve
 from fp4forge.checkpoint.layout import KV_SCALES, PACKED_KINDS, UNKNOWN, Layout, TensorRole
 from fp4forge.checkpoint.reader import Checkpoint, gc_paused
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS
@@ -230,16 +230,17 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     unknown: list[str] = []
     unknown_keys = set()
     reasons: dict[str, str] = {}
+    roles = {key: _role_of(layout, example, key[1], key[2], group_shapes[key]) for key, (example, *_) in groups.items()}
+    per_element = _per_element(declaration, roles)
     for key, (example, tensors, nbytes, numel) in groups.items():
-        _, dtype, is_packed = key
-        role = _role_of(layout, example, dtype, is_packed, group_shapes[key])
+        dtype, role = key[1], roles[key]
         if role.component == UNKNOWN:
             unknown_keys.add(key)
             reasons[masked_digits([example])[0]] = layout.unknown_reason(example)
         entry = components[role.component]
         entry.tensors += tensors
         entry.bytes += nbytes
-        entry.params += logical_params(role.kind, dtype, numel, _per_element(declaration, role, dtype))
+        entry.params += logical_params(role.kind, dtype, numel, per_element.get(key))
         by_dtype = dtypes.setdefault(dtype, {"bytes": 0, "tensors": 0})
         by_dtype["bytes"] += nbytes
         by_dtype["tensors"] += tensors
@@ -293,10 +294,14 @@ def _grouped(names: list[str], stored_dtypes: list[str], shapes: list[tuple[int,
     return templates, flags, {key: (first[key], *total) for key, total in totals.items()}, group_shapes
 
 
-def _per_element(declaration: QuantDeclaration | None, role: TensorRole, dtype: str) -> int | None:
-    """The declaration's values per stored element for a packed weight's module (one call per
-    name template of a packed or integer weight)."""
-    if declaration is None or not (role.kind in PACKED_KINDS or (role.kind == "weight" and dtype in _INTEGER_DTYPES)):
-        return None
-    group = group_for_module(declaration, role.module)
-    return None if group is None else group.values_per_element
+def _per_element(declaration: QuantDeclaration | None, roles: dict[tuple, TensorRole]) -> dict[tuple, int | None]:
+    """group -> the declaration's values per stored element, for the groups holding a packed or
+    integer weight: their example modules resolved against the declaration at once (a ModelOpt
+    exclude list holds hundreds of entries; NameSet matches them without a pass per module)."""
+    if declaration is None:
+        return {}
+    modules = {key: role.module for key, role in roles.items() if role.kind in PACKED_KINDS or (role.kind == "weight" and key[1] in _INTEGER_DTYPES)}
+    if not modules:
+        return {}
+    scheme_of = resolve(declaration, sorted(set(modules.values()))).scheme_of
+    return {key: group.values_per_element if (group := scheme_of.get(module)) else None for key, module in modules.items()}

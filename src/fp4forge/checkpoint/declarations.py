@@ -494,23 +494,6 @@ def not_understood(decl: QuantDeclaration | None) -> str | None:
     return f"declared schemes fp4forge cannot judge: {', '.join(unknown)}" if unknown else None
 
 
-def group_for_module(decl: QuantDeclaration, module: str) -> SchemeGroup | None:
-    """The group one module resolves to (as :func:`resolve` ranks targets: exact name, then
-    pattern, then the class target), None when ignored or untargeted. For a few modules at a
-    time (one per name template); :func:`resolve` serves whole checkpoints."""
-    match = decl.matcher
-    if any(match(pattern, module) for pattern in decl.ignore if not is_class_name(pattern)):
-        return None
-    best: tuple[int, SchemeGroup] | None = None
-    for group in decl.groups:
-        for target in group.targets:
-            rank = _target_rank(target)
-            hit = rank == 2 or (not is_class_name(target) and match(target, module))
-            if hit and (best is None or rank < best[0]):
-                best = (rank, group)
-    return best[1] if best else None
-
-
 # -- resolution per module ------------------------------------------------------------------------
 @dataclass
 class Resolution:
