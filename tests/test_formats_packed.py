@@ -37,12 +37,12 @@ def model():
     return config, specs, set(nvfp4_modules(config, specs))
 
 
-def gptq(module: str, out: int, inp: int, bits: int = 4) -> list[TensorSpec]:
+def gptq(module: str, out: int, inp: int, bits: int = 4, group: int = GROUP) -> list[TensorSpec]:
     """AutoGPTQ's tensors: 32 / bits values per int32 along the input, zero points packed along
     the output, one scale row per group, g_idx per input channel."""
     per = 32 // bits
-    return [TensorSpec(f"{module}.qweight", "I32", (inp // per, out)), TensorSpec(f"{module}.qzeros", "I32", (inp // GROUP, out // per)),
-            TensorSpec(f"{module}.scales", "F16", (inp // GROUP, out)), TensorSpec(f"{module}.g_idx", "I32", (inp,))]
+    return [TensorSpec(f"{module}.qweight", "I32", (inp // per, out)), TensorSpec(f"{module}.qzeros", "I32", (inp // group, out // per)),
+            TensorSpec(f"{module}.scales", "F16", (inp // group, out)), TensorSpec(f"{module}.g_idx", "I32", (inp,))]
 
 
 def awq(module: str, out: int, inp: int) -> list[TensorSpec]:
@@ -293,3 +293,16 @@ def test_modelopt_fp8_per_channel_judged_by_vllms_parameters(tmp_path, model):
     assert errors(path) == [] and byte_table_of(path).total_params == unquantized_params(model)
     planted = build(tmp_path, model, declaration, experts_bf16, _reshape(f"{ATTENTION}.weight_scale", ()))
     assert "vllm-param-shape" in {f["rule"] for f in errors(planted)}
+
+
+def test_group_size_not_probed_is_counted_and_said_not_audited(tmp_path, model):
+    """GPTQ with a group size vLLM's data was not measured at: its packing (bits alone) still
+    counts every parameter, and the audit says the Linears were not compared instead of guessing."""
+    def gptq_256(module, out, inp):
+        return gptq(module, out, inp, group=256)
+
+    path = build(tmp_path, model, dict(GPTQ, group_size=256), gptq_256)
+    table = byte_table_of(path)
+    assert table.total_params == unquantized_params(model) and table.experts_bpp == pytest.approx(hand_bpp(model, gptq_256), rel=1e-12)
+    found = audit_checkpoint(str(path)).to_json()["findings"]
+    assert [f["rule"] for f in found] == ["scheme-not-audited"]

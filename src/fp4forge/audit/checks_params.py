@@ -29,9 +29,8 @@ def format_issues(decl: QuantDeclaration) -> list[Issue]:
     if not vllm_params.vllm_knows_method(decl.format):
         issues.append(issue("quant-method-unknown-to-vllm", f"quant_method vLLM {vllm_params.vllm_version()} has no config class for",
                             decl.format))
-    reason = not_understood(decl)
-    if reason is not None:
-        issues.append(issue("format-not-judged", "declarations fp4forge cannot judge", reason))
+    if not decl.groups and not_understood(decl) is not None:  # (a known method's unjudged schemes: scheme-not-audited)
+        issues.append(issue("format-not-judged", "declarations fp4forge cannot judge", not_understood(decl)))
     return issues
 
 
@@ -44,13 +43,11 @@ def judged_groups(resolution: Resolution) -> dict[str, SchemeGroup]:
 def param_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     issues: list[Issue] = []
     refused: dict[str, list[str]] = {}
-    unjudged: dict[str, list[str]] = {}
     clean: set[tuple] = set()  # (key, shape, stored signature) found clean once
     for module, group in judged_groups(resolution).items():
         entry = vllm_params.scheme_entry(group.key)
         if entry is None:
-            unjudged.setdefault(group.description, []).append(module)
-            continue
+            continue  # a scheme vLLM's data lacks: scheme-not-audited says so
         if "refused" in entry:
             refused.setdefault(f"{group.description}: {entry['refused']}", []).append(module)
             continue
@@ -67,9 +64,6 @@ def param_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
         issues += found
     for reason, modules in refused.items():
         issues.append(issue("scheme-refused-by-vllm", "declared schemes vLLM refuses", reason, detail=f"{len(modules):,} Linears"))
-    for description, modules in unjudged.items():
-        issues.append(issue("format-not-judged", "declarations fp4forge cannot judge",
-                            f"{description}: vLLM's parameter data holds no such scheme", detail=f"{len(modules):,} Linears not compared"))
     return issues
 
 

@@ -217,10 +217,10 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
             problems.append(f"config group {name!r}: format {fmt!r} disagrees with its {scheme} arguments "
                             f"(compressed-tensors decompresses {scheme} as {CT_FORMATS[scheme]!r})")
         description = f"{name} ({fmt or 'format?'})"
-        if scheme is None and vllm_params.scheme_entry(vllm_params.ct_key(group, qc.get("format"))) is None:
+        key = vllm_params.ct_key(group, qc.get("format"))
+        if scheme is None and vllm_params.scheme_entry(key) is None:
             unsupported.append(description)
         block = _block_size(group["weights"].get("block_structure"), problems, f"config group {name!r} block_structure") if scheme == "fp8_block" else None
-        key = vllm_params.ct_key(group, qc.get("format"))
         groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description, block=block, key=key))
     ignore = qc.get("ignore") or []
     kv = _ct_kv(qc.get("kv_cache_scheme"), problems)
@@ -354,7 +354,8 @@ def parse_fp8(qc: dict[str, Any]) -> QuantDeclaration:
     key = vllm_params.fp8_key(qc)
     if qc.get("weight_block_size") is None:  # per tensor: judged by vLLM's parameter data alone
         groups = [SchemeGroup("quant_method fp8", None, (LINEAR_CLASS_TARGET,), "fp8 per-tensor", key=key)]
-        return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems)
+        unsupported = [f"fp8 per-tensor, activation_scheme {qc.get('activation_scheme')!r}"] if vllm_params.scheme_entry(key) is None else []
+        return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems, unsupported)
     block = _block_size(qc["weight_block_size"], problems, "weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         problems.append(f"block-wise FP8 with activation_scheme {qc.get('activation_scheme')!r}; vLLM supports only dynamic activations with weight_block_size")
@@ -385,7 +386,8 @@ def parse_gptq_awq(fmt: str, qc: dict[str, Any]) -> QuantDeclaration:
         ignore.append("lm_head")
     description = f"{fmt} " + ", ".join(f"{k}={v}" for k, v in sorted(vllm_params.scheme_args(key).items()) if k != "method")
     groups = [SchemeGroup(f"quant_method {fmt}", None, (LINEAR_CLASS_TARGET,), description, key=key)]
-    return QuantDeclaration(fmt, "config.json quantization_config", groups, tuple(ignore), None, problems)
+    unsupported = [description] if vllm_params.scheme_entry(key) is None else []
+    return QuantDeclaration(fmt, "config.json quantization_config", groups, tuple(ignore), None, problems, unsupported)
 
 
 def parse_bitsandbytes(qc: dict[str, Any]) -> QuantDeclaration:

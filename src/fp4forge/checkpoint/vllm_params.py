@@ -166,13 +166,11 @@ def expected_tensors(key: str, in_features: int, out_features: int, *, expert: b
 
 def weight_values_per_element(key: str) -> int | None:
     """Logical parameters per stored element of the scheme's weight tensor (8 for 4-bit values in
-    an int32), from the data; for a scheme vLLM refuses, from a scheme of the same method and bit
-    width it accepts (the packing does not depend on the flags it refuses); None when the data
-    holds neither."""
+    an int32), from the data; for a scheme vLLM refuses or the data lacks (a group size not
+    probed), from a scheme of the same method, bit width, type and format it accepts (the packing
+    depends on nothing else); None when the data holds neither."""
     entry = scheme_entry(key)
-    if entry is None:
-        return None
-    if "params" not in entry:
+    if entry is None or "params" not in entry:
         entry = _accepted_sibling(key)
         if entry is None:
             return None
