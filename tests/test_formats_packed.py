@@ -306,3 +306,14 @@ def test_group_size_not_probed_is_counted_and_said_not_audited(tmp_path, model):
     assert table.total_params == unquantized_params(model) and table.experts_bpp == pytest.approx(hand_bpp(model, gptq_256), rel=1e-12)
     found = audit_checkpoint(str(path)).to_json()["findings"]
     assert [f["rule"] for f in found] == ["scheme-not-audited"]
+
+
+@pytest.mark.parametrize(("declaration", "per_linear"), [(GPTQ, gptq), ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_tensor)], ids=["gptq", "fp8-per-tensor"])
+def test_linear_left_bf16_under_a_packed_declaration(tmp_path, model, declaration, per_linear):
+    """One attention projection stored BF16 while the declaration quantizes every Linear: vLLM
+    has only the scheme's parameters for it (module-not-quantized)."""
+    def one_bf16(module, out, inp):
+        return [TensorSpec(f"{module}.weight", "BF16", (out, inp))] if module == ATTENTION else per_linear(module, out, inp)
+
+    found = errors(build(tmp_path, model, declaration, one_bf16))
+    assert [f["rule"] for f in found] == ["module-not-quantized"] and found[0]["tensors"] == [f"{ATTENTION}.weight"]

@@ -76,7 +76,8 @@ def module_param_issues(ctx: AuditContext, module: str, group: SchemeGroup, entr
     expected = vllm_params.expected_tensors(group.key, shape[1], shape[0], expert=expert) if shape else None
     records = vllm_params.scheme_params(group.key, expert=expert)
     names = {p["name"] for p in records}
-    if "weight" in params and "weight" not in names and params["weight"].dtype in FLOAT_DTYPES:
+    weight = next(p for p in entry["params"] if p.get("weight"))
+    if "weight" in params and params["weight"].dtype in FLOAT_DTYPES and (weight["name"] != "weight" or _dtype_changes_values(params["weight"].dtype, weight["dtype"])):
         return [issue("module-not-quantized", f"{modules_noun(component)} targeted as {group.description}, stored {params['weight'].dtype}",
                       module, tensors=[f"{module}.weight"], file=file)]
     issues = []
