@@ -43,7 +43,7 @@ def judged_groups(resolution: Resolution) -> dict[str, SchemeGroup]:
 def param_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
     issues: list[Issue] = []
     refused: dict[str, list[str]] = {}
-    clean: set[tuple] = set()  # (key, shape, stored signature) found clean once
+    clean: set[tuple] = set()  # (key, shape, expert, stored signature) found clean once
     for module, group in judged_groups(resolution).items():
         entry = vllm_params.scheme_entry(group.key)
         if entry is None:
@@ -55,7 +55,7 @@ def param_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
         if params is None:
             continue  # absent module (a names finding)
         shape = ctx.linear_shape(module)
-        signature = (group.key, shape, tuple((s, i.dtype, tuple(i.shape)) for s, i in params.items()))
+        signature = (group.key, shape, ctx.linear_modules.get(module) == EXPERTS, tuple((s, i.dtype, tuple(i.shape)) for s, i in params.items()))
         if signature in clean:
             continue
         found = module_param_issues(ctx, module, group, entry, shape)
@@ -87,7 +87,10 @@ def module_param_issues(ctx: AuditContext, module: str, group: SchemeGroup, entr
             name = f"{module}.{suffix}"
             issues.append(issue("vllm-param-unexpected", f"tensors no parameter of vLLM's {entry['method']} takes ({suffix})", name, tensors=[name], file=file,
                                 note=f"vLLM's {group.description} Linear has {', '.join(sorted(names))}"))
+    built = vllm_params.config_built_params()
     for tensor in expected or [_shapeless(p) for p in records]:
+        if tensor.suffix in built and tensor.suffix not in params:
+            continue  # vLLM fills it from the quantization config
         issues += _tensor_issues(module, tensor, params.get(tensor.suffix), group, file)
     return issues
 

@@ -117,6 +117,11 @@ def vllm_knows_method(method: str) -> bool:
     return method in quant_params_data()["methods"]
 
 
+def config_built_params() -> frozenset[str]:
+    """Parameters vLLM fills from the quantization config rather than the checkpoint."""
+    return frozenset(quant_params_data()["config_built"])
+
+
 def vllm_version() -> str:
     return quant_params_data()["vllm"]
 
