@@ -181,13 +181,18 @@ def vllm_packed_table() -> dict:
     return {"vllm": vllm.__version__, "architectures": architectures, "unavailable": unavailable}
 
 
-def main(argv: list[str]) -> int:
-    text = json.dumps(vllm_packed_table(), indent=1, sort_keys=True) + "\n"
+def emit(table: dict, data_file: Path, argv: list[str]) -> int:
+    """Print a table as the shipped data file holds it, and with --write write it there."""
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
     if "--write" in argv:
-        DATA.write_text(text, encoding="utf-8")
+        data_file.write_text(text, encoding="utf-8")
     else:
         sys.stdout.write(text)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return emit(vllm_packed_table(), DATA, argv)
 
 
 if __name__ == "__main__":

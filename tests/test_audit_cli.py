@@ -184,7 +184,7 @@ def test_every_rule_has_a_planted_defect_test() -> None:
     """Each rule id of rules.toml is asserted by name in some audit test module."""
     tests = "".join((REPO_ROOT / "tests" / name).read_text() for name in ("test_audit_integrity.py", "test_audit_declarations.py", "test_audit_names.py",
                                                                           "test_audit_scale_magnitude.py", "test_corpus.py",
-                                                                          "test_audit_server_files.py"))
+                                                                          "test_audit_server_files.py", "test_formats_packed.py"))
     untested = [rule_id for rule_id in rule_table() if f'"{rule_id}"' not in tests]
     assert not untested, untested
 

@@ -12,6 +12,12 @@ Accounting rules (stated, because headline bpp numbers are only comparable under
   size) and MXFP4 ``*_scales`` are overhead, MXFP4 ``*_blocks`` hold two parameters per byte,
   parameters stored without a ``.weight`` suffix (``A_log``, ``dt_bias``, ``sinks``) count.
 
+Packed weights hold as many parameters per stored element as the declaration says (GPTQ's and AWQ's
+4-bit `qweight`: 8 per int32; bitsandbytes 4-bit: 2 per byte; from vLLM's parameter data,
+docs/formats.md#gptq-awq-and-bitsandbytes); zero points, `g_idx`, `weight_shape` and
+bitsandbytes' quantization state are overhead. Where the declared format is not understood
+(``not_understood`` says why) no bits/param is given: a wrong headline is worse than none.
+
 A checkpoint whose architecture has no layout table gets a table from the layout derived from its
 transformers model class (``layout_derived``), or, for a model type transformers does not know,
 from the inferred layout (components from name patterns; ``layout_inferred`` says so).
@@ -28,7 +34,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from fp4forge.audit.options import ByteTableOptions
-from fp4forge.checkpoint.layout import KV_SCALES, UNKNOWN, Layout, TensorRole
+from fp4forge.checkpoint.declarations import QuantDeclaration, not_understood, read_declaration, resolve
+from fp4forge.checkpoint.layout import KV_SCALES, PACKED_KINDS, UNKNOWN, Layout, TensorRole
 from fp4forge.checkpoint.reader import Checkpoint, gc_paused
 from fp4forge.checkpoint.safetensors_format import DTYPE_BITS
 
@@ -57,10 +64,12 @@ class ByteTable:
     unknown_reasons: dict[str, str] = field(default_factory=dict)  # name pattern (digits as #) -> why unknown
     layout_inferred: bool = False
     layout_derived: bool = False
+    not_understood: str | None = None  # why the declared format's parameters cannot be counted
 
     @property
     def bpp(self) -> float | None:
-        return bits_per_param(self.total_bytes, self.total_params)
+        """The headline; none where the format is not understood (a wrong number is worse)."""
+        return None if self.not_understood else bits_per_param(self.total_bytes, self.total_params)
 
     @property
     def experts_bpp(self) -> float | None:
@@ -81,6 +90,7 @@ class ByteTable:
             "dtypes": self.dtypes,
             "unknown_tensors": self.unknown_tensors,
             "unknown_reasons": self.unknown_reasons,
+            "not_understood": self.not_understood,
         }
 
 
@@ -88,13 +98,20 @@ def bits_per_param(nbytes: int, params: int) -> float | None:
     return None if params == 0 else nbytes * 8 / params
 
 
-def logical_params(kind: str, dtype: str, numel: int) -> int:
-    """Parameters a tensor holds (0 for quantization metadata)."""
-    if kind == "packed_fp4" and dtype == "U8":
-        return 2 * numel
-    if kind in ("weight", "bias", "packed_fp4"):
+def logical_params(kind: str, dtype: str, numel: int, per_element: int | None = None) -> int:
+    """Parameters a tensor holds (0 for quantization metadata). ``per_element``: the declaration's
+    values per stored element of a packed weight (8 for GPTQ's 4-bit values in an int32, 2 for
+    bitsandbytes' 4-bit bytes); without it a U8 FP4 tensor holds two, anything else one."""
+    if kind in PACKED_KINDS or (kind == "weight" and dtype in _INTEGER_DTYPES):
+        if per_element is not None:
+            return per_element * numel
+        return 2 * numel if dtype == "U8" and kind == "packed_fp4" else numel
+    if kind in ("weight", "bias"):
         return numel
     return 0
+
+
+_INTEGER_DTYPES = frozenset({"U8", "I8", "I32"})
 
 
 def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
@@ -204,45 +221,26 @@ def compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
 
 
 def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
-    # Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): count per
-    # (name template, dtype, packed, shape) in C, total per (template, dtype, packed) from the
-    # counts (a tensor's bytes follow from its dtype and shape: the header check made sure), then
-    # classify the first name of each group.
     names, stored_dtypes, shapes = _columns(ckpt)
-    packed = _packed_among(names, stored_dtypes)
-    templates = name_templates(names)
-    flags = list(map(packed.__contains__, names)) if packed else [False] * len(names)
-    counts = Counter(zip(templates, stored_dtypes, flags, shapes))
-    totals: dict[tuple, list[int]] = {}
-    group_shapes: dict[tuple, tuple[int, ...]] = {}  # one shape per group, for an inferred layout's shape rules
-    for (template, dtype, is_packed, shape), tensors in counts.items():
-        total = totals.get((template, dtype, is_packed))
-        if total is None:
-            total = totals[template, dtype, is_packed] = [0, 0, 0]
-            group_shapes[template, dtype, is_packed] = shape
-        numel = math.prod(shape)
-        total[0] += tensors
-        total[1] += tensors * (numel * DTYPE_BITS[dtype] >> 3)
-        total[2] += tensors * numel
-    first = _first_names(names, templates, stored_dtypes, flags, totals)
-    groups = {key: (first[key], *total) for key, total in totals.items()}
-
+    declaration = read_declaration(ckpt.config, ckpt.extra_json)
+    templates, flags, groups, group_shapes = _grouped(names, stored_dtypes, shapes)
     order = layout.component_names + [KV_SCALES, UNKNOWN]
     components = {name: ComponentBytes(name) for name in order}
     dtypes: dict[str, dict[str, int]] = {}
     unknown: list[str] = []
     unknown_keys = set()
     reasons: dict[str, str] = {}
+    roles = {key: _role_of(layout, example, key[1], key[2], group_shapes[key]) for key, (example, *_) in groups.items()}
+    per_element = _per_element(declaration, roles)
     for key, (example, tensors, nbytes, numel) in groups.items():
-        _, dtype, is_packed = key
-        role = _role_of(layout, example, dtype, is_packed, group_shapes[key])
+        dtype, role = key[1], roles[key]
         if role.component == UNKNOWN:
             unknown_keys.add(key)
             reasons[masked_digits([example])[0]] = layout.unknown_reason(example)
         entry = components[role.component]
         entry.tensors += tensors
         entry.bytes += nbytes
-        entry.params += logical_params(role.kind, dtype, numel)
+        entry.params += logical_params(role.kind, dtype, numel, per_element.get(key))
         by_dtype = dtypes.setdefault(dtype, {"bytes": 0, "tensors": 0})
         by_dtype["bytes"] += nbytes
         by_dtype["tensors"] += tensors
@@ -251,8 +249,9 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
     total_bytes = sum(c.bytes for c in components.values())
     total_params = sum(c.params for c in components.values())
     kept = [c for c in components.values() if c.tensors]
+    unread = not_understood(declaration)
     for c in kept:
-        c.bpp = bits_per_param(c.bytes, c.params)
+        c.bpp = None if unread else bits_per_param(c.bytes, c.params)
         c.share = c.bytes / total_bytes if total_bytes else 0.0
     return ByteTable(
         checkpoint=ckpt.display,
@@ -265,4 +264,44 @@ def _compute_byte_table(ckpt: Checkpoint, layout: Layout) -> ByteTable:
         unknown_reasons=dict(sorted(reasons.items())),
         layout_inferred=layout.inferred,
         layout_derived=layout.derived,
+        not_understood=unread,
     )
+
+
+def _grouped(names: list[str], stored_dtypes: list[str], shapes: list[tuple[int, ...]]) -> tuple[list, list[bool], dict, dict]:
+    """Real checkpoints repeat ~100 name shapes across 10^5 tensors (layers, experts): count per
+    (name template, dtype, packed, shape) in C, total per (template, dtype, packed) from the
+    counts (a tensor's bytes follow from its dtype and shape: the header check made sure), and
+    name the first tensor of each group (the one classified). Returns the templates, the packed
+    flags, {group: (first name, tensors, bytes, elements)} and one shape per group (for an
+    inferred layout's shape rules)."""
+    packed = _packed_among(names, stored_dtypes)
+    templates = name_templates(names)
+    flags = list(map(packed.__contains__, names)) if packed else [False] * len(names)
+    counts = Counter(zip(templates, stored_dtypes, flags, shapes))
+    totals: dict[tuple, list[int]] = {}
+    group_shapes: dict[tuple, tuple[int, ...]] = {}
+    for (template, dtype, is_packed, shape), tensors in counts.items():
+        total = totals.get((template, dtype, is_packed))
+        if total is None:
+            total = totals[template, dtype, is_packed] = [0, 0, 0]
+            group_shapes[template, dtype, is_packed] = shape
+        numel = math.prod(shape)
+        total[0] += tensors
+        total[1] += tensors * (numel * DTYPE_BITS[dtype] >> 3)
+        total[2] += tensors * numel
+    first = _first_names(names, templates, stored_dtypes, flags, totals)
+    return templates, flags, {key: (first[key], *total) for key, total in totals.items()}, group_shapes
+
+
+def _per_element(declaration: QuantDeclaration | None, roles: dict[tuple, TensorRole]) -> dict[tuple, int | None]:
+    """group -> the declaration's values per stored element, for the groups holding a packed or
+    integer weight: their example modules resolved against the declaration at once (a ModelOpt
+    exclude list holds hundreds of entries; NameSet matches them without a pass per module)."""
+    if declaration is None:
+        return {}
+    modules = {key: role.module for key, role in roles.items() if role.kind in PACKED_KINDS or (role.kind == "weight" and key[1] in _INTEGER_DTYPES)}
+    if not modules:
+        return {}
+    scheme_of = resolve(declaration, sorted(set(modules.values()))).scheme_of
+    return {key: group.values_per_element if (group := scheme_of.get(module)) else None for key, module in modules.items()}

@@ -16,12 +16,14 @@ from functools import lru_cache
 from importlib import resources
 from operator import itemgetter
 
+from fp4forge.audit import checks_params
+from fp4forge.audit.checks_params import same_shape as _same_shape
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.deep_scan import FP8_SCHEME, NVFP4_SCHEME, DeepValues, deep_values, magnitude_tensors
 from fp4forge.audit.findings import Issue, natural_key
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
-from fp4forge.checkpoint.declarations import MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
-from fp4forge.checkpoint.layout import split_suffix
+from fp4forge.checkpoint.declarations import KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
 from fp4forge.errors import ConfigError
@@ -46,6 +48,7 @@ def run(ctx: AuditContext) -> list[Issue]:
     else:
         issues += [issue("quant-config-invalid", f"problems in {decl.where}", problem) for problem in decl.problems]
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
+        issues += checks_params.format_issues(decl)
         if ctx.layout is not None and ctx.tensor_format == MXFP4:
             issues += mxfp4_issues(ctx, decl)
         elif ctx.layout is not None and ctx.tensor_format is not None:
@@ -54,6 +57,13 @@ def run(ctx: AuditContext) -> list[Issue]:
             issues += fused_ignore_issues(ctx, resolution)
             issues += scheme_issues(ctx, resolution)
             issues += fused_scale_issues(ctx, resolution)
+            issues += checks_params.param_issues(ctx, resolution)
+        elif ctx.layout is not None and decl.format in KEYED_FORMATS:
+            resolution = resolve(decl, list(ctx.linear_modules), engine_unquantized=ctx.engine_unquantized)
+            issues += target_issues(ctx, decl, resolution)
+            issues += checks_params.param_issues(ctx, resolution)
+            for module in sorted(resolution.ignored | resolution.untargeted):
+                issues += unexpected_quantization(ctx, module, "ignored" if module in resolution.ignored else "untargeted")
     issues += scale_value_issues(ctx)
     if ctx.deep:
         issues += scale_magnitude_issues(ctx)
@@ -313,16 +323,10 @@ def _missing_tensor(module: str, suffix: str, scheme: str, component: str, file:
     return issue("scheme-tensor-missing", f"{scheme} Linears lacking {suffix}", module, tensors=[name], file=file)
 
 
-def _same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
-    """Per-tensor scales may be 0-d or [1]: vLLM loads either (docs/formats.md#fp8-e4m3)."""
-    scalar = ((), (1,))
-    return tuple(stored) == tuple(expected) or (tuple(stored) in scalar and tuple(expected) in scalar)
-
-
 def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Issue]:
     params = ctx.modules.get(module, {})
     weight = params.get("weight")
-    scales = [s for s in params if _kind(s) in SCALE_KINDS or _kind(s) == "packed_fp4"]
+    scales = [s for s in params if _kind(s) in SCALE_KINDS or _kind(s) in PACKED_KINDS]
     quantized_weight = weight is not None and weight.dtype not in FLOAT_WEIGHT_DTYPES
     if not scales and not quantized_weight:
         return []

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from fp4forge.checkpoint import vllm_params
 from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 
 CT = "compressed-tensors"
@@ -29,6 +30,12 @@ FORMATS = (CT, MODELOPT)  # the layouts fp4forge writes
 FP8_BLOCK = "fp8"
 MXFP4 = "mxfp4"
 READ_FORMATS = FORMATS + (FP8_BLOCK, MXFP4)
+# Formats whose per-Linear tensors come from vLLM's own quant methods (checkpoint/vllm_params.py),
+# and bitsandbytes, which vLLM 0.32 does not load but whose packing is known (two 4-bit values
+# per byte, bitsandbytes' Params4bit; 8-bit: one value per int8).
+GPTQ, AWQ, BNB = "gptq", "awq", "bitsandbytes"
+KEYED_FORMATS = (GPTQ, AWQ)
+METHOD_ALIASES = {**{m: GPTQ for m in vllm_params.GPTQ_METHODS}, **{m: AWQ for m in vllm_params.AWQ_METHODS}}
 LINEAR_CLASS_TARGET = "Linear"
 
 # compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'
@@ -68,6 +75,16 @@ class SchemeGroup:
     targets: tuple[str, ...]
     description: str  # how the declaration spells it, for messages
     block: tuple[int, int] | None = None  # FP8 block-wise: [out, in] values per weight scale
+    key: str | None = None  # the scheme key of vLLM's parameter data (checkpoint/vllm_params.py)
+    packing: int | None = None  # values per stored weight element, for a format vLLM's data lacks (bnb)
+
+    @property
+    def values_per_element(self) -> int | None:
+        """Logical parameters per stored element of this group's weight tensor: from vLLM's
+        parameter data (8 for 4-bit values in an int32), else the format's own packing."""
+        if self.key is not None:
+            return vllm_params.weight_values_per_element(self.key)
+        return self.packing
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,7 @@ class QuantDeclaration:
 
     @property
     def matcher(self) -> Callable[[str, str], bool]:
-        return {CT: match_ct, MODELOPT: match_modelopt}.get(self.format, match_skip_list)
+        return {CT: match_ct, MODELOPT: match_modelopt, AWQ: match_substring}.get(self.format, match_skip_list)
 
 
 # -- matching -------------------------------------------------------------------------------------
@@ -121,6 +138,12 @@ def match_skip_list(pattern: str, module: str) -> bool:
     if module == pattern or module.startswith(pattern + "."):
         return True
     return any(c in pattern for c in "*?[") and any(fnmatch.fnmatchcase(p, pattern) for p in _self_and_parents(module))
+
+
+def match_substring(pattern: str, module: str) -> bool:
+    """AWQ's `modules_to_not_convert` as vLLM's AutoAWQConfig matches it (is_layer_skipped,
+    match_mode "substring"): any entry contained in the module name."""
+    return pattern in module
 
 
 def is_class_name(target: str) -> bool:
@@ -194,10 +217,11 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
             problems.append(f"config group {name!r}: format {fmt!r} disagrees with its {scheme} arguments "
                             f"(compressed-tensors decompresses {scheme} as {CT_FORMATS[scheme]!r})")
         description = f"{name} ({fmt or 'format?'})"
-        if scheme is None:
+        key = vllm_params.ct_key(group, qc.get("format"))
+        if scheme is None and vllm_params.scheme_entry(key) is None:
             unsupported.append(description)
         block = _block_size(group["weights"].get("block_structure"), problems, f"config group {name!r} block_structure") if scheme == "fp8_block" else None
-        groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description, block=block))
+        groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description, block=block, key=key))
     ignore = qc.get("ignore") or []
     kv = _ct_kv(qc.get("kv_cache_scheme"), problems)
     if qc.get("sparsity_config"):
@@ -241,27 +265,33 @@ def parse_modelopt(doc: dict[str, Any], *, where: str) -> QuantDeclaration:
     exclude = quant.get("exclude_modules", quant.get("ignore")) or []
     groups: list[SchemeGroup] = []
     if algo == "MIXED_PRECISION":
-        layers = quant.get("quantized_layers") or {}
-        by_scheme: dict[str | None, list[str]] = {}
-        for module, entry in layers.items():
-            layer_algo = (entry or {}).get("quant_algo")
-            scheme = SCHEME_OF_MODELOPT_ALGO.get(layer_algo)
-            if scheme is None and f"quantized_layers {layer_algo}" not in unsupported:
-                unsupported.append(f"quantized_layers {layer_algo}")
-            by_scheme.setdefault(scheme, []).append(module)
-        groups = [
-            SchemeGroup(f"quantized_layers {MODELOPT_ALGOS.get(s, '?')}", s, tuple(m), f"MIXED_PRECISION {MODELOPT_ALGOS.get(s, '?')}")
-            for s, m in by_scheme.items()
-        ]
+        groups = _mixed_precision_groups(quant, unsupported)
     elif algo is not None:
         scheme = SCHEME_OF_MODELOPT_ALGO.get(algo)
         if scheme == "nvfp4" and _all_groups_weight_only(quant):
             scheme = "nvfp4a16"  # vLLM reroutes it (PR #54427)
-        if scheme is None:
+        if scheme is None and vllm_params.scheme_entry(vllm_params.modelopt_key(algo, quant.get("group_size"))) is None:
             unsupported.append(f"quant_algo {algo}")
-        groups = [SchemeGroup(f"quant_algo {algo}", scheme, ("*",), f"quant_algo {algo}")]
+        groups = [SchemeGroup(f"quant_algo {algo}", scheme, ("*",), f"quant_algo {algo}", key=vllm_params.modelopt_key(algo, quant.get("group_size")))]
     kv = _modelopt_kv(quant, where, problems)
     return QuantDeclaration(MODELOPT, where, groups, tuple(exclude), kv, problems, unsupported)
+
+
+def _mixed_precision_groups(quant: dict[str, Any], unsupported: list[str]) -> list[SchemeGroup]:
+    """MIXED_PRECISION's `quantized_layers`: one group per (quant_algo, group_size), keyed in vLLM's
+    parameter data by the layer's own group size, else the checkpoint's."""
+    by_algo: dict[tuple[Any, Any], list[str]] = {}
+    for module, entry in (quant.get("quantized_layers") or {}).items():
+        entry = entry or {}
+        by_algo.setdefault((entry.get("quant_algo"), entry.get("group_size", quant.get("group_size"))), []).append(module)
+    groups = []
+    for (layer_algo, group_size), modules in by_algo.items():
+        scheme = SCHEME_OF_MODELOPT_ALGO.get(layer_algo)
+        key = vllm_params.modelopt_key(layer_algo, group_size)
+        if scheme is None and vllm_params.scheme_entry(key) is None and f"quantized_layers {layer_algo}" not in unsupported:
+            unsupported.append(f"quantized_layers {layer_algo}")
+        groups.append(SchemeGroup(f"quantized_layers {layer_algo}", scheme, tuple(modules), f"MIXED_PRECISION {layer_algo}", key=key))
+    return groups
 
 
 def _all_groups_weight_only(quant: dict[str, Any]) -> bool:
@@ -321,12 +351,15 @@ def parse_fp8(qc: dict[str, Any]) -> QuantDeclaration:
     where = "config.json quantization_config"
     problems: list[str] = []
     ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
-    if qc.get("weight_block_size") is None:
-        return QuantDeclaration(FP8_BLOCK, where, [], tuple(ignore), None, problems, ["quant_method fp8 without weight_block_size (per-tensor)"])
+    key = vllm_params.fp8_key(qc)
+    if qc.get("weight_block_size") is None:  # per tensor: judged by vLLM's parameter data alone
+        groups = [SchemeGroup("quant_method fp8", None, (LINEAR_CLASS_TARGET,), "fp8 per-tensor", key=key)]
+        unsupported = [f"fp8 per-tensor, activation_scheme {qc.get('activation_scheme')!r}"] if vllm_params.scheme_entry(key) is None else []
+        return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems, unsupported)
     block = _block_size(qc["weight_block_size"], problems, "weight_block_size")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         problems.append(f"block-wise FP8 with activation_scheme {qc.get('activation_scheme')!r}; vLLM supports only dynamic activations with weight_block_size")
-    groups = [SchemeGroup("quant_method fp8", "fp8_block", (LINEAR_CLASS_TARGET,), f"fp8 block {block[0]}x{block[1]}" if block else "fp8 block", block=block)] if block else []
+    groups = [SchemeGroup("quant_method fp8", "fp8_block", (LINEAR_CLASS_TARGET,), f"fp8 block {block[0]}x{block[1]}" if block else "fp8 block", block=block, key=key)] if block else []
     return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems)
 
 
@@ -336,6 +369,38 @@ def parse_mxfp4(qc: dict[str, Any]) -> QuantDeclaration:
     ignore = qc.get("modules_to_not_convert") or []
     groups = [SchemeGroup("quant_method mxfp4", "mxfp4", ("experts",), "mxfp4 experts")]
     return QuantDeclaration(MXFP4, "config.json quantization_config", groups, tuple(ignore), None)
+
+
+def parse_gptq_awq(fmt: str, qc: dict[str, Any]) -> QuantDeclaration:
+    """GPTQ (`gptq`, `gptq_marlin`, `auto_gptq`) and AWQ (`awq`, `awq_marlin`, `auto_awq`): every
+    Linear of the decoder layers carries the parameters vLLM's method creates for the declared
+    bits / group size / desc_act / sym (AWQ: zero_point), keyed in vLLM's parameter data. vLLM
+    quantizes lm_head only with `lm_head: true`; AWQ skips `modules_to_not_convert`; GPTQ's
+    per-module `dynamic` overrides are not resolved (a problem says so)."""
+    key = vllm_params.gptq_key(qc) if fmt == GPTQ else vllm_params.awq_key(qc)
+    problems = []
+    if fmt == GPTQ and qc.get("dynamic"):
+        problems.append("GPTQ `dynamic` per-module overrides are not resolved: modules they change are judged by the base scheme")
+    ignore = list(qc.get("modules_to_not_convert") or []) if fmt == AWQ else []
+    if not qc.get("lm_head"):
+        ignore.append("lm_head")
+    description = f"{fmt} " + ", ".join(f"{k}={v}" for k, v in sorted(vllm_params.scheme_args(key).items()) if k != "method")
+    groups = [SchemeGroup(f"quant_method {fmt}", None, (LINEAR_CLASS_TARGET,), description, key=key)]
+    unsupported = [description] if vllm_params.scheme_entry(key) is None else []
+    return QuantDeclaration(fmt, "config.json quantization_config", groups, tuple(ignore), None, problems, unsupported)
+
+
+def parse_bitsandbytes(qc: dict[str, Any]) -> QuantDeclaration:
+    """transformers' BitsAndBytesConfig: 4-bit (nf4/fp4, two values per U8 byte, the quantization
+    state in `<m>.weight.absmax` / `quant_map` / `nested_*` / `quant_state.*`) or 8-bit (int8
+    `<m>.weight`, `<m>.SCB`); `llm_int8_skip_modules` stay unquantized."""
+    four = bool(qc.get("load_in_4bit")) or qc.get("_load_in_4bit") is True
+    description = f"bitsandbytes 4-bit {qc.get('bnb_4bit_quant_type', 'fp4')}" if four else "bitsandbytes 8-bit"
+    if four and qc.get("bnb_4bit_use_double_quant"):
+        description += ", double quant"
+    groups = [SchemeGroup("quant_method bitsandbytes", None, (LINEAR_CLASS_TARGET,), description, packing=2 if four else 1)]
+    ignore = tuple(qc.get("llm_int8_skip_modules") or ())
+    return QuantDeclaration(BNB, "config.json quantization_config", groups, ignore, None)
 
 
 def stored_quantization_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -390,8 +455,12 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
         return parse_fp8(qc)
     if detected == MXFP4:
         return parse_mxfp4(qc)
+    if METHOD_ALIASES.get(str(detected)) in KEYED_FORMATS:
+        return parse_gptq_awq(METHOD_ALIASES[detected], qc)
+    if detected == BNB:
+        return parse_bitsandbytes(qc)
     if detected is not None:
-        return QuantDeclaration(detected, "config.json quantization_config", [], (), None, unsupported=[f"quant_method {detected}"])
+        return QuantDeclaration(detected, "config.json quantization_config", [], (), None)  # not_understood() says so
     return None
 
 
@@ -415,6 +484,18 @@ def _modelopt_disagreements(config_form: QuantDeclaration, sidecar: QuantDeclara
     return out
 
 
+def not_understood(decl: QuantDeclaration | None) -> str | None:
+    """Why fp4forge cannot say what this declaration's tensors hold (None: it can): a
+    quant_method it does not read, or a declared scheme whose packing neither its tables nor
+    vLLM's parameter data give."""
+    if decl is None:
+        return None
+    if decl.format not in READ_FORMATS + KEYED_FORMATS + (BNB,):
+        return f"quant_method {decl.format}: a format fp4forge cannot judge"
+    unknown = [g.description for g in decl.groups if g.scheme is None and g.values_per_element is None]
+    return f"declared schemes fp4forge cannot judge: {', '.join(unknown)}" if unknown else None
+
+
 # -- resolution per module ------------------------------------------------------------------------
 @dataclass
 class Resolution:
@@ -434,9 +515,10 @@ def resolve(decl: QuantDeclaration, linears: list[str], *, engine_unquantized: s
     regex, which beats the class target `Linear`; ignore always wins. ``engine_unquantized``:
     Linears the serving engine builds without a quantization method whatever the declaration
     says (routers, DeepSeek-V3.2's indexer weights_proj; the layout's data), counted as ignored
-    for the formats whose class-wide target would otherwise reach them (fp8, mxfp4)."""
+    for the formats whose class-wide target would otherwise reach them (fp8, mxfp4, GPTQ, AWQ,
+    bitsandbytes)."""
     names = NameSet(linears)
-    ignored: set[str] = set(engine_unquantized) & set(linears) if decl.format in (FP8_BLOCK, MXFP4) else set()
+    ignored: set[str] = set(engine_unquantized) & set(linears) if decl.format in (FP8_BLOCK, MXFP4) + KEYED_FORMATS + (BNB,) else set()
     unmatched_ignores = []
     for pattern in decl.ignore:
         hits = names.matching(pattern, decl.matcher)
@@ -514,6 +596,8 @@ class NameSet:
             return list(self.names)  # callers pass Linear modules only
         if is_class_name(pattern) and match is not match_skip_list:
             return []  # other class names cannot be resolved from headers
+        if match is match_substring:
+            return self.containing(pattern)
         if match is match_modelopt:
             hits = self.containing(pattern)
             if _is_pattern(pattern):

@@ -30,8 +30,11 @@ UNKNOWN = "unknown"
 KV_SCALES = "kv_cache_scales"
 # Kinds whose bytes are overhead of a weight rather than parameters.
 METADATA_KINDS = frozenset(
-    {"weight_scale", "weight_global_scale", "input_scale", "input_global_scale", "zero_point", "kv_scale"}
+    {"weight_scale", "weight_global_scale", "input_scale", "input_global_scale", "zero_point", "kv_scale", "g_idx", "quant_state"}
 )
+# Kinds that hold a Linear's parameters packed several to a stored element (how many: the
+# declaration's bit width, or two per byte for a U8 FP4 tensor).
+PACKED_KINDS = frozenset({"packed_fp4", "packed_weight"})
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class TensorRole:
     name: str
     module: str
     suffix: str
-    kind: str  # weight | packed_fp4 | bias | one of METADATA_KINDS | unknown
+    kind: str  # weight | one of PACKED_KINDS | bias | one of METADATA_KINDS | unknown
     component: str
 
 
@@ -119,6 +122,16 @@ def _suffix_kinds() -> dict[str, str]:
 
 
 @lru_cache(maxsize=1)
+def _tail_kinds() -> dict[str, tuple[tuple[str, str], ...]]:
+    """last dotted part -> ((tail, kind), ...): suffixes of several dotted parts (bitsandbytes'
+    `weight.absmax`), whose module is the name before the whole tail."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for entry in _load_toml("_common.toml").get("tails", ()):
+        out.setdefault(entry["tail"].rpartition(".")[2], []).append((entry["tail"], entry["kind"]))
+    return {last: tuple(tails) for last, tails in out.items()}
+
+
+@lru_cache(maxsize=1)
 def _ending_kinds() -> tuple[tuple[str, str], ...]:
     doc = _load_toml("_common.toml")
     return tuple((entry["ending"], entry["kind"]) for entry in doc.get("endings", ()))
@@ -129,6 +142,9 @@ def split_suffix(name: str) -> tuple[str, str, str]:
     a few formats glue an ending to the module instead (`experts.gate_up_proj_blocks` ->
     (`experts.gate_up_proj`, `blocks`, packed_fp4))."""
     module, _, last = name.rpartition(".")
+    for tail, tail_kind in _tail_kinds().get(last, ()):
+        if name.endswith("." + tail):
+            return name[: -len(tail) - 1], tail, tail_kind
     kind = _suffix_kinds().get(last)
     if kind is not None:
         return module, last, kind
@@ -143,8 +159,12 @@ def split_suffixes(names) -> dict[str, tuple[str, str, str]]:
     part, so it is worked out once per distinct last part (a few dozen) and applied by slicing."""
     rules: dict[str, tuple[int | None, str, str]] = {}  # last part -> (chars cut from the end | None for the dot, suffix, kind)
     out: dict[str, tuple[str, str, str]] = {}
+    tails = _tail_kinds()
     for name in names:
         module, _, last = name.rpartition(".")
+        if last in tails:  # a suffix of several parts: split name by name
+            out[name] = split_suffix(name)
+            continue
         rule = rules.get(last)
         if rule is None:
             split_module, suffix, kind = split_suffix(last)

@@ -43,7 +43,10 @@ def show_byte_table(location: str, as_json: bool = False, markdown: bool = False
         out = console()
         for rich_table in byte_table_rich(table):
             out.print(fit_table(rich_table, out))
-        out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
+        if table.not_understood:
+            out.print(f"headline: [bold]not understood[/bold] ({table.not_understood}); params count stored elements")
+        else:
+            out.print(f"headline [bold]{table.bpp or 0:.3f}[/bold] bits/param" + (f"; routed experts [bold]{table.experts_bpp:.3f}[/bold]" if table.experts_bpp else ""))
     if table.unknown_tensors:
         console(stderr=True).print(f"[yellow]warning:[/yellow] {len(table.unknown_tensors)} tensors match no component of layout {table.layout!r}, e.g. {table.unknown_tensors[:3]}")
     if table.layout_inferred and not as_json:

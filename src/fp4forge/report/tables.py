@@ -91,8 +91,11 @@ def byte_table_markdown(table: ByteTable) -> str:
     lines += ["", "| dtype | tensors | bytes |", "|---|---|---|"]
     for dtype, entry in table.dtypes.items():
         lines.append(f"| {dtype} | {entry['tensors']:,} | {entry['bytes']:,} |")
-    lines += ["", f"Headline: **{_fmt_bpp(table.bpp)} bits per parameter**"
-              + (f"; routed experts alone: **{_fmt_bpp(table.experts_bpp)}**." if table.experts_bpp is not None else ".")]
+    if table.not_understood:
+        lines += ["", f"Headline: **not understood** ({table.not_understood}); the params column counts stored elements."]
+    else:
+        lines += ["", f"Headline: **{_fmt_bpp(table.bpp)} bits per parameter**"
+                  + (f"; routed experts alone: **{_fmt_bpp(table.experts_bpp)}**." if table.experts_bpp is not None else ".")]
     if table.layout_inferred:
         lines += ["", f"Components inferred from tensor names ({table.layout}): no layout table for this architecture."]
     return "\n".join(lines) + "\n"
