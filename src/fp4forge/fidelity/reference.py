@@ -82,17 +82,19 @@ INPUT_SCALE_REDUCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 # -- the patched forward ------------------------------------------------------------------------
-def _act_quant(q: ServedLinear, numerics: str) -> Callable[[Tensor], Tensor]:
+def _act_quant(q: ServedLinear, numerics: str, device: torch.device) -> Callable[[Tensor], Tensor]:
     if q.act_scale is None or q.family not in QUANTIZED_ACTIVATIONS[numerics]:
         return lambda x: x
+    scale = q.act_scale.to(device)
     if q.family == "nvfp4":
-        return lambda x: nvfp4_fake_quantize_activation(x, q.act_scale)
-    return lambda x: fp8_fake_quantize_reciprocal(x, q.act_scale)
+        return lambda x: nvfp4_fake_quantize_activation(x, scale)
+    return lambda x: fp8_fake_quantize_reciprocal(x, scale)
 
 
 def _patch_linear(module: torch.nn.Module, q: ServedLinear, numerics: str) -> None:
-    quant = _act_quant(q, numerics)
-    weight = q.weight.to(module.weight.dtype)
+    # The patched weights live where the module's own do (the model is moved before patching).
+    quant = _act_quant(q, numerics, module.weight.device)
+    weight = q.weight.to(device=module.weight.device, dtype=module.weight.dtype)
 
     def forward(x: Tensor) -> Tensor:
         return F.linear(quant(x), weight, module.bias)
@@ -101,13 +103,13 @@ def _patch_linear(module: torch.nn.Module, q: ServedLinear, numerics: str) -> No
 
 
 def _patch_experts(module: torch.nn.Module, q: ServedExperts, numerics: str, moe_input_scale: str) -> None:
-    dtype = module.gate_up_proj.dtype
-    gate_up, down = q.gate_up.to(dtype), q.down.to(dtype)
+    dtype, device = module.gate_up_proj.dtype, module.gate_up_proj.device
+    gate_up, down = q.gate_up.to(device=device, dtype=dtype), q.down.to(device=device, dtype=dtype)
     gs = None
     if "nvfp4" in QUANTIZED_ACTIVATIONS[numerics] and q.gate_up_amax is not None:
         reduce = INPUT_SCALE_REDUCTIONS[moe_input_scale]
         # 1 / amax-ratio in F32, as the fused kernels compute a1_gscale = 1 / a13_scale.
-        gs = {"w13": 1.0 / reduce(q.gate_up_amax), "w2": 1.0 / reduce(q.down_amax)}
+        gs = {"w13": (1.0 / reduce(q.gate_up_amax)).to(device), "w2": (1.0 / reduce(q.down_amax)).to(device)}
     intermediate = gate_up.shape[1] // 2
 
     def fake_quant(h: Tensor, expert: int, gemm: str) -> Tensor:
@@ -195,8 +197,9 @@ def load_reference(
     kv_rounding: KvRounding = "nearest",
     dtype: torch.dtype = torch.float32,
     fp8_kv: bool = True,
+    device: str | torch.device = "cpu",
 ) -> torch.nn.Module:
-    """A transformers Laguna model that computes the quantized checkpoint with ``numerics``.
+    """A transformers Laguna model that computes the quantized checkpoint with ``numerics``, on ``device``.
     ``fp8_kv=False``: K/V stay unquantized even where the checkpoint ships FP8 KV scales (what a
     server computes when it serves the declared FP8 KV cache unquantized)."""
     from transformers import AutoModelForCausalLM
@@ -206,13 +209,13 @@ def load_reference(
     ckpt_dir = Path(ckpt_dir)
     view = _open(ckpt_dir)
     config = json.loads((ckpt_dir / CONFIG_JSON).read_text())
-    kv = _kv_scales(view, config["num_hidden_layers"])
+    kv = {layer: (k.to(device), v.to(device)) for layer, (k, v) in _kv_scales(view, config["num_hidden_layers"]).items()}
     if kv_rounding not in E4M3_ROUNDINGS:
         raise ConfigError(f"kv_rounding {kv_rounding!r} is not one of {', '.join(E4M3_ROUNDINGS)}")
     attn = _register_fp8_kv_attention(kv, "sdpa", kv_rounding) if kv and fp8_kv else "sdpa"
     with tempfile.TemporaryDirectory(prefix="fp4forge-ref-") as tmp:
         _write_dense_copy(ckpt_dir, view, Path(tmp))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=attn).eval()
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=attn).eval().to(device)
     lookup = dict(model.named_modules())
     moe_layers: dict[str, int] = {}
     for module in sorted(view.linears):
