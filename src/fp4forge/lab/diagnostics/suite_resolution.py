@@ -64,10 +64,13 @@ class Plan:
     budget_minutes: float = 11.0
 
 
-# 2,000 steps of the default recipe take about 1.5 min on an H100; the largest build twice.
-GPU_PLAN = Plan(runs=6, curve_runs=3, curve=((440, 1, 0), (1000, 1, 0), (2000, 1, 0), (1000, 2, 0), (2000, 2, 0), (2000, 2, 1)))
-TOY_PLAN = Plan(runs=2, curve_runs=2, curve=((2, 1, 0), (3, 2, 0), (3, 2, 1)), max_new_tokens=12, limit=3, calibration_samples=2,
-                eval_windows=2, workers=2, budget_minutes=15.0)
+# 2,000 steps of the default recipe take about 1.5 min alone on an H100 (several at once share it);
+# lengths 440 / 1,000 / 2,000 at width 1, and the largest, width 2, from two seeds.
+GPU_PLAN = Plan(runs=6, curve_runs=3, curve=((440, 1, 0), (1000, 1, 0), (2000, 1, 0), (2000, 2, 0), (2000, 2, 1)))
+# Every kind of job once or twice, small: the whole path on a 2-core CPU (the GPU plan's widths and
+# second seed go through the same code).
+TOY_PLAN = Plan(runs=2, curve_runs=2, curve=((2, 1, 0),), max_new_tokens=12, limit=3, calibration_samples=2,
+                eval_windows=2, workers=2, budget_minutes=40.0)
 
 
 def build_name(steps: int, width: int, seed: int) -> str:
@@ -87,14 +90,6 @@ class Job:
 
 
 # -- the jobs (each runs in a worker process) ----------------------------------------------------
-@contextlib.contextmanager
-def _single_thread() -> Any:
-    import torch
-
-    torch.set_num_threads(1)  # many workers share the host's cores
-    yield
-
-
 def calibrate_job(out: str, src: str, samples: int) -> dict[str, Any]:
     from fp4forge.lab.study.run import StudyOptions, calibrate_for_arms
 
@@ -198,11 +193,10 @@ def play_job(out: str, label: str, model_dir: str, source_dir: str, numerics: st
     from fp4forge.lab.diagnostics.offline_suite import play
     from fp4forge.quality.suite import load_suite
 
-    with _single_thread():
-        model = _load_player(model_dir, source_dir, numerics, device)
-        tokenizer = AutoTokenizer.from_pretrained(source_dir)
-        scenarios = load_suite().scenarios[: plan["limit"]]
-        result = play(model, tokenizer, scenarios, device, plan["max_new_tokens"], plan["temperature"], seed)
+    model = _load_player(model_dir, source_dir, numerics, device)
+    tokenizer = AutoTokenizer.from_pretrained(source_dir)
+    scenarios = load_suite().scenarios[: plan["limit"]]
+    result = play(model, tokenizer, scenarios, device, plan["max_new_tokens"], plan["temperature"], seed)
     path = Path(out) / "plays" / label / f"run-{seed}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"arm": label, "model": model_dir, "numerics": numerics, **result}, indent=1) + "\n")
@@ -441,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     work = args.work or args.out.resolve().parent / "suite-resolution-work"
     args.out.mkdir(parents=True, exist_ok=True)
+    # The workers share the host's cores (set before they start: torch reads it on import).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.workers)))
     testbed = shipped_testbed()
     started = time.monotonic()
     jobs = plan_jobs(str(work), str(testbed.path), plan, device)
