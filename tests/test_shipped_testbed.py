@@ -147,3 +147,16 @@ def test_a_build_with_the_shipped_bytes_compares_equal_and_a_changed_one_does_no
     other = compare_with_shipped(build, _report_like_shipped(**{"host.cpu_capability": "AVX2"}))
     assert not other["same_bytes"] and other["differing_files"] == [f"{shard.name} (changed)"]
     assert "AVX2" in other["reasons"][0]
+
+
+def test_cli_build_says_how_it_differs_from_the_shipped_testbed(tmp_path: Path) -> None:
+    """The untrained init (--steps 0) of the shipped seed: the same inputs but the training settings."""
+    out = tmp_path / "init"
+    result = subprocess.run([sys.executable, "-m", "fp4forge.cli", "testbed", "trained-laguna", str(out), "--steps", "0", "--json"],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    comparison = json.loads(result.stdout)["shipped_comparison"]
+    assert comparison["shipped"]["sha256"] == shipped_testbed().sha256 and not comparison["same_bytes"]
+    assert any(name.endswith(".safetensors (changed)") for name in comparison["differing_files"])
+    assert comparison["reasons"][0] == "other training settings: steps"
+    assert "fp4forge-training.json" not in " ".join(comparison["differing_files"])  # its timing differs between any two builds

@@ -128,6 +128,37 @@ def _patch_experts(module: torch.nn.Module, q: ServedExperts, numerics: str, moe
     module.forward = forward
 
 
+def _patch_fp8_experts(module: torch.nn.Module, view: QuantizedCheckpoint, moe: str, count: int) -> None:
+    """Routed FP8 W8A8 experts as vLLM's FP8 MoE holds them: gate/up fused and requantized to their
+    larger weight scale, one static input scale per GEMM for the whole layer (the largest over the
+    experts); activations FP8 in every numerics mode, as for FP8 Linears."""
+    dtype, device = module.gate_up_proj.dtype, module.gate_up_proj.device
+    experts = []
+    for e in range(count):
+        gate, up, down = (f"{moe}.{e}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj"))
+        fused = [view.served_linear(m, ((gate, up),)) for m in (gate, up)]
+        experts.append((torch.cat([q.weight for q in fused]), fused, view.served_linear(down)))
+    scales = {gemm: [q.act_scale for q in qs if q.act_scale is not None] for gemm, qs in
+              (("w13", [q for _, fused, _ in experts for q in fused]), ("w2", [d for _, _, d in experts]))}
+    quant = {gemm: (lambda x, s=torch.stack(found).max().to(device): fp8_fake_quantize_reciprocal(x, s)) if found else (lambda x: x)
+             for gemm, found in scales.items()}
+    gate_up = [w.to(device=device, dtype=dtype) for w, _, _ in experts]
+    down = [d.weight.to(device=device, dtype=dtype) for _, _, d in experts]
+    intermediate = gate_up[0].shape[0] // 2
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in torch.unique(top_k_index).tolist():
+            tokens, slots = torch.where(top_k_index == expert)
+            h = F.linear(quant["w13"](hidden_states[tokens]), gate_up[expert])
+            h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
+            h = F.linear(quant["w2"](h), down[expert])
+            out.index_add_(0, tokens, (h * top_k_weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+    module.forward = forward
+
+
 def _kv_scales(view: QuantizedCheckpoint, num_layers: int) -> dict[int, tuple[Tensor, Tensor]]:
     stored = view.kv_scales(f"model.layers.{layer}" for layer in range(num_layers))
     scales = {}
@@ -225,7 +256,10 @@ def load_reference(
         else:
             _patch_linear(lookup[_in_memory(module)], view.served_linear(module, FUSED_LINEARS), numerics)
     for moe, count in moe_layers.items():
-        _patch_experts(lookup[moe], view.served_experts(moe, count), numerics, moe_input_scale)
+        if view.linears[f"{moe}.0.gate_proj"].family == "fp8":
+            _patch_fp8_experts(lookup[moe], view, moe, count)
+        else:
+            _patch_experts(lookup[moe], view.served_experts(moe, count), numerics, moe_input_scale)
     model.generation_config.eos_token_id = None  # generate exactly max_tokens, as vLLM's ignore_eos
     return model
 

@@ -136,7 +136,7 @@ def corpus_and_tokenizer(seed: int, spec: CorpusSpec) -> tuple[Corpus, Any]:
 
 
 @dataclass(frozen=True)
-class _Prepared:
+class PreparedBuild:
     corpus: Corpus
     tokenizer: Any
     key_inputs: dict[str, Any]
@@ -154,10 +154,11 @@ class _Prepared:
         }
 
 
-def _prepare(seed: int, config: TrainingConfig, spec: CorpusSpec) -> _Prepared:
+def prepare_build(seed: int, config: TrainingConfig, spec: CorpusSpec) -> PreparedBuild:
+    """The corpus, tokenizer and cache key of a build's settings under the current code."""
     corpus, tokenizer = corpus_and_tokenizer(seed, spec)
     inputs = trained_laguna_key_inputs(seed, config, spec, corpus, tokenizer.backend_tokenizer.to_str())
-    return _Prepared(corpus, tokenizer, inputs, key_of(inputs))
+    return PreparedBuild(corpus, tokenizer, inputs, key_of(inputs))
 
 
 def build_trained_laguna(
@@ -173,7 +174,7 @@ def build_trained_laguna(
     (on ``device``: any other than the CPU gives other bytes than the cached CPU build)."""
     if progress is not None:
         progress(0, config.steps, "generating the corpus")
-    prepared = _prepare(seed, config, spec)
+    prepared = prepare_build(seed, config, spec)
     extra = {**prepared.extra_report(spec, device), "device": device}
     return train_laguna(out, prepared.corpus.train, prepared.corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra,
                         device=device, tokenizer=prepared.tokenizer)
@@ -183,7 +184,7 @@ def cached_trained_laguna(
     *, seed: int = 0, config: TrainingConfig = TrainingConfig(), spec: CorpusSpec = CorpusSpec(), progress: Progress = None
 ) -> Path:
     """The trained checkpoint for these settings, from the cache or built into it."""
-    prepared = _prepare(seed, config, spec)
+    prepared = prepare_build(seed, config, spec)
     model_dir = cache_root() / prepared.key / MODEL_SUBDIR
     if (model_dir / training.REPORT_FILE).is_file():
         return model_dir

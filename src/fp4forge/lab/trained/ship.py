@@ -39,13 +39,13 @@ def _key_inputs(report: dict[str, Any]) -> dict[str, Any]:
     report's cache key (a GPU build, or a build of other code, is not what would ship)."""
     from dataclasses import fields
 
-    from fp4forge.lab.trained.build import _prepare
+    from fp4forge.lab.trained.build import prepare_build
     from fp4forge.lab.trained.training import TrainingConfig
     from fp4forge.lab.trained.training_corpus import CorpusSpec
 
     corpus = report.get("corpus", {})
     spec = CorpusSpec(**{f.name: _tupled(corpus[f.name]) for f in fields(CorpusSpec) if f.name in corpus})
-    prepared = _prepare(report["seed"], TrainingConfig(**report["training"]), spec)
+    prepared = prepare_build(report["seed"], TrainingConfig(**report["training"]), spec)
     if report.get("cache_key") != prepared.key:
         raise ConfigError(f"the build's cache key {report.get('cache_key')} is not the current code's key {prepared.key} for its settings: "
                           f"ship a CPU build of this code (`{_recipe(report)}`)", option="model_dir")
