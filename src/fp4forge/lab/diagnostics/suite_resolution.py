@@ -48,6 +48,8 @@ BF16 = "bf16"
 ARMS = ("nvfp4-w4a4-minmax", "nvfp4-w4a16-minmax", "fp8", "int2-g16-mse", "int2-g32-mse")
 CURVE_ARM = "int2-g32-mse"
 SHIPPED = "shipped"
+PLAYS = "plays"  # under OUT: one record per run
+JOBS_FILE = "jobs.json"  # under OUT: every finished job's result, written as they finish
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,8 @@ class Plan:
     calibration_samples: int = 32
     eval_windows: int = 24
     workers: int = 14
-    budget_minutes: float = 11.0
+    # No job starts later: the last plays end near it, within a 10-minute command with start-up and report.
+    budget_minutes: float = 8.0
 
 
 # 2,000 steps of the default recipe take about 1.5 min alone on an H100 (several at once share it);
@@ -197,10 +200,10 @@ def play_job(out: str, label: str, model_dir: str, source_dir: str, numerics: st
     tokenizer = AutoTokenizer.from_pretrained(source_dir)
     scenarios = load_suite().scenarios[: plan["limit"]]
     result = play(model, tokenizer, scenarios, device, plan["max_new_tokens"], plan["temperature"], seed)
-    path = Path(out) / "plays" / label / f"run-{seed}.json"
+    path = Path(out) / PLAYS / label / f"run-{seed}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"arm": label, "model": model_dir, "numerics": numerics, **result}, indent=1) + "\n")
-    return {"path": str(path), "earned": result["earned"], "max": result["max"], "cut_at_max_tokens": result["cut_at_max_tokens"],
+    return {"path": str(path.relative_to(out)), "earned": result["earned"], "max": result["max"], "cut_at_max_tokens": result["cut_at_max_tokens"],
             "turns": result["turns"], "seed": seed}
 
 
@@ -228,16 +231,17 @@ def _play(out: str, device: str, plan: Plan, build: str, arm: str, run: int, sou
     return Job(f"play:{build}:{arm}:{run}", play_job, args, deps, round=run + 1)
 
 
-def plan_jobs(out: str, src: str, plan: Plan, device: str) -> list[Job]:
-    jobs = [Job("calibrate", calibrate_job, lambda done: (out, src, plan.calibration_samples))]
+def plan_jobs(work: str, out: str, src: str, plan: Plan, device: str) -> list[Job]:
+    """Students and builds go to ``work``, the plays' records to ``out``."""
+    jobs = [Job("calibrate", calibrate_job, lambda done: (work, src, plan.calibration_samples))]
     for arm in ARMS:
         exported = not arm.startswith("int2")
         jobs.append(Job(f"student:{SHIPPED}:{arm}", student_job, lambda done, arm=arm, exported=exported: (
-            out, src, arm, done["calibrate"]["stats"] if exported else None), ("calibrate",) if exported else ()))
+            work, src, arm, done["calibrate"]["stats"] if exported else None), ("calibrate",) if exported else ()))
     for steps, width, seed in plan.curve:
         build = build_name(steps, width, seed)
-        jobs.append(Job(f"train:{build}", train_job, lambda done, steps=steps, width=width, seed=seed: (out, steps, width, seed, device, plan.eval_windows)))
-        jobs.append(Job(f"student:{build}:{CURVE_ARM}", student_job, lambda done, build=build: (out, done[f"train:{build}"]["path"], CURVE_ARM, None),
+        jobs.append(Job(f"train:{build}", train_job, lambda done, steps=steps, width=width, seed=seed: (work, steps, width, seed, device, plan.eval_windows)))
+        jobs.append(Job(f"student:{build}:{CURVE_ARM}", student_job, lambda done, build=build: (work, done[f"train:{build}"]["path"], CURVE_ARM, None),
                         (f"train:{build}",)))
     for run in range(max(plan.runs, plan.curve_runs)):
         if run < plan.runs:
@@ -257,7 +261,7 @@ def _estimate(finished: list[Job]) -> float:
     return seconds[len(seconds) // 2] if seconds else 0.0
 
 
-def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str], None]) -> list[str]:
+def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str], None], on_finish: Callable[[], None]) -> list[str]:
     """Every job whose dependencies succeeded, in order of (round, position), until the budget;
     returns the not-run notes."""
     deadline = time.monotonic() + budget_s
@@ -290,16 +294,17 @@ def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str]
                 else:
                     done[job.name] = job.result or {}
                 log(f"{job.name}: {'failed: ' + (job.error or '').splitlines()[0] if job.error else 'done'} in {job.seconds:.0f} s")
+                on_finish()
     notes = [f"{job.name}: not started within the budget of {budget_s / 60:.0f} min" for job in pending]
     notes += [f"{job.name}: {job.error.splitlines()[0]}" for job in jobs if job.error]
     return notes
 
 
 # -- what the runs say ---------------------------------------------------------------------------
-def arm_runs(jobs: list[Job], build: str, arm: str) -> list[dict[str, Any]]:
+def arm_runs(jobs: list[Job], out: Path, build: str, arm: str) -> list[dict[str, Any]]:
     """The finished runs of one arm on one build (their full records), by seed."""
     prefix = f"play:{build}:{arm}:"
-    docs = [json.loads(Path(j.result["path"]).read_text()) for j in jobs if j.name.startswith(prefix) and j.result]
+    docs = [json.loads((out / j.result["path"]).read_text()) for j in jobs if j.name.startswith(prefix) and j.result]
     return sorted(docs, key=lambda d: d["seed"])
 
 
@@ -311,7 +316,7 @@ def noise_only_mde(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     adds variance, so this is the floor of what can be detected."""
     import numpy as np
 
-    from fp4forge.quality.stats import minimum_detectable_effect
+    from fp4forge.quality.stats import minimum_detectable_effect, smallest_significant_discordance
 
     if len(runs) < 2:
         return None
@@ -319,9 +324,10 @@ def noise_only_mde(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     by_id = [{s["id"]: s for s in run["scenarios"]} for run in runs]
     scores = np.array([[run[i]["earned"] / max(1, run[i]["max"]) for i in ids] for run in by_id])
     sd = math.sqrt(2 * float(scores.var(axis=0, ddof=1).mean()) / len(runs))
-    mde = minimum_detectable_effect(len(ids), sd) if sd > 0 else 0.0
+    mde = minimum_detectable_effect(len(ids), sd) if sd > 0 else None  # no run moved: the draws show no noise to scale
     return {"runs_per_arm": len(runs), "scenarios": len(ids), "sd_diff": sd, "mean_fraction": mde,
-            "points_of_max": mde * runs[0]["max"], "max_points": runs[0]["max"]}
+            "points_of_max": None if mde is None else mde * runs[0]["max"], "max_points": runs[0]["max"],
+            "smallest_significant_discordance": smallest_significant_discordance()}
 
 
 def _compare(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -335,20 +341,20 @@ def _arm_row(name: str, runs: list[dict[str, Any]], against: list[dict[str, Any]
             "cut_at_max_tokens": [r["cut_at_max_tokens"] for r in runs], "vs_bf16": _compare(against, runs) if name != BF16 else None}
 
 
-def summarise(jobs: list[Job], plan: Plan) -> dict[str, Any]:
+def summarise(jobs: list[Job], plan: Plan, out: Path) -> dict[str, Any]:
     by_name = {j.name: j for j in jobs}
-    bf16 = arm_runs(jobs, SHIPPED, BF16)
+    bf16 = arm_runs(jobs, out, SHIPPED, BF16)
     resolution = [_arm_row(BF16, bf16, bf16, {"bpp": 16.0})]
     for arm in ARMS:
-        student = by_name[f"student:{SHIPPED}:{arm}"].result or {}
-        resolution.append(_arm_row(arm, arm_runs(jobs, SHIPPED, arm), bf16, {"bpp": student.get("bpp"), "numerics": student.get("numerics")}))
+        student = (by_name[f"student:{SHIPPED}:{arm}"].result if f"student:{SHIPPED}:{arm}" in by_name else None) or {}
+        resolution.append(_arm_row(arm, arm_runs(jobs, out, SHIPPED, arm), bf16, {"bpp": student.get("bpp"), "numerics": student.get("numerics")}))
     curve = []
     for steps, width, seed in plan.curve:
         build = build_name(steps, width, seed)
-        trained = by_name[f"train:{build}"].result
+        trained = by_name[f"train:{build}"].result if f"train:{build}" in by_name else None
         if trained is None:
             continue
-        base, quantized = arm_runs(jobs, build, BF16), arm_runs(jobs, build, CURVE_ARM)
+        base, quantized = arm_runs(jobs, out, build, BF16), arm_runs(jobs, out, build, CURVE_ARM)
         curve.append({"build": build, **{k: v for k, v in trained.items() if k != "path"},
                       "bf16": _arm_row(BF16, base, base, {}), CURVE_ARM: _arm_row(CURVE_ARM, quantized, base, {})})
     return {"resolution": resolution, "aa": _compare(bf16[0::2], bf16[1::2]) if len(bf16) >= 2 else None,
@@ -383,9 +389,11 @@ def resolution_markdown(doc: dict[str, Any]) -> list[str]:
     if aa is not None:
         lines += ["", f"A/A (BF16's even against odd runs): {_discordant(aa)} discordant, sign p = {_fmt_p(aa)}, verdict: {_verdict(aa)}."]
     if mde is not None:
+        least = f"the sign test needs at least {mde['smallest_significant_discordance']} discordant scenarios, all one way"
         lines += ["", f"Smallest effect detected with {mde['runs_per_arm']} runs per arm on {mde['scenarios']} scenarios (paired, alpha 0.05, "
-                      f"power 0.8, sampling noise only): a mean per-scenario score difference of {mde['mean_fraction']:.3f}, "
-                      f"about {mde['points_of_max']:.1f} of {mde['max_points']} points."]
+                      f"power 0.8, sampling noise only): " + (f"a mean per-scenario score difference of {mde['mean_fraction']:.3f}, "
+                      f"about {mde['points_of_max']:.1f} of {mde['max_points']} points; {least}." if mde["mean_fraction"] is not None else
+                      f"not estimable, no scenario's score moved between runs; {least}.")]
     return lines
 
 
@@ -417,36 +425,69 @@ def write_report(out: Path, doc: dict[str, Any]) -> None:
     (out / "resolution.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def save_jobs(out: Path, jobs: list[Job], meta: dict[str, Any]) -> None:
+    """Every job's state so far, so a run stopped from outside still leaves a report (``--report-only``)."""
+    doc = {"meta": meta, "jobs": [{"name": j.name, "result": j.result, "error": j.error, "seconds": j.seconds} for j in jobs]}
+    tmp = out / (JOBS_FILE + ".partial")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(out / JOBS_FILE)
+
+
+def report(out: Path, notes: list[str] | None = None) -> str:
+    """resolution.json and resolution.md from ``OUT/jobs.json`` and the plays' records."""
+    saved = json.loads((out / JOBS_FILE).read_text())
+    meta, plan = saved["meta"], Plan(**{**saved["meta"]["plan"], "curve": tuple(map(tuple, saved["meta"]["plan"]["curve"]))})
+    jobs = [Job(j["name"], play_job, lambda done: (), result=j["result"], error=j["error"], seconds=j["seconds"]) for j in saved["jobs"]]
+    if notes is None:  # a run that was stopped: what had not finished
+        notes = [f"{j.name}: did not finish before the run ended" for j in jobs if j.result is None and j.error is None]
+        notes += [f"{j.name}: {j.error.splitlines()[0]}" for j in jobs if j.error]
+    doc = {**summarise(jobs, plan, out), "meta": {**meta, "not_run": notes, "jobs": {j.name: {"seconds": j.seconds, "error": j.error} for j in jobs}}}
+    write_report(out, doc)
+    return (out / "resolution.md").read_text()
+
+
+def run(out: Path, work: Path, plan: Plan, device: str) -> str:
+    import torch
+
+    from fp4forge.testbed.shipped import shipped_testbed
+
+    out.mkdir(parents=True, exist_ok=True)
+    # The workers share the host's cores (set before they start: torch reads it on import).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.workers)))
+    testbed = shipped_testbed()
+    started = time.monotonic()
+    meta = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)", "plan": asdict(plan),
+            "testbed": testbed.identity(), "torch": torch.__version__, "wall_seconds": 0.0}
+    jobs = plan_jobs(str(work), str(out), str(testbed.path), plan, device)
+
+    def saved() -> None:
+        meta["wall_seconds"] = time.monotonic() - started
+        save_jobs(out, jobs, meta)
+
+    notes = run_jobs(jobs, plan.workers, plan.budget_minutes * 60, lambda line: print(f"[{time.monotonic() - started:6.0f}s] {line}", flush=True), saved)
+    saved()
+    return report(out, notes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "suite-resolution")), help="results (default: $OUT)")
     parser.add_argument("--work", type=Path, default=None, help="students and builds (default: OUT/../suite-resolution-work)")
     parser.add_argument("--device", default=None, help="cuda (default when one is present) or cpu")
     parser.add_argument("--toy", action="store_true", help="a few scenarios, tiny builds: the whole path in minutes on a CPU")
-    parser.add_argument("--budget-minutes", type=float, default=None)
+    parser.add_argument("--budget-minutes", type=float, default=None, help="no job starts after this (default: 8 on a GPU)")
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from OUT/jobs.json (e.g. of a run stopped from outside)")
     args = parser.parse_args(argv)
+    if args.report_only:
+        print(report(args.out))
+        return 0
     import torch
-
-    from fp4forge.testbed.shipped import shipped_testbed
 
     plan = TOY_PLAN if args.toy else GPU_PLAN
     plan = replace(plan, **{k: v for k, v in (("budget_minutes", args.budget_minutes), ("workers", args.workers)) if v is not None})
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    work = args.work or args.out.resolve().parent / "suite-resolution-work"
-    args.out.mkdir(parents=True, exist_ok=True)
-    # The workers share the host's cores (set before they start: torch reads it on import).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.workers)))
-    testbed = shipped_testbed()
-    started = time.monotonic()
-    jobs = plan_jobs(str(work), str(testbed.path), plan, device)
-    notes = run_jobs(jobs, plan.workers, plan.budget_minutes * 60, lambda line: print(f"[{time.monotonic() - started:6.0f}s] {line}", flush=True))
-    doc = summarise(jobs, plan)
-    doc["meta"] = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)", "plan": asdict(plan),
-                   "testbed": testbed.identity(), "wall_seconds": time.monotonic() - started, "not_run": notes, "torch": torch.__version__,
-                   "jobs": {j.name: {"seconds": j.seconds, "error": j.error} for j in jobs}}
-    write_report(args.out, doc)
-    print((args.out / "resolution.md").read_text())
+    print(run(args.out, args.work or args.out.resolve().parent / "suite-resolution-work", plan, device))
     return 0
 
 
