@@ -22,10 +22,12 @@ Each training, student and play is a job of a pool of worker processes (a tiny m
 mostly idle; the CPU that launches its kernels is the limit). Jobs are started in rounds (run 1
 of every arm, then run 2, ...) until ``--budget-minutes``; what did not start is listed as not run.
 Writes ``OUT/resolution.json`` and ``OUT/resolution.md``; every play's transcript texts and scores
-are kept under ``OUT/plays/``.
+are kept under ``OUT/plays/``, every finished job in ``OUT/jobs.json`` as it finishes
+(``--report-only`` writes the report from it). Students and builds go to ``--work``.
 
     python -m fp4forge.lab.diagnostics.suite_resolution --out OUT --device cuda   # the GPU plan
     python -m fp4forge.lab.diagnostics.suite_resolution --out OUT --toy           # minutes on a CPU
+    python -m fp4forge.lab.diagnostics.suite_resolution --out OUT --report-only   # the report again
 """
 
 from __future__ import annotations
