@@ -297,7 +297,7 @@ def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str]
                     done[job.name] = job.result or {}
                 log(f"{job.name}: {'failed: ' + (job.error or '').splitlines()[0] if job.error else 'done'} in {job.seconds:.0f} s")
                 on_finish()
-    notes = [f"{job.name}: not started within the budget of {budget_s / 60:.0f} min" for job in pending]
+    notes = [f"{job.name}: not started within the budget of {max(0.0, budget_s) / 60:.0f} min" for job in pending]
     notes += [f"{job.name}: {job.error.splitlines()[0]}" for job in jobs if job.error]
     return notes
 
