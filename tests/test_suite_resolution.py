@@ -1,4 +1,4 @@
-"""The resolution probe's own logic (the GPU run itself is recorded in benchmarks/): its minimum
+"""The resolution probe's own logic (its GPU run is a measurement, not a test): its minimum
 detectable effect against a hand computation, and its job pool's order, failures and budget."""
 
 from __future__ import annotations
