@@ -256,10 +256,10 @@ def load_reference(
         else:
             _patch_linear(lookup[_in_memory(module)], view.served_linear(module, FUSED_LINEARS), numerics)
     for moe, count in moe_layers.items():
-        if view.linears[f"{moe}.0.gate_proj"].family == "fp8":
-            _patch_fp8_experts(lookup[moe], view, moe, count)
-        else:
+        if view.linears[f"{moe}.0.gate_proj"].packs_fp4:
             _patch_experts(lookup[moe], view.served_experts(moe, count), numerics, moe_input_scale)
+        else:  # FP8 W8A8 experts
+            _patch_fp8_experts(lookup[moe], view, moe, count)
     model.generation_config.eos_token_id = None  # generate exactly max_tokens, as vLLM's ignore_eos
     return model
 

@@ -96,9 +96,9 @@ class Job:
 
 # -- the jobs (each runs in a worker process) ----------------------------------------------------
 def calibrate_job(out: str, src: str, samples: int) -> dict[str, Any]:
-    from fp4forge.lab.study.run import StudyOptions, calibrate_for_arms
+    from fp4forge.lab.study.run import calibrate_for_arms, study_options
 
-    options = StudyOptions(calibration_samples=samples, calibration_text_files=(str(Path(src) / "fp4forge-calibration.jsonl"),))
+    options = study_options(calibration_samples=samples, calibration_text_files=(str(Path(src) / "fp4forge-calibration.jsonl"),))
     calibrate_for_arms(src, Path(out) / "stats.safetensors", options)
     return {"stats": str(Path(out) / "stats.safetensors")}
 

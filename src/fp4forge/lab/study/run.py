@@ -346,6 +346,11 @@ def _frontier_part(src: str, options: StudyOptions, parts: _Parts, progress: Pro
     return json.loads((out / "frontier.json").read_text(encoding="utf-8"))
 
 
+def study_options(**given: Any) -> StudyOptions:
+    """The study's options from what a caller set (the command line, a probe): their one construction site."""
+    return StudyOptions(**given)
+
+
 def calibrate_for_arms(src: str, stats: Path, options: StudyOptions, progress: Progress = None) -> Path:
     """The activation statistics every exported arm needs (every exported recipe quantizes activations)."""
     from fp4forge.calibrate.run import calibrate_to_file
