@@ -21,8 +21,8 @@ $(BIN)/.fp4forge-ready: pyproject.toml constraints.txt
 
 install: $(BIN)/.fp4forge-ready
 
-# The main job on the built-in trained tiny Laguna testbed (trained here from scratch once, about ten
-# minutes on 2 cores, then cached by content hash), as one resumable `fp4forge pipeline`: calibrate
+# The main job on the trained tiny Laguna testbed fp4forge ships (`fp4forge testbed shipped`: the
+# same bytes on every machine, verified by sha256; no training), as one resumable `fp4forge pipeline`: calibrate
 # it layer by layer, export NVFP4 W4A4 experts + FP8 attention/shared expert + calibrated FP8 KV
 # scales, check the KV scales, audit, byte table, fidelity against the BF16 teacher (calibration and
 # fidelity on the text the testbed ships: its own training and held-out documents), the serve line,
@@ -31,11 +31,12 @@ install: $(BIN)/.fp4forge-ready
 # $(DEMO)/trained-laguna-nvfp4/README.md. Re-running skips every step whose inputs did not change.
 COMMA := ,
 DEMO_SERVE := $(if $(wildcard $(VLLM_VENV)/bin/vllm),--serve --vllm-venv $(VLLM_VENV) --bench perf$(COMMA)quality --quality-teacher,)
-# BASE_MODEL=NAME/trained-laguna: where the testbed is published, for the card's base_model (README.md).
+# BASE_MODEL=NAME/trained-laguna: a Hub repository the testbed was published to, for the card's
+# base_model (README.md); without it the card states the shipped testbed's name, version and sha256.
 BASE_MODEL ?=
 DEMO_BASE := $(if $(BASE_MODEL),--base-model $(BASE_MODEL),)
 demo: install
-	@if [ ! -d $(DEMO)/trained-laguna ]; then $(BIN)/fp4forge testbed trained-laguna $(DEMO)/trained-laguna --cache; fi
+	@if [ ! -d $(DEMO)/trained-laguna ]; then $(BIN)/fp4forge testbed shipped $(DEMO)/trained-laguna; fi
 	$(BIN)/fp4forge pipeline $(DEMO)/trained-laguna $(DEMO)/trained-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn \
 	  --calib-samples 16 --calib-seq-len 256 --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl $(DEMO_SERVE) $(DEMO_BASE)
 

@@ -21,12 +21,7 @@ from fp4forge.serve import VllmServer, launch_vllm
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# The trained testbed is the one exception: its cache entry is keyed by a content hash of
-# everything that makes it (code, corpus, settings, library versions) and renamed into place only
-# when complete, so the ten-minute build is made once per machine and reused by later sessions
-# (tests/trained_fixtures.py reads this variable).
-os.environ.setdefault("FP4FORGE_TRAINED_TESTBED_CACHE_DIR", os.environ.get("FP4FORGE_CACHE_DIR") or str(Path.home() / ".cache" / "fp4forge"))
-# fp4forge's other on-disk caches (the audit's skeleton cache) go to a directory of this test
+# fp4forge's on-disk caches (the audit's skeleton cache) go to a directory of this test
 # session, for the tests and every fp4forge subprocess they start: no state from, or into, the
 # home cache.
 os.environ["FP4FORGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp4forge-test-cache-")

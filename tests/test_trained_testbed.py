@@ -1,7 +1,8 @@
 """The trained testbed's corpus, template, statistics and determinism, on small settings.
 
-The full ten-minute training is built once by ``tests/trained_fixtures.py``; these tests use a
-few optimizer steps on a few dozen documents, which exercise the same code path.
+The full ten-minute training is not run here (``tests/trained_fixtures.py`` serves the testbed
+fp4forge ships); these tests use a few optimizer steps on a few dozen documents, which exercise
+the same code path, and the cache on them.
 """
 
 from __future__ import annotations

@@ -109,6 +109,11 @@ class DataFileError(Fp4forgeError):
     """A data file fp4forge ships or generates (rule table, a generated doc block) is malformed."""
 
 
+class ShippedTestbedError(DataFileError):
+    """A testbed fp4forge ships whose files do not match its manifest's sha256 hashes (a file
+    missing, added or changed since it was shipped), or whose manifest is missing or malformed."""
+
+
 class WriteError(Fp4forgeError):
     """An output could not be written; nothing half-written is left in place."""
 

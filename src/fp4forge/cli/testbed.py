@@ -1,4 +1,4 @@
-"""`fp4forge testbed tiny-laguna|tiny-qwen3-moe|trained-laguna|synth`: local test models, no internet needed."""
+"""`fp4forge testbed tiny-laguna|tiny-qwen3-moe|shipped|trained-laguna|synth`: local test models, no internet needed."""
 
 from __future__ import annotations
 
@@ -34,6 +34,22 @@ def testbed_tiny_laguna(
     with progress_bar("building tiny Laguna", not as_json) as progress:
         path = build_tiny_laguna(out_dir, seed=seed, dense=dense, progress=progress)
     _report_built(path, as_json)
+
+
+@testbed_app.command("shipped")
+def testbed_shipped(
+    out_dir: Path = typer.Argument(..., metavar="OUT", help="Directory to create."),
+    name: str = typer.Option("trained-laguna", "--name", help="Which shipped testbed (the trained tiny Laguna)."),
+    as_json: bool = typer.Option(False, "--json", help="Print its identity and where it was written as JSON."),
+) -> None:
+    """A copy of a testbed fp4forge ships (the trained tiny Laguna), verified by sha256: the same bytes on every machine, no training."""
+    from fp4forge.testbed.shipped import copy_shipped_testbed
+
+    testbed = copy_shipped_testbed(out_dir, name)
+    if as_json:
+        emit_json(testbed.to_json())
+        return
+    console().print(f"[green]wrote[/green] {testbed.path}: {testbed.label}, sha256 {testbed.sha256} (verified)", highlight=False)
 
 
 @testbed_app.command("tiny-qwen3-moe")

@@ -82,17 +82,19 @@ INPUT_SCALE_REDUCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 # -- the patched forward ------------------------------------------------------------------------
-def _act_quant(q: ServedLinear, numerics: str) -> Callable[[Tensor], Tensor]:
+def _act_quant(q: ServedLinear, numerics: str, device: torch.device) -> Callable[[Tensor], Tensor]:
     if q.act_scale is None or q.family not in QUANTIZED_ACTIVATIONS[numerics]:
         return lambda x: x
+    scale = q.act_scale.to(device)
     if q.family == "nvfp4":
-        return lambda x: nvfp4_fake_quantize_activation(x, q.act_scale)
-    return lambda x: fp8_fake_quantize_reciprocal(x, q.act_scale)
+        return lambda x: nvfp4_fake_quantize_activation(x, scale)
+    return lambda x: fp8_fake_quantize_reciprocal(x, scale)
 
 
 def _patch_linear(module: torch.nn.Module, q: ServedLinear, numerics: str) -> None:
-    quant = _act_quant(q, numerics)
-    weight = q.weight.to(module.weight.dtype)
+    # The patched weights live where the module's own do (the model is moved before patching).
+    quant = _act_quant(q, numerics, module.weight.device)
+    weight = q.weight.to(device=module.weight.device, dtype=module.weight.dtype)
 
     def forward(x: Tensor) -> Tensor:
         return F.linear(quant(x), weight, module.bias)
@@ -101,13 +103,13 @@ def _patch_linear(module: torch.nn.Module, q: ServedLinear, numerics: str) -> No
 
 
 def _patch_experts(module: torch.nn.Module, q: ServedExperts, numerics: str, moe_input_scale: str) -> None:
-    dtype = module.gate_up_proj.dtype
-    gate_up, down = q.gate_up.to(dtype), q.down.to(dtype)
+    dtype, device = module.gate_up_proj.dtype, module.gate_up_proj.device
+    gate_up, down = q.gate_up.to(device=device, dtype=dtype), q.down.to(device=device, dtype=dtype)
     gs = None
     if "nvfp4" in QUANTIZED_ACTIVATIONS[numerics] and q.gate_up_amax is not None:
         reduce = INPUT_SCALE_REDUCTIONS[moe_input_scale]
         # 1 / amax-ratio in F32, as the fused kernels compute a1_gscale = 1 / a13_scale.
-        gs = {"w13": 1.0 / reduce(q.gate_up_amax), "w2": 1.0 / reduce(q.down_amax)}
+        gs = {"w13": (1.0 / reduce(q.gate_up_amax)).to(device), "w2": (1.0 / reduce(q.down_amax)).to(device)}
     intermediate = gate_up.shape[1] // 2
 
     def fake_quant(h: Tensor, expert: int, gemm: str) -> Tensor:
@@ -120,6 +122,37 @@ def _patch_experts(module: torch.nn.Module, q: ServedExperts, numerics: str, moe
             h = F.linear(fake_quant(hidden_states[tokens], expert, "w13"), gate_up[expert])
             h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
             h = F.linear(fake_quant(h, expert, "w2"), down[expert])
+            out.index_add_(0, tokens, (h * top_k_weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+    module.forward = forward
+
+
+def _patch_fp8_experts(module: torch.nn.Module, view: QuantizedCheckpoint, moe: str, count: int) -> None:
+    """Routed FP8 W8A8 experts as vLLM's FP8 MoE holds them: gate/up fused and requantized to their
+    larger weight scale, one static input scale per GEMM for the whole layer (the largest over the
+    experts); activations FP8 in every numerics mode, as for FP8 Linears."""
+    dtype, device = module.gate_up_proj.dtype, module.gate_up_proj.device
+    experts = []
+    for e in range(count):
+        gate, up, down = (f"{moe}.{e}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj"))
+        fused = [view.served_linear(m, ((gate, up),)) for m in (gate, up)]
+        experts.append((torch.cat([q.weight for q in fused]), fused, view.served_linear(down)))
+    scales = {gemm: [q.act_scale for q in qs if q.act_scale is not None] for gemm, qs in
+              (("w13", [q for _, fused, _ in experts for q in fused]), ("w2", [d for _, _, d in experts]))}
+    quant = {gemm: (lambda x, s=torch.stack(found).max().to(device): fp8_fake_quantize_reciprocal(x, s)) if found else (lambda x: x)
+             for gemm, found in scales.items()}
+    gate_up = [w.to(device=device, dtype=dtype) for w, _, _ in experts]
+    down = [d.weight.to(device=device, dtype=dtype) for _, _, d in experts]
+    intermediate = gate_up[0].shape[0] // 2
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in torch.unique(top_k_index).tolist():
+            tokens, slots = torch.where(top_k_index == expert)
+            h = F.linear(quant["w13"](hidden_states[tokens]), gate_up[expert])
+            h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
+            h = F.linear(quant["w2"](h), down[expert])
             out.index_add_(0, tokens, (h * top_k_weights[tokens, slots, None]).to(out.dtype))
         return out
 
@@ -195,8 +228,9 @@ def load_reference(
     kv_rounding: KvRounding = "nearest",
     dtype: torch.dtype = torch.float32,
     fp8_kv: bool = True,
+    device: str | torch.device = "cpu",
 ) -> torch.nn.Module:
-    """A transformers Laguna model that computes the quantized checkpoint with ``numerics``.
+    """A transformers Laguna model that computes the quantized checkpoint with ``numerics``, on ``device``.
     ``fp8_kv=False``: K/V stay unquantized even where the checkpoint ships FP8 KV scales (what a
     server computes when it serves the declared FP8 KV cache unquantized)."""
     from transformers import AutoModelForCausalLM
@@ -206,13 +240,13 @@ def load_reference(
     ckpt_dir = Path(ckpt_dir)
     view = _open(ckpt_dir)
     config = json.loads((ckpt_dir / CONFIG_JSON).read_text())
-    kv = _kv_scales(view, config["num_hidden_layers"])
+    kv = {layer: (k.to(device), v.to(device)) for layer, (k, v) in _kv_scales(view, config["num_hidden_layers"]).items()}
     if kv_rounding not in E4M3_ROUNDINGS:
         raise ConfigError(f"kv_rounding {kv_rounding!r} is not one of {', '.join(E4M3_ROUNDINGS)}")
     attn = _register_fp8_kv_attention(kv, "sdpa", kv_rounding) if kv and fp8_kv else "sdpa"
     with tempfile.TemporaryDirectory(prefix="fp4forge-ref-") as tmp:
         _write_dense_copy(ckpt_dir, view, Path(tmp))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=attn).eval()
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation=attn).eval().to(device)
     lookup = dict(model.named_modules())
     moe_layers: dict[str, int] = {}
     for module in sorted(view.linears):
@@ -222,7 +256,10 @@ def load_reference(
         else:
             _patch_linear(lookup[_in_memory(module)], view.served_linear(module, FUSED_LINEARS), numerics)
     for moe, count in moe_layers.items():
-        _patch_experts(lookup[moe], view.served_experts(moe, count), numerics, moe_input_scale)
+        if view.linears[f"{moe}.0.gate_proj"].packs_fp4:
+            _patch_experts(lookup[moe], view.served_experts(moe, count), numerics, moe_input_scale)
+        else:  # FP8 W8A8 experts
+            _patch_fp8_experts(lookup[moe], view, moe, count)
     model.generation_config.eos_token_id = None  # generate exactly max_tokens, as vLLM's ignore_eos
     return model
 

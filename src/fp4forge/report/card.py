@@ -457,6 +457,21 @@ def _score_floor_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def resolving_power(doc: dict[str, Any]) -> str:
+    """What the suite can tell apart on this model with these runs: the sign test's least
+    discordance, and the smallest mean per-scenario difference detected with 80 % power
+    (docs/quality.md#resolving-power-on-the-shipped-testbed)."""
+    power = doc["power"]
+    least = f"p < {doc.get('alpha', 0.05)} needs ≥ {power['min_discordant']} discordant scenarios, all one way"
+    if power.get("mde_80") is not None:
+        mde, spread = power["mde_80"], f"the observed sd(d) {power['sd_diff']:.3f}"
+    elif power.get("mde_80_by_sd"):
+        mde, spread = power["mde_80_by_sd"]["0.3"], "sd(d) 0.3 (no scenario differed, so none was observed)"
+    else:
+        return least
+    return f"{least}; 80 % power for a mean per-scenario difference of {mde:.3f} (about {mde * doc['max_points']:.0f} of {doc['max_points']} points) at {spread}"
+
+
 def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
     from fp4forge.report.quality_tables import CATEGORY_HEADERS, category_rows, power_lines
 
@@ -475,6 +490,7 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
         ["exact sign test", f"p = {sign['p']:.3f} ({sign['favours_a']} favour A, {sign['favours_b']} favour B, {sign['ties']} ties)"],
         ["exact McNemar, fully correct", f"p = {doc['mcnemar_fully_correct']['exact_p']:.3f}"],
         ["discordant scenarios", f"{doc['discordant']} of {doc['scenarios']}; {doc['flips_also_within_arm']} also flip within an arm"],
+        *([["resolving power at this size", resolving_power(doc)]] if doc.get("power") else []),
     ])
     from fp4forge.report.quality_tables import ANSWER_HEADERS, answers_rows
 

@@ -9,6 +9,9 @@ are the Hub's: ``base_model`` with ``base_model_relation: quantized`` (the Hub's
   snapshot (``…/models--ORG--NAME/snapshots/REV``), else the ``_name_or_path`` transformers wrote
   into the source's config.json when that is a repository id (a bare local path is never one);
 * ``license``: the source's model card front matter (its README.md);
+* ``fp4forge_testbed``: a shipped fp4forge testbed's identity (name, version, sha256 of its files),
+  carried over from the source's card: the testbed has no Hub repository, so it is never a
+  ``base_model``;
 * ``tags``: fp4forge, the declared layout and schemes (``checkpoint.declarations``), vllm.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 
 from fp4forge.checkpoint.declarations import read_declaration
 from fp4forge.checkpoint.names import CONFIG_JSON, HF_QUANT_CONFIG_JSON
+from fp4forge.testbed.card import IDENTITY_KEY, identity_line
 
 CARD_FILE = "README.md"
 PIPELINE_TAG = "text-generation"  # every architecture fp4forge exports is a causal LM
@@ -86,6 +90,14 @@ def quantization_tags(config: dict[str, Any] | None, extra_json: dict[str, Any])
     return list(dict.fromkeys([declaration.format, *schemes, *kv]))
 
 
+def shipped_testbed_identity(source_meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The source card's ``fp4forge_testbed`` (name, version, sha256), when it states all three."""
+    identity = source_meta.get(IDENTITY_KEY)
+    if isinstance(identity, dict) and {"name", "version", "sha256"} <= set(identity):
+        return {key: identity[key] for key in ("name", "version", "sha256")}
+    return None
+
+
 def front_matter(checkpoint: Path, provenance: dict[str, Any] | None, config: dict[str, Any] | None, base_model: str | None) -> tuple[str, str | None, list[str]]:
     """The card's front matter block, the base model's repository id it names (or None) and the
     facts it could not state (for the card's non-claims)."""
@@ -93,7 +105,9 @@ def front_matter(checkpoint: Path, provenance: dict[str, Any] | None, config: di
 
     location = ((provenance or {}).get("source") or {}).get("location")
     base = base_model or source_repo_id(location)
-    license_id = source_card_metadata(location).get("license")
+    source_meta = source_card_metadata(location)
+    license_id = source_meta.get("license")
+    testbed = shipped_testbed_identity(source_meta)
     extra, unstated = {}, []
     if (checkpoint / HF_QUANT_CONFIG_JSON).is_file():
         try:
@@ -102,8 +116,11 @@ def front_matter(checkpoint: Path, provenance: dict[str, Any] | None, config: di
             unstated.append(f"`{HF_QUANT_CONFIG_JSON}` is present but corrupt ({error}): the tags name no quantization it declares.")
     tags = ["fp4forge", "quantized", *quantization_tags(config, extra), "vllm"]
     data = ModelCardData(base_model=base, license=license_id, tags=list(dict.fromkeys(tags)), pipeline_tag=PIPELINE_TAG,
-                         **({"base_model_relation": "quantized"} if base else {}))
-    if base is None:
+                         **({"base_model_relation": "quantized"} if base else {}), **({IDENTITY_KEY: testbed} if testbed else {}))
+    if base is None and testbed is not None:
+        unstated.append(f"The front matter names no `base_model`: the source is {identity_line(testbed)}, which has no Hub repository; "
+                        f"`{IDENTITY_KEY}` states its identity.")
+    elif base is None:
         unstated.append(f"The front matter names no `base_model`: the source (`{location or 'unknown'}`) is not a Hub repository "
                         "and does not name one; `fp4forge card --base-model REPO_ID` states it.")
     if license_id is None:

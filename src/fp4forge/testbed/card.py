@@ -1,13 +1,18 @@
-"""The testbeds' own model cards: what each is and the terms it ships under.
+"""The trained testbed's own model card: what it is, which build it is and the terms it ships under.
 
 Its front matter is what a quantized export's card carries over (``report/card_metadata.py``
-reads ``license`` from the source's card). The weights and the corpus they were trained on are
-made by fp4forge's own code, so they ship under fp4forge's license.
+reads ``license`` and ``fp4forge_testbed`` from the source's card). The weights and the corpus they
+were trained on are made by fp4forge's own code, so they ship under fp4forge's license. The
+testbed has no Hub repository, so the card names no ``base_model``; a shipped testbed states its
+identity (name, version, sha256 of its files) in ``fp4forge_testbed`` instead.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 LICENSE = "apache-2.0"  # fp4forge's license (pyproject.toml), SPDX id in the Hub's spelling
+IDENTITY_KEY = "fp4forge_testbed"  # front-matter key: {name, version, sha256}
 
 BODY = """
 # trained-laguna (fp4forge testbed)
@@ -31,8 +36,16 @@ template).
 """
 
 
-def testbed_card(body: str = BODY) -> str:
+def identity_line(identity: dict[str, Any]) -> str:
+    return f"fp4forge's shipped testbed `{identity['name']}` v{identity['version']} (sha256 of its files `{identity['sha256'][:16]}…`)"
+
+
+def testbed_card(identity: dict[str, Any] | None = None, *, body: str = BODY) -> str:
+    """The card; with ``identity`` (a shipped testbed's name, version, sha256) it states which build."""
     from huggingface_hub import ModelCardData
 
-    data = ModelCardData(license=LICENSE, library_name="transformers", pipeline_tag="text-generation", tags=["fp4forge", "testbed"])
-    return f"---\n{data.to_yaml()}\n---\n{body}"
+    extra = {IDENTITY_KEY: identity} if identity else {}
+    data = ModelCardData(license=LICENSE, library_name="transformers", pipeline_tag="text-generation", tags=["fp4forge", "testbed"], **extra)
+    shipped = (f"\nThis copy is {identity_line(identity)}: `fp4forge-testbed.json` lists every file's hash and how it was built "
+               "(recipe, seed, build key, host).\n") if identity else ""
+    return f"---\n{data.to_yaml()}\n---\n{body}{shipped}"

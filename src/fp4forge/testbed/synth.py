@@ -262,7 +262,7 @@ def testbed_files(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str
         files[name] = own_text_jsonl(split)
     architecture = (config.get("architectures") or [config["model_type"]])[0]
     body = SYNTH_BODY.format(architecture=architecture, layers=config["num_hidden_layers"], vocab_size=vocab_size)
-    files["README.md"] = testbed_card(body)
+    files["README.md"] = testbed_card(body=body)
     return {**config, **ids}, files
 
 

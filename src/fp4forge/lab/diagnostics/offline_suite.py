@@ -102,7 +102,7 @@ def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log:
         text = tokenizer.decode(new, skip_special_tokens=False)
         for special in ("</assistant>", "<|EOS|>", "〈|EOS|〉"):
             text = text.replace(special, "")
-        log.append({"prompt_tokens": ids.shape[1], "text": text})
+        log.append({"prompt_tokens": ids.shape[1], "text": text, "finished": finished})
         return Reply(parse_reply(text, body["tools"]), "stop" if finished else "length", None, time.monotonic() - started, None)
 
     return post
@@ -122,13 +122,19 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LagunaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     scenarios = generated_one_call_scenarios(generated, entities) if generated else load_suite().scenarios
+    return {"model": str(model_dir), **play(model, tokenizer, scenarios[:limit], device, max_new_tokens, temperature, seed)}
+
+
+def play(model: Any, tokenizer: Any, scenarios: list[Any], device: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Every scenario played against ``model`` (any module with ``generate``: a BF16 checkpoint, or
+    a quantized one through ``fp4forge.fidelity.reference``), scored by the suite's scorer."""
     log: list[dict[str, Any]] = []
     post = make_post(model, tokenizer, device, max_new_tokens, log, temperature, seed)
     config = run_config(base_url=NO_SERVER_URL, model="offline", max_tokens=max_new_tokens)
     earned = maximum = 0
     choice_hits = choice_total = restraint_hits = restraint_total = 0
     per_scenario = []
-    for scenario in scenarios[:limit]:
+    for scenario in scenarios:
         start = len(log)
         record = run_scenario(scenario, config, post)
         earned += record["score"]["earned"]
@@ -145,10 +151,10 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
         per_scenario.append({"id": scenario.id, "earned": record["score"]["earned"], "max": record["score"]["max"],
                              "expected_first": [c.name for c in first.calls] if first.expect == "call" else first.expect,
                              "called_first": called, "texts": [entry["text"] for entry in log[start:]]})
-    return {"model": str(model_dir), "temperature": temperature, "seed": seed, "earned": earned, "max": maximum,
+    return {"temperature": temperature, "seed": seed, "earned": earned, "max": maximum,
             "tool_choice": [choice_hits, choice_total], "restraint": [restraint_hits, restraint_total],
             "turns_with_calls": sum(1 for s in per_scenario for t in s["texts"] if "<tool_call>" in t),
-            "turns": len(log), "scenarios": per_scenario}
+            "turns": len(log), "cut_at_max_tokens": sum(1 for entry in log if not entry["finished"]), "scenarios": per_scenario}
 
 
 def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +186,7 @@ def compare_runs(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]]) -> 
         return {s["id"]: (s["earned"], s["max"]) for s in result["scenarios"]}
 
     result = compare_arms([as_run(r) for r in runs_a], [as_run(r) for r in runs_b], categories)
-    keep = ("points", "mean_fraction_diff", "bootstrap_ci", "sign_test", "sign_flip_p", "discordant", "verdict")
+    keep = ("points", "mean_fraction_diff", "bootstrap_ci", "sign_test", "sign_flip_p", "discordant", "verdict", "power")
     out = {k: result[k] for k in keep}
     out["noise_floor"] = {arm: {k: floor[k] for k in ("total_per_run", "band_points", "max_discordant")} for arm, floor in result["noise_floor"].items()}
     return out

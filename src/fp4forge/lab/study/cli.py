@@ -94,12 +94,12 @@ def _register_study(app: typer.Typer) -> None:
     ) -> None:
         """The quantization study in one resumable run: frontier, whole-model arms with KL and CIs, GEMM bench on a GPU; a Markdown report."""
         from fp4forge.errors import given_options
-        from fp4forge.lab.study.run import StudyOptions, run_study
+        from fp4forge.lab.study.run import run_study, study_options
         from fp4forge.lab.study.tables import arms_rich
 
         try:
             # a flag left out (None) keeps StudyOptions' default (importing it here: torch, so not for --help)
-            options = StudyOptions(**given_options(  # type: ignore[arg-type]
+            options = study_options(**given_options(  # type: ignore[arg-type]
                 formats=_csv(formats) or None, components=_csv(components) or None, int_groups=_groups(groups) or None, arms=_csv(arms) or None,
                 fidelity_samples=samples, fidelity_seq_len=seq_len, calibration_samples=calibration_samples,
                 text_files=tuple(str(p) for p in text or ()), calibration_text_files=tuple(str(p) for p in calibration_text or ()),

@@ -179,33 +179,43 @@ ARM_DESCRIPTIONS = {
 }
 
 
-def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path | None, progress: Progress) -> dict[str, Any]:
-    arm_dir = out / "arms" / name
-    ckpt = arm_dir / "checkpoint"
-    numerics = "w4a16"
-    components = ARM_COMPONENTS
+@dataclass(frozen=True)
+class ArmStudent:
+    """An arm's student checkpoint as written, and what measuring it needs."""
+
+    path: Path
+    components: tuple[str, ...]  # what the arm quantized (its bits per parameter are over these)
+    numerics: str  # w4a4: the checkpoint's activation quantization applied; w4a16: weights only
     bpp: float | None
+    dense: bool  # a fake-quantized BF16 copy (no quantization declaration)
+
+
+def write_arm_student(name: str, src: str, ckpt: Path, options: StudyOptions, stats: Path | None, progress: Progress = None) -> ArmStudent:
+    """Arm ``name``'s student of ``src`` at ``ckpt``: the exporter's checkpoint, or a fake-quantized BF16 copy."""
     if name == "fp8":
         _export(src, ckpt, FP8_RECIPE, "minmax", stats)
         components = ("routed_experts", "shared_expert", "attention", "dense_mlp")
-        numerics = "w4a4"  # the checkpoint's own activation quantization (FP8 static) is applied
-        bpp = read_bpp(ckpt, components)
-    elif name.startswith("nvfp4-"):
+        # The checkpoint's own activation quantization (FP8 static) is applied.
+        return ArmStudent(ckpt, components, "w4a4", read_bpp(ckpt, components), dense=False)
+    if name.startswith("nvfp4-"):
         method = name.rsplit("-", 1)[1]
         if method == "gptq":
             _export(src, ckpt, NVFP4_RECIPE, "minmax", stats, progress, calibration=options.calibration_text(), method="gptq")
         else:
             # The recipe is W4A4, so the export carries activation scales; w4a16 numerics ignore them.
             _export(src, ckpt, NVFP4_RECIPE, method, stats)
-        numerics = "w4a4" if "w4a4" in name else "w4a16"
-        bpp = read_bpp(ckpt, components)
-    elif name in INT2_ARMS:
-        bpp = write_fake_quantized(src, _fresh(ckpt), INT2_ARMS[name], components)["bpp"]
-    else:  # guarded by StudyOptions
-        raise ConfigError(f"unknown arm {name}", option="arms")
-    fidelity = _fidelity_options(options, numerics, dense_student=name in INT2_ARMS)
-    result = measure_arm(src, ckpt, name, ARM_DESCRIPTIONS[name], options=fidelity, bpp=bpp, progress=progress)
-    shutil.rmtree(ckpt)  # the measurement is what the study keeps; the student is rebuilt on demand
+        return ArmStudent(ckpt, ARM_COMPONENTS, "w4a4" if "w4a4" in name else "w4a16", read_bpp(ckpt, ARM_COMPONENTS), dense=False)
+    if name in INT2_ARMS:
+        bpp = write_fake_quantized(src, _fresh(ckpt), INT2_ARMS[name], ARM_COMPONENTS)["bpp"]
+        return ArmStudent(ckpt, ARM_COMPONENTS, "w4a16", bpp, dense=True)
+    raise ConfigError(f"unknown arm {name}", option="arms")  # guarded by StudyOptions
+
+
+def _run_arm(name: str, src: str, out: Path, options: StudyOptions, stats: Path | None, progress: Progress) -> dict[str, Any]:
+    student = write_arm_student(name, src, out / "arms" / name / "checkpoint", options, stats, progress)
+    fidelity = _fidelity_options(options, student.numerics, dense_student=student.dense)
+    result = measure_arm(src, student.path, name, ARM_DESCRIPTIONS[name], options=fidelity, bpp=student.bpp, progress=progress)
+    shutil.rmtree(student.path)  # the measurement is what the study keeps; the student is rebuilt on demand
     return result.to_json()
 
 
@@ -336,17 +346,27 @@ def _frontier_part(src: str, options: StudyOptions, parts: _Parts, progress: Pro
     return json.loads((out / "frontier.json").read_text(encoding="utf-8"))
 
 
-def _calibration_part(src: str, options: StudyOptions, parts: _Parts, progress: Progress) -> Path | None:
+def study_options(**given: Any) -> StudyOptions:
+    """The study's options from what a caller set (the command line, a probe): their one construction site."""
+    return StudyOptions(**given)
+
+
+def calibrate_for_arms(src: str, stats: Path, options: StudyOptions, progress: Progress = None) -> Path:
     """The activation statistics every exported arm needs (every exported recipe quantizes activations)."""
+    from fp4forge.calibrate.run import calibrate_to_file
+
+    if stats.exists():
+        stats.unlink()
+    calibrate_to_file(src, stats, _calibration_options(options), progress=progress)
+    return stats
+
+
+def _calibration_part(src: str, options: StudyOptions, parts: _Parts, progress: Progress) -> Path | None:
     if all(arm in INT2_ARMS for arm in options.arms):
         return None
     stats = parts.out / "stats.safetensors"
     if not parts.resume("calibrate", stats):
-        from fp4forge.calibrate.run import calibrate_to_file
-
-        if stats.exists():
-            stats.unlink()
-        calibrate_to_file(src, stats, _calibration_options(options), progress=progress)
+        calibrate_for_arms(src, stats, options, progress)
         parts.done("calibrate")
     return stats
 

@@ -16,7 +16,7 @@ import importlib
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,30 @@ def _version(dist: str) -> str:
         return "absent"
 
 
+def build_host(device: str = "cpu") -> dict[str, Any]:
+    """What the bytes of a build depend on beyond its cache key: the kernels torch dispatched to
+    (``cpu_capability``: DEFAULT, AVX2, AVX512, ...; another kind rounds differently), the CPU
+    model and architecture, and the device trained on."""
+    import platform
+
+    import torch
+
+    return {"device": device, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_model": _cpu_model(),
+            "machine": platform.machine()}
+
+
+def _cpu_model() -> str:
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def corpus_digest(corpus: Corpus) -> str:
     digest = hashlib.sha256()
     for part, documents in (("train", corpus.train), ("heldout", corpus.heldout)):
@@ -66,8 +90,9 @@ def corpus_digest(corpus: Corpus) -> str:
     return digest.hexdigest()
 
 
-def trained_laguna_cache_key(seed: int, config: TrainingConfig, spec: CorpusSpec, corpus: Corpus, tokenizer_json: str) -> str:
-    """Content hash of (generator + training code, corpus, tokenizer, settings, seed, library versions)."""
+def trained_laguna_key_inputs(seed: int, config: TrainingConfig, spec: CorpusSpec, corpus: Corpus, tokenizer_json: str) -> dict[str, Any]:
+    """What the cache key hashes: generator + training code, corpus, tokenizer, settings, seed,
+    library versions (as JSON types, so a build report or manifest holds it unchanged)."""
     doc: dict[str, Any] = {
         "format": CACHE_FORMAT,
         "code": {name: hashlib.sha256(_module_source(name)).hexdigest() for name in KEY_MODULES},
@@ -81,7 +106,16 @@ def trained_laguna_cache_key(seed: int, config: TrainingConfig, spec: CorpusSpec
         "versions": {dist: _version(dist) for dist in KEY_DISTRIBUTIONS},
         "python": sys.version_info[:2],
     }
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:24]
+    return json.loads(json.dumps(doc))
+
+
+def key_of(inputs: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def trained_laguna_cache_key(seed: int, config: TrainingConfig, spec: CorpusSpec, corpus: Corpus, tokenizer_json: str) -> str:
+    """Content hash of (generator + training code, corpus, tokenizer, settings, seed, library versions)."""
+    return key_of(trained_laguna_key_inputs(seed, config, spec, corpus, tokenizer_json))
 
 
 def cache_root() -> Path:
@@ -101,9 +135,30 @@ def corpus_and_tokenizer(seed: int, spec: CorpusSpec) -> tuple[Corpus, Any]:
     return corpus, tokenizer
 
 
-def _corpus_and_tokenizer(seed: int, spec: CorpusSpec) -> tuple[Corpus, str]:
+@dataclass(frozen=True)
+class PreparedBuild:
+    corpus: Corpus
+    tokenizer: Any
+    key_inputs: dict[str, Any]
+    key: str
+
+    def extra_report(self, spec: CorpusSpec, device: str) -> dict[str, Any]:
+        """What the build report says beside the training measures: the key and its inputs (so a
+        build can say why it differs from another), the corpus, the host."""
+        corpus = self.corpus
+        return {
+            "cache_key": self.key if device == "cpu" else None,  # a GPU build is not what the cache holds under this key
+            "cache_key_inputs": self.key_inputs,
+            "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
+            "host": build_host(device),
+        }
+
+
+def prepare_build(seed: int, config: TrainingConfig, spec: CorpusSpec) -> PreparedBuild:
+    """The corpus, tokenizer and cache key of a build's settings under the current code."""
     corpus, tokenizer = corpus_and_tokenizer(seed, spec)
-    return corpus, tokenizer.backend_tokenizer.to_str()
+    inputs = trained_laguna_key_inputs(seed, config, spec, corpus, tokenizer.backend_tokenizer.to_str())
+    return PreparedBuild(corpus, tokenizer, inputs, key_of(inputs))
 
 
 def build_trained_laguna(
@@ -119,35 +174,23 @@ def build_trained_laguna(
     (on ``device``: any other than the CPU gives other bytes than the cached CPU build)."""
     if progress is not None:
         progress(0, config.steps, "generating the corpus")
-    corpus, tokenizer = corpus_and_tokenizer(seed, spec)
-    tokenizer_json = tokenizer.backend_tokenizer.to_str()
-    key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
-    extra = {
-        # A GPU build is not what the cache would hold under this key.
-        "cache_key": key if device == "cpu" else None,
-        "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
-        "device": device,
-    }
-    return train_laguna(out, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra, device=device,
-                        tokenizer=tokenizer)
+    prepared = prepare_build(seed, config, spec)
+    extra = {**prepared.extra_report(spec, device), "device": device}
+    return train_laguna(out, prepared.corpus.train, prepared.corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra,
+                        device=device, tokenizer=prepared.tokenizer)
 
 
 def cached_trained_laguna(
     *, seed: int = 0, config: TrainingConfig = TrainingConfig(), spec: CorpusSpec = CorpusSpec(), progress: Progress = None
 ) -> Path:
     """The trained checkpoint for these settings, from the cache or built into it."""
-    corpus, tokenizer = corpus_and_tokenizer(seed, spec)
-    tokenizer_json = tokenizer.backend_tokenizer.to_str()
-    key = trained_laguna_cache_key(seed, config, spec, corpus, tokenizer_json)
-    model_dir = cache_root() / key / MODEL_SUBDIR
+    prepared = prepare_build(seed, config, spec)
+    model_dir = cache_root() / prepared.key / MODEL_SUBDIR
     if (model_dir / training.REPORT_FILE).is_file():
         return model_dir
-    extra = {
-        "cache_key": key,
-        "corpus": {**asdict(spec), "families": corpus.families, "train_documents": len(corpus.train), "heldout_documents": len(corpus.heldout)},
-    }
     try:
-        train_laguna(model_dir, corpus.train, corpus.heldout, seed=seed, config=config, progress=progress, extra_report=extra, tokenizer=tokenizer)
+        train_laguna(model_dir, prepared.corpus.train, prepared.corpus.heldout, seed=seed, config=config, progress=progress,
+                     extra_report=prepared.extra_report(spec, "cpu"), tokenizer=prepared.tokenizer)
     except (ConfigError, OSError):
         # The output is renamed into place only when complete; if a concurrent build of the same
         # key won the race, its directory is the same model and is the answer.

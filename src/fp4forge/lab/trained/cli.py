@@ -45,14 +45,36 @@ def testbed_trained_laguna(
         result = copy_cached_trained_laguna(out_dir, seed=seed, config=config, progress=progress)
     else:
         result = build_trained_laguna(out_dir, seed=seed, config=config, progress=progress, device=str(train_device))
+    shipped = _against_shipped(result.path, result.report)
     if as_json:
-        emit_json({"path": str(result.path), **result.report})
+        emit_json({"path": str(result.path), **result.report, "shipped_comparison": shipped})
         return
     out = console()
     out.print(training_summary_rich(result.report))
     for table in tail_stats_rich(result.report):
         out.print(table)
     out.print(f"[green]wrote[/green] {result.path} (report: fp4forge-training.json)")
+    out.print(shipped_comparison_text(shipped), highlight=False)
+
+
+def _against_shipped(path: Path, report: dict) -> dict:  # type: ignore[type-arg]
+    from fp4forge.errors import Fp4forgeError
+    from fp4forge.lab.trained.ship import compare_with_shipped
+
+    try:
+        return compare_with_shipped(path, report)
+    except Fp4forgeError as error:  # the build stands; only the comparison is missing
+        return {"error": error.describe()}
+
+
+def shipped_comparison_text(shipped: dict) -> str:  # type: ignore[type-arg]
+    if "error" in shipped:
+        return f"not compared with the shipped testbed: {shipped['error']}"
+    label = f"{shipped['shipped']['name']} v{shipped['shipped']['version']}"
+    if shipped["same_bytes"]:
+        return f"the same model bytes as the shipped testbed {label} (sha256 {shipped['shipped']['sha256'][:16]}…)"
+    return (f"differs from the shipped testbed {label} (`fp4forge testbed shipped`) in {len(shipped['differing_files'])} files; why: "
+            + "; ".join(shipped["reasons"]))
 
 
 def _line_progress():  # type: ignore[no-untyped-def]
