@@ -214,7 +214,7 @@ def test_paired_comparison_with_the_teacher(ckpt: Path) -> None:
     assert float(rows["exact McNemar, fully correct"].split("=")[1]) == pytest.approx(doc["mcnemar_fully_correct"]["exact_p"], abs=5e-4)
     assert rows["discordant scenarios"].startswith(f"{doc['discordant']} of {doc['scenarios']}")
     power = rows["resolving power at this size"]  # no scenario differed: the MDE at sd(d) 0.3, computed here
-    assert f"≥ {doc['power']['smallest_significant_discordance']} discordant" in power
+    assert f"≥ {doc['power']['min_discordant']} discordant" in power
     mde = (NormalDist().inv_cdf(0.975) + NormalDist().inv_cdf(0.8)) * 0.3 / math.sqrt(doc["scenarios"])
     assert float(re.search(r"difference of ([\d.]+)", power)[1]) == pytest.approx(mde, abs=5e-4)
     assert doc["verdict"]["text"] in text
