@@ -74,39 +74,70 @@ def _state(model) -> dict:
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def observe(path: Path, base: dict | None = None) -> dict:
-    """What vLLM makes of the checkpoint at ``path``: the first stage that raised, or the
-    parameters it created, loaded and processed. Given the ``base``'s observation, processing is
-    skipped once loading already differs from it (the verdict is decided; processing the NVFP4
-    weights is most of the time)."""
-    import torch
+def in_context(path: Path, work):
+    """``work`` given what vLLM built and loaded from ``path`` (or the stage that raised), run
+    with the checkpoint's vLLM config current."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.model_executor.model_loader.utils import initialize_model
 
     args = EngineArgs(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True, load_format="safetensors")
     try:
         config = args.create_engine_config()
     except Exception as exc:  # noqa: BLE001 - any exception is vLLM refusing the checkpoint
-        return {"failure": _failure("config", exc, path)}
-    with set_current_vllm_config(config), torch.device("cpu"):
-        try:
-            model = initialize_model(vllm_config=config)
-        except Exception as exc:  # noqa: BLE001
-            return {"failure": _failure("create", exc, path)}
-        try:
-            loaded = model.load_weights(get_model_loader(config.load_config).get_all_weights(config.model_config, model))
-        except Exception as exc:  # noqa: BLE001
-            return {"failure": _failure("load", exc, path)}
-        seen = {"created": _state(model), "unloaded": sorted(set(dict(model.named_parameters())) - set(loaded or ())),
-                "methods": methods(model), "processed": {}, "process_failures": {}}
-        if base is not None and seen["methods"] == base["methods"] and judge(seen, base, loaded_only=True)["outcome"] == "fine":
-            return {**base, "process": "as the base's: the same methods with the same settings, loaded with the same values"}
-        if base is None or judge(seen, base, loaded_only=True)["outcome"] == "fine":
-            seen["process_failures"] = process(model, config.model_config.dtype, path)
-            seen["processed"] = _state(model)
-        return seen
+        return work({"failure": _failure("config", exc, path)})
+    with set_current_vllm_config(config):
+        return work(create_and_load(path, config))
+
+
+def create_and_load(path: Path, config) -> dict:
+    """The model with its parameters loaded, or the stage that raised."""
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    try:
+        model = initialize_model(vllm_config=config)
+    except Exception as exc:  # noqa: BLE001
+        return {"failure": _failure("create", exc, path)}
+    try:
+        loaded = model.load_weights(get_model_loader(config.load_config).get_all_weights(config.model_config, model))
+    except Exception as exc:  # noqa: BLE001
+        return {"failure": _failure("load", exc, path)}
+    unloaded = sorted(set(dict(model.named_parameters())) - set(loaded or ()))
+    return {"model": model, "config": config, "unloaded": unloaded, "methods": methods(model)}
+
+
+def observe(path: Path) -> dict:
+    """The base: every parameter vLLM created and loaded, then processed (copies)."""
+    def work(built: dict) -> dict:
+        if "failure" in built:
+            return built
+        model = built["model"]
+        created = _state(model)
+        failures = process(model, built["config"].model_config.dtype, path)
+        return {"created": created, "unloaded": built["unloaded"], "methods": built["methods"], "processed": _state(model), "process_failures": failures}
+
+    return in_context(path, work)
+
+
+def verdict(path: Path, base: dict) -> dict:
+    """vLLM's verdict on a mutant: compared with the base after loading, and (where loading gave
+    the same parameters under other methods or settings) after processing too. A mutant built
+    with the base's methods and settings and loaded with its values is processed as the base."""
+    def work(built: dict) -> dict:
+        if "failure" in built:
+            return judge(built, base)
+        model = built["model"]
+        live = {"created": dict(model.named_parameters()), "unloaded": built["unloaded"], "processed": {}, "process_failures": {}}
+        loaded = judge(live, base, loaded_only=True)
+        if loaded["outcome"] != "fine":
+            return loaded
+        if built["methods"] == base["methods"]:
+            return {"outcome": "fine", "evidence": {"process": "as the base's: the same methods with the same settings, loaded with the same values"}}
+        live["process_failures"] = process(model, built["config"].model_config.dtype, path)
+        live["processed"] = dict(model.named_parameters())
+        return judge(live, base, after_load=True)
+
+    return in_context(path, work)
 
 
 def methods(model) -> list[tuple]:
@@ -177,9 +208,9 @@ def _changed(mutant: dict, base: dict, skip: tuple[str, ...]) -> list[str]:
     return out
 
 
-def judge(mutant: dict, base: dict, *, loaded_only: bool = False) -> dict:
+def judge(mutant: dict, base: dict, *, loaded_only: bool = False, after_load: bool = False) -> dict:
     """vLLM's verdict on a mutant, against the base it was made from (``loaded_only``: as far as
-    loading goes)."""
+    loading goes; ``after_load``: loading was judged already)."""
     if "failure" in mutant:
         return {"outcome": "refuses", "evidence": mutant["failure"]}
     new_failures = {m: f for m, f in mutant["process_failures"].items() if base["process_failures"].get(m) != f}
@@ -190,7 +221,7 @@ def judge(mutant: dict, base: dict, *, loaded_only: bool = False) -> dict:
     if uninitialised:
         return _degrades("uninitialised", uninitialised)
     unloaded = tuple(mutant["unloaded"])
-    changed = _changed({n: t for n, t in mutant["created"].items() if n not in unloaded}, base["created"], ())
+    changed = [] if after_load else _changed({n: t for n, t in mutant["created"].items() if n not in unloaded}, base["created"], ())
     if changed:
         return _degrades("loaded-differently", changed)
     if loaded_only:
@@ -199,7 +230,7 @@ def judge(mutant: dict, base: dict, *, loaded_only: bool = False) -> dict:
     changed = _changed(mutant["processed"], base["processed"], skipped + unloaded)
     if changed:
         return _degrades("processed-differently", changed)
-    return {"outcome": "fine", "evidence": {"process": mutant.get("process", "run")}}
+    return {"outcome": "fine", "evidence": {"process": "run"}}
 
 
 def _degrades(kind: str, parameters: list[str]) -> dict:
@@ -226,7 +257,7 @@ def judge_scheme(scheme: str, base_dir: Path, ids: set[str] | None, work: Path) 
         if ids is not None and mutation["id"] not in ids:
             continue
         mutant_dir = apply_mutation(base_dir, mutation, work / f"{scheme}-{number}")
-        verdicts.append({**mutation, "vllm": judge(observe(mutant_dir, base), base)})
+        verdicts.append({**mutation, "vllm": verdict(mutant_dir, base)})
         shutil.rmtree(mutant_dir)
         print(f"{mutation['id']}: {verdicts[-1]['vllm']['outcome']}", file=sys.stderr, flush=True)
     return {"scheme": scheme, "versions": _versions(), "base_limits": limits, "mutations": verdicts}
