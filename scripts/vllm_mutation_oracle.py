@@ -70,8 +70,24 @@ def _failure(stage: str, exc: BaseException, where: Path) -> dict:
     return {"stage": stage, "exception": type(exc).__name__, "message": message[:MESSAGE_CHARS]}
 
 
-def _state(model) -> dict:
-    return {name: param.detach().clone() for name, param in model.named_parameters()}
+def _state(model, *, copy: bool = True, buffers: bool = False) -> dict:
+    """The model's parameters (and buffers: the attention layers' KV scales live there), copied
+    or live."""
+    items = list(model.named_parameters()) + (list(model.named_buffers()) if buffers else [])
+    return {name: t.detach().clone() if copy else t for name, t in items}
+
+
+# the attention layer's buffers vLLM fills from the KV scales; unused by a cache that is not FP8
+KV_BUFFERS = ("._k_scale", "._v_scale", "._q_scale", "._prob_scale")
+AUTO_CACHE = "auto"
+
+
+def declares_kv(path: Path) -> bool:
+    """Whether the checkpoint's declaration (either ModelOpt file) still names a KV cache scheme."""
+    docs = [json.loads((path / "config.json").read_text()).get("quantization_config") or {}]
+    if (path / "hf_quant_config.json").is_file():
+        docs.append(json.loads((path / "hf_quant_config.json").read_text()).get("quantization") or {})
+    return any(isinstance(d, dict) and (d.get("kv_cache_scheme") or d.get("kv_cache_quant_algo")) for d in docs)
 
 
 def in_context(path: Path, work):
@@ -114,7 +130,8 @@ def observe(path: Path) -> dict:
         model = built["model"]
         created = _state(model)
         failures = process(model, built["config"].model_config.dtype, path)
-        return {"created": created, "unloaded": built["unloaded"], "methods": built["methods"], "processed": _state(model), "process_failures": failures}
+        return {"created": created, "unloaded": built["unloaded"], "methods": built["methods"], "processed": _state(model, buffers=True),
+                "process_failures": failures, "cache_dtype": built["config"].cache_config.cache_dtype}
 
     return in_context(path, work)
 
@@ -126,15 +143,17 @@ def verdict(path: Path, base: dict) -> dict:
     def work(built: dict) -> dict:
         if "failure" in built:
             return judge(built, base)
-        model = built["model"]
-        live = {"created": dict(model.named_parameters()), "unloaded": built["unloaded"], "processed": {}, "process_failures": {}}
+        model, cache = built["model"], built["config"].cache_config.cache_dtype
+        live = {"created": _state(model, copy=False), "unloaded": built["unloaded"], "processed": {}, "process_failures": {}, "cache_dtype": cache}
         loaded = judge(live, base, loaded_only=True)
         if loaded["outcome"] != "fine":
             return loaded
-        if built["methods"] == base["methods"]:
+        if cache != base["cache_dtype"] and cache == AUTO_CACHE and declares_kv(path):
+            return {"outcome": "degrades", "evidence": {"kind": "kv-cache-dtype", "parameters": [f"a KV cache is declared, vLLM runs it as {cache} (the base: {base['cache_dtype']})"], "count": 1}}
+        if built["methods"] == base["methods"] and cache == base["cache_dtype"]:
             return {"outcome": "fine", "evidence": {"process": "as the base's: the same methods with the same settings, loaded with the same values"}}
         live["process_failures"] = process(model, built["config"].model_config.dtype, path)
-        live["processed"] = dict(model.named_parameters())
+        live["processed"] = _state(model, copy=False, buffers=True)
         return judge(live, base, after_load=True)
 
     return in_context(path, work)
@@ -227,7 +246,10 @@ def judge(mutant: dict, base: dict, *, loaded_only: bool = False, after_load: bo
     if loaded_only:
         return {"outcome": "fine", "evidence": {}}
     skipped = tuple(m + "." for m in base["process_failures"])
-    changed = _changed(mutant["processed"], base["processed"], skipped + unloaded)
+    processed = mutant["processed"]
+    if mutant.get("cache_dtype") == AUTO_CACHE:  # a BF16 cache reads no KV scale
+        processed = {n: t for n, t in processed.items() if not n.endswith(KV_BUFFERS)}
+    changed = _changed(processed, base["processed"], skipped + unloaded)
     if changed:
         return _degrades("processed-differently", changed)
     return {"outcome": "fine", "evidence": {"process": "run"}}
