@@ -90,7 +90,7 @@ def declares_kv(path: Path) -> bool:
     return any(isinstance(d, dict) and (d.get("kv_cache_scheme") or d.get("kv_cache_quant_algo")) for d in docs)
 
 
-def in_context(path: Path, work):
+def in_context(path: Path, work, poisoned: set[str] = frozenset()):
     """``work`` given what vLLM built and loaded from ``path`` (or the stage that raised), run
     with the checkpoint's vLLM config current."""
     from vllm.config import set_current_vllm_config
@@ -102,11 +102,23 @@ def in_context(path: Path, work):
     except Exception as exc:  # noqa: BLE001 - any exception is vLLM refusing the checkpoint
         return work({"failure": _failure("config", exc, path)})
     with set_current_vllm_config(config):
-        return work(create_and_load(path, config))
+        return work(create_and_load(path, config, poisoned))
 
 
-def create_and_load(path: Path, config) -> dict:
-    """The model with its parameters loaded, or the stage that raised."""
+def poison(model, names: set[str]) -> None:
+    """Fill the parameters ``names`` with values no loader writes (NaN, all-ones bits): vLLM
+    creates parameters uninitialised, and memory a previous, identical model freed would hide a
+    slice the checkpoint did not fill."""
+    import torch
+
+    for name, param in model.named_parameters():
+        if name in names:
+            param.data.fill_(float("nan") if param.dtype.is_floating_point else -1 if param.dtype.is_signed else torch.iinfo(param.dtype).max)
+
+
+def create_and_load(path: Path, config, poisoned: set[str] = frozenset()) -> dict:
+    """The model with its parameters loaded (``poisoned`` ones filled with markers first), or the
+    stage that raised."""
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -114,6 +126,7 @@ def create_and_load(path: Path, config) -> dict:
         model = initialize_model(vllm_config=config)
     except Exception as exc:  # noqa: BLE001
         return {"failure": _failure("create", exc, path)}
+    poison(model, poisoned)
     try:
         loaded = model.load_weights(get_model_loader(config.load_config).get_all_weights(config.model_config, model))
     except Exception as exc:  # noqa: BLE001
@@ -123,7 +136,13 @@ def create_and_load(path: Path, config) -> dict:
 
 
 def observe(path: Path) -> dict:
-    """The base: every parameter vLLM created and loaded, then processed (copies)."""
+    """The base: every parameter vLLM created and loaded, then processed (copies); loaded twice,
+    the second time with the parameters the first filled poisoned beforehand (``poison``)."""
+    first = in_context(path, lambda built: built)
+    if "failure" in first:
+        return first
+    filled = set(dict(first.pop("model").named_parameters())) - set(first["unloaded"])
+
     def work(built: dict) -> dict:
         if "failure" in built:
             return built
@@ -131,15 +150,17 @@ def observe(path: Path) -> dict:
         created = _state(model)
         failures = process(model, built["config"].model_config.dtype, path)
         return {"created": created, "unloaded": built["unloaded"], "methods": built["methods"], "processed": _state(model, buffers=True),
-                "process_failures": failures, "cache_dtype": built["config"].cache_config.cache_dtype}
+                "process_failures": failures, "cache_dtype": built["config"].cache_config.cache_dtype, "filled": filled}
 
-    return in_context(path, work)
+    return in_context(path, work, filled)
 
 
 def verdict(path: Path, base: dict) -> dict:
     """vLLM's verdict on a mutant: compared with the base after loading, and (where loading gave
     the same parameters under other methods or settings) after processing too. A mutant built
-    with the base's methods and settings and loaded with its values is processed as the base."""
+    with the base's methods and settings and loaded with its values is processed as the base.
+    The parameters the base fills are poisoned before loading: what the mutant leaves unwritten
+    shows."""
     def work(built: dict) -> dict:
         if "failure" in built:
             return judge(built, base)
@@ -156,7 +177,7 @@ def verdict(path: Path, base: dict) -> dict:
         live["processed"] = _state(model, copy=False, buffers=True)
         return judge(live, base, after_load=True)
 
-    return in_context(path, work)
+    return in_context(path, work, base["filled"])
 
 
 def methods(model) -> list[tuple]:

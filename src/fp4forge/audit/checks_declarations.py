@@ -21,6 +21,7 @@ from fp4forge.audit.findings import Issue, natural_key
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
 from fp4forge.checkpoint.declarations import MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import split_suffix
+from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
 from fp4forge.errors import ConfigError
@@ -46,6 +47,7 @@ def run(ctx: AuditContext) -> list[Issue]:
     else:
         issues += [issue("quant-config-invalid", f"problems in {decl.where}", problem) for problem in decl.problems]
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
+        issues += [issue("modelopt-sidecar-differs", f"{HF_QUANT_CONFIG} against config.json", difference) for difference in decl.sidecar_differences]
         if ctx.layout is not None and ctx.tensor_format == MXFP4:
             issues += mxfp4_issues(ctx, decl)
         elif ctx.layout is not None and ctx.tensor_format is not None:

@@ -57,6 +57,8 @@ MODELOPT_FP8_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 CT_KV_REQUIRED = ("strategy", "symmetric")
 HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
 KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
+NVFP4_GROUP = 16  # values per NVFP4 block scale; vLLM creates NVFP4 weight scales for no other size
+NVFP4_SCHEMES = ("nvfp4", "nvfp4a16")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class QuantDeclaration:
     kv: KvDeclaration | None
     problems: list[str] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)  # schemes declared but not audited
+    sidecar_differences: list[str] = field(default_factory=list)  # hf_quant_config.json vs the config.json vLLM reads
 
     @property
     def matcher(self) -> Callable[[str, str], bool]:
@@ -135,8 +138,8 @@ def _ct_input_kind(inputs: Any) -> str | None:
         return "invalid"
     if inputs.get("dynamic") is True:
         return "dynamic"
-    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy")) == (4, "float", "tensor_group"):
-        return "nvfp4"
+    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("group_size")) == (4, "float", "tensor_group", NVFP4_GROUP) and inputs.get("symmetric", True) is not False:
+        return "nvfp4"  # vLLM's _is_nvfp4_format: 16-value groups, symmetric
     if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("dynamic")) == (8, "float", "tensor", False):
         return "static-tensor"
     return "other"
@@ -155,7 +158,7 @@ def _ct_group_problems(name: str, group: dict[str, Any]) -> list[str]:
     weights = group.get("weights")
     problems = []
     if (weights or {}).get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "tensor_group":
-        if weights.get("group_size") != 16 or weights.get("symmetric") is False:
+        if weights.get("group_size") != NVFP4_GROUP or weights.get("symmetric") is False:
             problems.append(f"config group {name!r}: NVFP4 needs group_size 16 and symmetric true (vLLM's _is_nvfp4_format)")
         kind = _ct_input_kind(group.get("input_activations"))
         if kind not in (None, "nvfp4"):
@@ -259,6 +262,9 @@ def parse_modelopt(doc: dict[str, Any], *, where: str) -> QuantDeclaration:
             scheme = "nvfp4a16"  # vLLM reroutes it (PR #54427)
         if scheme is None:
             unsupported.append(f"quant_algo {algo}")
+        if scheme in NVFP4_SCHEMES and quant.get("group_size", NVFP4_GROUP) not in (None, NVFP4_GROUP):
+            problems.append(f"{where}: {algo} with group_size {quant.get('group_size')!r}; vLLM creates the weight scales of that "
+                            f"group size, and the {NVFP4_GROUP}-value NVFP4 block scales do not load into them")
         groups = [SchemeGroup(f"quant_algo {algo}", scheme, ("*",), f"quant_algo {algo}")]
     kv = _modelopt_kv(quant, where, problems)
     return QuantDeclaration(MODELOPT, where, groups, tuple(exclude), kv, problems, unsupported)
@@ -294,15 +300,9 @@ def _modelopt_kv(quant: dict[str, Any], where: str, problems: list[str]) -> KvDe
     if kv is None:
         problems.append(f"kv_cache_quant_algo {algo!r} is unknown to vLLM (it falls back to auto, a BF16 cache)")
         return None
-    if where != HF_QUANT_CONFIG and not isinstance(scheme, str):
-        # vLLM reads the cache dtype from kv_cache_quant_algo in either form, but the config.json
-        # form's quantization method takes its KV method from kv_cache_scheme alone: an FP8 cache
-        # whose k/v scales are never loaded (scale 1.0) (docs/formats.md#kv-cache-dtype-resolution)
-        problems.append(
-            f"{where} declares the KV cache only as kv_cache_quant_algo; vLLM makes the cache {kv.upper()} from it but "
-            "loads k/v scales only for a kv_cache_scheme object here, so every scale is 1.0: add "
-            "kv_cache_scheme {\"dynamic\": false, \"num_bits\": 8, \"type\": \"float\"}"
-        )
+    # vLLM's ModelOpt configs give every attention layer their KV cache method whatever the form,
+    # so a config.json declaring the cache only as kv_cache_quant_algo loads its k/v scales too
+    # (docs/formats.md#kv-cache-dtype-resolution)
     return KvDeclaration(kv, "tensor", False, f"{where} kv_cache_quant_algo")
 
 
@@ -349,7 +349,7 @@ def detect_format(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> 
     """The format vLLM will read: config.json's quantization_config first, then hf_quant_config.json."""
     qc = (config or {}).get("quantization_config")
     if isinstance(qc, dict):
-        method = str(qc.get("quant_method", ""))
+        method = str(qc.get("quant_method") or "")
         if method == CT:
             return CT
         if method.startswith(MODELOPT):
@@ -381,7 +381,7 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
         decl = parse_modelopt(qc, where="config.json quantization_config")
         sidecar = extra_json.get(HF_QUANT_CONFIG)
         if isinstance(sidecar, dict):
-            decl.problems.extend(_modelopt_disagreements(decl, parse_modelopt(sidecar, where=HF_QUANT_CONFIG)))
+            decl.sidecar_differences.extend(_modelopt_disagreements(decl, parse_modelopt(sidecar, where=HF_QUANT_CONFIG)))
         return decl
     if detected == MODELOPT:
         doc = extra_json[HF_QUANT_CONFIG]
@@ -390,6 +390,8 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
         return parse_fp8(qc)
     if detected == MXFP4:
         return parse_mxfp4(qc)
+    if detected == "unknown":  # vLLM's ModelConfig reads quant_cfg["quant_method"]: a KeyError at start-up
+        return QuantDeclaration(detected, "config.json quantization_config", [], (), None, ["quantization_config has no quant_method; vLLM cannot start"])
     if detected is not None:
         return QuantDeclaration(detected, "config.json quantization_config", [], (), None, unsupported=[f"quant_method {detected}"])
     return None
