@@ -395,7 +395,16 @@ CORPUS_DIR = Path(__file__).resolve().parent / "mutation_corpus"
 DOC_BEGIN, DOC_END = "<!-- mutation-agreement:begin", "<!-- mutation-agreement:end -->"
 # why the audit and vLLM disagree, by mutation id (a regex searched in the id); every disagreement
 # must match one (tests/test_mutation_corpus.py), and docs/audit.md shows the reason beside it
-EXPLANATIONS: dict[str, str] = {}
+EXPLANATIONS: dict[str, str] = {
+    r"(input_scale|input_global_scale|k_scale|v_scale):reciprocal": "an inverted activation or KV scale is still a plausible calibration; the audit reads no activations",
+    r"weight_scale(_inv)?:reciprocal": "inverted weight or block scales: only `--deep` compares scales with the weights they scale (`scale-magnitude`)",
+    r"\.format:set=": "vLLM picks a float scheme by its arguments, compressed-tensors' decompressor (transformers, llm-compressor) by this string: the error is about those loaders",
+    r"(weight|weight_packed|weight_scale|_scale|_scale_2|_scale_inv):dtype=": "vLLM casts what it loads into its own parameter: these codes or scales survive the cast (within 1 %); the audit holds the stored dtype to the format's table",
+    r"(k_scale|v_scale):rename=": "vLLM 0.32's Qwen3-MoE loader remaps either layout's KV-scale spelling onto the attention layer; loaders of other architectures drop the other spelling, which the audit reports",
+    r"(input_activations|weights)\.(num_bits|type|strategy|group_size|block_structure|actorder|symmetric|dynamic)|input_activations:(delete|set=null)|weights:(delete|set=null)":
+        "compressed-tensors arguments with no tensor table in fp4forge (`scheme-not-audited`): vLLM finds no scheme for them or compressed-tensors rejects them; resolving every argument set as vLLM does is the declaration work of [formats.md](formats.md#compressed-tensors-declaration)",
+    r"quant_algo:set=\"(INT4_AWQ|MIXED_PRECISION)\"": "a ModelOpt algorithm (or MIXED_PRECISION without quantized_layers) fp4forge has no table for: `scheme-not-audited`; vLLM refuses it",
+}
 
 
 def load_corpus(corpus: Path = CORPUS_DIR) -> list[dict[str, Any]]:

@@ -249,7 +249,7 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
         if suffix in table or suffix == "bias" or _kind(suffix) == "kv_scale":  # ModelOpt hangs KV scales on k/v_proj
             continue
         name = f"{module}.{suffix}"
-        if _kind(suffix) in INPUT_SCALE_KINDS:
+        if _kind(suffix) in INPUT_SCALE_KINDS and not any(_kind(s) in INPUT_SCALE_KINDS for s in table):
             issues.append(issue("weight-only-with-activation-scales", f"{suffix} tensors on Linears declared {scheme} (no static activation scale)", module, tensors=[name], file=file))
         else:
             issues.append(issue("scheme-tensor-foreign", f"tensors a {fmt} {scheme} Linear does not have ({suffix})", name, tensors=[name], file=file))
@@ -316,9 +316,9 @@ def _missing_tensor(module: str, suffix: str, scheme: str, component: str, file:
 
 
 def _same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
-    """Per-tensor scales may be 0-d or [1]: vLLM loads either (docs/formats.md#fp8-e4m3)."""
-    scalar = ((), (1,))
-    return tuple(stored) == tuple(expected) or (tuple(stored) in scalar and tuple(expected) in scalar)
+    """Per-tensor scales may be 0-d, [1] or [1, 1]: vLLM loads any one-element tensor into its
+    scalar parameter (docs/formats.md#fp8-e4m3)."""
+    return tuple(stored) == tuple(expected) or (math.prod(stored) == 1 and math.prod(expected) == 1)
 
 
 def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Issue]:

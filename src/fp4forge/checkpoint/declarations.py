@@ -98,11 +98,12 @@ class QuantDeclaration:
 
 # -- matching -------------------------------------------------------------------------------------
 def match_ct(pattern: str, module: str) -> bool:
-    """compressed-tensors / vLLM target matching: `re:` + re.match, else exact name. A name that
-    is an ancestor of the module (an expert stack `...mlp.experts`) targets its Linears too."""
+    """compressed-tensors target / ignore matching as vLLM does it: `re:` + re.match, else the
+    exact name. An ancestor (`model.layers.1`, an expert stack `...mlp.experts`) matches nothing:
+    vLLM asks per Linear, an expert by its own name (measured: docs/audit.md#agreement-with-vllm)."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
-    return module == pattern or module.startswith(pattern + ".")
+    return module == pattern
 
 
 def match_modelopt(pattern: str, module: str) -> bool:
@@ -136,10 +137,10 @@ def _ct_input_kind(inputs: Any) -> str | None:
         return None
     if not isinstance(inputs, dict):
         return "invalid"
+    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("group_size")) == (4, "float", "tensor_group", NVFP4_GROUP) and inputs.get("symmetric", True) is not False:
+        return "nvfp4"  # vLLM's _is_nvfp4_format: 16-value groups, symmetric, whatever `dynamic` says
     if inputs.get("dynamic") is True:
         return "dynamic"
-    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("group_size")) == (4, "float", "tensor_group", NVFP4_GROUP) and inputs.get("symmetric", True) is not False:
-        return "nvfp4"  # vLLM's _is_nvfp4_format: 16-value groups, symmetric
     if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("dynamic")) == (8, "float", "tensor", False):
         return "static-tensor"
     return "other"
@@ -524,7 +525,8 @@ class NameSet:
                 hits += [m for m in self.names if m not in seen and wildcard.match(m)]
             return hits
         if not _is_pattern(pattern):
-            return list(self.by_ancestor.get(pattern, []))  # an exact name, or an ancestor such as an expert stack
+            hits = self.by_ancestor.get(pattern, [])  # an exact name, or an ancestor such as an expert stack
+            return ([pattern] if pattern in hits else []) if match is match_ct else list(hits)
         if match is match_ct and pattern.startswith("re:"):
             regex = re.compile(pattern[3:])
             return [m for m in self.names if regex.match(m)]
