@@ -395,14 +395,20 @@ CORPUS_DIR = Path(__file__).resolve().parent / "mutation_corpus"
 DOC_BEGIN, DOC_END = "<!-- mutation-agreement:begin", "<!-- mutation-agreement:end -->"
 # why the audit and vLLM disagree, by mutation id (a regex searched in the id); every disagreement
 # must match one (tests/test_mutation_corpus.py), and docs/audit.md shows the reason beside it
+WEIGHT_ONLY_SCALES = ("activation scales a scheme has no parameter for: compressed-tensors' loader in vLLM 0.32 refuses them "
+                      "(fused Linears, routed experts), ModelOpt's drops them; the audit warns (`weight-only-with-activation-scales`)")
+CT_ARGUMENTS = ("compressed-tensors arguments vLLM rejects where the audit's float checks do not (int types have no tensor table "
+                "in fp4forge: `scheme-not-audited`), or that fail only on vLLM's CPU kernels (an assertion, no ScaledMM kernel)")
 EXPLANATIONS: dict[str, str] = {
     r"(input_scale|input_global_scale|k_scale|v_scale):reciprocal": "an inverted activation or KV scale is still a plausible calibration; the audit reads no activations",
     r"weight_scale(_inv)?:reciprocal": "inverted weight or block scales: only `--deep` compares scales with the weights they scale (`scale-magnitude`)",
-    r"\.format:set=": "vLLM picks a float scheme by its arguments, compressed-tensors' decompressor (transformers, llm-compressor) by this string: the error is about those loaders",
-    r"(weight|weight_packed|weight_scale|_scale|_scale_2|_scale_inv):dtype=": "vLLM casts what it loads into its own parameter: these codes or scales survive the cast (within 1 %); the audit holds the stored dtype to the format's table",
+    r"(input_global_scale|weight_global_scale|input_scale|weight_scale):shape=\"add_dim\"": "a [1, 1] per-tensor scale: vLLM's expert loader takes it, its fused q/k/v loader asserts; the audit holds every Linear to 0-d or [1]",
+    r"\.format:set=": "vLLM picks a float scheme by its arguments (and refuses a group-level `mixed-precision` FP8), compressed-tensors' decompressor (transformers, llm-compressor) by this string: the audit's error is about those loaders",
+    r":dtype=": "vLLM casts what it loads into its own parameter: these codes or scales survive the cast (within 1 %); the audit holds the stored dtype to the format's table",
     r"(k_scale|v_scale):rename=": "vLLM 0.32's Qwen3-MoE loader remaps either layout's KV-scale spelling onto the attention layer; loaders of other architectures drop the other spelling, which the audit reports",
-    r"(input_activations|weights)\.(num_bits|type|strategy|group_size|block_structure|actorder|symmetric|dynamic)|input_activations:(delete|set=null)|weights:(delete|set=null)":
-        "compressed-tensors arguments with no tensor table in fp4forge (`scheme-not-audited`): vLLM finds no scheme for them or compressed-tensors rejects them; resolving every argument set as vLLM does is the declaration work of [formats.md](formats.md#compressed-tensors-declaration)",
+    r"^ct-fp8(-dynamic|-block)?:.*input_activations:(delete|set=null)$": "FP8 weights without activation quantization: vLLM's CPU build has no kernel for it (\"Failed to find a kernel that can implement the ScaledMM\"); GPUs serve it, and the audit judges the declaration, not the platform",
+    r"input_activations:(delete|set=null)$|:copy=|quant_algo:set=\"W4A16_NVFP4\"|input_activations\.dynamic:set=true": WEIGHT_ONLY_SCALES,
+    r"(input_activations|weights)\.(num_bits|type|strategy|group_size|block_structure|actorder|symmetric|dynamic)|weights:(delete|set=null)": CT_ARGUMENTS,
     r"quant_algo:set=\"(INT4_AWQ|MIXED_PRECISION)\"": "a ModelOpt algorithm (or MIXED_PRECISION without quantized_layers) fp4forge has no table for: `scheme-not-audited`; vLLM refuses it",
 }
 

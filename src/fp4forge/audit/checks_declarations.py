@@ -316,9 +316,10 @@ def _missing_tensor(module: str, suffix: str, scheme: str, component: str, file:
 
 
 def _same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
-    """Per-tensor scales may be 0-d, [1] or [1, 1]: vLLM loads any one-element tensor into its
-    scalar parameter (docs/formats.md#fp8-e4m3)."""
-    return tuple(stored) == tuple(expected) or (math.prod(stored) == 1 and math.prod(expected) == 1)
+    """Per-tensor scales may be 0-d or [1]: vLLM loads either (docs/formats.md#fp8-e4m3); a
+    [1, 1] one fails vLLM's fused q/k/v loader (docs/audit.md#agreement-with-vllm)."""
+    scalar = ((), (1,))
+    return tuple(stored) == tuple(expected) or (tuple(stored) in scalar and tuple(expected) in scalar)
 
 
 def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Issue]:

@@ -59,6 +59,7 @@ HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
 KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
 NVFP4_GROUP = 16  # values per NVFP4 block scale; vLLM creates NVFP4 weight scales for no other size
 NVFP4_SCHEMES = ("nvfp4", "nvfp4a16")
+MXFP4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,54 @@ def _ct_scheme(weights: dict[str, Any], inputs: Any) -> str | None:
     return None
 
 
+def _ct_args_refusal(args: dict[str, Any], *, weights: bool) -> str | None:
+    """Why compressed-tensors' QuantizationArgs (which vLLM validates the declaration with) rejects
+    float arguments, or None: its validators, for the float family fp4forge audits."""
+    strategy, group_size = args.get("strategy", "tensor"), args.get("group_size")
+    if args.get("num_bits", 8) not in (4, 8):
+        return f"float num_bits {args.get('num_bits')!r} (only 4 and 8 exist)"
+    if (strategy in ("group", "tensor_group")) != (isinstance(group_size, int) and group_size > 0):
+        return f"strategy {strategy!r} with group_size {group_size!r} (a group size belongs to, and only to, group strategies)"
+    if (strategy == "block") != bool(args.get("block_structure")):
+        return f"strategy {strategy!r} with block_structure {args.get('block_structure')!r}"
+    if weights and args.get("actorder") is not None and strategy != "group":
+        return f"actorder {args.get('actorder')!r} with strategy {strategy!r}"
+    if args.get("dynamic") == "local" and strategy != "tensor_group":
+        return f"dynamic 'local' with strategy {strategy!r}"
+    return None
+
+
+def _ct_float_refusal(weights: dict[str, Any], inputs: Any) -> str | None:
+    """Why vLLM 0.32 builds no compressed-tensors scheme for float weights (its NVFP4, MXFP4 and
+    FP8 predicates, CompressedTensorsConfig._get_scheme_from_parts), or None. NVFP4's own
+    checks are _ct_group_problems'."""
+    for role, args in (("weights", weights), ("input_activations", inputs)):
+        reason = _ct_args_refusal(args, weights=role == "weights") if isinstance(args, dict) and args.get("type") == "float" else None
+        if reason:
+            return f"{role}: {reason}"
+    if (weights.get("num_bits"), weights.get("strategy")) == (4, "tensor_group"):
+        return None
+    strategy = weights.get("strategy", "tensor")
+    if weights.get("num_bits", 8) == 4 and strategy == "group" and weights.get("group_size") == MXFP4_GROUP and weights.get("symmetric", True) is not False:
+        return None  # MXFP4; vLLM's FP8 predicates below read no num_bits
+    if weights.get("symmetric") is False or weights.get("dynamic") not in (False, None) or strategy not in ("tensor", "channel", "block"):
+        return "8-bit float weights that are not symmetric, static, per tensor / channel / block"
+    if isinstance(inputs, dict) and inputs.get("type", "int") != "float":
+        return "FP8 weights with activations that are not float"
+    if isinstance(inputs, dict) and inputs.get("dynamic") is True and inputs.get("strategy", "tensor") not in ("token", "group"):
+        return "FP8 weights with dynamic activations that are not per token or per group"
+    if isinstance(inputs, dict) and inputs.get("dynamic") is not True and (inputs.get("symmetric") is False or inputs.get("strategy", "tensor") != "tensor"):
+        return "FP8 weights with static activations that are not symmetric per tensor"
+    return None
+
+
 def _ct_group_problems(name: str, group: dict[str, Any]) -> list[str]:
     weights = group.get("weights")
     problems = []
+    if isinstance(weights, dict) and weights.get("type") == "float":
+        refusal = _ct_float_refusal(weights, group.get("input_activations"))
+        if refusal:
+            problems.append(f"config group {name!r}: {refusal}; vLLM refuses it")
     if (weights or {}).get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "tensor_group":
         if weights.get("group_size") != NVFP4_GROUP or weights.get("symmetric") is False:
             problems.append(f"config group {name!r}: NVFP4 needs group_size 16 and symmetric true (vLLM's _is_nvfp4_format)")
