@@ -409,6 +409,7 @@ EXPLANATIONS: dict[str, str] = {
     r"^ct-fp8(-dynamic|-block)?:.*input_activations:(delete|set=null)$": "FP8 weights without activation quantization: vLLM's CPU build has no kernel for it (\"Failed to find a kernel that can implement the ScaledMM\"); GPUs serve it, and the audit judges the declaration, not the platform",
     r"input_activations:(delete|set=null)$|:copy=|quant_algo:set=\"W4A16_NVFP4\"|input_activations\.dynamic:set=true": WEIGHT_ONLY_SCALES,
     r"(input_activations|weights)\.(num_bits|type|strategy|group_size|block_structure|actorder|symmetric|dynamic)|weights:(delete|set=null)": CT_ARGUMENTS,
+    r"modules_to_not_convert:set=.*\"model\.layers\.1\"": "vLLM's Fp8Config skips layers by exact name (an expert stack is one module there); the audit also lets an ancestor such as `model.layers.1` skip its Linears, as transformers' loader does",
     r"quant_algo:set=\"(INT4_AWQ|MIXED_PRECISION)\"": "a ModelOpt algorithm (or MIXED_PRECISION without quantized_layers) fp4forge has no table for: `scheme-not-audited`; vLLM refuses it",
 }
 

@@ -371,7 +371,9 @@ def parse_fp8(qc: dict[str, Any]) -> QuantDeclaration:
     if qc.get("weight_block_size") is None:
         return QuantDeclaration(FP8_BLOCK, where, [], tuple(ignore), None, problems, ["quant_method fp8 without weight_block_size (per-tensor)"])
     block = _block_size(qc["weight_block_size"], problems, "weight_block_size")
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
+    if "activation_scheme" not in qc:  # vLLM's Fp8Config.from_config reads the key unconditionally
+        problems.append("quant_method fp8 without activation_scheme; vLLM refuses it")
+    elif qc.get("activation_scheme") != "dynamic":
         problems.append(f"block-wise FP8 with activation_scheme {qc.get('activation_scheme')!r}; vLLM supports only dynamic activations with weight_block_size")
     groups = [SchemeGroup("quant_method fp8", "fp8_block", (LINEAR_CLASS_TARGET,), f"fp8 block {block[0]}x{block[1]}" if block else "fp8 block", block=block)] if block else []
     return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems)
