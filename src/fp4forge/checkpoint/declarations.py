@@ -29,6 +29,7 @@ FORMATS = (CT, MODELOPT)  # the layouts fp4forge writes
 FP8_BLOCK = "fp8"
 MXFP4 = "mxfp4"
 READ_FORMATS = FORMATS + (FP8_BLOCK, MXFP4)
+NO_METHOD = "unknown"  # a quantization_config without quant_method
 LINEAR_CLASS_TARGET = "Linear"
 
 # compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'
@@ -403,7 +404,7 @@ def detect_format(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> 
             return CT
         if method.startswith(MODELOPT):
             return MODELOPT
-        return method or "unknown"
+        return method or NO_METHOD
     if HF_QUANT_CONFIG in extra_json:
         return MODELOPT
     return None
@@ -439,7 +440,7 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
         return parse_fp8(qc)
     if detected == MXFP4:
         return parse_mxfp4(qc)
-    if detected == "unknown":  # vLLM's ModelConfig reads quant_cfg["quant_method"]: a KeyError at start-up
+    if detected == NO_METHOD:  # vLLM's ModelConfig reads quant_cfg["quant_method"]: a KeyError at start-up
         return QuantDeclaration(detected, "config.json quantization_config", [], (), None, ["quantization_config has no quant_method; vLLM cannot start"])
     if detected is not None:
         return QuantDeclaration(detected, "config.json quantization_config", [], (), None, unsupported=[f"quant_method {detected}"])
