@@ -24,6 +24,7 @@ from fp4forge.audit.findings import Issue, natural_key
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
 from fp4forge.checkpoint.declarations import KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix
+from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 from fp4forge.checkpoint.names import PROVENANCE_JSON
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
 from fp4forge.errors import ConfigError
@@ -49,6 +50,7 @@ def run(ctx: AuditContext) -> list[Issue]:
         issues += [issue("quant-config-invalid", f"problems in {decl.where}", problem) for problem in decl.problems]
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
         issues += checks_params.format_issues(decl)
+        issues += [issue("modelopt-sidecar-differs", f"{HF_QUANT_CONFIG} against config.json", difference) for difference in decl.sidecar_differences]
         if ctx.layout is not None and ctx.tensor_format == MXFP4:
             issues += mxfp4_issues(ctx, decl)
         elif ctx.layout is not None and ctx.tensor_format is not None:
@@ -257,7 +259,7 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
         if suffix in table or suffix == "bias" or _kind(suffix) == "kv_scale":  # ModelOpt hangs KV scales on k/v_proj
             continue
         name = f"{module}.{suffix}"
-        if _kind(suffix) in INPUT_SCALE_KINDS:
+        if _kind(suffix) in INPUT_SCALE_KINDS and not any(_kind(s) in INPUT_SCALE_KINDS for s in table):
             issues.append(issue("weight-only-with-activation-scales", f"{suffix} tensors on Linears declared {scheme} (no static activation scale)", module, tensors=[name], file=file))
         else:
             issues.append(issue("scheme-tensor-foreign", f"tensors a {fmt} {scheme} Linear does not have ({suffix})", name, tensors=[name], file=file))

@@ -113,7 +113,8 @@ def _tensor_issues(module: str, tensor: ExpectedTensor, info, group: SchemeGroup
 
 
 def same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
-    """Per-tensor scales may be 0-d or [1]: vLLM loads either (docs/formats.md#fp8-e4m3)."""
+    """Per-tensor scales may be 0-d or [1]: vLLM loads either (docs/formats.md#fp8-e4m3); a
+    [1, 1] one fails vLLM's fused q/k/v loader (docs/audit.md#agreement-with-vllm)."""
     scalar = ((), (1,))
     return tuple(stored) == tuple(expected) or (tuple(stored) in scalar and tuple(expected) in scalar)
 

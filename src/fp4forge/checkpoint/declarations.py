@@ -36,6 +36,7 @@ READ_FORMATS = FORMATS + (FP8_BLOCK, MXFP4)
 GPTQ, AWQ, BNB = "gptq", "awq", "bitsandbytes"
 KEYED_FORMATS = (GPTQ, AWQ)
 METHOD_ALIASES = {**{m: GPTQ for m in vllm_params.GPTQ_METHODS}, **{m: AWQ for m in vllm_params.AWQ_METHODS}}
+NO_METHOD = "unknown"  # a quantization_config without quant_method
 LINEAR_CLASS_TARGET = "Linear"
 
 # compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'
@@ -64,6 +65,9 @@ MODELOPT_FP8_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 CT_KV_REQUIRED = ("strategy", "symmetric")
 HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
 KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
+NVFP4_GROUP = 16  # values per NVFP4 block scale; vLLM creates NVFP4 weight scales for no other size
+NVFP4_SCHEMES = ("nvfp4", "nvfp4a16")
+MXFP4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class QuantDeclaration:
     kv: KvDeclaration | None
     problems: list[str] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)  # schemes declared but not audited
+    sidecar_differences: list[str] = field(default_factory=list)  # hf_quant_config.json vs the config.json vLLM reads
 
     @property
     def matcher(self) -> Callable[[str, str], bool]:
@@ -112,11 +117,12 @@ class QuantDeclaration:
 
 # -- matching -------------------------------------------------------------------------------------
 def match_ct(pattern: str, module: str) -> bool:
-    """compressed-tensors / vLLM target matching: `re:` + re.match, else exact name. A name that
-    is an ancestor of the module (an expert stack `...mlp.experts`) targets its Linears too."""
+    """compressed-tensors target / ignore matching as vLLM does it: `re:` + re.match, else the
+    exact name. An ancestor (`model.layers.1`, an expert stack `...mlp.experts`) matches nothing:
+    vLLM asks per Linear, an expert by its own name (measured: docs/audit.md#agreement-with-vllm)."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
-    return module == pattern or module.startswith(pattern + ".")
+    return module == pattern
 
 
 def match_modelopt(pattern: str, module: str) -> bool:
@@ -156,10 +162,10 @@ def _ct_input_kind(inputs: Any) -> str | None:
         return None
     if not isinstance(inputs, dict):
         return "invalid"
+    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("group_size")) == (4, "float", "tensor_group", NVFP4_GROUP) and inputs.get("symmetric", True) is not False:
+        return "nvfp4"  # vLLM's _is_nvfp4_format: 16-value groups, symmetric, whatever `dynamic` says
     if inputs.get("dynamic") is True:
         return "dynamic"
-    if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy")) == (4, "float", "tensor_group"):
-        return "nvfp4"
     if (inputs.get("num_bits"), inputs.get("type"), inputs.get("strategy"), inputs.get("dynamic")) == (8, "float", "tensor", False):
         return "static-tensor"
     return "other"
@@ -174,11 +180,56 @@ def _ct_scheme(weights: dict[str, Any], inputs: Any) -> str | None:
     return None
 
 
+def _ct_args_refusal(args: dict[str, Any], *, weights: bool) -> str | None:
+    """Why compressed-tensors' QuantizationArgs (which vLLM validates the declaration with) rejects
+    float arguments, or None: its validators, for the float family fp4forge audits."""
+    strategy, group_size = args.get("strategy", "tensor"), args.get("group_size")
+    if args.get("num_bits", 8) not in (4, 8):
+        return f"float num_bits {args.get('num_bits')!r} (only 4 and 8 exist)"
+    if (strategy in ("group", "tensor_group")) != (isinstance(group_size, int) and group_size > 0):
+        return f"strategy {strategy!r} with group_size {group_size!r} (a group size belongs to, and only to, group strategies)"
+    if (strategy == "block") != bool(args.get("block_structure")):
+        return f"strategy {strategy!r} with block_structure {args.get('block_structure')!r}"
+    if weights and args.get("actorder") is not None and strategy != "group":
+        return f"actorder {args.get('actorder')!r} with strategy {strategy!r}"
+    if args.get("dynamic") == "local" and strategy != "tensor_group":
+        return f"dynamic 'local' with strategy {strategy!r}"
+    return None
+
+
+def _ct_float_refusal(weights: dict[str, Any], inputs: Any) -> str | None:
+    """Why vLLM 0.32 builds no compressed-tensors scheme for float weights (its NVFP4, MXFP4 and
+    FP8 predicates, CompressedTensorsConfig._get_scheme_from_parts), or None. NVFP4's own
+    checks are _ct_group_problems'."""
+    for role, args in (("weights", weights), ("input_activations", inputs)):
+        reason = _ct_args_refusal(args, weights=role == "weights") if isinstance(args, dict) and args.get("type") == "float" else None
+        if reason:
+            return f"{role}: {reason}"
+    if (weights.get("num_bits"), weights.get("strategy")) == (4, "tensor_group"):
+        return None
+    strategy = weights.get("strategy", "tensor")
+    if weights.get("num_bits", 8) == 4 and strategy == "group" and weights.get("group_size") == MXFP4_GROUP and weights.get("symmetric", True) is not False:
+        return None  # MXFP4; vLLM's FP8 predicates below read no num_bits
+    if weights.get("symmetric") is False or weights.get("dynamic") not in (False, None) or strategy not in ("tensor", "channel", "block"):
+        return "8-bit float weights that are not symmetric, static, per tensor / channel / block"
+    if isinstance(inputs, dict) and inputs.get("type", "int") != "float":
+        return "FP8 weights with activations that are not float"
+    if isinstance(inputs, dict) and inputs.get("dynamic") is True and inputs.get("strategy", "tensor") not in ("token", "group"):
+        return "FP8 weights with dynamic activations that are not per token or per group"
+    if isinstance(inputs, dict) and inputs.get("dynamic") is not True and (inputs.get("symmetric") is False or inputs.get("strategy", "tensor") != "tensor"):
+        return "FP8 weights with static activations that are not symmetric per tensor"
+    return None
+
+
 def _ct_group_problems(name: str, group: dict[str, Any]) -> list[str]:
     weights = group.get("weights")
     problems = []
+    if isinstance(weights, dict) and weights.get("type") == "float":
+        refusal = _ct_float_refusal(weights, group.get("input_activations"))
+        if refusal:
+            problems.append(f"config group {name!r}: {refusal}; vLLM refuses it")
     if (weights or {}).get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "tensor_group":
-        if weights.get("group_size") != 16 or weights.get("symmetric") is False:
+        if weights.get("group_size") != NVFP4_GROUP or weights.get("symmetric") is False:
             problems.append(f"config group {name!r}: NVFP4 needs group_size 16 and symmetric true (vLLM's _is_nvfp4_format)")
         kind = _ct_input_kind(group.get("input_activations"))
         if kind not in (None, "nvfp4"):
@@ -272,6 +323,9 @@ def parse_modelopt(doc: dict[str, Any], *, where: str) -> QuantDeclaration:
             scheme = "nvfp4a16"  # vLLM reroutes it (PR #54427)
         if scheme is None and vllm_params.scheme_entry(vllm_params.modelopt_key(algo, quant.get("group_size"))) is None:
             unsupported.append(f"quant_algo {algo}")
+        if scheme in NVFP4_SCHEMES and quant.get("group_size", NVFP4_GROUP) not in (None, NVFP4_GROUP):
+            problems.append(f"{where}: {algo} with group_size {quant.get('group_size')!r}; vLLM creates the weight scales of that "
+                            f"group size, and the {NVFP4_GROUP}-value NVFP4 block scales do not load into them")
         groups = [SchemeGroup(f"quant_algo {algo}", scheme, ("*",), f"quant_algo {algo}", key=vllm_params.modelopt_key(algo, quant.get("group_size")))]
     kv = _modelopt_kv(quant, where, problems)
     return QuantDeclaration(MODELOPT, where, groups, tuple(exclude), kv, problems, unsupported)
@@ -324,15 +378,9 @@ def _modelopt_kv(quant: dict[str, Any], where: str, problems: list[str]) -> KvDe
     if kv is None:
         problems.append(f"kv_cache_quant_algo {algo!r} is unknown to vLLM (it falls back to auto, a BF16 cache)")
         return None
-    if where != HF_QUANT_CONFIG and not isinstance(scheme, str):
-        # vLLM reads the cache dtype from kv_cache_quant_algo in either form, but the config.json
-        # form's quantization method takes its KV method from kv_cache_scheme alone: an FP8 cache
-        # whose k/v scales are never loaded (scale 1.0) (docs/formats.md#kv-cache-dtype-resolution)
-        problems.append(
-            f"{where} declares the KV cache only as kv_cache_quant_algo; vLLM makes the cache {kv.upper()} from it but "
-            "loads k/v scales only for a kv_cache_scheme object here, so every scale is 1.0: add "
-            "kv_cache_scheme {\"dynamic\": false, \"num_bits\": 8, \"type\": \"float\"}"
-        )
+    # vLLM's ModelOpt configs give every attention layer their KV cache method whatever the form,
+    # so a config.json declaring the cache only as kv_cache_quant_algo loads its k/v scales too
+    # (docs/formats.md#kv-cache-dtype-resolution)
     return KvDeclaration(kv, "tensor", False, f"{where} kv_cache_quant_algo")
 
 
@@ -357,7 +405,9 @@ def parse_fp8(qc: dict[str, Any]) -> QuantDeclaration:
         unsupported = [f"fp8 per-tensor, activation_scheme {qc.get('activation_scheme')!r}"] if vllm_params.scheme_entry(key) is None else []
         return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems, unsupported)
     block = _block_size(qc["weight_block_size"], problems, "weight_block_size")
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
+    if "activation_scheme" not in qc:  # vLLM's Fp8Config.from_config reads the key unconditionally
+        problems.append("quant_method fp8 without activation_scheme; vLLM refuses it")
+    elif qc.get("activation_scheme") != "dynamic":
         problems.append(f"block-wise FP8 with activation_scheme {qc.get('activation_scheme')!r}; vLLM supports only dynamic activations with weight_block_size")
     groups = [SchemeGroup("quant_method fp8", "fp8_block", (LINEAR_CLASS_TARGET,), f"fp8 block {block[0]}x{block[1]}" if block else "fp8 block", block=block, key=key)] if block else []
     return QuantDeclaration(FP8_BLOCK, where, groups, tuple(ignore), None, problems)
@@ -414,12 +464,12 @@ def detect_format(config: dict[str, Any] | None, extra_json: dict[str, Any]) -> 
     """The format vLLM will read: config.json's quantization_config first, then hf_quant_config.json."""
     qc = (config or {}).get("quantization_config")
     if isinstance(qc, dict):
-        method = str(qc.get("quant_method", ""))
+        method = str(qc.get("quant_method") or "")
         if method == CT:
             return CT
         if method.startswith(MODELOPT):
             return MODELOPT
-        return method or "unknown"
+        return method or NO_METHOD
     if HF_QUANT_CONFIG in extra_json:
         return MODELOPT
     return None
@@ -446,7 +496,7 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
         decl = parse_modelopt(qc, where="config.json quantization_config")
         sidecar = extra_json.get(HF_QUANT_CONFIG)
         if isinstance(sidecar, dict):
-            decl.problems.extend(_modelopt_disagreements(decl, parse_modelopt(sidecar, where=HF_QUANT_CONFIG)))
+            decl.sidecar_differences.extend(_modelopt_disagreements(decl, parse_modelopt(sidecar, where=HF_QUANT_CONFIG)))
         return decl
     if detected == MODELOPT:
         doc = extra_json[HF_QUANT_CONFIG]
@@ -459,6 +509,8 @@ def _read_declaration(config: dict[str, Any] | None, extra_json: dict[str, Any])
         return parse_gptq_awq(METHOD_ALIASES[detected], qc)
     if detected == BNB:
         return parse_bitsandbytes(qc)
+    if detected == NO_METHOD:  # vLLM's ModelConfig reads quant_cfg["quant_method"]: a KeyError at start-up
+        return QuantDeclaration(detected, "config.json quantization_config", [], (), None, ["quantization_config has no quant_method; vLLM cannot start"])
     if detected is not None:
         return QuantDeclaration(detected, "config.json quantization_config", [], (), None)  # not_understood() says so
     return None
@@ -606,7 +658,8 @@ class NameSet:
                 hits += [m for m in self.names if m not in seen and wildcard.match(m)]
             return hits
         if not _is_pattern(pattern):
-            return list(self.by_ancestor.get(pattern, []))  # an exact name, or an ancestor such as an expert stack
+            hits = self.by_ancestor.get(pattern, [])  # an exact name, or an ancestor such as an expert stack
+            return ([pattern] if pattern in hits else []) if match is match_ct else list(hits)
         if match is match_ct and pattern.startswith("re:"):
             regex = re.compile(pattern[3:])
             return [m for m in self.names if regex.match(m)]
