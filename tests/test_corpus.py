@@ -29,11 +29,14 @@ CORPUS = Path(__file__).parent / "corpus"
 FAST = ["olmoe-1b-7b-0125-instruct", "phi-3.5-moe-instruct", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
+# Releases in a format `bytes` and `audit` cannot judge yet (PROVENANCE.json `awaiting_format`):
+# rebuilt and checked against their shard files only, never run through the audit's name checks.
+AWAITING = ["wizard-vicuna-30b-gptq-4bit-128g", "wizard-vicuna-30b-gptq-8bit-128g", "wizard-vicuna-30b-gptq-3bit-128g"]
 
 
 def test_every_corpus_entry_is_tested_and_documented():
     on_disk = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
-    assert on_disk == sorted(FAST + SLOW)
+    assert on_disk == sorted(FAST + SLOW + AWAITING)
     table = (CORPUS / "CORPUS.md").read_text(encoding="utf-8")
     for name in on_disk:
         provenance = json.loads((CORPUS / name / "PROVENANCE.json").read_text(encoding="utf-8"))
@@ -293,3 +296,41 @@ def test_inferred_layout_places_a_hybrid_mixers_attention():
     for leaf in ("in_proj", "out_proj", "conv1d", "dt_bias"):
         assert layout.component_of(f"backbone.layers.0.mixer.{leaf}") == "linear_attention"
     assert layout.component_of("backbone.layers.1.mixer.experts.0.up_proj") == "routed_experts"
+
+
+def _stored_tensors(checkpoint: Path) -> dict[str, dict]:
+    """Every tensor's header entry, read from the safetensors files themselves (8-byte length +
+    JSON), not through fp4forge's reader."""
+    entries: dict[str, dict] = {}
+    for shard in checkpoint.glob("*.safetensors"):
+        with shard.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        entries.update({k: v for k, v in header.items() if k != "__metadata__"})
+    return entries
+
+
+@pytest.mark.parametrize("name", AWAITING)
+def test_release_awaiting_its_format_matches_its_files(tmp_path, name):
+    """A GPTQ release rebuilt in AutoGPTQ's layout: its tensors fill the release's shard file but
+    for its safetensors header (Git LFS pointer size), its declaration in config.json is its
+    quantize_config.json, and a Linear's parameters have the shapes vLLM's GPTQ method creates
+    (pack factor 32 // bits; written out here from vLLM's `create_weights`)."""
+    entry = load_entry(CORPUS / name)
+    assert entry.provenance["awaiting_format"] == entry.config["quantization_config"]["quant_method"] == "gptq"
+    sidecar = json.loads((CORPUS / name / "quantize_config.json").read_text(encoding="utf-8"))
+    assert {k: v for k, v in entry.config["quantization_config"].items() if k != "quant_method"} == sidecar
+    stored = _stored_tensors(build_header_only(entry, tmp_path / "ckpt"))
+    tensor_bytes = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in stored.values())
+    headers = entry.provenance["card"]["shard_files_bytes"] - tensor_bytes
+    assert 0 < headers < 256 * len(stored), headers
+    bits, group, hidden = sidecar["bits"], sidecar["group_size"], entry.config["hidden_size"]
+    down = "model.layers.0.mlp.down_proj"
+    inter = stored[f"{down}.g_idx"]["shape"][0]
+    assert inter == entry.config["intermediate_size"]
+    if bits in (4, 8):  # the widths vLLM's GPTQ methods accept
+        pack = 32 // bits
+        assert stored[f"{down}.qweight"]["shape"] == [inter // pack, hidden]
+        assert stored[f"{down}.qzeros"]["shape"] == [inter // group, hidden // pack]
+        assert stored[f"{down}.scales"]["shape"] == [inter // group, hidden]
+    assert "lm_head.weight" in stored and "lm_head.qweight" not in stored

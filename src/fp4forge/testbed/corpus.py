@@ -276,6 +276,8 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
     method = declaration.get("quant_method")
     if method == "mxfp4":
         return _mxfp4_specs(specs)
+    if method == "gptq":
+        return _gptq_specs(specs, declaration, with_bias=bool(entry.provenance.get("gptq_zero_bias")))
     if method != "fp8" or not declaration.get("weight_block_size"):
         raise ConfigError(f"{entry.name}: building quant_method {method!r} is not implemented")
     block_out, block_in = declaration["weight_block_size"]
@@ -353,6 +355,35 @@ def _mxfp4_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
             out.append(TensorSpec(spec.name + "_scales", "U8", (experts, cols_out, blocks)))
         else:
             out.append(spec)
+    return out
+
+
+GPTQ_WORD_BITS = 32  # GPTQ packs its integer codes and zero points into int32 words
+
+
+def _gptq_specs(specs: list[TensorSpec], declaration: dict[str, Any], *, with_bias: bool) -> list[TensorSpec]:
+    """A GPTQ release as AutoGPTQ stores it: each decoder Linear [out, in] becomes `qweight` I32
+    [in*bits/32, out], `qzeros` I32 [groups, out*bits/32], `scales` F16 [groups, out] and `g_idx`
+    I32 [in] (one group for group_size -1), the parameters vLLM's GPTQ method creates (it drops
+    `g_idx` on load); AutoGPTQ versions that gave every QuantLinear a `bias` buffer add F16 [out]
+    (``with_bias``: known from the release's shard sizes, see its PROVENANCE.json)."""
+    bits, group = declaration["bits"], declaration["group_size"]
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if not (module and _quantizable(module, spec)):
+            out.append(spec)
+            continue
+        rows, cols = spec.shape
+        groups = 1 if group == -1 else math.ceil(cols / group)
+        out += [
+            TensorSpec(module + ".qweight", "I32", (cols * bits // GPTQ_WORD_BITS, rows)),
+            TensorSpec(module + ".qzeros", "I32", (groups, rows * bits // GPTQ_WORD_BITS)),
+            TensorSpec(module + ".scales", "F16", (groups, rows)),
+            TensorSpec(module + ".g_idx", "I32", (cols,)),
+        ]
+        if with_bias:
+            out.append(TensorSpec(module + ".bias", "F16", (rows,)))
     return out
 
 
