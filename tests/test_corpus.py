@@ -31,7 +31,7 @@ SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "dee
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 # Releases in a format `bytes` and `audit` cannot judge yet (PROVENANCE.json `awaiting_format`):
 # rebuilt and checked against their shard files only, never run through the audit's name checks.
-AWAITING = ["wizard-vicuna-30b-gptq-4bit-128g", "wizard-vicuna-30b-gptq-8bit-128g", "wizard-vicuna-30b-gptq-3bit-128g"]
+AWAITING = ["wizard-vicuna-30b-gptq-4bit-128g", "wizard-vicuna-30b-gptq-8bit-128g", "wizard-vicuna-30b-gptq-3bit-128g", "mythomax-l2-13b-gptq-4bit-128g", "mythomax-l2-13b-gptq-8bit"]
 
 
 def test_every_corpus_entry_is_tested_and_documented():
@@ -329,8 +329,8 @@ def test_release_awaiting_its_format_matches_its_files(tmp_path, name):
     inter = stored[f"{down}.g_idx"]["shape"][0]
     assert inter == entry.config["intermediate_size"]
     if bits in (4, 8):  # the widths vLLM's GPTQ methods accept
-        pack = 32 // bits
+        pack, groups = 32 // bits, 1 if group == -1 else inter // group
         assert stored[f"{down}.qweight"]["shape"] == [inter // pack, hidden]
-        assert stored[f"{down}.qzeros"]["shape"] == [inter // group, hidden // pack]
-        assert stored[f"{down}.scales"]["shape"] == [inter // group, hidden]
+        assert stored[f"{down}.qzeros"]["shape"] == [groups, hidden // pack]
+        assert stored[f"{down}.scales"]["shape"] == [groups, hidden]
     assert "lm_head.weight" in stored and "lm_head.qweight" not in stored
