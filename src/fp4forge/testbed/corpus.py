@@ -10,7 +10,8 @@ card states). :func:`build_header_only` writes a checkpoint with every tensor th
   same kind), plus the next-n (MTP) layers a DeepSeek-style config declares;
 - shapes and dtypes: from the transformers model class the config names, built on the meta
   device for the first few layers (one of each layer kind), then the quantization the config
-  declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block);
+  declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block;
+  MXFP4 as GPT-OSS stores it; GPTQ as AutoGPTQ stores it);
 - data: file holes (sparse headers only), so a 600 B-parameter release costs a few MB of disk.
 """
 
