@@ -26,14 +26,17 @@ from fp4forge.testbed.moe_zoo import nvfp4_modules
 
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
-FAST = ["olmoe-1b-7b-0125-instruct", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
+FAST = ["olmoe-1b-7b-0125-instruct", "phi-3.5-moe-instruct", "llama-4-scout-17b-16e", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
+# Releases in a format `bytes` and `audit` cannot judge yet (PROVENANCE.json `awaiting_format`):
+# rebuilt and checked against their shard files only, never run through the audit's name checks.
+AWAITING = ["wizard-vicuna-30b-gptq-4bit-128g", "wizard-vicuna-30b-gptq-8bit-128g", "wizard-vicuna-30b-gptq-3bit-128g", "mythomax-l2-13b-gptq-4bit-128g", "mythomax-l2-13b-gptq-8bit"]
 
 
 def test_every_corpus_entry_is_tested_and_documented():
     on_disk = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
-    assert on_disk == sorted(FAST + SLOW)
+    assert on_disk == sorted(FAST + SLOW + AWAITING)
     table = (CORPUS / "CORPUS.md").read_text(encoding="utf-8")
     for name in on_disk:
         provenance = json.loads((CORPUS / name / "PROVENANCE.json").read_text(encoding="utf-8"))
@@ -86,6 +89,10 @@ def test_bytes_reads_the_release(built, name):
         if "params_mtp_unique" in card:
             shared = 2 * entry.config["vocab_size"] * entry.config["hidden_size"]  # its embedding + head copies
             assert close(mtp - shared, card["params_mtp_unique"])
+    if "params_active" in card:  # the parameters one token runs through: all but the unchosen experts
+        chosen, experts = card["active_experts"]
+        routed = components["routed_experts"].params
+        assert close(table.total_params - routed * (1 - chosen / experts), card["params_active"], CARD_TOLERANCE)
     if "shard_files_bytes" in card:  # the release's shard sizes (Git LFS pointers): tensors + headers
         headers = card["shard_files_bytes"] - table.total_bytes
         assert 0 < headers < 256 * sum(d["tensors"] for d in table.dtypes.values()), headers
@@ -214,7 +221,7 @@ def _representatives() -> list:
 
 
 REPRESENTATIVES = _representatives()
-MIN_FAMILIES = 14  # issue #34 asks for 15 real families; CORPUS.md says which were not found
+MIN_FAMILIES = 16  # issue #34 asks for 15 real families
 
 
 def test_corpus_spans_the_families():
@@ -270,6 +277,8 @@ def test_planted_misstored_projection_is_an_error(tmp_path, name, kind):
         if renamed:
             config = json.loads((out / "config.json").read_text())
             config.update(model_type="some_remote_moe", architectures=["SomeRemoteMoeForCausalLM"])
+            if isinstance(config.get("text_config"), dict):  # a wrapper's text type names a table too
+                config["text_config"]["model_type"] = "some_remote_moe_text"
             (out / "config.json").write_text(json.dumps(config))
         report = audit_checkpoint(out)
         assert (report.layout or "").startswith("inferred") == renamed, report.layout
@@ -289,3 +298,41 @@ def test_inferred_layout_places_a_hybrid_mixers_attention():
     for leaf in ("in_proj", "out_proj", "conv1d", "dt_bias"):
         assert layout.component_of(f"backbone.layers.0.mixer.{leaf}") == "linear_attention"
     assert layout.component_of("backbone.layers.1.mixer.experts.0.up_proj") == "routed_experts"
+
+
+def _stored_tensors(checkpoint: Path) -> dict[str, dict]:
+    """Every tensor's header entry, read from the safetensors files themselves (8-byte length +
+    JSON), not through fp4forge's reader."""
+    entries: dict[str, dict] = {}
+    for shard in checkpoint.glob("*.safetensors"):
+        with shard.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        entries.update({k: v for k, v in header.items() if k != "__metadata__"})
+    return entries
+
+
+@pytest.mark.parametrize("name", AWAITING)
+def test_release_awaiting_its_format_matches_its_files(tmp_path, name):
+    """A GPTQ release rebuilt in AutoGPTQ's layout: its tensors fill the release's shard file but
+    for its safetensors header (Git LFS pointer size), its declaration in config.json is its
+    quantize_config.json, and a Linear's parameters have the shapes vLLM's GPTQ method creates
+    (pack factor 32 // bits; written out here from vLLM's `create_weights`)."""
+    entry = load_entry(CORPUS / name)
+    assert entry.provenance["awaiting_format"] == entry.config["quantization_config"]["quant_method"] == "gptq"
+    sidecar = json.loads((CORPUS / name / "quantize_config.json").read_text(encoding="utf-8"))
+    assert {k: v for k, v in entry.config["quantization_config"].items() if k != "quant_method"} == sidecar
+    stored = _stored_tensors(build_header_only(entry, tmp_path / "ckpt"))
+    tensor_bytes = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in stored.values())
+    headers = entry.provenance["card"]["shard_files_bytes"] - tensor_bytes
+    assert 0 < headers < 256 * len(stored), headers
+    bits, group, hidden = sidecar["bits"], sidecar["group_size"], entry.config["hidden_size"]
+    down = "model.layers.0.mlp.down_proj"
+    inter = stored[f"{down}.g_idx"]["shape"][0]
+    assert inter == entry.config["intermediate_size"]
+    if bits in (4, 8):  # the widths vLLM's GPTQ methods accept
+        pack, groups = 32 // bits, 1 if group == -1 else inter // group
+        assert stored[f"{down}.qweight"]["shape"] == [inter // pack, hidden]
+        assert stored[f"{down}.qzeros"]["shape"] == [groups, hidden // pack]
+        assert stored[f"{down}.scales"]["shape"] == [groups, hidden]
+    assert "lm_head.weight" in stored and "lm_head.qweight" not in stored

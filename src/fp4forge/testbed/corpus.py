@@ -10,7 +10,8 @@ card states). :func:`build_header_only` writes a checkpoint with every tensor th
   same kind), plus the next-n (MTP) layers a DeepSeek-style config declares;
 - shapes and dtypes: from the transformers model class the config names, built on the meta
   device for the first few layers (one of each layer kind), then the quantization the config
-  declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block);
+  declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block;
+  MXFP4 as GPT-OSS stores it; GPTQ as AutoGPTQ stores it);
 - data: file holes (sparse headers only), so a 600 B-parameter release costs a few MB of disk.
 """
 
@@ -71,16 +72,13 @@ def corpus_entries(root: str | Path) -> list[CorpusEntry]:
 
 
 # -- the text model and its layer kinds ----------------------------------------------------------
-def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """(config of the text model, the on-disk prefix of its `model.` tensors)."""
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the text model (a wrapper's text_config, completed from the wrapper)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    architectures = config.get("architectures") or [""]
-    # Vision-language wrappers save the text model under model.language_model. (transformers 5).
-    prefix = "model.language_model." if architectures[0].endswith("ForConditionalGeneration") else "model."
     text = config.get("text_config")
     if not isinstance(text, dict):
-        return _with_derived_layer_lists(config), prefix
+        return _with_derived_layer_lists(config)
     text = copy.deepcopy(text)
     if "model_type" not in text:
         text["model_type"] = f"{config['model_type']}_text"
@@ -89,7 +87,7 @@ def _text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
     for key in ("tie_word_embeddings", "torch_dtype", "dtype"):
         if key in config and key not in text:
             text[key] = config[key]
-    return _with_derived_layer_lists(text), prefix
+    return _with_derived_layer_lists(text)
 
 
 def _with_derived_layer_lists(config: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +172,7 @@ def _language_model_specs(wrapper: dict[str, Any], text: dict[str, Any]) -> list
     """A text config whose model type has no causal LM of its own (GLM-4.5V's glm4v_moe_text
     builds a bare decoder): the wrapper class built with ``text``, its language model's tensors
     named as a causal LM's (`model.language_model.` to `model.`), the head kept, the towers left
-    to :func:`_vision_specs`."""
+    to :func:`_naming`."""
     small = {**unquantized_config(wrapper), "text_config": text}
     out = []
     for spec in checkpoint_specs(small):
@@ -206,32 +204,53 @@ def _mtp_specs(text: dict[str, Any], per_layer: dict[int, list[TensorSpec]], cop
     return specs
 
 
-def _prefixed(name: str, prefix: str) -> str:
-    return prefix + name[len("model.") :] if name.startswith("model.") else name
+@dataclass(frozen=True)
+class _Naming:
+    """Where the text model's tensors sit on disk: its `model.` tensors under ``prefix``, its
+    `lm_head.weight` as ``head``; ``towers`` are the wrapper's other tensors (vision tower,
+    projector)."""
+
+    prefix: str = "model."
+    head: str = "lm_head.weight"
+    towers: tuple[TensorSpec, ...] = ()
+
+    def name(self, name: str) -> str:
+        if name == "lm_head.weight":
+            return self.head
+        return self.prefix + name[len("model.") :] if name.startswith("model.") else name
 
 
-def _vision_specs(config: dict[str, Any]) -> list[TensorSpec]:
-    """A vision-language wrapper's vision tower (`model.visual.*`), from the wrapper class built
-    with a one-layer text model: the tower does not depend on the text model's depth."""
-    if not isinstance(config.get("vision_config"), dict) or not isinstance(config.get("text_config"), dict):
-        return []
+def _naming(config: dict[str, Any]) -> _Naming:
+    """The naming of a release's wrapper class, read off the class itself built with a one-layer
+    text model (the towers do not depend on the text model's depth): Qwen3.5 and GLM-4.5V keep
+    their language model under `model.language_model.`, Llama 4 under `language_model.model.`
+    with the head at `language_model.lm_head.weight`."""
+    if not isinstance(config.get("text_config"), dict):
+        # A wrapper saved flat (the Qwen3.5 REAP prunes): transformers 5's wrapper prefix.
+        architectures = config.get("architectures") or [""]
+        return _Naming("model.language_model." if architectures[0].endswith("ForConditionalGeneration") else "model.")
     small = {**unquantized_config(config), "text_config": truncated_config(_with_derived_layer_lists(config["text_config"]), 1)}
-    return [s for s in checkpoint_specs(small) if s.name.startswith("model.visual.")]
+    specs = checkpoint_specs(small)
+    embed = next(s.name for s in specs if s.name.endswith(".embed_tokens.weight"))
+    prefix = embed[: -len("embed_tokens.weight")]
+    head = next((s.name for s in specs if s.name.endswith("lm_head.weight")), "lm_head.weight")
+    return _Naming(prefix, head, tuple(s for s in specs if not s.name.startswith(prefix) and s.name != head))
 
 
 def bf16_specs(entry: CorpusEntry) -> list[TensorSpec]:
     """Every tensor of the release before any declared quantization, with real or reconstructed names."""
-    text, prefix = _text_config(entry.config)
+    text = _text_config(entry.config)
+    naming = _naming(entry.config)
     globals_, per_layer, copy_of, stack = _template(text, entry.config)
     if entry.index_names is None:
-        specs = [TensorSpec(_prefixed(s.name, prefix), s.dtype, s.shape) for s in globals_]
+        specs = [TensorSpec(naming.name(s.name), s.dtype, s.shape) for s in globals_]
         for i, j in enumerate(copy_of):
-            specs += [TensorSpec(_prefixed(f"{stack}layers.{i}.{s.name}", prefix), s.dtype, s.shape) for s in per_layer[j]]
-        return specs + _vision_specs(entry.config) + _mtp_specs(text, per_layer, copy_of, stack)
+            specs += [TensorSpec(naming.name(f"{stack}layers.{i}.{s.name}"), s.dtype, s.shape) for s in per_layer[j]]
+        return specs + list(naming.towers) + _mtp_specs(text, per_layer, copy_of, stack)
     # Real names: look each up in the built template (same layer kind, same suffix).
     by_suffix = {j: {s.name: s for s in layer} for j, layer in per_layer.items()}
-    global_by_name = {_prefixed(s.name, prefix): s for s in globals_}
-    layer_re = re.compile(r"^" + re.escape(_prefixed(stack, prefix)) + r"layers\.(\d+)\.(.+)$")
+    global_by_name = {naming.name(s.name): s for s in globals_}
+    layer_re = re.compile(r"^" + re.escape(naming.name(stack)) + r"layers\.(\d+)\.(.+)$")
     # A release stored packed names the packed tensors (GPT-OSS MXFP4: `<param>_blocks` and
     # `<param>_scales`); the template holds the parameter itself, which quantized_specs packs again.
     packed = MXFP4_PACKED_SUFFIXES if (stored_quantization_config(entry.config) or {}).get("quant_method") == "mxfp4" else ()
@@ -276,6 +295,8 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
     method = declaration.get("quant_method")
     if method == "mxfp4":
         return _mxfp4_specs(specs)
+    if method == "gptq":
+        return _gptq_specs(specs, declaration, with_bias=bool(entry.provenance.get("gptq_zero_bias")))
     if method != "fp8" or not declaration.get("weight_block_size"):
         raise ConfigError(f"{entry.name}: building quant_method {method!r} is not implemented")
     block_out, block_in = declaration["weight_block_size"]
@@ -356,13 +377,42 @@ def _mxfp4_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
     return out
 
 
+GPTQ_WORD_BITS = 32  # GPTQ packs its integer codes and zero points into int32 words
+
+
+def _gptq_specs(specs: list[TensorSpec], declaration: dict[str, Any], *, with_bias: bool) -> list[TensorSpec]:
+    """A GPTQ release as AutoGPTQ stores it: each decoder Linear [out, in] becomes `qweight` I32
+    [in*bits/32, out], `qzeros` I32 [groups, out*bits/32], `scales` F16 [groups, out] and `g_idx`
+    I32 [in] (one group for group_size -1), the parameters vLLM's GPTQ method creates (it drops
+    `g_idx` on load); AutoGPTQ versions that gave every QuantLinear a `bias` buffer add F16 [out]
+    (``with_bias``: known from the release's shard sizes, see its PROVENANCE.json)."""
+    bits, group = declaration["bits"], declaration["group_size"]
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if not (module and _quantizable(module, spec)):
+            out.append(spec)
+            continue
+        rows, cols = spec.shape
+        groups = 1 if group == -1 else math.ceil(cols / group)
+        out += [
+            TensorSpec(module + ".qweight", "I32", (cols * bits // GPTQ_WORD_BITS, rows)),
+            TensorSpec(module + ".qzeros", "I32", (groups, rows * bits // GPTQ_WORD_BITS)),
+            TensorSpec(module + ".scales", "F16", (groups, rows)),
+            TensorSpec(module + ".g_idx", "I32", (cols,)),
+        ]
+        if with_bias:
+            out.append(TensorSpec(module + ".bias", "F16", (rows,)))
+    return out
+
+
 def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
     return quantized_specs(entry, bf16_specs(entry))
 
 
 def family(entry: CorpusEntry) -> str:
     """The architecture family of a release: the model_type of its text model."""
-    return _text_config(entry.config)[0]["model_type"]
+    return _text_config(entry.config)["model_type"]
 
 
 def build_nvfp4_export(entry: CorpusEntry | str | Path, out: str | Path, *, keep_bf16: str | None = None) -> Path:
