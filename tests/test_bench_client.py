@@ -244,7 +244,8 @@ def test_completion_timings_and_decode_rate(fake_url: str) -> None:
     # 10 gaps of >= 10 ms: decode <= 100 tok/s and (n_out - 1) / (t_last - t_first) exactly.
     span = result.t_last_token - result.t_first_token
     assert result.decode_tok_s == pytest.approx(10 / span)
-    assert result.decode_tok_s <= 1 / FAKE_TOKEN_GAP_S * 1.01
+    # a late first chunk under load shortens the span it is measured over: bounded loosely, not timed
+    assert result.decode_tok_s <= 1 / FAKE_TOKEN_GAP_S * 1.5
     assert result.tpot_s == pytest.approx((result.e2e_s - result.ttft_s) / 10)
     assert sum(result.chunk_gaps_s) == pytest.approx(span)
 

@@ -76,7 +76,7 @@ def test_every_disagreement_is_explained(rows: list[dict]) -> None:
     assert unexplained == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33's target; measured 86.9 % (docs/audit.md#agreement-with-vllm): passing means the mark goes")
+@pytest.mark.xfail(strict=True, reason="issue 33's target; measured 87.4 % (docs/audit.md#agreement-with-vllm): passing means the mark goes")
 def test_the_agreement_reaches_the_target(rows: list[dict]) -> None:
     agree = sum(r["agrees"] for r in rows)
     assert agree / len(rows) >= 0.98, f"{agree} of {len(rows)}"
