@@ -48,7 +48,7 @@ def _key_inputs(report: dict[str, Any]) -> dict[str, Any]:
     prepared = prepare_build(report["seed"], TrainingConfig(**report["training"]), spec)
     if report.get("cache_key") != prepared.key:
         raise ConfigError(f"the build's cache key {report.get('cache_key')} is not the current code's key {prepared.key} for its settings: "
-                          f"ship a CPU build of this code (`{_recipe(report)}`)", option="model_dir")
+                          f"ship a CPU build of this code (`{_recipe(report)}`)")
     return prepared.key_inputs
 
 
