@@ -305,7 +305,8 @@ def test_group_size_not_probed_is_counted_and_said_not_audited(tmp_path, model):
     table = byte_table_of(path)
     assert table.total_params == unquantized_params(model) and table.experts_bpp == pytest.approx(hand_bpp(model, gptq_256), rel=1e-12)
     found = audit_checkpoint(str(path)).to_json()["findings"]
-    assert [f["rule"] for f in found] == ["scheme-not-audited"]
+    # a header-only test checkpoint has no tokenizer: the files a server reads are "not checked" (info)
+    assert [f["rule"] for f in found if f["rule"] != "server-file-absent"] == ["scheme-not-audited"]
 
 
 @pytest.mark.parametrize(("declaration", "per_linear"), [(GPTQ, gptq), ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_tensor)], ids=["gptq", "fp8-per-tensor"])

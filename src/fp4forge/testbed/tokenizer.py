@@ -17,6 +17,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from fp4forge.errors import ConfigError
+
 VOCAB_SIZE = 4096
 
 # Laguna reuses one control token as BOS and EOS; the chat template opens every transcript with it.
@@ -115,7 +117,7 @@ def _reserve_up_to(vocab: dict[str, int], vocab_size: int) -> None:
     ``vocab_size`` ids (0 .. vocab_size - 1, none skipped)."""
     next_id = len(vocab)
     if sorted(vocab.values()) != list(range(next_id)):  # the trainer numbers its tokens densely
-        raise ValueError("the trained BPE vocabulary is not numbered 0..n-1")
+        raise ConfigError("the trained BPE vocabulary is not numbered 0..n-1: the tokenizers library changed how it numbers merges")
     for number in range(vocab_size - next_id):
         vocab[RESERVED_TOKEN.format(number)] = next_id + number
 
