@@ -237,14 +237,15 @@ def kv_target(stats: Path, quantized: Path) -> KillTarget:
 PIPELINE_OPTIONS = ["--recipe", RECIPE, "--calib-samples", "4", "--calib-seq-len", "64", "--fidelity-samples", "2", "--fidelity-seq-len", "64"]
 
 
-# The card's steps table: "| calibrate | done | 25.8 |". Wall seconds differ between any two runs,
-# and a resumed run reports the steps an earlier run finished as skipped.
-_CARD_STEP_ROW = re.compile(r"^\| ([\w-]+) \| (done|skipped) \| [0-9.]+ \|$", re.MULTILINE)
+# The card's steps table: "| calibrate | done | 25.8 |  |" (the last cell, "why not run", is empty
+# for a step that ran or was skipped). Wall seconds differ between any two runs, and a resumed run
+# reports the steps an earlier run finished as skipped.
+_CARD_STEP_ROW = re.compile(r"^\| ([\w-]+) \| (done|skipped) \| [0-9.]+ \|((?: [^|]*\|)?)$", re.MULTILINE)
 
 
 def card_digest(path: Path) -> str:
     """SHA-256 of the card with its steps table's status and seconds normalised (every other byte counts)."""
-    return hashlib.sha256(_CARD_STEP_ROW.sub(r"| \1 | ran | - |", path.read_text()).encode()).hexdigest()
+    return hashlib.sha256(_CARD_STEP_ROW.sub(r"| \1 | ran | - |\3", path.read_text()).encode()).hexdigest()
 
 
 def _pipeline_compared(workdir: Path) -> dict[str, str]:
