@@ -81,8 +81,8 @@ def test_a_clean_life_and_the_teacher_command(ckpt: Path) -> None:
     card = render_card(ckpt).markdown
     serving = card.split("## Serving")[1].split("## Performance")[0]
     assert "**The student server logged" not in serving and "**The teacher server logged" not in serving
-    assert "The teacher (tiny-laguna) was served with:" in serving
-    teacher_block = serving.split("The teacher (tiny-laguna) was served with:")[1]
+    assert "The BF16 teacher (tiny-laguna), the unquantized reference arm, was served with:" in serving
+    teacher_block = serving.split("The BF16 teacher (tiny-laguna), the unquantized reference arm, was served with:")[1]
     assert 'vllm serve "$MODEL"' in teacher_block and "/tmp/" not in teacher_block and "/work/" not in teacher_block
     assert "`VLLM_CPU_KVCACHE_SPACE=1`" in teacher_block
     assert "Its log doctor's findings at start-up" in teacher_block
