@@ -261,6 +261,9 @@ def _tie_issues(ctx: AuditContext, config: dict[str, Any]) -> list[Issue]:
     if type(tied) is not bool or ctx.layout is None:
         return []  # absent: the model class's default decides, and the names check compares with it
     heads = _component_tensors(ctx, "lm_head")
+    expected = ctx.expected_shapes
+    if expected and bool(heads) == any(ctx.component(split_suffix(name)[0]) == "lm_head" for name in expected):
+        return []  # the model class built from this config stores what is there (wrappers may read the flag elsewhere)
     if tied and heads:
         return [issue("tied-embeddings-mismatch", "tie_word_embeddings is true but an lm_head is stored", examples(heads), file="config.json", tensors=heads)]
     if not tied and not heads and _component_tensors(ctx, "embeddings"):
