@@ -318,6 +318,8 @@ def test_every_marker_is_printed_by_vllm_or_seen_in_a_real_log() -> None:
     assert not unevidenced, unevidenced
     printed = sum(bool(r["vllm"] or r["libraries"]) for r in rows)
     assert printed / len(rows) >= 0.85, f"only {printed} of {len(rows)} patterns found in the sources"
+    stated = (SERVE.parents[2] / "docs" / "serve.md").read_text(encoding="utf-8")
+    assert f"Of the {len(rows)} line patterns, {printed} are found in the sources; the other {len(rows) - printed} are" in stated
 
 
 def test_release_ranges_come_from_the_sources() -> None:
