@@ -14,7 +14,8 @@ import pytest
 from fp4forge.errors import ExitCode, TextRequiredError, UnreadableTextError
 from fp4forge.fidelity.intervals import fidelity_intervals, unit_sums
 from fp4forge.fidelity.readable import UNREADABLE_PERPLEXITY_SHARE, check_readable
-from fp4forge.model.samples import Document, pack
+from fp4forge.model.samples import OWN_TEXT_FILES, Document, pack
+from tests.trained_fixtures import trained_laguna  # noqa: F401 (the cached trained testbed)
 
 LEVEL = 0.95
 REPLICATIONS = 400
@@ -136,3 +137,50 @@ def test_fidelity_refuses_without_text_and_on_unreadable_text(random_pair: tuple
     assert "metrics" not in no_text.stdout + unreadable.stdout and not cache.exists()
     allowed = measure_fidelity(teacher, student, FidelityOptions(samples=2, seq_len=32, batch_size=2, builtin_corpus=True, allow_unreadable=True))
     assert allowed.metrics["readability"]["warning"].startswith("UNREADABLE TEXT, scored anyway")
+
+
+def test_trained_testbed_needs_its_own_text_and_then_carries_intervals(trained_laguna: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Without text: a named error that points at the text the testbed ships (exit 2). With its
+    held-out text: the teacher reads it, and KL, top-1 agreement and both perplexities carry
+    intervals over the documents scored."""
+    from fp4forge import measure_fidelity
+    from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
+    from fp4forge.checkpoint.stats import write_stats
+    from fp4forge.fidelity.options import FidelityOptions
+    from fp4forge.quantize.act_scales import StatsAmax
+    from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
+    from fp4forge.quantize.recipe import load_recipe
+
+    heldout, calibration = (trained_laguna / OWN_TEXT_FILES[split] for split in ("heldout", "calibration"))
+    result = calibrate_checkpoint(trained_laguna, CalibrationOptions(samples=2, seq_len=64, text_files=(calibration,), builtin_corpus=False))
+    stats = StatsAmax(write_stats(tmp_path / "stats.safetensors", result.tensors, result.metadata))
+    student = tmp_path / "nvfp4"
+    quantize_checkpoint(trained_laguna, student, QuantizeOptions(recipe=load_recipe("nvfp4-experts"), act_amax=stats))
+    with pytest.raises(TextRequiredError, match=OWN_TEXT_FILES["heldout"]):
+        measure_fidelity(trained_laguna, student)
+    no_text = _cli("fidelity", str(trained_laguna), str(student), "--json")
+    assert no_text.returncode == ExitCode.UNUSABLE and "--text" in no_text.stderr and "metrics" not in no_text.stdout
+    # Its shortest held-out documents (they run to ~1,900 tokens): several documents in few tokens.
+    lines = sorted(heldout.read_text(encoding="utf-8").splitlines(), key=len)[:24]
+    short = tmp_path / "heldout-short.jsonl"
+    short.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    report = measure_fidelity(trained_laguna, student, FidelityOptions(samples=6, seq_len=128, text_files=(short,)))
+    m = report.metrics
+    assert m["readability"]["readable"] and m["readability"]["warning"] is None
+    assert m["interval_unit"] == "document" and m["documents"] >= 3 and m["tokens"] == m["positions"] == 6 * 127
+    points = {"kl": m["kl"]["mean"], "top1_agreement": m["top1_agreement"],
+              "teacher_perplexity": m["perplexity"]["teacher"], "student_perplexity": m["perplexity"]["student"]}
+    for name, point in points.items():
+        interval = m["intervals"][name]
+        assert interval["level"] == 0.95 and interval["low"] <= point <= interval["high"], (name, point, interval)
+    assert m["intervals"]["kl"]["high"] > m["intervals"]["kl"]["low"] > 0
+    print(f"\ntrained testbed nvfp4-experts W4A4: KL {points['kl']:.6f} [{m['intervals']['kl']['low']:.6f}, {m['intervals']['kl']['high']:.6f}], "
+          f"top-1 {points['top1_agreement']:.4f}, teacher ppl {points['teacher_perplexity']:.3f}, {m['documents']} documents, {m['tokens']} tokens")
+
+
+def test_own_text_file_names_are_the_trained_testbeds() -> None:
+    """The product names the files the lab's trained testbed writes (the lab may not be imported
+    by the product, and its module is part of the testbed's cache key)."""
+    from fp4forge.lab.trained.training import CALIBRATION_TEXT_FILE, HELDOUT_TEXT_FILE
+
+    assert OWN_TEXT_FILES == {"calibration": CALIBRATION_TEXT_FILE, "heldout": HELDOUT_TEXT_FILE}
