@@ -495,9 +495,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
             teacher.close()
         space.close()
     ranks.agree(True, "fidelity")
-    metrics = positions.gathered(ranks).summary(samples, options.seed)
-    # before anything is written (the teacher cache): text the teacher cannot read is not scored
-    metrics["readability"] = check_readable(metrics["perplexity"]["teacher"], _vocab_size(teacher_ckpt), options.allow_unreadable, file=teacher_ckpt.display)
+    metrics = _scored(positions.gathered(ranks), samples, options, teacher_ckpt)
     if teacher and ranks.distributed:  # squared-error sums: SUM over the ranks' batches
         sums = ranks.all_reduce_sum(torch.tensor([[e.err_sq, e.ref_sq, e.local_err_sq] for e in errors], dtype=torch.float64))
         errors = [_LayerError(*map(float, row)) for row in sums.tolist()]
@@ -520,6 +518,14 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
         teacher_cache=cache_info,
         seconds=time.perf_counter() - started,
     )
+
+
+def _scored(positions: PositionMetrics, samples: Samples, options: FidelityOptions, teacher_ckpt: Checkpoint) -> dict[str, Any]:
+    """The metrics with their intervals, checked before anything is written (the teacher cache):
+    text the teacher cannot read is not scored unless ``allow_unreadable``."""
+    metrics = positions.summary(samples, options.seed)
+    metrics["readability"] = check_readable(metrics["perplexity"]["teacher"], _vocab_size(teacher_ckpt), options.allow_unreadable, file=teacher_ckpt.display)
+    return metrics
 
 
 def _vocab_size(ckpt: Checkpoint) -> int | None:
