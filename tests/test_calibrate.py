@@ -183,8 +183,11 @@ def test_calibrate_command_writes_statistics(qwen: Path, tmp_path: Path) -> None
     out = tmp_path / "stats.safetensors"
     result = CliRunner().invoke(app, ["calibrate", str(qwen), "--out", str(out), "--samples", "2", "--seq-len", "64", "--policy", "all-experts", "--json"])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)
+    summary = json.loads(result.stdout)
     assert summary["tokens"] == 128 and summary["moe_policy"] == "all-experts" and summary["experts_without_tokens"] == []
+    # no text given: the built-in corpus filled in, and the summary and stderr say it is not the model's own
+    assert len(summary["warnings"]) == 1 and "not this model's own text" in summary["warnings"][0]
+    assert "warning:" in result.stderr and "not this model's own text" in result.stderr
     stats = StatsAmax(out)
     assert stats.input_amax("model.layers.3.mlp.experts.15.down_proj") > 0 and min(stats.kv_amax("model.layers.0")) > 0
     bad = CliRunner().invoke(app, ["calibrate", str(qwen), "--out", str(out), "--policy", "some"])

@@ -230,7 +230,7 @@ def test_fidelity_tables(ckpt: Path) -> None:
     doc = load(ckpt, "fidelity.json")
     metrics, layers = tables(sections(render_card(ckpt).markdown)["Fidelity against the BF16 teacher"])
     m = doc["metrics"]
-    values = dict(metrics[1:])
+    values = {row[0]: row[1] for row in metrics[1:]}
     assert close(values["KL(teacher ‖ student), mean"], m["kl"]["mean"], rel=1e-3)
     assert close(values["KL, median"], m["kl"]["median"], rel=1e-3)
     assert close(values["KL, p99"], m["kl"]["p99"], rel=1e-3)
@@ -240,6 +240,27 @@ def test_fidelity_tables(ckpt: Path) -> None:
     for row, layer in zip(layers[1:], doc["layers"], strict=True):
         assert row[0].strip("`") == layer["layer"]
         assert close(row[1], layer["relative_error"], rel=1e-3) and close(row[2], layer["local_relative_error"], rel=1e-3)
+
+
+def test_fidelity_intervals_and_unreadable_warning_on_the_card(ckpt: Path) -> None:
+    """The interval column, the documents and tokens behind it, and a report scored on unreadable
+    text (allowed) carried as a warning at the top of the section; an old report says it has none."""
+    path = ckpt / "reports" / "fidelity.json"
+    doc = json.loads(path.read_text())
+    plain = sections(render_card(ckpt).markdown)["Fidelity against the BF16 teacher"]
+    assert "No intervals: this report predates them" in plain
+    m = doc["metrics"]
+    m["intervals"] = {"kl": {"low": 0.00125, "high": 0.00175, "level": 0.95}, "top1_agreement": {"low": 0.9, "high": 0.95, "level": 0.95},
+                      "teacher_perplexity": {"low": 4000.0, "high": 4400.0, "level": 0.95}, "student_perplexity": {"low": 4100.0, "high": 4500.0, "level": 0.95}}
+    m |= {"documents": 6, "tokens": m["positions"], "interval_unit": "document",
+          "readability": {"readable": False, "warning": "UNREADABLE TEXT, scored anyway: the teacher cannot read this text"}}
+    path.write_text(json.dumps(doc))
+    text = sections(render_card(ckpt).markdown)["Fidelity against the BF16 teacher"]
+    assert text.lstrip().startswith("**Warning: UNREADABLE TEXT, scored anyway")
+    assert "95% percentile bootstrap over 6 documents" in text and "With so few documents" in text
+    rows = {row[0]: row[2] for row in tables(text)[0][1:]}
+    assert rows["KL(teacher ‖ student), mean"] == "0.00125 – 0.00175" and rows["top-1 agreement"] == "90.0 % – 95.0 %"
+    assert rows["perplexity, teacher"] == "4000 – 4400" and rows["KL, median"] == "–"
 
 
 def test_how_it_was_made_tables(ckpt: Path) -> None:

@@ -201,6 +201,6 @@ def test_the_pipeline_spells_every_option_its_steps_name_at_run_time() -> None:
     flags = _flags(_commands()["pipeline"])
     paths = [f"{job}.{name}" for job in ("calibration", "fidelity")
              for name in ("samples", "seq_len", "text_files", "tokenizer", "device", "activation_budget_bytes")]
-    paths += ["fidelity.numerics", "quantize.recipe", "quantize.layout_format", "quantize.block_scales", "quantize.device",
+    paths += ["fidelity.numerics", "fidelity.allow_unreadable", "quantize.recipe", "quantize.layout_format", "quantize.block_scales", "quantize.device",
               "perf.workload", "quality.runs", "quality.max_tokens", "quality_categories", "hardware", "serve_hardware", "bench"]
     assert {path: pipeline_flag(path) for path in paths if pipeline_flag(path) not in flags} == {}

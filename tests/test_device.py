@@ -79,7 +79,7 @@ def test_device_names(monkeypatch: pytest.MonkeyPatch) -> None:
     from fp4forge.cli.pipeline import _pipeline_options
 
     flags = dict(recipe="nvfp4-experts", layout_format="compressed-tensors", block_scales="minmax", calib_samples=4, calib_seq_len=32,
-                 calib_text=[], fidelity_samples=2, fidelity_seq_len=32, fidelity_text=[], fidelity_numerics="w4a4", tokenizer=None,
+                 calib_text=[], fidelity_samples=2, fidelity_seq_len=32, fidelity_text=[], fidelity_numerics="w4a4", fidelity_builtin=True, fidelity_allow_unreadable=True, tokenizer=None,
                  activation_budget="5", vllm_venv=None, serve=False, bench=None, perf_workload=None, quality_runs=2, quality_max_tokens=8,
                  quality_categories=None)
     options = _pipeline_options(**flags, device="cpu")
@@ -143,16 +143,16 @@ def test_device_cpu_runs_each_command(tiny_laguna: Path, tmp_path: Path) -> None
     small = ["--samples", "2", "--seq-len", "64", "--device", "cpu"]
     result = runner.invoke(_app(), ["calibrate", str(tiny_laguna), "--out", str(stats), *small, "--activation-budget", "1KiB", "--json"])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)
+    summary = json.loads(result.stdout)  # the built-in text's warning goes to stderr
     assert summary["device"] == "cpu" and summary["host_batches"] > 0 and summary["tokens"] == 128
     out = tmp_path / "q"
     result = runner.invoke(_app(), ["quantize", str(tiny_laguna), str(out), "--recipe", "nvfp4-experts", "--stats", str(stats), "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
     result = runner.invoke(_app(), ["kv", "calibrate", str(stats), "--into", str(out), "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
-    result = runner.invoke(_app(), ["fidelity", str(tiny_laguna), str(out), *small, "--json"])
+    result = runner.invoke(_app(), ["fidelity", str(tiny_laguna), str(out), *small, "--builtin", "--allow-unreadable", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["metrics"]["positions"] == 2 * 63
+    assert json.loads(result.stdout)["metrics"]["positions"] == 2 * 63
 
 
 def test_device_export_path_writes_the_same_bytes(tiny_laguna: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,7 @@ from tests.calibration_fixtures import laguna, one_thread  # noqa: F401 (shared 
 WORLD = 2
 # 3 batches: the ranks get 1 and 2 of them, so the split is uneven on purpose
 CALIBRATION = CalibrationOptions(samples=6, seq_len=96, batch_size=2)
-FIDELITY = FidelityOptions(samples=4, seq_len=96, batch_size=2)
+FIDELITY = FidelityOptions(samples=4, seq_len=96, batch_size=2, builtin_corpus=True, allow_unreadable=True)  # a random testbed reads no text
 RECIPE = "nvfp4-experts-fp8-attn"
 
 

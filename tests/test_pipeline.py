@@ -32,7 +32,7 @@ from fp4forge.serve.recommend import cpu_has_fp8_kv
 
 RECIPE = "nvfp4-experts-fp8-attn"
 SMALL = PipelineOptions(quantize=QuantizeJob(recipe=RECIPE), calibration=CalibrationOptions(samples=4, seq_len=64),
-                        fidelity=FidelityOptions(samples=2, seq_len=64))
+                        fidelity=FidelityOptions(samples=2, seq_len=64, builtin_corpus=True, allow_unreadable=True))  # random: reads no text
 LOCAL_STEPS = ["calibrate", "quantize", "kv", "audit", "bytes", "fidelity", "serve-cmd", "card"]
 OFF_STEPS = ["diff", "serve", "perf", "quality", "quality-teacher"]
 FP4FORGE = str(Path(sys.executable).with_name("fp4forge"))  # the installed command, as people run it
@@ -155,7 +155,8 @@ def test_ctrl_c_mid_run_resumes_without_redoing_finished_steps(model: Path, tmp_
     out = tmp_path / "out"
     manifest = out / "reports" / "pipeline.json"
     command = [FP4FORGE, "pipeline", str(model), str(out), "--recipe", RECIPE, "--json",
-               "--calib-samples", "4", "--calib-seq-len", "64", "--fidelity-samples", "16", "--fidelity-seq-len", "256"]
+               "--calib-samples", "4", "--calib-seq-len", "64", "--fidelity-samples", "16", "--fidelity-seq-len", "256",
+               "--fidelity-builtin", "--fidelity-allow-unreadable"]
     # A test run started in the background (`cmd &` in a script) ignores SIGINT and children inherit
     # that: give the command the default a terminal user has.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

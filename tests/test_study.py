@@ -16,6 +16,7 @@ import fp4forge
 from fp4forge.numerics.clip_search import intn_quantize_mse
 from fp4forge.numerics.intn import intn_dequantize, intn_quantize
 from fp4forge.lab.study.frontier import ArmSpec, quantize_dequantize
+from fp4forge.model.samples import OWN_TEXT_FILES
 from tests.trained_fixtures import trained_laguna  # noqa: F401
 
 
@@ -126,7 +127,9 @@ def test_paired_differences_resample_the_pairs_together() -> None:
 def test_study_runs_resumes_and_names_what_it_did_not_run(trained_laguna: Path, tmp_path: Path) -> None:  # noqa: F811
     out = tmp_path / "study"
     args = ["study", str(trained_laguna), str(out), "--formats", "nvfp4,int2", "--components", "attention", "--groups", "16",
-            "--arms", "nvfp4-w4a16-minmax,int2-g16-mse", "--samples", "4", "--seq-len", "32", "--calibration-samples", "4", "--json"]
+            "--arms", "nvfp4-w4a16-minmax,int2-g16-mse", "--samples", "4", "--seq-len", "32", "--calibration-samples", "4",
+            # its own text: the built-in corpus is not (fidelity refuses it unasked, docs/fidelity.md#text)
+            "--text", str(trained_laguna / OWN_TEXT_FILES["heldout"]), "--calibration-text", str(trained_laguna / OWN_TEXT_FILES["calibration"]), "--json"]
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)

@@ -5,12 +5,12 @@ The Python API (each function in :mod:`fp4forge.api`, imported on first use)::
     import fp4forge
 
     ckpt = fp4forge.open_checkpoint("path/or/org/repo")
-    fp4forge.calibrate_checkpoint("bf16/", "stats.safetensors")
+    fp4forge.calibrate_checkpoint("bf16/", "stats.safetensors", fp4forge.CalibrationOptions(text_files=("calib.jsonl",)))
     fp4forge.quantize_checkpoint("bf16/", "out/", fp4forge.QuantizeJob("nvfp4-experts-fp8-attn", stats="stats.safetensors"))
     report = fp4forge.audit_checkpoint("out/")       # .findings, .exit_code, .to_json()
     table = fp4forge.byte_table("out/")              # .bpp, .to_json()
     changes = fp4forge.diff_checkpoints("out/", "other/")
-    scores = fp4forge.measure_fidelity("bf16/", "out/")
+    scores = fp4forge.measure_fidelity("bf16/", "out/", fp4forge.FidelityOptions(text_files=("heldout.jsonl",)))
 """
 
 from __future__ import annotations

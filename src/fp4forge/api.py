@@ -101,7 +101,10 @@ def measure_fidelity(
     *,
     progress: Progress | None = None,
 ) -> FidelityReport:
-    """KL, top-1 agreement and perplexity of the quantized ``student`` against its BF16 ``teacher``."""
+    """KL, top-1 agreement and perplexity of the quantized ``student`` against its BF16 ``teacher``,
+    each with its bootstrap interval over documents (``.metrics["intervals"]``). Held-out text is
+    ``options.text_files``: none given raises ``TextRequiredError``; text the teacher cannot read
+    raises ``UnreadableTextError`` unless ``options.allow_unreadable`` (docs/fidelity.md)."""
     from fp4forge.fidelity.evaluate import evaluate
 
     return evaluate(teacher, student, options or FidelityOptions(), progress=progress)

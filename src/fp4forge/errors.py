@@ -175,6 +175,19 @@ class UnreadableAnswersError(Fp4forgeError):
     exit_code = ExitCode.FINDINGS
 
 
+class TextRequiredError(ConfigError):
+    """A job that scores a model on text was given none the model reads: no text files, and the
+    built-in corpus is not the model's own (docs/fidelity.md#text). ``option`` names what to pass."""
+
+
+class UnreadableTextError(Fp4forgeError):
+    """Text the teacher cannot read: its perplexity on it is at or above the stated share of the
+    vocabulary-uniform level (docs/fidelity.md#unreadable-text). KL and top-1 agreement on such
+    text would measure noise, so fidelity is not scored."""
+
+    exit_code = ExitCode.FINDINGS
+
+
 class ProbeError(Fp4forgeError):
     """A probe request failed, or the arms cannot be compared (different tokenizers)."""
 

@@ -1,6 +1,6 @@
 """The one bootstrap: percentile intervals of any statistic, over paired or independent samples.
 
-Every tool that states a bootstrap interval (the quality verdicts, the bench summaries and fits,
+Every tool that states a bootstrap interval (the quality verdicts, the bench summaries and fits, fidelity,
 the study's arms) resamples here, so the same values and seed give the same interval whichever
 tool computed it:
 

@@ -77,6 +77,8 @@ class CalibrationResult:
             "experts_without_tokens": self.metadata.get("experts_without_tokens", []),
             "moe_policy": self.metadata.get("moe_policy"),
             "ranks": distributed.current().world_size,
+            # the text's warnings (the built-in corpus used as an unasked fallback: model/samples.py)
+            "warnings": list(self.metadata.get("data", {}).get("warnings", [])),
         }
 
 

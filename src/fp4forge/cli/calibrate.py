@@ -15,7 +15,7 @@ import typer
 
 from fp4forge.calibrate.options import CalibrationOptions
 from fp4forge.cli.common import console, emit_json, parse_bytes, progress_bar
-from fp4forge.errors import ExitCode
+from fp4forge.errors import ConfigError, ExitCode
 from fp4forge.fidelity.options import FidelityOptions
 from fp4forge.model.samples import SampleOptions
 
@@ -26,7 +26,8 @@ SEQ_LEN_OPT = typer.Option(SampleOptions.seq_len, "--seq-len", help="Tokens per 
 BATCH_OPT = typer.Option(SampleOptions.batch_size, "--batch-size", help="Samples per forward.")
 POLICY_OPT = typer.Option(CalibrationOptions.policy, "--policy", help="MoE coverage: routed (the router's tokens) | all-experts (every token through every expert).")
 TEXT_OPT = typer.Option([], "--text", help="Extra text: .jsonl ({'messages': [...]} or {'text': ...}) or plain text; repeatable.")
-NO_BUILTIN_OPT = typer.Option(not SampleOptions.builtin_corpus, "--no-builtin", help="Use only --text files, not the built-in stdlib corpus.")
+NO_BUILTIN_OPT = typer.Option(False, "--no-builtin", help="Use only --text files, not the built-in stdlib corpus.")
+BUILTIN_OPT = typer.Option(False, "--builtin", help="Use the built-in stdlib corpus when --text runs out, without the warning that it is not the model's own text.")
 TOKENIZER_OPT = typer.Option(None, "--tokenizer", help="Tokenizer directory (default: the checkpoint's).")
 RAM_OPT = typer.Option(SampleOptions.ram_budget_bytes / 2**30, "--ram-budget-gb", help="Activations kept in RAM up to this; the rest spills to disk.")
 SPILL_OPT = typer.Option(None, "--spill-dir", help="Where spilled activations go (default: the temp dir).")
@@ -46,9 +47,14 @@ def register(app: typer.Typer) -> None:
 
 
 def _sample_fields(text: Sequence[Path] = (), no_builtin: bool = False, tokenizer: Optional[Path] = None, ram_budget_gb: Optional[float] = None,
-                   spill_dir: Optional[Path] = None, device: Optional[str] = None, activation_budget: Optional[str] = None) -> dict[str, Any]:
-    """The shared flags as SampleOptions keywords (a flag left out keeps the options' default)."""
-    fields = dict(text_files=tuple(text), builtin_corpus=not no_builtin, tokenizer=tokenizer, spill_dir=spill_dir, device=device,
+                   spill_dir: Optional[Path] = None, device: Optional[str] = None, activation_budget: Optional[str] = None,
+                   builtin: bool = False) -> dict[str, Any]:
+    """The shared flags as SampleOptions keywords (a flag left out keeps the options' default):
+    ``--builtin`` asks for the built-in corpus, ``--no-builtin`` forbids it, neither leaves it to
+    the job (model/samples.py)."""
+    if builtin and no_builtin:
+        raise ConfigError("ask for the built-in corpus or forbid it, not both", option="builtin_corpus")
+    fields = dict(text_files=tuple(text), builtin_corpus=False if no_builtin else (True if builtin else None), tokenizer=tokenizer, spill_dir=spill_dir, device=device,
                   activation_budget_bytes=parse_bytes(activation_budget, "activation_budget_bytes"))
     if ram_budget_gb is not None:
         fields["ram_budget_bytes"] = int(ram_budget_gb * 2**30)
@@ -75,6 +81,7 @@ def calibrate_command(
     policy: str = POLICY_OPT,
     text: list[Path] = TEXT_OPT,
     no_builtin: bool = NO_BUILTIN_OPT,
+    builtin: bool = BUILTIN_OPT,
     tokenizer: Optional[Path] = TOKENIZER_OPT,
     ram_budget_gb: float = RAM_OPT,
     spill_dir: Optional[Path] = SPILL_OPT,
@@ -87,9 +94,10 @@ def calibrate_command(
     from fp4forge.report.calibrate_tables import calibration_rich
 
     options = calibration_options(dict(samples=samples, seq_len=seq_len, batch_size=batch_size, policy=policy), text=text, no_builtin=no_builtin,
-                                  tokenizer=tokenizer, ram_budget_gb=ram_budget_gb, spill_dir=spill_dir, device=device, activation_budget=activation_budget)
+                                  builtin=builtin, tokenizer=tokenizer, ram_budget_gb=ram_budget_gb, spill_dir=spill_dir, device=device, activation_budget=activation_budget)
     with progress_bar("calibrating", not as_json) as progress:
         summary = calibrate_to_file(src, stats_out, options, progress=progress)
+    warn(summary.get("warnings", ()))
     if as_json:
         emit_json(summary)
     else:
@@ -106,6 +114,7 @@ def kv_calibrate_command(
     batch_size: int = BATCH_OPT,
     text: list[Path] = TEXT_OPT,
     no_builtin: bool = NO_BUILTIN_OPT,
+    builtin: bool = BUILTIN_OPT,
     tokenizer: Optional[Path] = TOKENIZER_OPT,
     device: Optional[str] = DEVICE_OPT,
     activation_budget: Optional[str] = ACTIVATION_OPT,
@@ -115,7 +124,7 @@ def kv_calibrate_command(
     from fp4forge.calibrate import kv
 
     calibration = calibration_options(dict(samples=samples, seq_len=seq_len, batch_size=batch_size), text=text, no_builtin=no_builtin,
-                                      tokenizer=tokenizer, device=device, activation_budget=activation_budget)
+                                      builtin=builtin, tokenizer=tokenizer, device=device, activation_budget=activation_budget)
     options = kv.KvOptions(layout_format=layout_format, per_head=per_head, calibration=calibration)
     with progress_bar("calibrating", not as_json and not kv.is_stats_file(source)) as progress:
         provenance = kv.calibrate_kv(source, into, options, progress=progress)
@@ -162,12 +171,15 @@ def kv_show_command(
 def fidelity_command(
     teacher: str = typer.Argument(..., metavar="TEACHER", help="The BF16 checkpoint."),
     student: str = typer.Argument(..., metavar="STUDENT", help="Its quantized checkpoint (compressed-tensors or ModelOpt)."),
-    text: list[Path] = typer.Option([], "--text", help="Held-out text (.jsonl or plain); default: the built-in corpus's held-out split."),
+    text: list[Path] = typer.Option([], "--text", help="Held-out text the model reads (.jsonl or plain); required unless --builtin."),
     numerics: str = typer.Option(FidelityOptions.numerics, "--numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
     samples: int = typer.Option(FidelityOptions.samples, "--samples"),
     seq_len: int = typer.Option(FidelityOptions.seq_len, "--seq-len"),
     batch_size: int = typer.Option(FidelityOptions.batch_size, "--batch-size"),
-    no_builtin: bool = typer.Option(not FidelityOptions.builtin_corpus, "--no-builtin", help="Use only --text files."),
+    no_builtin: bool = typer.Option(False, "--no-builtin", help="Use only --text files."),
+    builtin: bool = typer.Option(False, "--builtin", help="Score on the built-in corpus's held-out split (Python's stdlib) after any --text."),
+    allow_unreadable: bool = typer.Option(FidelityOptions.allow_unreadable, "--allow-unreadable",
+                                          help="Score even when the teacher cannot read the text (perplexity >= half its vocabulary), with a loud warning."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer"),
     teacher_cache: Optional[Path] = typer.Option(None, "--teacher-cache", help="Teacher logits cache: written if absent, reused (teacher not run) if present."),
     top_k: int = typer.Option(FidelityOptions.top_k, "--top-k", help="Teacher log-probs kept exactly per position in the cache."),
@@ -182,12 +194,20 @@ def fidelity_command(
     from fp4forge.report.calibrate_tables import fidelity_rich
 
     options = fidelity_options(dict(numerics=numerics, samples=samples, seq_len=seq_len, batch_size=batch_size, teacher_cache=teacher_cache,
-                                    top_k=top_k, tail_samples=tail_samples, moe_input_scale=moe_input_scale),
-                               text=text, no_builtin=no_builtin, tokenizer=tokenizer, device=device, activation_budget=activation_budget)
+                                    top_k=top_k, tail_samples=tail_samples, moe_input_scale=moe_input_scale, allow_unreadable=allow_unreadable),
+                               text=text, no_builtin=no_builtin, builtin=builtin, tokenizer=tokenizer, device=device, activation_budget=activation_budget)
     with progress_bar("evaluating", not as_json) as progress:
         report = evaluate(teacher, student, options, progress=progress).to_json()
+    warn([report["metrics"]["readability"]["warning"], *report["data"].get("warnings", ())])
     if as_json:
         emit_json(report)
     else:
         for table in fidelity_rich(report):
             console().print(table)
+
+
+def warn(messages: Sequence[str | None]) -> None:
+    """Warnings a result carries, loud on stderr (the JSON on stdout carries them too)."""
+    for message in messages:
+        if message:
+            console(stderr=True).print(f"[bold yellow]warning:[/bold yellow] {message}")

@@ -17,7 +17,7 @@ from fp4forge.errors import Fp4forgeError
 # Library option names (``Fp4forgeError.option``) whose flag is not ``--`` + the name with dashes.
 FLAG_SPELLING = {
     "text_files": "--text",
-    "builtin_corpus": "--no-builtin",
+    "builtin_corpus": "--builtin / --no-builtin",
     "ram_budget_bytes": "--ram-budget-gb",
     "max_shard_bytes": "--max-shard-gb",
     "layout_format": "--format",

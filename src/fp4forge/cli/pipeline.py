@@ -177,6 +177,8 @@ def pipeline_command(
     fidelity_seq_len: int = typer.Option(FidelityOptions.seq_len, "--fidelity-seq-len", help="Tokens per held-out sample."),
     fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),
     fidelity_numerics: str = typer.Option(FidelityOptions.numerics, "--fidelity-numerics", help="w4a4 (activation scales honoured) | w4a16 (dropped, as MARLIN does)."),
+    fidelity_builtin: bool = typer.Option(False, "--fidelity-builtin", help="Score fidelity on the built-in corpus's held-out split (Python's stdlib) after any --fidelity-text."),
+    fidelity_allow_unreadable: bool = typer.Option(FidelityOptions.allow_unreadable, "--fidelity-allow-unreadable", help="Score fidelity even when the teacher cannot read its text (a loud warning on the card)."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Tokenizer directory for calibration and fidelity (default: SRC's)."),
     device: Optional[str] = typer.Option(None, "--device", help="Calibrate, quantize and fidelity on: auto (CUDA when available, else CPU) | cpu | cuda | cuda:N."),
     activation_budget: Optional[str] = typer.Option(None, "--activation-budget", help="Activations kept on the device, e.g. 8GiB (default: 8GiB on CUDA, 0 on CPU)."),
@@ -225,7 +227,7 @@ def pipeline_command(
 
 def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, calib_samples: int, calib_seq_len: int,
                       calib_text: list[Path], fidelity_samples: int, fidelity_seq_len: int, fidelity_text: list[Path],
-                      fidelity_numerics: str, tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
+                      fidelity_numerics: str, fidelity_builtin: bool, fidelity_allow_unreadable: bool, tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
                       vllm_venv: Optional[Path], serve: bool, bench: Optional[str], perf_workload: Optional[str],
                       quality_runs: int, quality_max_tokens: int, quality_categories: Optional[str], **pipeline: Any) -> Any:
     """The flags as the nested options (each job's options check themselves when made)."""
@@ -238,7 +240,8 @@ def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, cal
     with option_path("calibration", CalibrationOptions):
         calibration = calibration_options(dict(samples=calib_samples, seq_len=calib_seq_len), text=calib_text, **shared)
     with option_path("fidelity", FidelityOptions):
-        fidelity = fidelity_options(dict(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics), text=fidelity_text, **shared)
+        fidelity = fidelity_options(dict(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics,
+                                         allow_unreadable=fidelity_allow_unreadable), text=fidelity_text, builtin=fidelity_builtin, **shared)
     with option_path("quantize", QuantizeJob):
         quantize = quantize_job({}, {}, recipe=recipe, layout_format=layout_format, block_scales=block_scales, device=device)
     with option_path("perf", ("workload",)):

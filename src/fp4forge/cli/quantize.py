@@ -74,7 +74,7 @@ def quantize_command(
     from fp4forge.report.tables import quantize_summary_rich
 
     with spelled(FLAGS):
-        calibration = dict(samples=calib_samples, seq_len=calib_seq_len, text_files=tuple(calib_text), builtin_corpus=not calib_no_builtin,
+        calibration = dict(samples=calib_samples, seq_len=calib_seq_len, text_files=tuple(calib_text), builtin_corpus=False if calib_no_builtin else None,
                            tokenizer=calib_tokenizer)
         gptq = dict(expert_hessian=gptq_expert_hessian, min_expert_tokens=gptq_min_tokens, fallback=gptq_fallback, act_order=gptq_act_order,
                     damp=gptq_damp, sequential=gptq_sequential)

@@ -53,7 +53,9 @@ from torch import Tensor, nn
 from fp4forge import __version__
 from fp4forge.checkpoint.codecs import Nvfp4Codec, codec
 from fp4forge.model import distributed
+from fp4forge.fidelity.intervals import fidelity_intervals
 from fp4forge.fidelity.options import FidelityOptions
+from fp4forge.fidelity.readable import check_readable
 from fp4forge.model.samples import Samples, samples_for
 from fp4forge.model.hooks import (
     KVCacheTap,
@@ -248,7 +250,8 @@ class PositionMetrics:
     def _cat(parts: list[Tensor]) -> Tensor:
         return torch.cat([p.reshape(-1).cpu() for p in parts]) if parts else torch.empty(0)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, samples: Samples, seed: int = 0) -> dict[str, Any]:
+        """The run's numbers, each with its bootstrap interval over documents (fidelity/intervals.py)."""
         exact = self._cat(self.kl)
         estimate = self._cat(self.kl_estimate)
         kl = exact if exact.numel() else estimate
@@ -263,7 +266,9 @@ class PositionMetrics:
         }
         if exact.numel() and estimate.numel():
             out["kl_cache_estimate"] = _distribution(estimate)
-        return out
+        per_position = {"kl": kl, "agree": self._cat(self.agree), "teacher_nll": self._cat(self.teacher_nll), "student_nll": self._cat(self.student_nll)}
+        document_ids = None if samples.document_ids is None else samples.document_ids.numpy()
+        return out | fidelity_intervals({k: v.to(torch.float64).numpy() for k, v in per_position.items()}, document_ids, samples.input_ids.shape[0], seed=seed)
 
     def gathered(self, ranks: distributed.Ranks) -> PositionMetrics:
         """Every rank's positions, in batch order (the ranks hold contiguous blocks of batches),
@@ -460,7 +465,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
     teacher_ckpt, student_ckpt = open_checkpoint(teacher_src), open_checkpoint(student_src)
     layout = _check_pair(teacher_ckpt, student_ckpt, options.dense_student)
     cached = options.teacher_cache is not None and options.teacher_cache.is_file()
-    samples = samples_for(options, teacher_ckpt, student_ckpt, split="heldout")
+    samples = samples_for(options, teacher_ckpt, student_ckpt, split="heldout", unowned="refuse")
     # Under a launcher each rank evaluates one contiguous block of the batches (from ``first``).
     ranks = distributed.current()
     all_batches = samples.batches(options.batch_size)
@@ -490,7 +495,7 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
             teacher.close()
         space.close()
     ranks.agree(True, "fidelity")
-    metrics = positions.gathered(ranks).summary()
+    metrics = _scored(positions.gathered(ranks), samples, options, teacher_ckpt)
     if teacher and ranks.distributed:  # squared-error sums: SUM over the ranks' batches
         sums = ranks.all_reduce_sum(torch.tensor([[e.err_sq, e.ref_sq, e.local_err_sq] for e in errors], dtype=torch.float64))
         errors = [_LayerError(*map(float, row)) for row in sums.tolist()]
@@ -513,6 +518,19 @@ def evaluate(teacher_src: str | Path, student_src: str | Path, options: Fidelity
         teacher_cache=cache_info,
         seconds=time.perf_counter() - started,
     )
+
+
+def _scored(positions: PositionMetrics, samples: Samples, options: FidelityOptions, teacher_ckpt: Checkpoint) -> dict[str, Any]:
+    """The metrics with their intervals, checked before anything is written (the teacher cache):
+    text the teacher cannot read is not scored unless ``allow_unreadable``."""
+    metrics = positions.summary(samples, options.seed)
+    metrics["readability"] = check_readable(metrics["perplexity"]["teacher"], _vocab_size(teacher_ckpt), options.allow_unreadable, file=teacher_ckpt.display)
+    return metrics
+
+
+def _vocab_size(ckpt: Checkpoint) -> int | None:
+    config = ckpt.config or {}
+    return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
 
 
 def _model_dtype(ckpt: Checkpoint) -> torch.dtype:

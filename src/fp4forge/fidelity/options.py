@@ -28,6 +28,9 @@ class FidelityOptions(SampleOptions):
     # Accept a student that declares no quantization: a BF16 checkpoint whose weights were
     # replaced by a format's round trip (the study's fake-quantized arms), run as stored.
     dense_student: bool = False
+    # Score text the teacher cannot read (perplexity at or above the stated share of the
+    # vocabulary size) with a loud warning in the report instead of refusing (UnreadableTextError).
+    allow_unreadable: bool = False
 
     def __post_init__(self) -> None:
         require_choice(self.numerics, NUMERICS, "numerics")

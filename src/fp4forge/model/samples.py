@@ -9,6 +9,13 @@ the rest are the calibration split. The same Python and tokenizer always give th
 User files: ``.jsonl`` lines with ``{"messages": [...]}`` (rendered through the chat template) or
 ``{"text": "..."}`` (used raw); any other file is one raw text document.
 
+Whose text: the built-in corpus is not a model's own text unless the model says so, and no model
+fp4forge knows says so (the trained and the synth testbeds ship their own files, :data:`OWN_TEXT_FILES`;
+the tiny random testbeds have none). So ``builtin_corpus`` is three-valued: ``True`` uses it (asked
+for), ``False`` never, ``None`` (the default) lets a job decide what an unasked fallback means:
+a scoring job (fidelity) refuses with :class:`TextRequiredError` naming the option to pass, a
+calibration uses it and records a warning in ``Samples.warnings`` (docs/fidelity.md#text).
+
 Samples are packed: documents are tokenized, concatenated and cut into ``samples`` rows of exactly
 ``seq_len`` tokens, so no sample is padded and every batch has one shape (the masks and rotary
 tables the model builds are then identical for all batches).
@@ -23,17 +30,21 @@ import json
 import sysconfig
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp4forge.errors import ConfigError
+from fp4forge.checkpoint.names import CALIBRATION_TEXT_FILE, HELDOUT_TEXT_FILE
+from fp4forge.errors import ConfigError, TextRequiredError
 
 DEFAULT_RAM_BUDGET_BYTES = 4 * 2**30  # activations kept in RAM before they spill to disk
 SPLITS = ("calibration", "heldout")
 HELDOUT_MODULUS = 8
 MAX_SOURCE_CHARS = 3000  # keeps one chat to a few hundred tokens: many objects per sample
 Message = dict[str, str]
+# The text a testbed ships beside its weights as its own, per split.
+OWN_TEXT_FILES = {"calibration": CALIBRATION_TEXT_FILE, "heldout": HELDOUT_TEXT_FILE}
+UNOWNED_FALLBACKS = ("refuse", "warn")
 
 if TYPE_CHECKING:  # torch loads with the samples, not with the options (the CLI reads their defaults)
     import torch
@@ -50,7 +61,7 @@ class SampleOptions:
     seq_len: int = 512
     batch_size: int = 4
     text_files: tuple[Path, ...] = ()
-    builtin_corpus: bool = True
+    builtin_corpus: bool | None = None  # None: only as the job's fallback (module docstring)
     tokenizer: Path | None = None  # default: the checkpoint directory
     ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES
     spill_dir: Path | None = None
@@ -73,16 +84,38 @@ class SampleOptions:
         return {"samples": self.samples, "seq_len": self.seq_len, "text_files": [str(p) for p in self.text_files], "builtin_corpus": self.builtin_corpus}
 
 
-def samples_for(options: SampleOptions, *checkpoints: Checkpoint, split: str = "calibration") -> Samples:
+def samples_for(options: SampleOptions, *checkpoints: Checkpoint, split: str = "calibration", unowned: str = "warn") -> Samples:
     """The packed samples ``options`` ask for, tokenized by ``options.tokenizer`` or else by the
-    first local checkpoint's own tokenizer."""
+    first local checkpoint's own tokenizer. ``unowned``: what the built-in corpus as an unasked
+    fallback (``builtin_corpus=None``) does: ``refuse`` (no text given: :class:`TextRequiredError`)
+    or ``warn`` (used, with a warning in ``Samples.warnings``)."""
+    if unowned not in UNOWNED_FALLBACKS:
+        raise ConfigError(f"unowned must be one of {UNOWNED_FALLBACKS}, got {unowned!r}")
     roots = [getattr(c.source, "root", None) for c in checkpoints]
     tokenizer_dir = options.tokenizer or next((r for r in roots if r is not None), None)
     if tokenizer_dir is None:
         display = checkpoints[0].display if checkpoints else None
         raise ConfigError("a remote checkpoint needs a tokenizer directory", file=display, option="tokenizer")
-    return load_samples(load_tokenizer(tokenizer_dir), samples=options.samples, seq_len=options.seq_len,
-                        text_files=options.text_files, split=split, builtin=options.builtin_corpus)
+    fallback = options.builtin_corpus is None
+    own = _own_text_hint(split, roots[0] if roots else None)
+    if fallback and unowned == "refuse" and not options.text_files:
+        raise TextRequiredError(f"no {'held-out' if split == 'heldout' else 'calibration'} text given, and the built-in corpus "
+                                f"(Python's standard library) is not this model's own text: give text the model reads{own}, or ask "
+                                "for the built-in corpus explicitly (docs/fidelity.md#text)", option="text_files")
+    builtin = options.builtin_corpus is not False and not (fallback and unowned == "refuse")
+    samples = load_samples(load_tokenizer(tokenizer_dir), samples=options.samples, seq_len=options.seq_len,
+                           text_files=options.text_files, split=split, builtin=builtin)
+    if fallback and f"builtin:{split}" in samples.sources:
+        warning = (f"the built-in corpus (Python's standard library) filled in {split} text, though nobody asked for it and it "
+                   f"is not this model's own text: give text the model reads{own} (docs/fidelity.md#text)")
+        samples = replace(samples, warnings=(*samples.warnings, warning))
+    return samples
+
+
+def _own_text_hint(split: str, root: Path | None) -> str:
+    """Where a testbed's own text for ``split`` is, when it ships one."""
+    own = Path(root) / OWN_TEXT_FILES[split] if root is not None else None
+    return f" (this checkpoint ships its own: {own})" if own is not None and own.is_file() else ""
 
 
 @dataclass(frozen=True)
@@ -210,6 +243,10 @@ class Samples:
     input_ids: torch.Tensor
     sources: tuple[str, ...]
     documents_used: int
+    # Per token, the number of the document it came from (0, 1, ...): packing cuts documents into
+    # rows, so a row is a chunk of one or more documents. None when only the rows are known.
+    document_ids: torch.Tensor | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def digest(self) -> str:
@@ -222,26 +259,32 @@ class Samples:
 
     def describe(self) -> dict[str, Any]:
         count, seq_len = self.input_ids.shape
-        return {"samples": count, "seq_len": seq_len, "tokens": count * seq_len, "sources": list(self.sources), "documents": self.documents_used, "token_digest": self.digest}
+        out = {"samples": count, "seq_len": seq_len, "tokens": count * seq_len, "sources": list(self.sources), "documents": self.documents_used, "token_digest": self.digest}
+        return out | ({"warnings": list(self.warnings)} if self.warnings else {})
 
 
-def pack(tokenizer: Any, documents: Iterable[Document], samples: int, seq_len: int) -> tuple[torch.Tensor, int]:
-    """Concatenate the documents' tokens and cut ``samples`` rows of ``seq_len``."""
+def pack(tokenizer: Any, documents: Iterable[Document], samples: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate the documents' tokens and cut ``samples`` rows of ``seq_len``; returns the
+    token ids and, per token, the number of its document (the last one + 1 is the count used)."""
     if samples < 1 or seq_len < 2:
         raise ConfigError(f"need samples >= 1 and seq_len >= 2, got {samples} x {seq_len}")
     needed = samples * seq_len
     stream: list[int] = []
+    owners: list[int] = []
     used = 0
     for document in documents:
         if len(stream) >= needed:
             break
-        stream += tokenizer(render(tokenizer, document), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(render(tokenizer, document), add_special_tokens=False)["input_ids"]
+        stream += ids
+        owners += [used] * len(ids)
         used += 1
     if len(stream) < needed:
         raise ConfigError(f"the text gives {len(stream):,} tokens but {samples} x {seq_len} = {needed:,} are needed; add text files or ask for fewer samples", option="text_files")
     import torch
 
-    return torch.tensor(stream[:needed], dtype=torch.int64).reshape(samples, seq_len), used
+    shape = (samples, seq_len)
+    return torch.tensor(stream[:needed], dtype=torch.int64).reshape(shape), torch.tensor(owners[:needed], dtype=torch.int64).reshape(shape)
 
 
 def load_samples(
@@ -259,11 +302,12 @@ def load_samples(
     documents: Iterable[Document] = user_documents
     if builtin:
         documents = itertools.chain(user_documents, builtin_documents(split))
-    ids, used = pack(tokenizer, documents, samples, seq_len)
+    ids, owners = pack(tokenizer, documents, samples, seq_len)
+    used = int(owners[-1, -1]) + 1
     sources = [Path(p).name for p in text_files]
     if used > len(user_documents):
         sources.append(f"builtin:{split}")
-    return Samples(ids, tuple(sources), used)
+    return Samples(ids, tuple(sources), used, document_ids=owners)
 
 
 def load_tokenizer(path: str | Path) -> Any:

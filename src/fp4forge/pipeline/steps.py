@@ -603,9 +603,10 @@ STEPS: tuple[Step, ...] = (
     Step("bytes", "where the bytes are", run_bytes, ("reports/bytes.json",), ("checkpoint",)),
     Step("diff", "diff against the sibling", run_diff, ("reports/diff.json",), ("checkpoint", "sibling"),
          off=lambda o: None if o.sibling else "no --sibling given"),
+    # version 2: every number with its interval over documents, the teacher's readability checked
     Step("fidelity", "fidelity against the BF16 teacher", run_fidelity, ("reports/fidelity.json",), ("src", "checkpoint"),
-         tuple(f"fidelity.{name}" for name in SAMPLE_TEXT) + ("fidelity.batch_size", "fidelity.numerics", "hardware"),
-         options="fidelity"),
+         tuple(f"fidelity.{name}" for name in SAMPLE_TEXT) + ("fidelity.batch_size", "fidelity.numerics", "fidelity.allow_unreadable", "hardware"),
+         options="fidelity", version=2),
     Step("serve-cmd", "the serve line for the target hardware", run_serve_cmd, ("reports/serve-cmd.json",), ("checkpoint",),
          ("hardware", "vllm_version")),
     Step("serve", "serve it here (vLLM) and read the log", run_serve, ("reports/serve.json", "reports/serve.log"),

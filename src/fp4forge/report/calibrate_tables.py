@@ -17,6 +17,10 @@ def _num(value: float | list[float] | None, fmt: str = "{:.6g}") -> str:
     return fmt.format(value)
 
 
+def _interval(interval: dict[str, float] | None, fmt: str) -> str:
+    return "" if not interval else f"[{fmt.format(interval['low'])}, {fmt.format(interval['high'])}]"
+
+
 def calibration_rich(summary: dict[str, Any], out_path: str) -> Table:
     table = Table(title=f"Calibration statistics → {out_path}", show_header=False)
     table.add_column("what")
@@ -61,14 +65,25 @@ def fidelity_rich(report: dict[str, Any]) -> list[Table]:
     head = Table(title=f"Fidelity — student {report['student']} vs teacher {report['teacher']} ({report['numerics']})", show_header=False)
     head.add_column("metric")
     head.add_column("value", justify="right")
+    intervals = metrics.get("intervals", {})
+    level = next(iter(intervals.values()), {}).get("level", 0.95)
+    unit = metrics.get("interval_unit", "document")
+    units = metrics.get("documents") if unit == "document" else metrics.get("interval_units")
+    ppl = metrics["perplexity"]
     rows = [
         ("predicted positions", f"{metrics['positions']:,}"),
+        (f"bootstrap units ({level:.0%} intervals)", f"{units} {unit}s, {metrics.get('tokens', metrics['positions']):,} tokens"),
         (f"KL(teacher‖student) mean / median / p99 [{kl['estimator']}]", f"{kl['mean']:.6f} / {kl['median']:.6f} / {kl['p99']:.6f}"),
-        ("top-1 agreement", f"{metrics['top1_agreement'] * 100:.2f} %"),
-        ("perplexity teacher / student", f"{metrics['perplexity']['teacher']:.4g} / {metrics['perplexity']['student']:.4g}"),
+        ("KL mean interval", _interval(intervals.get("kl"), "{:.6f}")),
+        ("top-1 agreement", f"{metrics['top1_agreement'] * 100:.2f} % {_interval(intervals.get('top1_agreement'), '{:.2%}')}"),
+        ("perplexity teacher", f"{ppl['teacher']:.4g} {_interval(intervals.get('teacher_perplexity'), '{:.4g}')}"),
+        ("perplexity student", f"{ppl['student']:.4g} {_interval(intervals.get('student_perplexity'), '{:.4g}')}"),
         ("KV cache", report["kv_cache"]),
         ("MoE input scales", report["moe_input_scale"]),
     ]
+    warning = (metrics.get("readability") or {}).get("warning")
+    if warning:
+        rows.insert(0, ("[bold red]UNREADABLE TEXT[/bold red]", "[bold red]scored anyway: see the warning[/bold red]"))
     if "kl_cache_estimate" in metrics:
         est = metrics["kl_cache_estimate"]
         rows.append(("KL cache estimate (same run) mean / median / p99", f"{est['mean']:.6f} / {est['median']:.6f} / {est['p99']:.6f}"))

@@ -30,6 +30,9 @@ from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
 PLOTS = "plots"
+# Fewer resampled documents than this and a bootstrap interval is said to be rough (a percentile
+# bootstrap over few clusters covers less than its level).
+FEW_INTERVAL_UNITS = 10
 
 
 @dataclass
@@ -522,7 +525,8 @@ def fidelity_section(ctx: CardContext) -> list[str]:
         return _missing(ctx, "fidelity.json")
     m = doc["metrics"]
     vocab = (ctx.art.json(f"ckpt:{CONFIG_JSON}") or {}).get("vocab_size")
-    if vocab and m["perplexity"]["teacher"] > UNTRAINED_PERPLEXITY_SHARE * vocab:
+    warning = (m.get("readability") or {}).get("warning")
+    if vocab and m["perplexity"]["teacher"] >= UNTRAINED_PERPLEXITY_SHARE * vocab:
         ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
                               "on this text it predicts no better than chance. Either it is untrained (a random testbed) or the "
                               "text is far from what it learned (a trained testbed knows only its own corpus); either way "
@@ -530,20 +534,43 @@ def fidelity_section(ctx: CardContext) -> list[str]:
     served = doc.get("served_numerics")
     moe = (f"MoE input scales `{doc['moe_input_scale']}`, the serve target's: {served['describe']}" if served
            else f"MoE input scales `{doc.get('moe_input_scale', 'global-max')}`")
-    lines = [f"`fp4forge fidelity`, numerics `{doc['numerics']}`, {moe}; {_int(m['positions'])} positions of "
-             f"{', '.join(doc['data']['sources'])} ({doc['data']['samples']} × {doc['data']['seq_len']} tokens); KV cache: {doc['kv_cache']}.", ""]
-    lines += table(["metric", "value"], [
-        ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4)],
-        ["KL, median", _num(m["kl"]["median"], 4)],
-        ["KL, p99", _num(m["kl"]["p99"], 4)],
-        ["top-1 agreement", _pct(m["top1_agreement"])],
-        ["perplexity, teacher", _num(m["perplexity"]["teacher"], 5)],
-        ["perplexity, student", _num(m["perplexity"]["student"], 5)],
+    lines = [f"**Warning: {warning}.**", ""] if warning else []
+    lines += [f"`fp4forge fidelity`, numerics `{doc['numerics']}`, {moe}; {_int(m['positions'])} positions of "
+              f"{', '.join(doc['data']['sources'])} ({doc['data']['samples']} × {doc['data']['seq_len']} tokens); KV cache: {doc['kv_cache']}.",
+              "", _fidelity_interval_note(m), ""]
+    intervals = m.get("intervals") or {}
+    ppl = m["perplexity"]
+    lines += table(["metric", "value", "interval"], [
+        ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4), _span(intervals.get("kl"), _num)],
+        ["KL, median", _num(m["kl"]["median"], 4), "–"],
+        ["KL, p99", _num(m["kl"]["p99"], 4), "–"],
+        ["top-1 agreement", _pct(m["top1_agreement"]), _span(intervals.get("top1_agreement"), _pct)],
+        ["perplexity, teacher", _num(ppl["teacher"], 5), _span(intervals.get("teacher_perplexity"), _num)],
+        ["perplexity, student", _num(ppl["student"], 5), _span(intervals.get("student_perplexity"), _num)],
     ])
     lines += ["", *table(["layer", "relative error (cumulative)", "relative error (this layer alone)"], [
         [f"`{layer['layer']}`", _num(layer["relative_error"], 4), _num(layer["local_relative_error"], 4)] for layer in doc["layers"]
     ])]
     return lines
+
+
+def _fidelity_interval_note(m: dict[str, Any]) -> str:
+    """What the fidelity intervals resample and how many units there were."""
+    intervals = m.get("intervals")
+    if not intervals:
+        return "No intervals: this report predates them (re-run `fp4forge fidelity`)."
+    level = next(iter(intervals.values()))["level"]
+    unit = m.get("interval_unit", "document")
+    units = m.get("documents") if unit == "document" else m.get("interval_units")
+    note = (f"Intervals: {level:.0%} percentile bootstrap over {_count(units or 0, unit)} ({_int(m.get('tokens'))} predicted "
+            "tokens), each number recomputed over the drawn units (docs/fidelity.md#intervals).")
+    if (units or 0) < FEW_INTERVAL_UNITS:
+        note += f" With so few {unit}s the interval is rough and likely too narrow: more held-out text narrows and steadies it."
+    return note
+
+
+def _span(interval: dict[str, float] | None, fmt: Callable[[float], str]) -> str:
+    return "–" if not interval else f"{fmt(interval['low'])} – {fmt(interval['high'])}"
 
 
 def making_section(ctx: CardContext) -> list[str]:

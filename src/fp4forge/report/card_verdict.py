@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from fp4forge.audit.findings import split_fix
 from fp4forge.checkpoint.names import CONFIG_JSON
+from fp4forge.fidelity.readable import UNREADABLE_PERPLEXITY_SHARE
 from fp4forge.report.card_artifacts import server_life
 
 if TYPE_CHECKING:
@@ -38,9 +39,9 @@ ORDER = (HOLDS, NOT_ESTABLISHED, DO_NOT_SHIP)
 # wrong scales or a dropped tensor falls far outside. An interval across a level is not established.
 KL_MEAN_MAX = 0.10  # nats per predicted token, KL(teacher ‖ student)
 TOP1_AGREEMENT_MIN = 0.85
-# A teacher whose perplexity exceeds this share of its vocabulary is guessing on that text: untrained, or
-# evaluated on text far from its training corpus (the fidelity section says so too).
-UNTRAINED_PERPLEXITY_SHARE = 0.5
+# A teacher whose perplexity reaches this share of its vocabulary is guessing on that text: untrained, or
+# evaluated on text far from its training corpus (fidelity refuses to score it unless told to).
+UNTRAINED_PERPLEXITY_SHARE = UNREADABLE_PERPLEXITY_SHARE
 COMPARE = "quality-teacher/compare.json"
 NUMERICS_KEYS = ("target", "moe_backend", "activations", "moe_input_scale")
 MESSAGE_CHARS = 240  # a finding's message on the verdict line (the audit table has it whole)
@@ -193,7 +194,7 @@ def _unreadable_text(ctx: CardContext, metrics: dict[str, Any]) -> str | None:
     vocab = config.get("vocab_size")
     if teacher is None or not vocab:
         return "the teacher's perplexity or the vocabulary size is not recorded"
-    if teacher > UNTRAINED_PERPLEXITY_SHARE * vocab:
+    if teacher >= UNTRAINED_PERPLEXITY_SHARE * vocab:
         return f"teacher perplexity {teacher:.0f} on a {vocab:,}-token vocabulary (over {UNTRAINED_PERPLEXITY_SHARE:.0%} of it)"
     return None
 
