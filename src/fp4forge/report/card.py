@@ -460,19 +460,18 @@ def _score_floor_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def resolving_power(doc: dict[str, Any]) -> str:
-    """What the suite can tell apart on this model with these runs: the sign test's least
-    discordance, and the smallest mean per-scenario difference detected with 80 % power
-    (docs/quality.md#resolving-power-on-the-shipped-testbed)."""
+def minimum_detectable_effect(doc: dict[str, Any]) -> str | None:
+    """The smallest mean per-scenario difference the paired test detects with 80 % power
+    (docs/quality.md#resolving-power-on-the-shipped-testbed); the sign test's least discordance is
+    in the power lines above the table, so it is not repeated here."""
     power = doc["power"]
-    least = f"p < {doc.get('alpha', 0.05)} needs ≥ {power['min_discordant']} discordant scenarios, all one way"
     if power.get("mde_80") is not None:
         mde, spread = power["mde_80"], f"the observed sd(d) {power['sd_diff']:.3f}"
     elif power.get("mde_80_by_sd"):
         mde, spread = power["mde_80_by_sd"]["0.3"], "sd(d) 0.3 (no scenario differed, so none was observed)"
     else:
-        return least
-    return f"{least}; 80 % power for a mean per-scenario difference of {mde:.3f} (about {mde * doc['max_points']:.0f} of {doc['max_points']} points) at {spread}"
+        return None
+    return f"{mde:.3f} (about {mde * doc['max_points']:.0f} of {doc['max_points']} points) at {spread}"
 
 
 def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
@@ -487,13 +486,14 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
     if doc["verdict"].get("ordering") == "none" and doc["verdict"].get("label") != "refused":
         ctx.non_claims.append(f"The paired quality comparison ({doc['verdict'].get('label')}) is not evidence of no regression"
                               + (f": {power['text']}." if power.get("text") else " (it states no power)."))
+    mde = minimum_detectable_effect(doc) if power else None
     lines += table(["test", "result"], [
         ["points, mean of runs", f"A {points['A']:.1f}, B {points['B']:.1f} of {doc['max_points']}; B − A {points['diff']:+.1f}"],
         ["95 % paired bootstrap CI, mean per-scenario difference", f"[{low:+.4f}, {high:+.4f}]"],
         ["exact sign test", f"p = {sign['p']:.3f} ({sign['favours_a']} favour A, {sign['favours_b']} favour B, {sign['ties']} ties)"],
         ["exact McNemar, fully correct", f"p = {doc['mcnemar_fully_correct']['exact_p']:.3f}"],
         ["discordant scenarios", f"{doc['discordant']} of {doc['scenarios']}; {doc['flips_also_within_arm']} also flip within an arm"],
-        *([["resolving power at this size", resolving_power(doc)]] if doc.get("power") else []),
+        *([["minimum detectable mean per-scenario difference, 80 % power", mde]] if mde else []),
     ])
     from fp4forge.report.quality_tables import ANSWER_HEADERS, answers_rows
 
