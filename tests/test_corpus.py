@@ -4,7 +4,8 @@ and `audit`.
 Oracles, independent of fp4forge's accounting: the real index's own metadata (total_size,
 total_parameters) where the release ships one, the release's shard file sizes (Git LFS pointers
 of a git clone of its Hugging Face repository: tensor bytes plus headers), parameter counts the
-model card states (1.5 %),
+model card states (1.5 %), the shard and index sizes the Hub's file listing shows (three significant
+digits; an index's size follows from its tensor names and its writer's JSON formatting),
 and bits/param computed by hand from the config and the format's definition (FP8 block-wise:
 one F32 scale per 128x128 block; MXFP4: 4-bit codes plus one 8-bit exponent per 32 values).
 """

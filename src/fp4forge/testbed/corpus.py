@@ -302,10 +302,10 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
         return _awq_specs(specs, declaration)
     if method == "bitsandbytes" and declaration.get("load_in_4bit"):
         return _bnb4_specs(specs, declaration)
-    if method == "fp8" and not declaration.get("weight_block_size"):
-        return _fp8_tensor_specs(specs, declaration, entry.provenance.get("kv_scale_name"))
     if method != "fp8":
         raise ConfigError(f"{entry.name}: building quant_method {method!r} is not implemented")
+    if not declaration.get("weight_block_size"):
+        return _fp8_tensor_specs(specs, declaration, entry.provenance.get("kv_scale_name"))
     block_out, block_in = declaration["weight_block_size"]
     skip = _exclusion_regex(list(declaration.get("modules_to_not_convert") or []) + list(declaration.get("ignored_layers") or []))
     out = []
