@@ -262,3 +262,12 @@ def test_name_templates_group_names_exactly_as_their_masked_digits():
         by_key = dict(zip(keys, masked))
         by_masked = dict(zip(masked, keys))
         assert all(by_key[k] == m and by_masked[m] == k for k, m in zip(keys, masked))
+
+
+def test_a_layer_wide_kv_scale_is_a_kv_cache_scale() -> None:
+    """AutoFP8 / AMD Quark exports of 2024 store one `self_attn.kv_scale` per layer, which vLLM's
+    maybe_remap_kv_scale_name loads as the attention's k_scale (and v_scale): a KV-cache scale,
+    not an unknown tensor."""
+    layout = layout_for_config({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"})
+    role = layout.classify("model.layers.3.self_attn.kv_scale", "F32")
+    assert (role.module, role.kind, role.component) == ("model.layers.3.self_attn", "kv_scale", "kv_cache_scales")

@@ -4,7 +4,8 @@ and `audit`.
 Oracles, independent of fp4forge's accounting: the real index's own metadata (total_size,
 total_parameters) where the release ships one, the release's shard file sizes (Git LFS pointers
 of a git clone of its Hugging Face repository: tensor bytes plus headers), parameter counts the
-model card states (1.5 %),
+model card states (1.5 %), the shard and index sizes the Hub's file listing shows (three significant
+digits; an index's size follows from its tensor names and its writer's JSON formatting),
 and bits/param computed by hand from the config and the format's definition (FP8 block-wise:
 one F32 scale per 128x128 block; MXFP4: 4-bit codes plus one 8-bit exponent per 32 values).
 """
@@ -12,6 +13,7 @@ one F32 scale per 128x128 block; MXFP4: 4-bit codes plus one 8-bit exponent per 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from fp4forge.testbed.moe_zoo import nvfp4_modules
 
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
-FAST = ["olmoe-1b-7b-0125-instruct", "phi-3.5-moe-instruct", "llama-4-scout-17b-16e", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b"]
+FAST = ["olmoe-1b-7b-0125-instruct", "phi-3.5-moe-instruct", "llama-4-scout-17b-16e", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b-instruct-awq", "mixtral-8x7b-instruct-fp8-kv", "dart-v2-moe-sft-bnb-4bit", "mixtral-8x7b-instruct-bnb-nf4"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 # Releases in a format `bytes` and `audit` cannot judge yet (PROVENANCE.json `awaiting_format`):
@@ -98,6 +100,51 @@ def test_bytes_reads_the_release(built, name):
         assert 0 < headers < 256 * sum(d["tensors"] for d in table.dtypes.values()), headers
     if "experts_bpp" in card:
         assert close(table.experts_bpp, card["experts_bpp"])
+    if "shard_files_rounded" in card:  # the Hub's file listing: sizes to three significant digits
+        low, high = rounded_bounds(card["shard_files_rounded"])
+        assert low <= table.total_bytes <= high, (low, table.total_bytes, high)
+    if "index_file_rounded" in card:  # the release's index, written with the rebuilt names
+        names = json.loads((built(name) / "model.safetensors.index.json").read_text())["weight_map"]
+        size = index_size(names, len(card["shard_files_rounded"]), table.total_bytes, card["index_writer"])
+        low, high = rounded_bounds([card["index_file_rounded"]])
+        assert low <= size <= high, (low, size, high)
+
+
+UNITS = {"kB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def rounded_bounds(sizes: list[str]) -> tuple[float, float]:
+    """The byte range a list of sizes shown as "4.98 GB" / "161 MB" admits: each value is rounded
+    to three significant digits (half a unit of its last digit either way)."""
+    low = high = 0.0
+    for size in sizes:
+        value, unit = size.split()
+        half = 0.5 * 10 ** (math.floor(math.log10(float(value))) - 2) * UNITS[unit]
+        low, high = low + float(value) * UNITS[unit] - half, high + float(value) * UNITS[unit] + half
+    return low, high
+
+
+def index_size(names, shards: int, total_size: int, writer: str) -> int:
+    """Bytes of a model.safetensors.index.json holding ``names`` (every shard name of a
+    release has the same length), as transformers writes it (indent 2, sorted keys, newline)
+    or as AutoAWQ's save_quantized does (json.dumps(index, indent=4))."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": {n: f"model-00001-of-{shards:05d}.safetensors" for n in names}}
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n" if writer == "transformers" else json.dumps(index, indent=4)
+    return len(text.encode())
+
+
+def test_index_size_matches_a_verbatim_index():
+    """The writer model reproduces a real index byte for byte (Mixtral's, 19 shards)."""
+    raw = (CORPUS / "mixtral-8x7b-instruct" / "model.safetensors.index.json").read_bytes()
+    index = json.loads(raw)
+    assert index_size(index["weight_map"], 19, index["metadata"]["total_size"], "transformers") == len(raw)
+
+
+def test_rounded_bounds_by_hand():
+    low, high = rounded_bounds(["161 MB"])
+    assert math.isclose(low, 160.5e6) and math.isclose(high, 161.5e6)
+    low, high = rounded_bounds(["4.98 GB", "5 GB"])
+    assert math.isclose(low, 9.97e9) and math.isclose(high, 9.99e9)  # 4.975-4.985 and 4.995-5.005
 
 
 def _fp8_block_bpp(rows: int, cols: int, block: tuple[int, int]) -> float:
@@ -145,6 +192,62 @@ def test_mxfp4_experts_by_hand(built, name):
     experts_row = next(c for c in table.components if c.name == "routed_experts")
     assert experts_row.params == layers * params
     assert experts_row.bytes == layers * bytes_
+
+
+def _experts_row(built, name: str):
+    config = json.loads((CORPUS / name / "config.json").read_text())
+    table = compute_byte_table(open_checkpoint(str(built(name))), layout_or_inferred(config))
+    return config, next(c for c in table.components if c.name == "routed_experts")
+
+
+def test_awq_experts_by_hand(built):
+    """AutoAWQ GEMM: 4-bit codes, and per group of 128 inputs one F16 scale and one 4-bit zero
+    point per output (qzeros packs 8 per int32)."""
+    config, row = _experts_row(built, "mixtral-8x7b-instruct-awq")
+    qc = config["quantization_config"]
+    bits, group = qc["bits"], qc["group_size"]
+    assert row.bytes * 8 / row.params == pytest.approx(bits + 16 / group + bits / group, rel=1e-12)
+    experts = config["num_hidden_layers"] * config["num_local_experts"]
+    assert row.params == experts * 3 * config["hidden_size"] * config["intermediate_size"]
+
+
+def test_fp8_per_tensor_experts_by_hand(built):
+    """FP8 per-tensor with static activations: one byte per weight and two F32 scalars
+    (weight_scale, input_scale) per expert Linear."""
+    config, row = _experts_row(built, "mixtral-8x7b-instruct-fp8-kv")
+    linear = config["hidden_size"] * config["intermediate_size"]
+    linears = config["num_hidden_layers"] * config["num_local_experts"] * 3
+    assert row.params == linears * linear
+    assert row.bytes == linears * (linear + 2 * 4)
+
+
+def test_bnb_4bit_experts_by_hand(built):
+    """bitsandbytes 4-bit, no double quantization: half a byte per weight, one F32 absmax per
+    64 weights, a 16-entry F32 code book, and the packed JSON quantization state per Linear."""
+    config, row = _experts_row(built, "dart-v2-moe-sft-bnb-4bit")
+    rows, cols = config["intermediate_size"], config["hidden_size"]  # every expert Linear has rows * cols weights
+    linears = config["num_hidden_layers"] * config["num_local_experts"] * 3
+    state = {"quant_type": "fp4", "blocksize": 64, "dtype": "float16"}
+    packed = {shape: len(json.dumps({**state, "shape": list(shape)})) for shape in ((rows, cols), (cols, rows))}
+    per_layer = config["num_local_experts"] * (2 * packed[(rows, cols)] + packed[(cols, rows)])
+    n = rows * cols
+    assert row.params == linears * n
+    assert row.bytes == linears * (n // 2 + 4 * n // 64 + 4 * 16) + config["num_hidden_layers"] * per_layer
+
+
+def test_bnb_4bit_double_quant_experts_by_hand(built):
+    """bitsandbytes nf4 with double quantization: half a byte per weight, a U8 absmax per 64
+    weights, one F32 nested absmax per 256 absmax values, two F32 code books (16 and 256
+    entries) and the packed JSON state per Linear."""
+    config, row = _experts_row(built, "mixtral-8x7b-instruct-bnb-nf4")
+    rows, cols = config["intermediate_size"], config["hidden_size"]
+    n, experts = rows * cols, config["num_hidden_layers"] * config["num_local_experts"]
+    state = {"quant_type": "nf4", "blocksize": 64, "dtype": "bfloat16"}
+    nested = {"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": 0.0}
+    packed = sum(len(json.dumps({**state, "shape": list(shape), **nested})) for shape in ((rows, cols), (rows, cols), (cols, rows)))
+    per_linear = n // 2 + n // 64 + 4 * math.ceil(n / 64 / 256) + 4 * 256 + 4 * 16
+    assert row.params == experts * 3 * n
+    assert row.bytes == experts * (3 * per_linear + packed)
 
 
 @pytest.mark.parametrize("name", ENTRIES)

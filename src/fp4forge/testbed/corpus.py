@@ -11,7 +11,8 @@ card states). :func:`build_header_only` writes a checkpoint with every tensor th
 - shapes and dtypes: from the transformers model class the config names, built on the meta
   device for the first few layers (one of each layer kind), then the quantization the config
   declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block;
-  MXFP4 as GPT-OSS stores it; GPTQ as AutoGPTQ stores it);
+  FP8 per-tensor as AutoFP8 / AMD Quark store it; MXFP4 as GPT-OSS stores it; GPTQ as AutoGPTQ,
+  AWQ as AutoAWQ, bitsandbytes 4-bit as transformers store them);
 - data: file holes (sparse headers only), so a 600 B-parameter release costs a few MB of disk.
 """
 
@@ -297,8 +298,14 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
         return _mxfp4_specs(specs)
     if method == "gptq":
         return _gptq_specs(specs, declaration, with_bias=bool(entry.provenance.get("gptq_zero_bias")))
-    if method != "fp8" or not declaration.get("weight_block_size"):
+    if method == "awq":
+        return _awq_specs(specs, declaration)
+    if method == "bitsandbytes" and declaration.get("load_in_4bit"):
+        return _bnb4_specs(specs, declaration)
+    if method != "fp8":
         raise ConfigError(f"{entry.name}: building quant_method {method!r} is not implemented")
+    if not declaration.get("weight_block_size"):
+        return _fp8_tensor_specs(specs, declaration, entry.provenance.get("kv_scale_name"))
     block_out, block_in = declaration["weight_block_size"]
     skip = _exclusion_regex(list(declaration.get("modules_to_not_convert") or []) + list(declaration.get("ignored_layers") or []))
     out = []
@@ -406,6 +413,95 @@ def _gptq_specs(specs: list[TensorSpec], declaration: dict[str, Any], *, with_bi
     return out
 
 
+def _awq_specs(specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
+    """An AutoAWQ (GEMM) release: each decoder Linear [out, in] becomes `qweight` I32
+    [in, out*bits/32], `qzeros` I32 [groups, out*bits/32] and `scales` F16 [groups, out], the
+    parameters vLLM's AWQ method creates; a module whose name contains an entry of
+    `modules_to_not_convert` keeps its weight (vLLM's is_layer_skipped_awq matches substrings)."""
+    bits, group = declaration["bits"], declaration["group_size"]
+    skip = list(declaration.get("modules_to_not_convert") or [])
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if not (module and _quantizable(module, spec)) or any(s in module for s in skip):
+            out.append(spec)
+            continue
+        rows, cols = spec.shape
+        groups, packed = cols // group, rows * bits // GPTQ_WORD_BITS
+        out += [
+            TensorSpec(module + ".qweight", "I32", (cols, packed)),
+            TensorSpec(module + ".qzeros", "I32", (groups, packed)),
+            TensorSpec(module + ".scales", "F16", (groups, rows)),
+        ]
+    return out
+
+
+BNB_BLOCK = 64  # values per absmax of bitsandbytes' 4-bit blockwise quantization
+BNB_NESTED_BLOCK = 256  # absmax values per nested absmax (double quantization)
+
+
+def _bnb4_specs(specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
+    """A transformers bitsandbytes 4-bit save: every Linear (routers included: transformers
+    replaces each nn.Linear whose name contains no `llm_int8_skip_modules` entry) stores its
+    codes flat as U8 [n/2, 1] and its Params4bit quantization state beside it (`absmax` F32 per
+    64 values, or U8 plus `nested_absmax` / `nested_quant_map` with double quantization,
+    `quant_map` F32 [16], and the packed JSON of the non-tensor state as U8)."""
+    skip = declaration.get("llm_int8_skip_modules")
+    skip = ["lm_head"] if skip is None else list(skip)  # transformers' default: keep the output head (get_keys_to_not_convert)
+    quant_type, double = declaration.get("bnb_4bit_quant_type", "fp4"), bool(declaration.get("bnb_4bit_use_double_quant"))
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if not module or len(spec.shape) != 2 or module.endswith("embed_tokens") or any(s in module for s in skip):
+            out.append(spec)
+            continue
+        count = math.prod(spec.shape)
+        blocks = math.ceil(count / BNB_BLOCK)
+        out.append(TensorSpec(spec.name, "U8", ((count + 1) // 2, 1)))
+        if double:
+            out.append(TensorSpec(spec.name + ".absmax", "U8", (blocks,)))
+            out.append(TensorSpec(spec.name + ".nested_absmax", "F32", (math.ceil(blocks / BNB_NESTED_BLOCK),)))
+            out.append(TensorSpec(spec.name + ".nested_quant_map", "F32", (256,)))
+        else:
+            out.append(TensorSpec(spec.name + ".absmax", "F32", (blocks,)))
+        out.append(TensorSpec(spec.name + ".quant_map", "F32", (16,)))
+        state = _bnb_packed_state(quant_type, double, spec)
+        out.append(TensorSpec(f"{spec.name}.quant_state.bitsandbytes__{quant_type}", "U8", (len(state),)))
+    return out
+
+
+def _bnb_packed_state(quant_type: str, double: bool, spec: TensorSpec) -> bytes:
+    """The non-tensor part of a Params4bit's QuantState as bitsandbytes packs it (json.dumps of
+    as_dict(packed=True)'s plain values, UTF-8): its length is the stored tensor's."""
+    dtype = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}[spec.dtype]
+    state: dict[str, Any] = {"quant_type": quant_type, "blocksize": BNB_BLOCK, "dtype": dtype, "shape": list(spec.shape)}
+    if double:
+        state.update(nested_blocksize=BNB_NESTED_BLOCK, nested_dtype="float32", nested_offset=0.0)
+    return json.dumps(state).encode()
+
+
+def _fp8_tensor_specs(specs: list[TensorSpec], declaration: dict[str, Any], kv_scale_name: str | None) -> list[TensorSpec]:
+    """An FP8 per-tensor release (`quant_method: fp8` without a block size, as AutoFP8 and AMD
+    Quark's vLLM export write it): each Linear outside `ignored_layers` stores an F8_E4M3
+    `weight` and F32 scalars `weight_scale` and, with static activations, `input_scale`. A
+    `kv_cache_scheme` adds one KV scale per attention layer under ``kv_scale_name`` (the
+    release's naming, from its PROVENANCE.json)."""
+    skip = _exclusion_regex(list(declaration.get("ignored_layers") or []) + list(declaration.get("modules_to_not_convert") or []))
+    static = declaration.get("activation_scheme") == "static"
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if not (module and _quantizable(module, spec)) or skip.match(module):
+            out.append(spec)
+            continue
+        out += [TensorSpec(spec.name, "F8_E4M3", spec.shape), TensorSpec(module + ".weight_scale", "F32", ())]
+        if static:
+            out.append(TensorSpec(module + ".input_scale", "F32", ()))
+        if declaration.get("kv_cache_scheme") and kv_scale_name and module.endswith(".self_attn.k_proj"):
+            out.append(TensorSpec(module[: -len("self_attn.k_proj")] + kv_scale_name, "F32", ()))
+    return out
+
+
 def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
     return quantized_specs(entry, bf16_specs(entry))
 
@@ -435,11 +531,12 @@ def unquantized_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Per-tensor scales are written with a value, everything else is a hole: the real values are not
+# Per-tensor scales (F32 scalars: NVFP4 global and input scales, FP8 per-tensor weight scales, a
+# layer's KV scale) are written with a value, everything else is a hole: the real values are not
 # in the metadata, and a hole reads as 0.0, which the audit rightly calls an invalid scale. The
 # placeholder is amax/(6*448) for an amax of 1.0 (ModelOpt's convention); nothing checks it
 # against the (absent) weights.
-PER_TENSOR_SCALES = (".weight_scale_2", ".input_scale")
+PER_TENSOR_SCALES = (".weight_scale_2", ".input_scale", ".weight_scale", ".kv_scale")
 PLACEHOLDER_SCALE = struct.pack("<f", 1.0 / NVFP4_GLOBAL_NUMERATOR)
 
 
