@@ -34,7 +34,8 @@ from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
 from fp4forge.checkpoint.atomic import ensure_fresh_output
-from fp4forge.checkpoint.declarations import stored_quantization_config
+from fp4forge.checkpoint.declarations import match_ct, stored_quantization_config
+from fp4forge.checkpoint.vllm_params import MODEL_DTYPE, ct_key, expected_tensors
 
 PROVENANCE = "PROVENANCE.json"
 INDEX = "model.safetensors.index.json"
@@ -302,6 +303,8 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
         return _awq_specs(specs, declaration)
     if method == "bitsandbytes" and declaration.get("load_in_4bit"):
         return _bnb4_specs(specs, declaration)
+    if method == "compressed-tensors":
+        return _compressed_tensors_specs(entry.name, specs, declaration)
     if method != "fp8":
         raise ConfigError(f"{entry.name}: building quant_method {method!r} is not implemented")
     if not declaration.get("weight_block_size"):
@@ -322,11 +325,12 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
     return out
 
 
-# Leaves of 2-D weights no released FP8/NVFP4 checkpoint quantizes: embeddings, routers, heads
+# Leaves of 2-D weights no released FP8/NVFP4 checkpoint quantizes: embeddings (a vision tower's
+# position table `pos_embed` too: an nn.Embedding, which no `Linear` target reaches), routers, heads
 # (incl. DeepSeek's MTP shared_head.head), DeepSeek-V3.2's indexer weights_proj, and the MTP
 # layer's eh_proj (vLLM builds it as a plain nn.Linear; DeepSeek-R1's shard sizes agree, see the
 # deepseek-r1-fp8 corpus entry).
-UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj", "eh_proj"})
+UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "pos_embed", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj", "eh_proj"})
 
 
 def _quantizable(module: str, spec: TensorSpec) -> bool:
@@ -499,6 +503,30 @@ def _fp8_tensor_specs(specs: list[TensorSpec], declaration: dict[str, Any], kv_s
             out.append(TensorSpec(module + ".input_scale", "F32", ()))
         if declaration.get("kv_cache_scheme") and kv_scale_name and module.endswith(".self_attn.k_proj"):
             out.append(TensorSpec(module[: -len("self_attn.k_proj")] + kv_scale_name, "F32", ()))
+    return out
+
+
+def _compressed_tensors_specs(name: str, specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
+    """A compressed-tensors release with one config group targeting every `Linear`: each Linear
+    outside `ignore` stored as the parameters vLLM's scheme for that group creates (the data
+    :mod:`fp4forge.checkpoint.vllm_params` took from vLLM's own ``create_weights``); a parameter
+    of the model's dtype takes the Linear's stored dtype."""
+    groups = list((declaration.get("config_groups") or {}).values())
+    if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
+        raise ConfigError(f"{name}: building compressed-tensors groups other than one `Linear` target is not implemented")
+    key = ct_key(groups[0], declaration.get("format"))
+    ignore = list(declaration.get("ignore") or [])
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if not (module and _quantizable(module, spec)) or any(match_ct(p, module) for p in ignore):
+            out.append(spec)
+            continue
+        rows, cols = spec.shape
+        params = expected_tensors(key, cols, rows)
+        if params is None or any(p.shape is None for p in params):
+            raise ConfigError(f"{name}: vLLM's data has no parameters for {module} [{rows}, {cols}] under {key}")
+        out += [TensorSpec(f"{module}.{p.suffix}", spec.dtype if p.dtype == MODEL_DTYPE else p.dtype, p.shape) for p in params]
     return out
 
 
