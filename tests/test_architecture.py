@@ -237,7 +237,6 @@ OTHER_MEANINGS = {
     ("serve/recommend.py", 'facts.kv_declared == "fp8"'): "the KV cache's declared dtype",
     ("fidelity/evaluate.py", 'declaration.kv.algo != "fp8"'): "the KV cache's declared algorithm",
     ("checkpoint/convert.py", 'qc.get("quant_method")'): "a declaration's quant_method field, read where block-FP8 sources are detected",
-    ("testbed/corpus.py", 'method != "fp8"'): "a declaration's quant_method field (the block-FP8 testbed)",
 }
 # (module, code on the line): dispatches still to move onto the codecs, with what replaces each
 TO_MOVE = {

@@ -28,7 +28,7 @@ from fp4forge.testbed.moe_zoo import nvfp4_modules
 
 CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
-FAST = ["olmoe-1b-7b-0125-instruct", "phi-3.5-moe-instruct", "llama-4-scout-17b-16e", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b-instruct-awq", "mixtral-8x7b-instruct-fp8-kv", "dart-v2-moe-sft-bnb-4bit", "mixtral-8x7b-instruct-bnb-nf4"]
+FAST = ["olmoe-1b-7b-0125-instruct", "phi-3.5-moe-instruct", "llama-4-scout-17b-16e", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b-instruct-awq", "mixtral-8x7b-instruct-fp8-kv", "dart-v2-moe-sft-bnb-4bit", "mixtral-8x7b-instruct-bnb-nf4", "qwen3-vl-32b-w4a16-ct"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
 # Releases in a format `bytes` and `audit` cannot judge yet (PROVENANCE.json `awaiting_format`):
@@ -248,6 +248,32 @@ def test_bnb_4bit_double_quant_experts_by_hand(built):
     per_linear = n // 2 + n // 64 + 4 * math.ceil(n / 64 / 256) + 4 * 256 + 4 * 16
     assert row.params == experts * 3 * n
     assert row.bytes == experts * (3 * per_linear + packed)
+
+
+def test_compressed_tensors_w4a16_by_hand(built):
+    """compressed-tensors pack-quantized W4A16, symmetric, group 128: eight 4-bit codes per int32
+    `weight_packed`, one BF16 `weight_scale` per 128 inputs, an I64 [2] `weight_shape` per Linear,
+    no zero points. Every text-model Linear is quantized (the loader the config comes from expects
+    7 per layer), the head and the vision tower are not."""
+    name = "qwen3-vl-32b-w4a16-ct"
+    entry = load_entry(CORPUS / name)
+    text = entry.config["text_config"]
+    group = entry.config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+    ckpt = open_checkpoint(str(built(name)))
+    rows = {c.name: c for c in compute_byte_table(ckpt, layout_or_inferred(ckpt.config)).components}
+    hidden, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
+
+    def linear_bytes(out: int, inp: int) -> int:
+        return out * inp // 2 + 2 * out * (inp // group) + 8 * 2
+
+    assert rows["dense_mlp"].params == layers * 3 * hidden * inter
+    assert rows["dense_mlp"].bytes == layers * (2 * linear_bytes(inter, hidden) + linear_bytes(hidden, inter))
+    projections = linear_bytes(q, hidden) + 2 * linear_bytes(kv, hidden) + linear_bytes(hidden, q)
+    assert rows["attention"].bytes == layers * projections  # Qwen3's q_norm / k_norm count as norms
+    packed = [n for n in json.loads((built(name) / "model.safetensors.index.json").read_text())["weight_map"] if n.endswith(".weight_packed")]
+    assert len(packed) == entry.provenance["card"]["quantized_linears"] == 7 * layers
+    assert not [n for n in packed if "visual" in n or n.startswith("lm_head")]
 
 
 @pytest.mark.parametrize("name", ENTRIES)

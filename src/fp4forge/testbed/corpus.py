@@ -26,7 +26,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fp4forge.checkpoint.skeleton import checkpoint_specs
 from fp4forge.numerics.nvfp4 import NVFP4_GLOBAL_NUMERATOR
@@ -34,7 +34,8 @@ from fp4forge.checkpoint.writer import CheckpointWriter, TensorSpec
 from fp4forge.errors import ConfigError
 from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
 from fp4forge.checkpoint.atomic import ensure_fresh_output
-from fp4forge.checkpoint.declarations import stored_quantization_config
+from fp4forge.checkpoint.declarations import match_ct, stored_quantization_config
+from fp4forge.checkpoint.vllm_params import MODEL_DTYPE, ct_key, expected_tensors
 
 PROVENANCE = "PROVENANCE.json"
 INDEX = "model.safetensors.index.json"
@@ -294,25 +295,21 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
     if not declaration:
         return specs
     method = declaration.get("quant_method")
-    if method == "mxfp4":
-        return _mxfp4_specs(specs)
-    if method == "gptq":
-        return _gptq_specs(specs, declaration, with_bias=bool(entry.provenance.get("gptq_zero_bias")))
-    if method == "awq":
-        return _awq_specs(specs, declaration)
-    if method == "bitsandbytes" and declaration.get("load_in_4bit"):
-        return _bnb4_specs(specs, declaration)
-    if method != "fp8":
+    build = _BUILDERS.get(method)
+    if build is None or (method == "bitsandbytes" and not declaration.get("load_in_4bit")):
         raise ConfigError(f"{entry.name}: building quant_method {method!r} is not implemented")
-    if not declaration.get("weight_block_size"):
-        return _fp8_tensor_specs(specs, declaration, entry.provenance.get("kv_scale_name"))
+    return build(entry, specs, declaration)
+
+
+def _fp8_block_specs(specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
+    """Block-FP8 releases quantize every Linear (attention incl. kv_a_proj_with_mqa, MLPs,
+    experts, MTP eh_proj) outside their exclusions and keep embeddings, norms, routers and heads
+    in BF16: an F8_E4M3 `weight` and one F32 `weight_scale_inv` per block."""
     block_out, block_in = declaration["weight_block_size"]
     skip = _exclusion_regex(list(declaration.get("modules_to_not_convert") or []) + list(declaration.get("ignored_layers") or []))
     out = []
     for spec in specs:
         module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
-        # Block-FP8 releases quantize every Linear (attention incl. kv_a_proj_with_mqa, MLPs,
-        # experts, MTP eh_proj) and keep embeddings, norms, routers and heads in BF16.
         if module and _quantizable(module, spec) and not skip.match(module):
             rows, cols = spec.shape
             out.append(TensorSpec(spec.name, "F8_E4M3", spec.shape))
@@ -322,11 +319,12 @@ def quantized_specs(entry: CorpusEntry, specs: list[TensorSpec]) -> list[TensorS
     return out
 
 
-# Leaves of 2-D weights no released FP8/NVFP4 checkpoint quantizes: embeddings, routers, heads
+# Leaves of 2-D weights no released FP8/NVFP4 checkpoint quantizes: embeddings (a vision tower's
+# position table `pos_embed` too: an nn.Embedding, which no `Linear` target reaches), routers, heads
 # (incl. DeepSeek's MTP shared_head.head), DeepSeek-V3.2's indexer weights_proj, and the MTP
 # layer's eh_proj (vLLM builds it as a plain nn.Linear; DeepSeek-R1's shard sizes agree, see the
 # deepseek-r1-fp8 corpus entry).
-UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj", "eh_proj"})
+UNQUANTIZED_LEAVES = frozenset({"embed_tokens", "pos_embed", "gate", "shared_expert_gate", "lm_head", "head", "weights_proj", "eh_proj"})
 
 
 def _quantizable(module: str, spec: TensorSpec) -> bool:
@@ -500,6 +498,43 @@ def _fp8_tensor_specs(specs: list[TensorSpec], declaration: dict[str, Any], kv_s
         if declaration.get("kv_cache_scheme") and kv_scale_name and module.endswith(".self_attn.k_proj"):
             out.append(TensorSpec(module[: -len("self_attn.k_proj")] + kv_scale_name, "F32", ()))
     return out
+
+
+def _compressed_tensors_specs(name: str, specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
+    """A compressed-tensors release with one config group targeting every `Linear`: each Linear
+    outside `ignore` stored as the parameters vLLM's scheme for that group creates (the data
+    :mod:`fp4forge.checkpoint.vllm_params` took from vLLM's own ``create_weights``); a parameter
+    of the model's dtype takes the Linear's stored dtype."""
+    groups = list((declaration.get("config_groups") or {}).values())
+    if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
+        raise ConfigError(f"{name}: building compressed-tensors groups other than one `Linear` target is not implemented")
+    key = ct_key(groups[0], declaration.get("format"))
+    ignore = list(declaration.get("ignore") or [])
+    out = []
+    for spec in specs:
+        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
+        if not (module and _quantizable(module, spec)) or any(match_ct(p, module) for p in ignore):
+            out.append(spec)
+            continue
+        rows, cols = spec.shape
+        params = expected_tensors(key, cols, rows)
+        if params is None or any(p.shape is None for p in params):
+            raise ConfigError(f"{name}: vLLM's data has no parameters for {module} [{rows}, {cols}] under {key}")
+        out += [TensorSpec(f"{module}.{p.suffix}", spec.dtype if p.dtype == MODEL_DTYPE else p.dtype, p.shape) for p in params]
+    return out
+
+
+# The stored layouts the corpus rebuilds, by the declaration's quant_method (a table, not a chain
+# of name comparisons: a method not in it is refused by name).
+_BUILDERS: dict[str, Callable[[CorpusEntry, list[TensorSpec], dict[str, Any]], list[TensorSpec]]] = {
+    "mxfp4": lambda entry, specs, declaration: _mxfp4_specs(specs),
+    "gptq": lambda entry, specs, declaration: _gptq_specs(specs, declaration, with_bias=bool(entry.provenance.get("gptq_zero_bias"))),
+    "awq": lambda entry, specs, declaration: _awq_specs(specs, declaration),
+    "bitsandbytes": lambda entry, specs, declaration: _bnb4_specs(specs, declaration),
+    "compressed-tensors": lambda entry, specs, declaration: _compressed_tensors_specs(entry.name, specs, declaration),
+    "fp8": lambda entry, specs, declaration: (_fp8_block_specs(specs, declaration) if declaration.get("weight_block_size")
+                                              else _fp8_tensor_specs(specs, declaration, entry.provenance.get("kv_scale_name"))),
+}
 
 
 def entry_specs(entry: CorpusEntry) -> list[TensorSpec]:
