@@ -1,6 +1,7 @@
 """The files a server reads beside the weights, read the way transformers (and so vLLM) reads them:
 the tokenizer (``tokenizer.json`` through the ``tokenizers`` library transformers' fast tokenizers
-wrap), the chat template (compiled by transformers' own Jinja compiler), ``generation_config.json``
+wrap), the chat template (rendered for a one-message chat in the Jinja sandbox transformers renders
+it in, ``checkpoint/chat_template.py``), ``generation_config.json``
 and the config's special-token ids against the vocabulary, the config's dtype against the stored
 embeddings, ``tie_word_embeddings`` against the stored ``lm_head``, and the processor files of a
 wrapper (vision) architecture.
@@ -8,7 +9,7 @@ wrapper (vision) architecture.
 A file that is absent is not checked and is said so once (``server-file-absent``, info): a
 header-only rebuild of a release, or a model served with ``--tokenizer`` from elsewhere, has none.
 A file that is present and broken is a finding of its own. Only small files are read (JSON and
-templates), on demand; nothing here imports torch.
+templates), on demand; nothing here imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from typing import Any
 
 from fp4forge.audit.context import AuditContext, issue
 from fp4forge.audit.findings import Issue
+from fp4forge.checkpoint.chat_template import render_chat_template, special_tokens
 from fp4forge.checkpoint.layout import split_suffix
 from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.checkpoint.names import (
     CHAT_TEMPLATE_FILES,
     GENERATION_CONFIG_JSON,
     PROCESSOR_FILES,
+    SPECIAL_TOKENS_MAP_JSON,
     TOKENIZER_CONFIG_JSON,
     TOKENIZER_FILES,
     TOKENIZER_JSON,
@@ -33,6 +36,8 @@ SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_star
 # as safetensors names the stored dtype.
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
 WRAPPER_SUFFIX = "ForConditionalGeneration"
+# The smallest chat request: a template that cannot render it fails every chat request.
+PROBE_CHAT = [{"role": "user", "content": "Hello"}]
 _ABSENT = object()
 
 
@@ -178,18 +183,21 @@ def _chat_template_issues(files: _ServerFiles) -> list[Issue]:
     templates = _chat_templates(files)
     if not templates:
         return [issue("chat-template-absent", "no chat template with the tokenizer", TOKENIZER_CONFIG_JSON, file=TOKENIZER_CONFIG_JSON)]
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # transformers' own compiler
-
+    tokens = special_tokens(_dict_or_none(files.json(TOKENIZER_CONFIG_JSON)), _dict_or_none(files.json(SPECIAL_TOKENS_MAP_JSON)))
     issues = []
     for where, template in templates:
         try:
             if isinstance(template, JsonTextError):
                 raise template
-            _compile_jinja_template(template)
-        except Exception as exc:  # noqa: BLE001 - jinja2 raises its TemplateSyntaxError and others
-            reason = exc.reason if isinstance(exc, JsonTextError) else str(exc)
-            issues.append(issue("chat-template-invalid", "chat template transformers cannot compile", where, file=where, detail=" ".join(reason.split())[:300]))
+            render_chat_template(template, PROBE_CHAT, add_generation_prompt=True, special_tokens=tokens)
+        except Exception as exc:  # noqa: BLE001 - jinja2 raises its TemplateSyntaxError, TemplateError and others
+            reason = exc.reason if isinstance(exc, JsonTextError) else f"{type(exc).__name__}: {exc}"
+            issues.append(issue("chat-template-invalid", "chat template transformers cannot render", where, file=where, detail=" ".join(reason.split())[:300]))
     return issues
+
+
+def _dict_or_none(doc: Any) -> dict[str, Any] | None:
+    return doc if isinstance(doc, dict) else None
 
 
 # -- generation config and special ids ------------------------------------------------------------
