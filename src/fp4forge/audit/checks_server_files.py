@@ -36,8 +36,10 @@ SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_star
 # as safetensors names the stored dtype.
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
 WRAPPER_SUFFIX = "ForConditionalGeneration"
-# The smallest chat request: a template that cannot render it fails every chat request.
-PROBE_CHAT = [{"role": "user", "content": "Hello"}]
+# The smallest chat request, with its content as a string and as OpenAI content parts (vLLM
+# passes whichever form it detects the template reads): a template that renders neither fails
+# every chat request.
+PROBE_CHATS = ([{"role": "user", "content": "Hello"}], [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
 _ABSENT = object()
 
 
@@ -183,21 +185,25 @@ def _chat_template_issues(files: _ServerFiles) -> list[Issue]:
     templates = _chat_templates(files)
     if not templates:
         return [issue("chat-template-absent", "no chat template with the tokenizer", TOKENIZER_CONFIG_JSON, file=TOKENIZER_CONFIG_JSON)]
-    tokens = special_tokens(_dict_or_none(files.json(TOKENIZER_CONFIG_JSON)), _dict_or_none(files.json(SPECIAL_TOKENS_MAP_JSON)))
+    tokens = special_tokens(files.json(TOKENIZER_CONFIG_JSON), files.json(SPECIAL_TOKENS_MAP_JSON))
     issues = []
     for where, template in templates:
-        try:
-            if isinstance(template, JsonTextError):
-                raise template
-            render_chat_template(template, PROBE_CHAT, add_generation_prompt=True, special_tokens=tokens)
-        except Exception as exc:  # noqa: BLE001 - jinja2 raises its TemplateSyntaxError, TemplateError and others
-            reason = exc.reason if isinstance(exc, JsonTextError) else f"{type(exc).__name__}: {exc}"
+        reason = template.reason if isinstance(template, JsonTextError) else _render_failure(template, tokens)
+        if reason is not None:
             issues.append(issue("chat-template-invalid", "chat template transformers cannot render", where, file=where, detail=" ".join(reason.split())[:300]))
     return issues
 
 
-def _dict_or_none(doc: Any) -> dict[str, Any] | None:
-    return doc if isinstance(doc, dict) else None
+def _render_failure(template: str, tokens: dict[str, str]) -> str | None:
+    """None when the template renders one of the probe chats, else why the first one failed."""
+    first = None
+    for chat in PROBE_CHATS:
+        try:
+            render_chat_template(template, chat, add_generation_prompt=True, special_tokens=tokens)
+            return None
+        except Exception as exc:  # noqa: BLE001 - jinja2's TemplateSyntaxError, TemplateError, and what the template's own code raises
+            first = first or f"{type(exc).__name__}: {exc}"
+    return first
 
 
 # -- generation config and special ids ------------------------------------------------------------

@@ -58,11 +58,12 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], *, tools
                                                   add_generation_prompt=add_generation_prompt, **variables)
 
 
-def special_tokens(tokenizer_config: dict[str, Any] | None, special_tokens_map: dict[str, Any] | None = None) -> dict[str, str]:
+def special_tokens(tokenizer_config: Any, special_tokens_map: Any = None) -> dict[str, str]:
     """The special tokens a tokenizer directory names, as transformers hands them to the template:
     ``tokenizer_config.json``'s (a string, or an added-token object's ``content``), its
     model-specific ones (``extra_special_tokens`` given as an object), and, for a legacy
-    configuration without ``added_tokens_decoder``, ``special_tokens_map.json``'s over them."""
+    configuration without ``added_tokens_decoder``, ``special_tokens_map.json``'s over them.
+    Either document may be absent or not a JSON object (it then names nothing)."""
     config = tokenizer_config if isinstance(tokenizer_config, dict) else {}
     extra = config.get("extra_special_tokens")
     names = NAMED_SPECIAL_TOKENS + tuple(extra) if isinstance(extra, dict) else NAMED_SPECIAL_TOKENS
