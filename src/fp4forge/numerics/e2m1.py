@@ -369,7 +369,7 @@ def encode_packed_rows(
     """:func:`encode_packed_blocks` for F32/bf16/f16 ``blocks`` ``[N, nb, bs]`` whose ``step``
     ``[N, nb]`` is positive and finite everywhere (the caller guarantees it; a zero or non-finite
     step needs :func:`encode_packed_blocks`), without any host sync: returns (packed
-    ``[N, nb * bs / 2]``, and with ``error`` the per-row F32 sums of the squared dequantization
+    ``[N, nb * bs / 2]``, and with ``error`` the per-row sums of the squared dequantization
     error and of ``w^2`` (F32 squares summed in F64), else None twice). The codes are the same bit for bit."""
     n_rows, nb, bs = blocks.shape
     s2 = step.to(torch.float32).reshape(n_rows, nb, 1)

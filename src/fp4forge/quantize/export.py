@@ -165,7 +165,7 @@ def reported_error(value: float) -> float:
 
 
 def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
-    """Per component and scheme: mean (``fsum``: exact, so independent of order), median and
+    """Per component and scheme: mean (``fmean`` sums by ``fsum``, exactly rounded: independent of order), median and
     max of the rounded per-Linear errors; the ten worst Linears."""
     by_component: dict[str, list[float]] = {}
     for e in errors:
