@@ -165,8 +165,8 @@ def reported_error(value: float) -> float:
 
 
 def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
-    """Per component and scheme: mean (``fmean`` sums by ``fsum``, exactly rounded: independent of order), median and
-    max of the rounded per-Linear errors; the ten worst Linears."""
+    """Per component and scheme: mean (``fmean`` sums by ``fsum``, exactly rounded, so in any
+    order), median and max of the rounded per-Linear errors; the ten worst Linears."""
     by_component: dict[str, list[float]] = {}
     for e in errors:
         by_component.setdefault(f"{e.component}:{e.scheme}", []).append(reported_error(e.relative_error))
