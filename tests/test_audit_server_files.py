@@ -108,6 +108,34 @@ def test_broken_chat_template_is_an_error_as_transformers_fails(model: Path) -> 
     assert server_findings(model) == {"chat-template-invalid": "error"}
 
 
+@pytest.mark.parametrize("template", [
+    "{{ raise_exception('System role required') }}",  # the template's own refusal of a one-message chat
+    "{{ bos_token + messages[0].content + nonexistent_token }}",  # a special token the tokenizer does not name
+])
+def test_a_template_that_fails_a_one_message_chat_is_an_error_as_transformers_fails(model: Path, template: str) -> None:
+    from transformers import AutoTokenizer
+
+    (model / "chat_template.jinja").write_text(template)
+    with pytest.raises(Exception):  # noqa: B017 - jinja2's TemplateError / UndefinedError, through transformers
+        AutoTokenizer.from_pretrained(model).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert server_findings(model) == {"chat-template-invalid": "error"}
+    detail = next(f for f in audit_checkpoint(str(model)).findings if f.rule == "chat-template-invalid")
+    assert "Error" in json.dumps(detail.to_json())
+
+
+def test_a_template_that_reads_content_parts_is_no_finding(model: Path) -> None:
+    # vLLM passes content as OpenAI parts to a template that reads them; the string form fails here
+    from transformers import AutoTokenizer
+
+    template = "{% for m in messages %}{{ m.content[0].text + '\\n' }}{% endfor %}"
+    (model / "chat_template.jinja").write_text(template)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert AutoTokenizer.from_pretrained(model).apply_chat_template(parts, tokenize=False) == "hi\n"
+    with pytest.raises(Exception):  # noqa: B017 - jinja2's UndefinedError on the string form
+        AutoTokenizer.from_pretrained(model).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert server_findings(model) == {}
+
+
 def test_eos_outside_the_vocabulary(model: Path) -> None:
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
     edit_json(model / "generation_config.json", eos_token_id=[0, vocab_size])

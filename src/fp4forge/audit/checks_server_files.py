@@ -1,6 +1,7 @@
 """The files a server reads beside the weights, read the way transformers (and so vLLM) reads them:
 the tokenizer (``tokenizer.json`` through the ``tokenizers`` library transformers' fast tokenizers
-wrap), the chat template (compiled by transformers' own Jinja compiler), ``generation_config.json``
+wrap), the chat template (rendered for a one-message chat in the Jinja sandbox transformers renders
+it in, ``checkpoint/chat_template.py``), ``generation_config.json``
 and the config's special-token ids against the vocabulary, the config's dtype against the stored
 embeddings, ``tie_word_embeddings`` against the stored ``lm_head``, and the processor files of a
 wrapper (vision) architecture.
@@ -8,7 +9,7 @@ wrapper (vision) architecture.
 A file that is absent is not checked and is said so once (``server-file-absent``, info): a
 header-only rebuild of a release, or a model served with ``--tokenizer`` from elsewhere, has none.
 A file that is present and broken is a finding of its own. Only small files are read (JSON and
-templates), on demand; nothing here imports torch.
+templates), on demand; nothing here imports torch or transformers.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from typing import Any
 
 from fp4forge.audit.context import AuditContext, issue
 from fp4forge.audit.findings import Issue
+from fp4forge.checkpoint.chat_template import render_chat_template, special_tokens
 from fp4forge.checkpoint.layout import split_suffix
 from fp4forge.checkpoint.json_text import JsonTextError, load_json
 from fp4forge.checkpoint.names import (
     CHAT_TEMPLATE_FILES,
     GENERATION_CONFIG_JSON,
     PROCESSOR_FILES,
+    SPECIAL_TOKENS_MAP_JSON,
     TOKENIZER_CONFIG_JSON,
     TOKENIZER_FILES,
     TOKENIZER_JSON,
@@ -33,6 +36,10 @@ SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_star
 # as safetensors names the stored dtype.
 CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "half": "F16", "float32": "F32", "float": "F32"}
 WRAPPER_SUFFIX = "ForConditionalGeneration"
+# The smallest chat request, with its content as a string and as OpenAI content parts (vLLM
+# passes whichever form it detects the template reads): a template that renders neither fails
+# every chat request.
+PROBE_CHATS = ([{"role": "user", "content": "Hello"}], [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
 _ABSENT = object()
 
 
@@ -178,18 +185,25 @@ def _chat_template_issues(files: _ServerFiles) -> list[Issue]:
     templates = _chat_templates(files)
     if not templates:
         return [issue("chat-template-absent", "no chat template with the tokenizer", TOKENIZER_CONFIG_JSON, file=TOKENIZER_CONFIG_JSON)]
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # transformers' own compiler
-
+    tokens = special_tokens(files.json(TOKENIZER_CONFIG_JSON), files.json(SPECIAL_TOKENS_MAP_JSON))
     issues = []
     for where, template in templates:
-        try:
-            if isinstance(template, JsonTextError):
-                raise template
-            _compile_jinja_template(template)
-        except Exception as exc:  # noqa: BLE001 - jinja2 raises its TemplateSyntaxError and others
-            reason = exc.reason if isinstance(exc, JsonTextError) else str(exc)
-            issues.append(issue("chat-template-invalid", "chat template transformers cannot compile", where, file=where, detail=" ".join(reason.split())[:300]))
+        reason = template.reason if isinstance(template, JsonTextError) else _render_failure(template, tokens)
+        if reason is not None:
+            issues.append(issue("chat-template-invalid", "chat template transformers cannot render", where, file=where, detail=" ".join(reason.split())[:300]))
     return issues
+
+
+def _render_failure(template: str, tokens: dict[str, str]) -> str | None:
+    """None when the template renders one of the probe chats, else why the first one failed."""
+    first = None
+    for chat in PROBE_CHATS:
+        try:
+            render_chat_template(template, chat, add_generation_prompt=True, special_tokens=tokens)
+            return None
+        except Exception as exc:  # noqa: BLE001 - jinja2's TemplateSyntaxError, TemplateError, and what the template's own code raises
+            first = first or f"{type(exc).__name__}: {exc}"
+    return first
 
 
 # -- generation config and special ids ------------------------------------------------------------

@@ -19,6 +19,7 @@ HELDOUT_TEXT_FILE = "fp4forge-heldout.jsonl"
 GENERATION_CONFIG_JSON = "generation_config.json"
 TOKENIZER_JSON = "tokenizer.json"  # the fast tokenizer transformers and vLLM load first
 TOKENIZER_CONFIG_JSON = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_JSON = "special_tokens_map.json"  # legacy: special tokens beside tokenizer_config.json
 # Any of these is a tokenizer transformers can load (tokenizer_config.json alone is not).
 TOKENIZER_FILES = (TOKENIZER_JSON, "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")

@@ -296,7 +296,7 @@ def _encode_chunk(
 ) -> tuple[float, float]:
     """Codes of ``blocks / step`` (``[R, nb, bs]`` / ``[R, nb, 1]`` F32) packed into ``out``
     ``[R, nb * bs / 2]``; with ``error``, also (sum of squared dequantization error, sum of
-    squares) of this chunk, from the same rounded values. With ``row_sums`` (two F32 ``[R]``
+    squares) of this chunk, from the same rounded values. With ``row_sums`` (two F64 ``[R]``
     tensors) those sums are written there per row instead, and (0, 0) returned: no host sync, so
     a CUDA caller never waits for the device."""
     n, device = blocks.numel(), blocks.device
@@ -320,11 +320,11 @@ def _encode_chunk(
         torch.abs(x, out=a)
         d = values.mul_(step).sub_(a)
         if row_sums is not None:
-            torch.sum(d.mul_(d).view(d.shape[0], -1), dim=1, out=row_sums[0])
-            torch.sum(a.mul_(a).view(a.shape[0], -1), dim=1, out=row_sums[1])
-        else:
-            err_sq = float(d.mul_(d).sum())
-            ref_sq = float(a.mul_(a).sum())
+            torch.sum(d.mul_(d).view(d.shape[0], -1), dim=1, dtype=torch.float64, out=row_sums[0])
+            torch.sum(a.mul_(a).view(a.shape[0], -1), dim=1, dtype=torch.float64, out=row_sums[1])
+        else:  # F32 squares summed in F64: only the summation order differs between paths (~1e-15)
+            err_sq = float(d.mul_(d).sum(dtype=torch.float64))
+            ref_sq = float(a.mul_(a).sum(dtype=torch.float64))
     if sys.byteorder == "little":
         # pack_fp4 on each code pair read as one int16: (pair | pair >> 4) has element 2i in the
         # low nibble of its low byte and 2i+1 in the high nibble
@@ -369,13 +369,13 @@ def encode_packed_rows(
     """:func:`encode_packed_blocks` for F32/bf16/f16 ``blocks`` ``[N, nb, bs]`` whose ``step``
     ``[N, nb]`` is positive and finite everywhere (the caller guarantees it; a zero or non-finite
     step needs :func:`encode_packed_blocks`), without any host sync: returns (packed
-    ``[N, nb * bs / 2]``, and with ``error`` the per-row F32 sums of the squared dequantization
-    error and of ``w^2``, else None twice). The codes are the same bit for bit."""
+    ``[N, nb * bs / 2]``, and with ``error`` the per-row sums of the squared dequantization
+    error and of ``w^2`` (F32 squares summed in F64), else None twice). The codes are the same bit for bit."""
     n_rows, nb, bs = blocks.shape
     s2 = step.to(torch.float32).reshape(n_rows, nb, 1)
     out = torch.empty((n_rows, nb * bs // 2), dtype=torch.uint8, device=blocks.device)
-    err = torch.empty(n_rows, dtype=torch.float32, device=blocks.device) if error else None
-    ref = torch.empty(n_rows, dtype=torch.float32, device=blocks.device) if error else None
+    err = torch.empty(n_rows, dtype=torch.float64, device=blocks.device) if error else None
+    ref = torch.empty(n_rows, dtype=torch.float64, device=blocks.device) if error else None
     per_chunk = chunk_elements or CHUNK_ELEMENTS or (ENCODE_CHUNK_ELEMENTS_ONE_THREAD if torch.get_num_threads() == 1 else CHUNK_ELEMENTS_THREADED)
     for rows in row_chunks(n_rows, nb * bs, per_chunk):
         sums = (err[rows], ref[rows]) if err is not None and ref is not None else None

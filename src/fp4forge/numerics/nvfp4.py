@@ -405,7 +405,7 @@ class StackedNvfp4:
     they were computed; nothing here has waited for the device.
 
     ``packed`` uint8 ``[B, ..., K/2]``; ``block_scale`` E4M3 ``[B, ..., K/16]``; ``global_scale``
-    F32 ``[B, 1]`` (CT) or ``[B]`` (ModelOpt); ``err_sq`` / ``ref_sq`` F32 ``[B]`` (with ``error``)
+    F32 ``[B, 1]`` (CT) or ``[B]`` (ModelOpt); ``err_sq`` / ``ref_sq`` F64 ``[B]`` (with ``error``)
     as in :func:`~fp4forge.numerics.scale_search.search_nvfp4`; ``finite`` bool ``[B]``: the
     slice held no NaN/Inf; ``regular`` bool ``[B]``: every step of the slice was positive and
     finite. A slice that is not regular (possible only for ModelOpt scalars of denormal-sized

@@ -12,7 +12,7 @@
 #endif
 
 #define BLOCK 16
-#define FLUSH_BLOCKS 64 /* blocks summed in F32 lanes before the F64 totals take them */
+#define FLUSH_BLOCKS 64 /* blocks summed in F64 lanes before the totals take them */
 
 static inline float f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -74,7 +74,7 @@ typedef struct {
     int convention;
     float scalar, scalar6;
     float table[128];
-    float acc_err[BLOCK], acc_ref[BLOCK];
+    double acc_err[BLOCK], acc_ref[BLOCK]; /* each F32 square added in F64, as the eager path sums */
     double total_err, total_ref;
     int64_t since_flush;
 } state_t;
@@ -83,7 +83,7 @@ static void flush(state_t *st) {
     for (int j = 0; j < BLOCK; j++) {
         st->total_err += st->acc_err[j];
         st->total_ref += st->acc_ref[j];
-        st->acc_err[j] = st->acc_ref[j] = 0.0f;
+        st->acc_err[j] = st->acc_ref[j] = 0.0;
     }
     st->since_flush = 0;
 }
@@ -130,8 +130,9 @@ static int block_scalar(state_t *st, const uint16_t *src, uint8_t *dst, uint8_t 
         for (int j = 0; j < BLOCK; j++) {
             float a = x[j] < 0.0f ? -x[j] : x[j];
             float d = E2M1[codes[j] & 7] * step - a;
-            st->acc_err[j] += d * d;
-            st->acc_ref[j] += a * a;
+            float d2 = d * d, a2 = a * a; /* F32 squares, as the eager path rounds them */
+            st->acc_err[j] += (double)d2;
+            st->acc_ref[j] += (double)a2;
         }
         if (++st->since_flush == FLUSH_BLOCKS) flush(st);
     }
@@ -195,7 +196,7 @@ static int scales8(state_t *st, const uint16_t *src, uint8_t *scale, float *step
 
 /* one block's codes (and error lanes) under a regular step */
 static inline void elements16(state_t *st, const uint16_t *src, uint8_t *dst, float step_s, int sums,
-                              __m256 *err_lo, __m256 *err_hi, __m256 *ref_lo, __m256 *ref_hi) {
+                              __m256d err[4], __m256d ref[4]) {
     const __m256 step = _mm256_set1_ps(step_s);
     const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
     const __m256 c025 = _mm256_set1_ps(0.25f), c075 = _mm256_set1_ps(0.75f), c125 = _mm256_set1_ps(1.25f),
@@ -219,9 +220,12 @@ static inline void elements16(state_t *st, const uint16_t *src, uint8_t *dst, fl
         if (sums) {
             __m256 ax = _mm256_andnot_ps(sign_mask, x);
             __m256 d = _mm256_sub_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(grid, idx), step), ax);
-            __m256 *e = h ? err_hi : err_lo, *r = h ? ref_hi : ref_lo;
-            *e = _mm256_add_ps(*e, _mm256_mul_ps(d, d));
-            *r = _mm256_add_ps(*r, _mm256_mul_ps(ax, ax));
+            /* F32 squares, each added in F64 (4 lanes per half of the 8) */
+            __m256 d2 = _mm256_mul_ps(d, d), a2 = _mm256_mul_ps(ax, ax);
+            err[2 * h] = _mm256_add_pd(err[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(d2)));
+            err[2 * h + 1] = _mm256_add_pd(err[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(d2, 1)));
+            ref[2 * h] = _mm256_add_pd(ref[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(a2)));
+            ref[2 * h + 1] = _mm256_add_pd(ref[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(a2, 1)));
         }
     }
     /* byte j = code[2j] | code[2j+1] << 4 */
@@ -245,8 +249,8 @@ static inline void elements16(state_t *st, const uint16_t *src, uint8_t *dst, fl
  * convention 1 (ModelOpt): scalar = weight_scale_2 s2, scalar6 = 6 * s2 (F32, from the caller);
  *   raw = amax / scalar6, raw 0 -> 1, scale = e4m3(clamp(raw, 2^-9, 448)), step = scale * s2.
  * codes: e2m1(w / step) with the references' boundaries; sign iff w / step < 0.
- * With sums != 0: sums[0] += (value * step - |w|)^2, sums[1] += w^2 (F32 squares, F32 lanes
- * flushed into F64 every FLUSH_BLOCKS blocks).
+ * With sums != 0: sums[0] += (value * step - |w|)^2, sums[1] += w^2 (F32 squares summed in F64,
+ * as the eager path sums them: the totals differ from its by summation order only, ~1e-16).
  * Returns 0, or 1 if some step is zero or not finite (nothing is promised then: the caller
  * quantizes that tensor by the general path). */
 int fp4forge_nvfp4_minmax_bf16(const uint16_t *w, int64_t n_blocks, int convention, float scalar, float scalar6,
@@ -264,15 +268,13 @@ int fp4forge_nvfp4_minmax_bf16(const uint16_t *w, int64_t n_blocks, int conventi
     for (; b + 8 <= n_blocks; b += 8) {
         float steps[8];
         if (scales8(&st, w + b * BLOCK, scales + b, steps)) return 1;
-        __m256 err_lo = _mm256_setzero_ps(), err_hi = err_lo, ref_lo = err_lo, ref_hi = err_lo;
+        __m256d err[4], ref[4];
+        for (int k = 0; k < 4; k++) err[k] = ref[k] = _mm256_setzero_pd();
         for (int i = 0; i < 8; i++)
-            elements16(&st, w + (b + i) * BLOCK, packed + (b + i) * (BLOCK / 2), steps[i], do_sums, &err_lo, &err_hi, &ref_lo, &ref_hi);
+            elements16(&st, w + (b + i) * BLOCK, packed + (b + i) * (BLOCK / 2), steps[i], do_sums, err, ref);
         if (do_sums) {
-            float e[16], r[16];
-            _mm256_storeu_ps(e, err_lo);
-            _mm256_storeu_ps(e + 8, err_hi);
-            _mm256_storeu_ps(r, ref_lo);
-            _mm256_storeu_ps(r + 8, ref_hi);
+            double e[16], r[16];
+            for (int k = 0; k < 4; k++) { _mm256_storeu_pd(e + 4 * k, err[k]); _mm256_storeu_pd(r + 4 * k, ref[k]); }
             for (int j = 0; j < BLOCK; j++) { st.total_err += e[j]; st.total_ref += r[j]; }
         }
     }

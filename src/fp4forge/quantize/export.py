@@ -153,16 +153,29 @@ class _Writeback:
         self.pool.shutdown(wait=True)
 
 
+# Significant digits of a reported weight error. Its sums are F64 sums of the same F32 squares on
+# every path (the C kernel, torch on any CPU kernel family, thread count or device) and differ by
+# summation order only (~1e-15 relative); rounding hides that, so the provenance is the same bytes
+# on every machine (docs/quantization.md#the-same-bytes-on-every-cpu).
+REPORTED_ERROR_DIGITS = 6
+
+
+def reported_error(value: float) -> float:
+    return float(f"{value:.{REPORTED_ERROR_DIGITS}g}")
+
+
 def summarize_errors(errors: list[LinearError]) -> dict[str, Any]:
+    """Per component and scheme: mean (``fmean`` sums by ``fsum``, exactly rounded, so in any
+    order), median and max of the rounded per-Linear errors; the ten worst Linears."""
     by_component: dict[str, list[float]] = {}
     for e in errors:
-        by_component.setdefault(f"{e.component}:{e.scheme}", []).append(e.relative_error)
-    worst = sorted(errors, key=lambda e: -e.relative_error)[:10]
+        by_component.setdefault(f"{e.component}:{e.scheme}", []).append(reported_error(e.relative_error))
+    worst = sorted(errors, key=lambda e: -reported_error(e.relative_error))[:10]
     return {
         "by_component": {
             k: {"linears": len(v), "mean": statistics.fmean(v), "median": statistics.median(v), "max": max(v)} for k, v in sorted(by_component.items())
         },
-        "worst": [{"module": e.module, "relative_error": e.relative_error} for e in worst],
+        "worst": [{"module": e.module, "relative_error": reported_error(e.relative_error)} for e in worst],
     }
 
 
