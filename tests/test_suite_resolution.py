@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from statistics import NormalDist
 
-from fp4forge.lab.diagnostics.suite_resolution import Job, noise_only_mde, run_jobs
+from fp4forge.lab.diagnostics.suite_resolution import Job, run_jobs
+from fp4forge.lab.diagnostics.suite_resolution_report import noise_only_mde
 
 
 def _run(points: list[tuple[int, int]]) -> dict:
@@ -51,4 +52,4 @@ def test_the_pool_runs_what_it_can_and_names_what_it_did_not(tmp_path: Path) -> 
     assert any(n.startswith("d: not run: a job it needs failed") for n in notes) and any(n.startswith("b: ValueError") for n in notes)
     assert len(saved) == 3  # after every finished job
     late = [Job("e", echo, lambda done: (0,))]
-    assert run_jobs(late, workers=1, budget_s=-1, log=lambda line: None, on_finish=lambda: None) == ["e: not started within the budget of 0 min"]
+    assert run_jobs(late, workers=1, budget_s=-1, log=lambda line: None, on_finish=lambda: None) == ["e: not started within the budget of 0.0 min"]

@@ -94,10 +94,11 @@ def request_seed(seed: int, scenario_id: str, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def gumbel_noise(seed: int, steps: int, vocab: int) -> torch.Tensor:
-    """``[steps, vocab]`` standard Gumbel draws from ``seed``: argmax(logits / T + noise) is a draw
-    from softmax(logits / T) (the Gumbel-max trick), row by row, independent of the batch."""
-    uniform = torch.rand(steps, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+def gumbel_noise(seeds: list[int], steps: int, vocab: int, device: torch.device | str) -> torch.Tensor:
+    """``[len(seeds), steps, vocab]`` standard Gumbel draws, row r from ``seeds[r]`` alone (drawn
+    on ``device``): argmax(logits / T + noise) is a draw from softmax(logits / T), the Gumbel-max
+    trick, so each row's draws do not depend on the batch around it."""
+    uniform = torch.stack([torch.rand(steps, vocab, generator=torch.Generator(device).manual_seed(s), device=device) for s in seeds])
     return -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
 
 
@@ -110,8 +111,8 @@ class GumbelSampler(LogitsProcessor):
         self.noise: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.noise is None:  # the vocabulary as the logits have it
-            self.noise = torch.stack([gumbel_noise(s, self.steps, scores.shape[-1]) for s in self.seeds]).to(scores.device)
+        if self.noise is None:  # the vocabulary and device as the logits have them
+            self.noise = gumbel_noise(self.seeds, self.steps, scores.shape[-1], scores.device)
         return scores.float() / self.temperature + self.noise[:, input_ids.shape[1] - self.prompt_width]
 
 
