@@ -144,7 +144,7 @@ def test_the_report_reads_both_parts_and_refuses_what_cannot_be_compared(tmp_pat
     assert doc["curve"][0]["int2-g32-mse"]["points_per_run"] == [5] and doc["curve"][0]["expert_kurtosis_max"] == 4.0
     assert doc["meta"]["not_run"] == ["play:shipped:fp8:1: stopped at the deadline of 7.0 min"]
     text = (tmp_path / "out" / "resolution.md").read_text()
-    assert "| `fp8` | 8.00 | 1 | 5.0 | 5 |" in text and "| s500-w2@1 | 2.0 M | 500 | 2 | 1 | 1.500 | 3.50 / 4.00 |" in text
+    assert "| `fp8` | 8.00 | 1 | 5.0 | 5–5 | 0 / 1 |" in text and "| s500-w2@1 | 2.0 M | 1.500 | 3.50 / 4.00 | 4.0 (1) | 5.0 (1) | 0 / 1 |" in text
     with pytest.raises(ConfigError, match="a seed played twice"):
         write_report(tmp_path / "out", [resolution, resolution])
     hotter = _part(tmp_path / "hot", {"play:shipped:bf16:2": a}, [], temperature=1.0)

@@ -160,13 +160,14 @@ def _discordant(comparison: dict[str, Any] | None) -> str:
     return "" if comparison is None else f"{comparison['sign_test']['favours_a']} / {comparison['sign_test']['favours_b']}"
 
 
-def _points(row: dict[str, Any]) -> str:
-    return ", ".join(map(str, row["points_per_run"])) or "not run"
-
-
 def _mean(row: dict[str, Any]) -> str:
     points = row["points_per_run"]
-    return f"{sum(points) / len(points):.1f}" if points else ""
+    return f"{sum(points) / len(points):.1f}" if points else "not run"
+
+
+def _range(row: dict[str, Any]) -> str:
+    points = row["points_per_run"]
+    return f"{min(points)}–{max(points)}" if points else ""
 
 
 def _verdict(comparison: dict[str, Any] | None) -> str:
@@ -178,9 +179,9 @@ def resolution_markdown(doc: dict[str, Any]) -> list[str]:
 
     if not doc["resolution"]:
         return ["Not played in the folders read."]
-    rows = [[f"`{r['arm']}`", f"{r['bpp']:.2f}" if r.get("bpp") else "", str(r["runs"]), _mean(r), _points(r), _discordant(r["vs_bf16"]),
+    rows = [[f"`{r['arm']}`", f"{r['bpp']:.2f}" if r.get("bpp") else "", str(r["runs"]), _mean(r), _range(r), _discordant(r["vs_bf16"]),
              _fmt_p(r["vs_bf16"]), _verdict(r["vs_bf16"])] for r in doc["resolution"]]
-    lines = table(["arm", "bits/param", "runs", "mean", "points per run", "discordant: BF16 / arm better", "sign p", "verdict"], rows)
+    lines = table(["arm", "bits/param", "runs", "mean points", "range", "discordant BF16 / arm", "sign p", "verdict"], rows)
     aa, mde = doc["aa"], doc["mde"]
     if aa is not None:
         lines += ["", f"A/A (BF16's even against odd runs): {_discordant(aa)} discordant, sign p = {_fmt_p(aa)}, verdict: {_verdict(aa)}."]
@@ -201,12 +202,12 @@ def curve_markdown(doc: dict[str, Any]) -> list[str]:
     rows = []
     for point in doc["curve"]:
         quantized = point[CURVE_ARM]
-        rows.append([point["build"], f"{point['parameters'] / 1e6:.1f} M", str(point["steps"]), str(point["width"]), str(point["seed"]),
-                     f"{point['heldout_perplexity']:.3f}", f"{point['expert_kurtosis_median']:.2f} / {point['expert_kurtosis_max']:.2f}",
+        rows.append([point["build"], f"{point['parameters'] / 1e6:.1f} M", f"{point['heldout_perplexity']:.3f}",
+                     f"{point['expert_kurtosis_median']:.2f} / {point['expert_kurtosis_max']:.2f}",
                      f"{_mean(point['bf16'])} ({point['bf16']['runs']})", f"{_mean(quantized)} ({quantized['runs']})",
                      _discordant(quantized["vs_bf16"]), _fmt_p(quantized["vs_bf16"]), _verdict(quantized["vs_bf16"])])
-    return table(["build", "params", "steps", "width", "seed", "held-out ppl", "expert kurtosis med / max", "BF16 mean (runs)",
-                  f"`{CURVE_ARM}` mean (runs)", "discordant", "sign p", "verdict"], rows)
+    return table(["build", "params", "held-out ppl", "expert kurtosis med / max", "BF16 mean (runs)", f"`{CURVE_ARM}` mean (runs)",
+                  "discordant BF16 / arm", "sign p", "verdict"], rows)
 
 
 def report_markdown(doc: dict[str, Any]) -> str:
@@ -219,8 +220,9 @@ def report_markdown(doc: dict[str, Any]) -> str:
              f"{'all' if plan['limit'] is None else plan['limit']} scenarios; run k of every arm uses seed k.", "",
              "## Resolution: BF16 against each arm", "", *resolution_markdown(doc), "",
              f"## Separation of `{CURVE_ARM}` from BF16 by training length and width", "",
-             "Builds `sSTEPS-wWIDTH@SEED` trained on the GPU of the run; `shipped` is the shipped CPU build (its "
-             "runs are the resolution table's). Means are points per run; discordant: scenarios BF16 / the arm does better.", "",
+             "Builds `sSTEPS-wWIDTH@SEED`: the default recipe trained STEPS steps at WIDTH times the hidden, head and MLP "
+             "sizes from SEED, on the run's GPU; `shipped` is the shipped CPU build (its runs are the resolution table's). "
+             "Means are points per run; discordant: scenarios where BF16 / the arm does better.", "",
              *curve_markdown(doc)]
     if meta["not_run"]:
         lines += ["", "## Not run", "", *(f"- {note}" for note in meta["not_run"])]
