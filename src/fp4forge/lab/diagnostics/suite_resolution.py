@@ -381,9 +381,9 @@ def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str]
                 on_finish()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    notes = [f"{job.name}: not started within the budget of {max(0.0, budget_s) / 60:.1f} min" for job in pending]
-    notes += [f"{job.name}: {job.error.splitlines()[0]}" for job in jobs if job.error]
-    return notes
+    for job in pending:
+        job.error = f"not started within the budget of {max(0.0, budget_s) / 60:.1f} min"
+    return [f"{job.name}: {job.error.splitlines()[0]}" for job in jobs if job.error]
 
 
 # -- the outputs -----------------------------------------------------------------------------------
