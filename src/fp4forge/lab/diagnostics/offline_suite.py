@@ -199,6 +199,8 @@ class TurnBatcher:
                 batch = [waiting.pop(i) for i in sorted(waiting)]
             try:
                 answers: list[Reply | BaseException] = list(self.answer(batch))
+                if len(answers) != len(batch):
+                    raise RuntimeError(f"{len(answers)} replies to a batch of {len(batch)} requests")
             except Exception as error:  # every waiting player stops with it
                 answers = [error] * len(batch)
             with cond:
