@@ -6,7 +6,8 @@ model is transformers' ``LagunaForCausalLM``, and only three things are patched 
 * every quantized Linear computes ``F.linear(q(x), W')`` with ``W'`` its dequantized weight and
   ``q`` the activation quantization the chosen numerics apply (NVFP4 per-16 fake-quant with the
   layer's input global scale; FP8 with its static input scale);
-* the routed experts run per expert, with the same activation fake-quant before each GEMM;
+* the routed experts run as one batch of (token, expert) pairs, with the activation fake-quant of
+  each pair's expert before each GEMM (per row: the values an expert-by-expert loop computes);
 * with an FP8 KV cache declared, keys and values are rounded through E4M3 with their scales
   (``kv_rounding``: to nearest, or toward zero as vLLM's CPU cache kernel does).
 
@@ -102,6 +103,42 @@ def _patch_linear(module: torch.nn.Module, q: ServedLinear, numerics: str) -> No
     module.forward = forward
 
 
+def routed_experts_forward(
+    gate_up: Sequence[Tensor] | Tensor,
+    down: Sequence[Tensor] | Tensor,
+    quant: Callable[[Tensor, Tensor, str], Tensor],
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The routed experts' forward over every (token, expert) pair at once: rows sorted by expert,
+    each activation fake-quantized by ``quant(rows, expert_of_row, gemm)`` in one call per GEMM
+    (per-row numerics: the same values as expert by expert), one GEMM per expert, and each token's
+    expert outputs added in ascending expert order, as a loop over the experts adds them."""
+    intermediate = gate_up[0].shape[0] // 2
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        experts, order = top_k_index.flatten().sort(stable=True)
+        tokens, slots = order // top_k_index.shape[1], order % top_k_index.shape[1]
+        counts = torch.bincount(experts, minlength=len(gate_up)).tolist()
+        used = [e for e, n in enumerate(counts) if n]
+
+        def per_expert(rows: Tensor, weights: Sequence[Tensor] | Tensor) -> Tensor:
+            parts = torch.split(rows, [counts[e] for e in used]) if len(used) > 1 else (rows,)
+            return torch.cat([F.linear(part, weights[e]) for e, part in zip(used, parts)])
+
+        h = per_expert(quant(hidden_states[tokens], experts, "w13"), gate_up)
+        h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
+        h = per_expert(quant(h, experts, "w2"), down) * top_k_weights[tokens, slots, None]
+        # Row r of ``placed`` holds each token's r-th expert (ascending): added in that order.
+        rank = top_k_index.argsort(dim=1, stable=True).argsort(dim=1, stable=True)[tokens, slots]
+        placed = torch.zeros((top_k_index.shape[1], *hidden_states.shape), dtype=hidden_states.dtype, device=hidden_states.device)
+        placed[rank, tokens] = h.to(hidden_states.dtype)
+        out = torch.zeros_like(hidden_states)
+        for row in placed:
+            out += row
+        return out
+
+    return forward
+
+
 def _patch_experts(module: torch.nn.Module, q: ServedExperts, numerics: str, moe_input_scale: str) -> None:
     dtype, device = module.gate_up_proj.dtype, module.gate_up_proj.device
     gate_up, down = q.gate_up.to(device=device, dtype=dtype), q.down.to(device=device, dtype=dtype)
@@ -110,22 +147,12 @@ def _patch_experts(module: torch.nn.Module, q: ServedExperts, numerics: str, moe
         reduce = INPUT_SCALE_REDUCTIONS[moe_input_scale]
         # 1 / amax-ratio in F32, as the fused kernels compute a1_gscale = 1 / a13_scale.
         gs = {"w13": (1.0 / reduce(q.gate_up_amax)).to(device), "w2": (1.0 / reduce(q.down_amax)).to(device)}
-    intermediate = gate_up.shape[1] // 2
 
-    def fake_quant(h: Tensor, expert: int, gemm: str) -> Tensor:
-        return h if gs is None else nvfp4_fake_quantize_activation(h, gs[gemm][expert : expert + 1])
+    def fake_quant(h: Tensor, experts: Tensor, gemm: str) -> Tensor:
+        # Each row with its own expert's input global scale (shaped to broadcast over its blocks).
+        return h if gs is None else nvfp4_fake_quantize_activation(h, gs[gemm][experts][:, None, None])
 
-    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        out = torch.zeros_like(hidden_states)
-        for expert in torch.unique(top_k_index).tolist():
-            tokens, slots = torch.where(top_k_index == expert)
-            h = F.linear(fake_quant(hidden_states[tokens], expert, "w13"), gate_up[expert])
-            h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
-            h = F.linear(fake_quant(h, expert, "w2"), down[expert])
-            out.index_add_(0, tokens, (h * top_k_weights[tokens, slots, None]).to(out.dtype))
-        return out
-
-    module.forward = forward
+    module.forward = routed_experts_forward(gate_up, down, fake_quant)
 
 
 def _patch_fp8_experts(module: torch.nn.Module, view: QuantizedCheckpoint, moe: str, count: int) -> None:
@@ -144,19 +171,7 @@ def _patch_fp8_experts(module: torch.nn.Module, view: QuantizedCheckpoint, moe: 
              for gemm, found in scales.items()}
     gate_up = [w.to(device=device, dtype=dtype) for w, _, _ in experts]
     down = [d.weight.to(device=device, dtype=dtype) for _, _, d in experts]
-    intermediate = gate_up[0].shape[0] // 2
-
-    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        out = torch.zeros_like(hidden_states)
-        for expert in torch.unique(top_k_index).tolist():
-            tokens, slots = torch.where(top_k_index == expert)
-            h = F.linear(quant["w13"](hidden_states[tokens]), gate_up[expert])
-            h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
-            h = F.linear(quant["w2"](h), down[expert])
-            out.index_add_(0, tokens, (h * top_k_weights[tokens, slots, None]).to(out.dtype))
-        return out
-
-    module.forward = forward
+    module.forward = routed_experts_forward(gate_up, down, lambda h, _experts, gemm: quant[gemm](h))
 
 
 def _kv_scales(view: QuantizedCheckpoint, num_layers: int) -> dict[int, tuple[Tensor, Tensor]]:

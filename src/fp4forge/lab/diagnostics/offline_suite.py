@@ -3,7 +3,8 @@
 A diagnostic, not the suite's measurement (that is ``fp4forge quality run`` against vLLM): the
 suite's own runner, simulated tools and scorer play every scenario, and each request is rendered
 with the checkpoint's chat template (thinking on, as the runner's default request), generated
-greedily, and split the way vLLM's ``poolside_v1`` parsers split a reply (reasoning before
+(greedy, or sampled with seeded draws per request; each turn of every scenario in one batched
+generation), and split the way vLLM's ``poolside_v1`` parsers split a reply (reasoning before
 ``</think>``, ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`` blocks,
 values typed by the tool's schema). Prints the total, the first-step tool-choice accuracy (the
 first step of every scenario that expects calls: did the first call name the expected function)
@@ -18,15 +19,18 @@ and the restraint rate (scenarios whose first step expects no call: did the mode
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, LagunaForCausalLM
+from transformers import AutoTokenizer, LagunaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from fp4forge.endpoint import NO_SERVER_URL
 from fp4forge.quality.runner import Reply, run_config, run_scenario
@@ -83,29 +87,130 @@ def _loads(text: Any) -> Any:
         return {}
 
 
-def make_post(model: Any, tokenizer: Any, device: str, max_new_tokens: int, log: list[dict[str, Any]], temperature: float = 0.0,
-              seed: int = 0) -> Any:
-    """Greedy at temperature 0; else sampled at ``temperature`` (no top-k/top-p, as the suite's request),
-    each request seeded by (seed, request number) so a run replays exactly."""
-    stop = model.generation_config.eos_token_id
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None} if temperature > 0 else {"do_sample": False}
+def request_seed(seed: int, scenario_id: str, turn: int) -> int:
+    """The sampling seed of one request: run ``seed``'s draws for turn ``turn`` of ``scenario_id``,
+    whatever else is generated beside it (so two arms' run k sample each request the same way)."""
+    digest = hashlib.sha256(f"{seed}:{scenario_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
-    def post(body: dict[str, Any]) -> Reply:
-        prompt = tokenizer.apply_chat_template(wire_for_template(body["messages"]), tools=body["tools"], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
-        started = time.monotonic()
-        torch.manual_seed(seed * 1_000_003 + len(log))
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id, **sampling)
-        new = out[0, ids.shape[1]:].tolist()
-        finished = bool(new) and new[-1] in (stop if isinstance(stop, list) else [stop])
+
+def gumbel_noise(seeds: list[int], steps: int, vocab: int, device: torch.device | str) -> torch.Tensor:
+    """``[len(seeds), steps, vocab]`` standard Gumbel draws, row r from ``seeds[r]`` alone (drawn
+    on ``device``): argmax(logits / T + noise) is a draw from softmax(logits / T), the Gumbel-max
+    trick, so each row's draws do not depend on the batch around it."""
+    uniform = torch.stack([torch.rand(steps, vocab, generator=torch.Generator(device).manual_seed(s), device=device) for s in seeds])
+    return -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+
+
+class GumbelSampler(LogitsProcessor):
+    """Sampling at ``temperature`` inside a greedy ``generate``: each row's scores plus its own
+    request's Gumbel noise at this step (no top-k/top-p, as the suite's request)."""
+
+    def __init__(self, seeds: list[int], temperature: float, prompt_width: int, steps: int) -> None:
+        self.seeds, self.temperature, self.prompt_width, self.steps = seeds, temperature, prompt_width, steps
+        self.noise: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.noise is None:  # the vocabulary and device as the logits have them
+            self.noise = gumbel_noise(self.seeds, self.steps, scores.shape[-1], scores.device)
+        return scores.float() / self.temperature + self.noise[:, input_ids.shape[1] - self.prompt_width]
+
+
+def generate_replies(model: Any, tokenizer: Any, device: str, max_new_tokens: int, temperature: float, seed: int,
+                     requests: list[tuple[tuple[str, int], dict[str, Any]]]) -> list[tuple[Reply, dict[str, Any]]]:
+    """One batched ``generate`` for ``requests`` ((scenario id, turn), body), left-padded: greedy at
+    temperature 0, else sampled with each request's own seeded draws (``request_seed``). Returns
+    each request's reply and its log entry."""
+    stop = model.generation_config.eos_token_id
+    stops = stop if isinstance(stop, list) else [stop]
+    prompts = [tokenizer.apply_chat_template(wire_for_template(body["messages"]), tools=body["tools"], tokenize=False, add_generation_prompt=True)
+               for _, body in requests]
+    batch = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", padding=True, padding_side="left").to(device)
+    width = batch.input_ids.shape[1]
+    processors = LogitsProcessorList()
+    if temperature > 0:
+        processors.append(GumbelSampler([request_seed(seed, *key) for key, _ in requests], temperature, width, max_new_tokens))
+    started = time.monotonic()
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
+                             logits_processor=processors)
+    latency = time.monotonic() - started
+    replies = []
+    for row, (_, body) in enumerate(requests):
+        new = out[row, width:].tolist()
+        stop_at = next((i for i, token in enumerate(new) if token in stops), None)  # after it: padding
+        finished = stop_at is not None
+        new = new if stop_at is None else new[: stop_at + 1]
         text = tokenizer.decode(new, skip_special_tokens=False)
         for special in ("</assistant>", "<|EOS|>", "〈|EOS|〉"):
             text = text.replace(special, "")
-        log.append({"prompt_tokens": ids.shape[1], "text": text, "finished": finished})
-        return Reply(parse_reply(text, body["tools"]), "stop" if finished else "length", None, time.monotonic() - started, None)
+        entry = {"prompt_tokens": int(batch.attention_mask[row].sum()), "text": text, "finished": finished}
+        replies.append((Reply(parse_reply(text, body["tools"]), "stop" if finished else "length", None, latency, None), entry))
+    return replies
 
-    return post
+
+class TurnBatcher:
+    """Plays conversations side by side: each runs in its own thread and blocks in its ``post``;
+    once every unfinished one waits, their requests go to ``answer`` as one batch (in player
+    order), so a turn of every scenario costs one batched generation."""
+
+    def __init__(self, answer: Callable[[list[tuple[tuple[int, int], dict[str, Any]]]], list[Reply]]) -> None:
+        self.answer = answer
+
+    def run(self, players: list[Callable[[Callable[[dict[str, Any]], Reply]], Any]]) -> list[Any]:
+        cond = threading.Condition()
+        waiting: dict[int, tuple[tuple[int, int], dict[str, Any]]] = {}
+        replies: dict[int, Reply | BaseException] = {}
+        results: list[Any] = [None] * len(players)
+        errors: list[BaseException] = []
+        alive = [len(players)]
+
+        def play_one(index: int) -> None:
+            turns = [0]
+
+            def post(body: dict[str, Any]) -> Reply:
+                with cond:
+                    waiting[index] = ((index, turns[0]), body)
+                    turns[0] += 1
+                    cond.notify_all()
+                    cond.wait_for(lambda: index in replies)
+                    reply = replies.pop(index)
+                if isinstance(reply, BaseException):
+                    raise reply
+                return reply
+
+            try:
+                results[index] = players[index](post)
+            except BaseException as error:  # re-raised by run once every player stopped
+                errors.append(error)
+            finally:
+                with cond:
+                    alive[0] -= 1
+                    cond.notify_all()
+
+        threads = [threading.Thread(target=play_one, args=(i,), daemon=True) for i in range(len(players))]
+        for thread in threads:
+            thread.start()
+        while True:
+            with cond:
+                cond.wait_for(lambda: alive[0] == len(waiting))
+                if not waiting:
+                    break
+                batch = [waiting.pop(i) for i in sorted(waiting)]
+            try:
+                answers: list[Reply | BaseException] = list(self.answer(batch))
+                if len(answers) != len(batch):
+                    raise RuntimeError(f"{len(answers)} replies to a batch of {len(batch)} requests")
+            except Exception as error:  # every waiting player stops with it
+                answers = [error] * len(batch)
+            with cond:
+                replies.update({key[0]: answer for (key, _), answer in zip(batch, answers)})
+                cond.notify_all()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
 
 
 def generated_one_call_scenarios(count: int, entities: str = "pools") -> list[Any]:
@@ -127,16 +232,30 @@ def evaluate(model_dir: Path, device: str = "cpu", max_new_tokens: int = 128, li
 
 def play(model: Any, tokenizer: Any, scenarios: list[Any], device: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     """Every scenario played against ``model`` (any module with ``generate``: a BF16 checkpoint, or
-    a quantized one through ``fp4forge.fidelity.reference``), scored by the suite's scorer."""
-    log: list[dict[str, Any]] = []
-    post = make_post(model, tokenizer, device, max_new_tokens, log, temperature, seed)
+    a quantized one through ``fp4forge.fidelity.reference``), scored by the suite's scorer. The
+    scenarios are played side by side, each turn of all of them one batched generation
+    (``TurnBatcher``); a request's draws depend on (seed, scenario, turn) alone."""
+    logs: list[list[dict[str, Any]]] = [[] for _ in scenarios]
     config = run_config(base_url=NO_SERVER_URL, model="offline", max_tokens=max_new_tokens)
+
+    def answer(batch: list[tuple[tuple[int, int], dict[str, Any]]]) -> list[Reply]:
+        requests = [((scenarios[index].id, turn), body) for (index, turn), body in batch]
+        replies = generate_replies(model, tokenizer, device, max_new_tokens, temperature, seed, requests)
+        for ((index, _), _), (_, entry) in zip(batch, replies):
+            logs[index].append(entry)
+        return [reply for reply, _ in replies]
+
+    records = TurnBatcher(answer).run([lambda post, s=s: run_scenario(s, config, post) for s in scenarios])
+    return score_records(scenarios, records, logs, temperature, seed)
+
+
+def score_records(scenarios: list[Any], records: list[dict[str, Any]], logs: list[list[dict[str, Any]]], temperature: float,
+                  seed: int) -> dict[str, Any]:
+    """The run's totals, first-step tool choice and restraint, and per-scenario points and texts."""
     earned = maximum = 0
     choice_hits = choice_total = restraint_hits = restraint_total = 0
     per_scenario = []
-    for scenario in scenarios:
-        start = len(log)
-        record = run_scenario(scenario, config, post)
+    for scenario, record, log in zip(scenarios, records, logs):
         earned += record["score"]["earned"]
         maximum += record["score"]["max"]
         first = scenario.steps[0]
@@ -150,11 +269,12 @@ def play(model: Any, tokenizer: Any, scenarios: list[Any], device: str, max_new_
             restraint_hits += not called
         per_scenario.append({"id": scenario.id, "earned": record["score"]["earned"], "max": record["score"]["max"],
                              "expected_first": [c.name for c in first.calls] if first.expect == "call" else first.expect,
-                             "called_first": called, "texts": [entry["text"] for entry in log[start:]]})
+                             "called_first": called, "texts": [entry["text"] for entry in log]})
+    entries = [entry for log in logs for entry in log]
     return {"temperature": temperature, "seed": seed, "earned": earned, "max": maximum,
             "tool_choice": [choice_hits, choice_total], "restraint": [restraint_hits, restraint_total],
             "turns_with_calls": sum(1 for s in per_scenario for t in s["texts"] if "<tool_call>" in t),
-            "turns": len(log), "cut_at_max_tokens": sum(1 for entry in log if not entry["finished"]), "scenarios": per_scenario}
+            "turns": len(entries), "cut_at_max_tokens": sum(1 for entry in entries if not entry["finished"]), "scenarios": per_scenario}
 
 
 def paired(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

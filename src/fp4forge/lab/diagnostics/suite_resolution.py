@@ -1,33 +1,38 @@
 """What the quality suite can resolve on the shipped testbed, and where it starts to separate.
 
 The suite is played offline (``offline_suite``: the suite's runner, simulated tools and scorer,
-transformers' generation), every run sampled at ``temperature`` with its own seed; run k of every
-arm uses seed k, so a paired comparison sees the arms' difference under the same draws, and an
-arm's runs differ from each other only by the draws (its A/A floor).
+transformers' generation, each turn of every scenario in one batched generation), every run
+sampled at ``temperature``; run k of every arm uses seed k (each request's draws depend on the
+seed, the scenario and the turn alone), so a paired comparison sees the arms' difference under the
+same draws, and an arm's runs differ from each other only by the draws (its A/A floor).
 
-1. **Resolution.** The shipped testbed in BF16 against the study's arms (``lab/study/run.py``):
+Two parts, each one command that fits a 10-minute slot on one GPU (``--part``):
+
+1. **resolution.** The shipped testbed in BF16 against the study's arms (``lab/study/run.py``):
    NVFP4 W4A4 and W4A16 (min-max block scales), FP8 W8A8, INT2 g16 (3.5 bits) and g32 (2.5 bits).
    The students are the ones the study writes (``write_arm_student``); exported ones are played
    through ``fidelity.reference``'s forward with the numerics a server runs, the INT2 arms as
    fake-quantized BF16 copies. Per arm: points per run and the suite's own comparison against BF16
-   (``quality.stats.compare_arms``: sign test over scenarios, discordant counts, A/A floor,
-   verdict); for the suite: the minimum effect it detects at this size with this many runs.
-2. **Separation curve.** Testbeds of the default recipe trained at several lengths (steps) and
-   widths (hidden, attention heads and every MLP size times ``width``), seed 0, the largest also
-   from seed 1; per build: held-out perplexity, expert-weight kurtosis, and BF16 against the
-   2.5-bit arm (``int2-g32-mse``), ``curve_runs`` runs each. GPU builds are exploration: not the
-   CPU build the project ships, and never cached.
+   (``quality.stats.compare_arms``); for the suite: the A/A comparison and the minimum effect it
+   detects at this size with this many runs.
+2. **curve.** Testbeds of the default recipe trained at several lengths (steps) and widths
+   (hidden, attention heads and every MLP size times ``width``) and seeds; per build: held-out
+   perplexity, expert-weight kurtosis, and BF16 against the 2.5-bit arm (``int2-g32-mse``). GPU
+   builds are exploration: not the CPU build the project ships, and never cached.
 
-Each training, student and play is a job of a pool of worker processes (a tiny model leaves a GPU
-mostly idle; the CPU that launches its kernels is the limit). Jobs are started in rounds (run 1
-of every arm, then run 2, ...) until ``--budget-minutes``; what did not start is listed as not run.
-Writes ``OUT/resolution.json`` and ``OUT/resolution.md``; every play's transcript texts and scores
-are kept under ``OUT/plays/``, every finished job in ``OUT/jobs.json`` as it finishes
-(``--report-only`` writes the report from it). Students and builds go to ``--work``.
+Each training, student and play is a job of a pool of worker processes. Jobs start in rounds (run
+1 of every arm, then run 2, ...) while a job of their kind is expected to end before
+``--budget-minutes``; at ``--deadline-minutes`` whatever still runs is stopped and named. OUT gets
+few plain files, rewritten as jobs finish: ``jobs.json`` (every job), ``plays.tar.gz`` (every
+play's per-scenario points and texts), ``resolution.json`` and ``resolution.md`` (the tables,
+``suite_resolution_report``). Students and builds go to a fresh folder under ``--work-root``,
+removed at the end. ``--report-only --from DIR...`` writes the tables from several output folders
+(both parts; more seeds of one part from ``--first-seed``).
 
-    python -m fp4forge.lab.diagnostics.suite_resolution --out OUT --device cuda   # the GPU plan
-    python -m fp4forge.lab.diagnostics.suite_resolution --out OUT --toy           # minutes on a CPU
-    python -m fp4forge.lab.diagnostics.suite_resolution --out OUT --report-only   # the report again
+    python -m fp4forge.lab.diagnostics.suite_resolution --part resolution --out OUT   # on a GPU
+    python -m fp4forge.lab.diagnostics.suite_resolution --part curve --out OUT2
+    python -m fp4forge.lab.diagnostics.suite_resolution --report-only --from OUT OUT2 --out DOCS
+    python -m fp4forge.lab.diagnostics.suite_resolution --part resolution --toy --out OUT   # minutes on a CPU
 """
 
 from __future__ import annotations
@@ -38,25 +43,26 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import sys
+import tarfile
+import tempfile
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-BF16 = "bf16"
-ARMS = ("nvfp4-w4a4-minmax", "nvfp4-w4a16-minmax", "fp8", "int2-g16-mse", "int2-g32-mse")
-CURVE_ARM = "int2-g32-mse"
-SHIPPED = "shipped"
-PLAYS = "plays"  # under OUT: one record per run
-JOBS_FILE = "jobs.json"  # under OUT: every finished job's result, written as they finish
+from fp4forge.errors import ConfigError
+from fp4forge.lab.diagnostics.suite_resolution_report import ARMS, BF16, CURVE_ARM, JOBS_FILE, PLAYS_TAR, SHIPPED, play_name, write_report
+
+PARTS = ("resolution", "curve")
 
 
 @dataclass(frozen=True)
 class Plan:
-    runs: int  # sampled runs per arm on the shipped testbed
+    runs: int  # sampled runs per arm on the shipped testbed (0: none)
     curve_runs: int  # sampled runs per arm on each curve build
     curve: tuple[tuple[int, int, int], ...]  # (steps, width, seed) per build
     temperature: float = 0.7
@@ -64,18 +70,41 @@ class Plan:
     limit: int | None = None  # the first N scenarios (None: the whole suite)
     calibration_samples: int = 32
     eval_windows: int = 24
-    workers: int = 14
-    # No job starts later: the last plays end near it, within a 10-minute command with start-up and report.
-    budget_minutes: float = 8.0
+    workers: int = 8
+    first_seed: int = 0  # runs use seeds first_seed, first_seed + 1, ...
+    # No job starts that is expected to end after the budget; at the deadline what still runs is
+    # stopped, then the report: with start-up and installation, within a 9-minute command.
+    budget_minutes: float = 6.0
+    deadline_minutes: float = 7.0
 
 
-# 2,000 steps of the default recipe take about 1.5 min alone on an H100 (several at once share it);
-# lengths 440 / 1,000 / 2,000 at width 1, and the largest, width 2, from two seeds.
-GPU_PLAN = Plan(runs=6, curve_runs=3, curve=((440, 1, 0), (1000, 1, 0), (2000, 1, 0), (2000, 2, 0), (2000, 2, 1)))
-# Every kind of job once or twice, small: the whole path on a 2-core CPU (the GPU plan's widths and
-# second seed go through the same code).
-TOY_PLAN = Plan(runs=2, curve_runs=2, curve=((2, 1, 0),), max_new_tokens=12, limit=3, calibration_samples=2,
-                eval_windows=2, workers=2, budget_minutes=40.0)
+# On a GPU: more runs than the budget is expected to allow; rounds keep the arms' run counts equal.
+# A play is at most 3 batched rounds (the suite's scenarios have up to 3 steps) of up to 128 tokens.
+GPU_PLANS = {
+    "resolution": Plan(runs=32, curve_runs=0, curve=()),
+    # The shipped recipe is 440 steps at width 1; 2,000 steps take about 1.5 min alone on an H100.
+    "curve": Plan(runs=0, curve_runs=16, curve=((500, 1, 0), (2000, 1, 0), (2000, 2, 0), (2000, 2, 1))),
+}
+# Every kind of job, small: the whole path on a 2-core CPU (widths and seeds go through the same code).
+_TOY = Plan(runs=0, curve_runs=0, curve=(), max_new_tokens=24, limit=4, calibration_samples=2, eval_windows=2, workers=2,
+            budget_minutes=30.0, deadline_minutes=40.0)
+TOY_PLANS = {"resolution": replace(_TOY, runs=2), "curve": replace(_TOY, curve_runs=2, curve=((2, 1, 0), (2, 2, 1)))}
+
+
+def parse_curve(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``STEPSxWIDTH@SEED,...`` (e.g. ``500x1@0,2000x2@1``) as (steps, width, seed) triples."""
+    builds = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            size, seed = item.split("@")
+            steps, width = size.split("x")
+            build = (int(steps), int(width), int(seed))
+        except ValueError:
+            raise ConfigError(f"curve build {item!r} is not STEPSxWIDTH@SEED (e.g. 2000x2@1)") from None
+        if build[0] < 1 or build[1] < 1 or build[2] < 0:
+            raise ConfigError(f"curve build {item!r}: steps and width must be at least 1, the seed at least 0")
+        builds.append(build)
+    return tuple(builds)
 
 
 def build_name(steps: int, width: int, seed: int) -> str:
@@ -92,6 +121,11 @@ class Job:
     result: dict[str, Any] | None = None
     error: str | None = None
     seconds: float | None = None
+
+    @property
+    def kind(self) -> str:
+        """Jobs expected to take alike: a play of one arm on one build (any seed), else the name."""
+        return self.name.rsplit(":", 1)[0] if self.name.startswith("play:") else self.name
 
 
 # -- the jobs (each runs in a worker process) ----------------------------------------------------
@@ -162,11 +196,22 @@ def train_job(out: str, steps: int, width: int, seed: int, device: str, eval_win
     model_dir = Path(out) / "builds" / build_name(steps, width, seed) / "model"
     with _widened(width), _loose_determinism(device):
         report = build_trained_laguna(model_dir, seed=seed, config=config, device=device).report
+    return build_facts(model_dir, report, steps, width, seed)
+
+
+def build_facts(model_dir: Path, report: dict[str, Any], steps: int, width: int, seed: int) -> dict[str, Any]:
+    """A build's size, held-out perplexity and expert-weight tails, from its training report."""
     experts = report["weights"]["routed_experts"]
     return {"path": str(model_dir), "steps": steps, "width": width, "seed": seed, "parameters": _parameters(model_dir),
             "heldout_perplexity": report["heldout_perplexity"], "heldout_assistant_perplexity": report["heldout_assistant_perplexity"],
             "expert_kurtosis_median": experts["kurtosis_median"], "expert_kurtosis_max": experts["kurtosis_max"],
             "expert_max_over_rms_median": experts["max_over_rms_median"], "train_seconds": report["timing"]["train_seconds"]}
+
+
+def describe_job(src: str) -> dict[str, Any]:
+    """The shipped build's facts, as a curve build's (its training report ships with it)."""
+    report = json.loads((Path(src) / "fp4forge-training.json").read_text())
+    return build_facts(Path(src), report, report["training"]["steps"], 1, report["seed"])
 
 
 def _parameters(model_dir: Path) -> int:
@@ -190,9 +235,9 @@ def _load_player(model_dir: str, source_dir: str, numerics: str | None, device: 
     return model
 
 
-def play_job(out: str, label: str, model_dir: str, source_dir: str, numerics: str | None, seed: int, plan: dict[str, Any],
-             device: str) -> dict[str, Any]:
-    """One sampled run of the suite against one arm; its record is written under ``OUT/plays``."""
+def play_job(plays: str, build: str, arm: str, model_dir: str, source_dir: str, numerics: str | None, seed: int,
+             plan: dict[str, Any], device: str) -> dict[str, Any]:
+    """One sampled run of the suite against one arm; its record is written under ``plays``."""
     from transformers import AutoTokenizer
 
     from fp4forge.lab.diagnostics.offline_suite import play
@@ -201,12 +246,14 @@ def play_job(out: str, label: str, model_dir: str, source_dir: str, numerics: st
     model = _load_player(model_dir, source_dir, numerics, device)
     tokenizer = AutoTokenizer.from_pretrained(source_dir)
     scenarios = load_suite().scenarios[: plan["limit"]]
+    started = time.monotonic()
     result = play(model, tokenizer, scenarios, device, plan["max_new_tokens"], plan["temperature"], seed)
-    path = Path(out) / PLAYS / label / f"run-{seed}.json"
+    relative = f"{build}/{arm}/run-{seed}.json"
+    path = Path(plays) / relative
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"arm": label, "model": model_dir, "numerics": numerics, **result}, indent=1) + "\n")
-    return {"path": str(path.relative_to(out)), "earned": result["earned"], "max": result["max"], "cut_at_max_tokens": result["cut_at_max_tokens"],
-            "turns": result["turns"], "seed": seed}
+    path.write_text(json.dumps({"build": build, "arm": arm, "model": model_dir, "numerics": numerics, **result}, indent=1) + "\n")
+    return {"path": relative, "earned": result["earned"], "max": result["max"], "cut_at_max_tokens": result["cut_at_max_tokens"],
+            "turns": result["turns"], "seed": seed, "play_seconds": time.monotonic() - started}
 
 
 def run_job(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[dict[str, Any] | None, str | None, float]:
@@ -219,74 +266,109 @@ def run_job(fn: Callable[..., dict[str, Any]], args: tuple[Any, ...]) -> tuple[d
 
 
 # -- the plan as jobs ----------------------------------------------------------------------------
-def _play(out: str, device: str, plan: Plan, build: str, arm: str, run: int, source: Callable[[dict[str, Any]], str],
+def _play(plays: str, device: str, plan: Plan, build: str, arm: str, seed: int, source: Callable[[dict[str, Any]], str],
           source_job: str | None) -> Job:
-    """Run ``run`` of ``arm`` on ``build``: BF16 is the build itself, any other arm its student."""
+    """Seed ``seed``'s run of ``arm`` on ``build``: BF16 is the build itself, any other arm its student."""
     student = None if arm == BF16 else f"student:{build}:{arm}"
     deps = tuple(d for d in (source_job, student) if d)
 
     def args(done: dict[str, dict[str, Any]]) -> tuple[Any, ...]:
         src = source(done)
         model, numerics = (src, None) if student is None else (done[student]["path"], None if done[student]["dense"] else done[student]["numerics"])
-        return (out, f"{build}/{arm}", model, src, numerics, run, asdict(plan), device)
+        return (plays, build, arm, model, src, numerics, seed, asdict(plan), device)
 
-    return Job(f"play:{build}:{arm}:{run}", play_job, args, deps, round=run + 1)
+    return Job(play_name(build, arm, seed), play_job, args, deps, round=seed - plan.first_seed + 1)
 
 
-def plan_jobs(work: str, out: str, src: str, plan: Plan, device: str) -> list[Job]:
-    """Students and builds go to ``work``, the plays' records to ``out``."""
-    jobs = [Job("calibrate", calibrate_job, lambda done: (work, src, plan.calibration_samples))]
-    for arm in ARMS:
-        exported = not arm.startswith("int2")
-        jobs.append(Job(f"student:{SHIPPED}:{arm}", student_job, lambda done, arm=arm, exported=exported: (
-            work, src, arm, done["calibrate"]["stats"] if exported else None), ("calibrate",) if exported else ()))
+def plan_jobs(work: str, src: str, plan: Plan, device: str) -> list[Job]:
+    """Students and builds go to ``work``, the plays' records to ``work/plays``."""
+    plays = str(Path(work) / "plays")
+    jobs = []
+    if plan.runs:
+        jobs.append(Job("calibrate", calibrate_job, lambda done: (work, src, plan.calibration_samples)))
+        jobs.append(Job(f"describe:{SHIPPED}", describe_job, lambda done: (src,)))
+        for arm in ARMS:
+            exported = not arm.startswith("int2")
+            jobs.append(Job(f"student:{SHIPPED}:{arm}", student_job, lambda done, arm=arm, exported=exported: (
+                work, src, arm, done["calibrate"]["stats"] if exported else None), ("calibrate",) if exported else ()))
     for steps, width, seed in plan.curve:
         build = build_name(steps, width, seed)
         jobs.append(Job(f"train:{build}", train_job, lambda done, steps=steps, width=width, seed=seed: (work, steps, width, seed, device, plan.eval_windows)))
         jobs.append(Job(f"student:{build}:{CURVE_ARM}", student_job, lambda done, build=build: (work, done[f"train:{build}"]["path"], CURVE_ARM, None),
                         (f"train:{build}",)))
-    for run in range(max(plan.runs, plan.curve_runs)):
-        if run < plan.runs:
-            jobs += [_play(out, device, plan, SHIPPED, arm, run, lambda done: src, None) for arm in (BF16, *ARMS)]
-        if run < plan.curve_runs:
-            for steps, width, seed in plan.curve:
-                build = build_name(steps, width, seed)
-                jobs += [_play(out, device, plan, build, arm, run, lambda done, build=build: done[f"train:{build}"]["path"], f"train:{build}")
+    for seed in range(plan.first_seed, plan.first_seed + max(plan.runs, plan.curve_runs)):
+        if seed < plan.first_seed + plan.runs:
+            jobs += [_play(plays, device, plan, SHIPPED, arm, seed, lambda done: src, None) for arm in (BF16, *ARMS)]
+        if seed < plan.first_seed + plan.curve_runs:
+            for steps, width, build_seed in plan.curve:
+                build = build_name(steps, width, build_seed)
+                jobs += [_play(plays, device, plan, build, arm, seed, lambda done, build=build: done[f"train:{build}"]["path"], f"train:{build}")
                          for arm in (BF16, CURVE_ARM)]
     return jobs
 
 
 # -- running them --------------------------------------------------------------------------------
-def _estimate(finished: list[Job]) -> float:
-    """A play's expected seconds: the median of the finished ones (0 before any finished)."""
-    seconds = sorted(j.seconds for j in finished if j.name.startswith("play:") and j.error is None and j.seconds is not None)
-    return seconds[len(seconds) // 2] if seconds else 0.0
+def expected_seconds(job: Job, finished: list[Job]) -> float:
+    """A job's expected seconds: the median of finished jobs of its kind, else of the slowest
+    finished play for a play (0 before any finished: nothing to go by)."""
+    ok = [j for j in finished if j.error is None and j.seconds is not None]
+    alike = sorted(j.seconds for j in ok if j.kind == job.kind)  # type: ignore[misc]
+    if alike:
+        return alike[len(alike) // 2]
+    plays = [j.seconds for j in ok if j.name.startswith("play:")]
+    return max(plays) if job.name.startswith("play:") and plays else 0.0  # type: ignore[type-var]
 
 
-def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str], None], on_finish: Callable[[], None]) -> list[str]:
-    """Every job whose dependencies succeeded, in order of (round, position), until the budget;
-    returns the not-run notes."""
-    deadline = time.monotonic() + budget_s
+def _start_ready(pending: list[Job], running: dict[Future, Job], finished: list[Job], done: dict[str, dict[str, Any]], failed: set[str],
+                 workers: int, budget_end: float, submit: Callable[[Job], Future]) -> None:
+    """Start, in order, every pending job whose dependencies succeeded and that is expected to end
+    before ``budget_end``, while workers are free; a job whose dependency failed fails too."""
+    for job in list(pending):
+        if len(running) >= workers:
+            return
+        if any(d in failed for d in job.deps):
+            job.error = "not run: a job it needs failed"
+            failed.add(job.name)
+            pending.remove(job)
+        elif all(d in done for d in job.deps) and time.monotonic() + expected_seconds(job, finished) <= budget_end:
+            running[submit(job)] = job
+            pending.remove(job)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Stop the workers still running jobs at the deadline (the executor has no public way to end
+    a running task: its processes are terminated, then it is shut down)."""
+    for process in list(getattr(pool, "_processes", {}).values()):
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str], None], on_finish: Callable[[], None],
+             deadline_s: float | None = None) -> list[str]:
+    """Every job whose dependencies succeeded, in order of (round, position), while it is expected
+    to end within ``budget_s``; at ``deadline_s`` (default: no deadline) the jobs still running are
+    stopped. Returns the not-run notes."""
+    started = time.monotonic()
+    deadline = math.inf if deadline_s is None else started + deadline_s
     pending = sorted(jobs, key=lambda j: j.round)  # stable: position within a round
     running: dict[Future, Job] = {}
     finished: list[Job] = []
     done: dict[str, dict[str, Any]] = {}
     failed: set[str] = set()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
         while pending or running:
-            for job in list(pending):
-                if len(running) >= workers:
-                    break
-                if any(d in failed for d in job.deps):
-                    job.error = "not run: a job it needs failed"
-                    failed.add(job.name)
-                    pending.remove(job)
-                elif all(d in done for d in job.deps) and time.monotonic() + _estimate(finished) <= deadline:
-                    running[pool.submit(run_job, job.fn, job.args(done))] = job
-                    pending.remove(job)
+            _start_ready(pending, running, finished, done, failed, workers, started + budget_s, lambda job: pool.submit(run_job, job.fn, job.args(done)))
             if not running:
                 break  # the rest cannot start before the budget ends
-            ready, _ = wait(running, return_when=FIRST_COMPLETED)
+            ready, _ = wait(running, timeout=None if deadline == math.inf else max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            if not ready:
+                for job in running.values():
+                    job.error = f"stopped at the deadline of {deadline_s / 60:.1f} min"  # type: ignore[operator]
+                    log(f"{job.name}: stopped at the deadline")
+                running.clear()
+                _stop_workers(pool)
+                break
             for future in ready:
                 job = running.pop(future)
                 job.result, job.error, job.seconds = future.result()
@@ -297,158 +379,34 @@ def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str]
                     done[job.name] = job.result or {}
                 log(f"{job.name}: {'failed: ' + (job.error or '').splitlines()[0] if job.error else 'done'} in {job.seconds:.0f} s")
                 on_finish()
-    notes = [f"{job.name}: not started within the budget of {max(0.0, budget_s) / 60:.0f} min" for job in pending]
-    notes += [f"{job.name}: {job.error.splitlines()[0]}" for job in jobs if job.error]
-    return notes
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    for job in pending:
+        job.error = f"not started within the budget of {max(0.0, budget_s) / 60:.1f} min"
+    return [f"{job.name}: {job.error.splitlines()[0]}" for job in jobs if job.error]
 
 
-# -- what the runs say ---------------------------------------------------------------------------
-def arm_runs(jobs: list[Job], out: Path, build: str, arm: str) -> list[dict[str, Any]]:
-    """The finished runs of one arm on one build (their full records), by seed."""
-    prefix = f"play:{build}:{arm}:"
-    docs = [json.loads((out / j.result["path"]).read_text()) for j in jobs if j.name.startswith(prefix) and j.result]
-    return sorted(docs, key=lambda d: d["seed"])
-
-
-def noise_only_mde(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The smallest mean per-scenario score difference the suite detects (paired, alpha 0.05,
-    power 0.8, ``quality.stats.minimum_detectable_effect``) between two arms of ``len(runs)`` runs
-    each when the only noise is the sampling: sd(d) = sqrt(2 * mean_i var_i / K), var_i the
-    variance of scenario i's score over these K runs. A real effect that differs between scenarios
-    adds variance, so this is the floor of what can be detected."""
-    import numpy as np
-
-    from fp4forge.quality.stats import minimum_detectable_effect, smallest_significant_discordance
-
-    if len(runs) < 2:
-        return None
-    ids = [s["id"] for s in runs[0]["scenarios"]]
-    by_id = [{s["id"]: s for s in run["scenarios"]} for run in runs]
-    scores = np.array([[run[i]["earned"] / max(1, run[i]["max"]) for i in ids] for run in by_id])
-    sd = math.sqrt(2 * float(scores.var(axis=0, ddof=1).mean()) / len(runs))
-    mde = minimum_detectable_effect(len(ids), sd) if sd > 0 else None  # no run moved: the draws show no noise to scale
-    return {"runs_per_arm": len(runs), "scenarios": len(ids), "sd_diff": sd, "mean_fraction": mde,
-            "points_of_max": None if mde is None else mde * runs[0]["max"], "max_points": runs[0]["max"],
-            "smallest_significant_discordance": smallest_significant_discordance()}
-
-
-def _compare(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]]) -> dict[str, Any] | None:
-    from fp4forge.lab.diagnostics.offline_suite import compare_runs
-
-    return compare_runs(runs_a, runs_b) if runs_a and runs_b else None
-
-
-def _arm_row(name: str, runs: list[dict[str, Any]], against: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-    return {"arm": name, **extra, "runs": len(runs), "points_per_run": [r["earned"] for r in runs], "max_points": runs[0]["max"] if runs else None,
-            "cut_at_max_tokens": [r["cut_at_max_tokens"] for r in runs], "vs_bf16": _compare(against, runs) if name != BF16 else None}
-
-
-def summarise(jobs: list[Job], plan: Plan, out: Path) -> dict[str, Any]:
-    by_name = {j.name: j for j in jobs}
-    bf16 = arm_runs(jobs, out, SHIPPED, BF16)
-    resolution = [_arm_row(BF16, bf16, bf16, {"bpp": 16.0})]
-    for arm in ARMS:
-        student = (by_name[f"student:{SHIPPED}:{arm}"].result if f"student:{SHIPPED}:{arm}" in by_name else None) or {}
-        resolution.append(_arm_row(arm, arm_runs(jobs, out, SHIPPED, arm), bf16, {"bpp": student.get("bpp"), "numerics": student.get("numerics")}))
-    curve = []
-    for steps, width, seed in plan.curve:
-        build = build_name(steps, width, seed)
-        trained = by_name[f"train:{build}"].result if f"train:{build}" in by_name else None
-        if trained is None:
-            continue
-        base, quantized = arm_runs(jobs, out, build, BF16), arm_runs(jobs, out, build, CURVE_ARM)
-        curve.append({"build": build, **{k: v for k, v in trained.items() if k != "path"},
-                      "bf16": _arm_row(BF16, base, base, {}), CURVE_ARM: _arm_row(CURVE_ARM, quantized, base, {})})
-    return {"resolution": resolution, "aa": _compare(bf16[0::2], bf16[1::2]) if len(bf16) >= 2 else None,
-            "mde": noise_only_mde(bf16), "curve": curve}
-
-
-# -- the report ------------------------------------------------------------------------------------
-def _fmt_p(comparison: dict[str, Any] | None) -> str:
-    return "" if comparison is None else f"{comparison['sign_test']['p']:.2g}"
-
-
-def _discordant(comparison: dict[str, Any] | None) -> str:
-    """Scenarios favouring BF16 / favouring the arm (A is BF16 in every comparison)."""
-    return "" if comparison is None else f"{comparison['sign_test']['favours_a']} / {comparison['sign_test']['favours_b']}"
-
-
-def _points(row: dict[str, Any]) -> str:
-    return ", ".join(map(str, row["points_per_run"])) or "not run"
-
-
-def _verdict(comparison: dict[str, Any] | None) -> str:
-    return "" if comparison is None else comparison["verdict"]["label"]
-
-
-def resolution_markdown(doc: dict[str, Any]) -> list[str]:
-    from fp4forge.report.markdown import table
-
-    rows = [[f"`{r['arm']}`", f"{r['bpp']:.2f}" if r.get("bpp") else "", str(r["runs"]), _points(r), _discordant(r["vs_bf16"]), _fmt_p(r["vs_bf16"]),
-             _verdict(r["vs_bf16"])] for r in doc["resolution"]]
-    lines = table(["arm", "bits/param", "runs", "points per run", "discordant: BF16 / arm better", "sign p", "verdict"], rows)
-    aa, mde = doc["aa"], doc["mde"]
-    if aa is not None:
-        lines += ["", f"A/A (BF16's even against odd runs): {_discordant(aa)} discordant, sign p = {_fmt_p(aa)}, verdict: {_verdict(aa)}."]
-    if mde is not None:
-        least = f"the sign test needs at least {mde['smallest_significant_discordance']} discordant scenarios, all one way"
-        lines += ["", f"Smallest effect detected with {mde['runs_per_arm']} runs per arm on {mde['scenarios']} scenarios (paired, alpha 0.05, "
-                      f"power 0.8, sampling noise only): " + (f"a mean per-scenario score difference of {mde['mean_fraction']:.3f}, "
-                      f"about {mde['points_of_max']:.1f} of {mde['max_points']} points; {least}." if mde["mean_fraction"] is not None else
-                      f"not estimable, no scenario's score moved between runs; {least}.")]
-    return lines
-
-
-def curve_markdown(doc: dict[str, Any]) -> list[str]:
-    from fp4forge.report.markdown import table
-
-    rows = []
-    for point in doc["curve"]:
-        quantized = point[CURVE_ARM]
-        rows.append([point["build"], f"{point['parameters'] / 1e6:.1f} M", str(point["steps"]), str(point["width"]), str(point["seed"]),
-                     f"{point['heldout_perplexity']:.3f}", f"{point['expert_kurtosis_median']:.2f} / {point['expert_kurtosis_max']:.2f}",
-                     _points(point["bf16"]), _points(quantized), _discordant(quantized["vs_bf16"]), _fmt_p(quantized["vs_bf16"]),
-                     _verdict(quantized["vs_bf16"])])
-    return table(["build", "params", "steps", "width", "seed", "held-out ppl", "expert kurtosis med / max", "BF16 points",
-                  f"`{CURVE_ARM}` points", "discordant", "sign p", "verdict"], rows)
-
-
-def write_report(out: Path, doc: dict[str, Any]) -> None:
-    meta = doc["meta"]
-    lines = [f"# Suite resolution ({meta['device']}, {meta['wall_seconds'] / 60:.1f} min)", "",
-             f"Testbed: {meta['testbed']['name']} v{meta['testbed']['version']} (sha256 `{meta['testbed']['sha256'][:16]}…`). "
-             f"Offline play, temperature {meta['plan']['temperature']}, {meta['plan']['max_new_tokens']} new tokens a turn, "
-             f"{'all' if meta['plan']['limit'] is None else meta['plan']['limit']} scenarios; run k of every arm uses seed k.", "",
-             "## Resolution: BF16 against each arm", "", *resolution_markdown(doc), "",
-             f"## Separation of `{CURVE_ARM}` from BF16 by training length and width", "", *curve_markdown(doc)]
-    if meta["not_run"]:
-        lines += ["", "## Not run", "", *(f"- {note}" for note in meta["not_run"])]
-    (out / "resolution.md").write_text("\n".join(lines) + "\n")
-    (out / "resolution.json").write_text(json.dumps(doc, indent=1) + "\n")
+# -- the outputs -----------------------------------------------------------------------------------
+def pack_plays(plays: Path, tar_path: Path) -> None:
+    """Every play record under ``plays`` into ``tar_path`` (replaced whole, never half-written)."""
+    partial = tar_path.with_name(tar_path.name + ".partial")
+    with tarfile.open(partial, "w:gz", compresslevel=6) as tar:
+        for record in sorted(plays.rglob("*.json")) if plays.is_dir() else ():
+            tar.add(record, arcname=record.relative_to(plays).as_posix())
+    partial.replace(tar_path)
 
 
 def save_jobs(out: Path, jobs: list[Job], meta: dict[str, Any]) -> None:
-    """Every job's state so far, so a run stopped from outside still leaves a report (``--report-only``)."""
+    """Every job's state so far, so a run stopped from outside still leaves its report (``--report-only``)."""
     doc = {"meta": meta, "jobs": [{"name": j.name, "result": j.result, "error": j.error, "seconds": j.seconds} for j in jobs]}
-    tmp = out / (JOBS_FILE + ".partial")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(out / JOBS_FILE)
+    partial = out / (JOBS_FILE + ".partial")
+    partial.write_text(json.dumps(doc, indent=1) + "\n")
+    partial.replace(out / JOBS_FILE)
 
 
-def report(out: Path, notes: list[str] | None = None) -> str:
-    """resolution.json and resolution.md from ``OUT/jobs.json`` and the plays' records."""
-    saved = json.loads((out / JOBS_FILE).read_text())
-    meta, plan = saved["meta"], Plan(**{**saved["meta"]["plan"], "curve": tuple(map(tuple, saved["meta"]["plan"]["curve"]))})
-    jobs = [Job(j["name"], play_job, lambda done: (), result=j["result"], error=j["error"], seconds=j["seconds"]) for j in saved["jobs"]]
-    if notes is None:  # a run that was stopped: what had not finished
-        notes = [f"{j.name}: did not finish before the run ended" for j in jobs if j.result is None and j.error is None]
-        notes += [f"{j.name}: {j.error.splitlines()[0]}" for j in jobs if j.error]
-    doc = {**summarise(jobs, plan, out), "meta": {**meta, "not_run": notes, "jobs": {j.name: {"seconds": j.seconds, "error": j.error} for j in jobs}}}
-    write_report(out, doc)
-    return (out / "resolution.md").read_text()
-
-
-def run(out: Path, work: Path, plan: Plan, device: str) -> str:
+def run(out: Path, plan: Plan, device: str, work_root: Path | None = None, keep_work: bool = False) -> dict[str, Any]:
+    """Run ``plan``; OUT holds jobs.json, plays.tar.gz, resolution.json and resolution.md (also when
+    the deadline stopped jobs). Students and builds go to a fresh folder, removed unless ``keep_work``."""
     import torch
 
     from fp4forge.testbed.shipped import shipped_testbed
@@ -457,40 +415,79 @@ def run(out: Path, work: Path, plan: Plan, device: str) -> str:
     # The workers share the host's cores (set before they start: torch reads it on import).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.workers)))
     testbed = shipped_testbed()
+    work = Path(tempfile.mkdtemp(prefix="suite-resolution-", dir=work_root))
     started = time.monotonic()
     meta = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({os.cpu_count()} cores)", "plan": asdict(plan),
             "testbed": testbed.identity(), "torch": torch.__version__, "wall_seconds": 0.0}
-    jobs = plan_jobs(str(work), str(out), str(testbed.path), plan, device)
+    jobs = plan_jobs(str(work), str(testbed.path), plan, device)
+    packed = [0.0]
 
-    def saved() -> None:
+    def saved(force: bool = False) -> None:
         meta["wall_seconds"] = time.monotonic() - started
+        if force or time.monotonic() - packed[0] > 15:  # the archive is rewritten whole: not after every play
+            pack_plays(work / "plays", out / PLAYS_TAR)
+            packed[0] = time.monotonic()
         save_jobs(out, jobs, meta)
 
-    notes = run_jobs(jobs, plan.workers, plan.budget_minutes * 60, lambda line: print(f"[{time.monotonic() - started:6.0f}s] {line}", flush=True), saved)
-    saved()
-    return report(out, notes)
+    try:
+        log = lambda line: print(f"[{time.monotonic() - started:6.0f}s] {line}", flush=True)  # noqa: E731
+        notes = run_jobs(jobs, plan.workers, plan.budget_minutes * 60, log, saved, plan.deadline_minutes * 60)
+        saved(force=True)
+        for note in notes:
+            log(f"not run: {note}")
+        return write_report(out, [out])
+    finally:
+        if not keep_work:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=PARTS, help="resolution: the shipped testbed against every arm; curve: the size curve")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "suite-resolution")), help="results (default: $OUT)")
-    parser.add_argument("--work", type=Path, default=None, help="students and builds (default: OUT/../suite-resolution-work)")
+    parser.add_argument("--work-root", type=Path, default=None, help="where the fresh folder of students and builds goes (default: the temp dir)")
+    parser.add_argument("--keep-work", action="store_true", help="keep the students and builds")
     parser.add_argument("--device", default=None, help="cuda (default when one is present) or cpu")
     parser.add_argument("--toy", action="store_true", help="a few scenarios, tiny builds: the whole path in minutes on a CPU")
-    parser.add_argument("--budget-minutes", type=float, default=None, help="no job starts after this (default: 8 on a GPU)")
+    parser.add_argument("--runs", type=int, default=None, help="runs per arm (the part's plan by default)")
+    parser.add_argument("--first-seed", type=int, default=None, help="the first run's seed (more runs of a part played before)")
+    parser.add_argument("--curve", default=None, help="curve builds as STEPSxWIDTH@SEED,... (e.g. 500x1@0,2000x2@1)")
+    parser.add_argument("--budget-minutes", type=float, default=None, help="no job starts that is expected to end later")
+    parser.add_argument("--deadline-minutes", type=float, default=None, help="jobs still running then are stopped")
     parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--report-only", action="store_true", help="rewrite the report from OUT/jobs.json (e.g. of a run stopped from outside)")
+    parser.add_argument("--report-only", action="store_true", help="the tables from output folders (--from) into --out")
+    parser.add_argument("--from", dest="sources", type=Path, nargs="+", default=None, help="with --report-only: the output folders to read")
+    parser.add_argument("--json", action="store_true", help="print resolution.json instead of the Markdown report")
     args = parser.parse_args(argv)
-    if args.report_only:
-        print(report(args.out))
-        return 0
+    try:
+        if args.report_only:
+            doc = write_report(args.out, args.sources or [args.out])
+        else:
+            if args.part is None:
+                parser.error("--part is required (resolution or curve) unless --report-only")
+            doc = run(args.out, _plan(args), _device(args.device), args.work_root, args.keep_work)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(doc, indent=1) if args.json else (args.out / "resolution.md").read_text())
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    plan = (TOY_PLANS if args.toy else GPU_PLANS)[args.part]
+    count = "runs" if args.part == "resolution" else "curve_runs"
+    overrides = {count: args.runs, "first_seed": args.first_seed, "curve": None if args.curve is None else parse_curve(args.curve),
+                 "budget_minutes": args.budget_minutes, "deadline_minutes": args.deadline_minutes, "workers": args.workers}
+    plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    if plan.runs < 0 or plan.curve_runs < 0 or plan.first_seed < 0 or plan.workers < 1:
+        raise ConfigError("runs and --first-seed must be at least 0, --workers at least 1")
+    return plan
+
+
+def _device(requested: str | None) -> str:
     import torch
 
-    plan = TOY_PLAN if args.toy else GPU_PLAN
-    plan = replace(plan, **{k: v for k, v in (("budget_minutes", args.budget_minutes), ("workers", args.workers)) if v is not None})
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    print(run(args.out, args.work or args.out.resolve().parent / "suite-resolution-work", plan, device))
-    return 0
+    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":
