@@ -477,7 +477,7 @@ def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *
     if (path or ("threads" if where.type == "cpu" else "device")) == "threads":
         rows = _rows_on_threads(ckpt, hinted, size, workers, stop)
     else:
-        on_device = _rows_on_device(ckpt, hinted, size, where, workers, max(2, READ_AHEAD_BYTES // piece_bytes), stop)
+        on_device = _rows_on_device(ckpt, hinted, size, where, workers, max(2, min(READ_AHEAD_BYTES // piece_bytes, 4 * workers)), stop)
         rows = torch.stack(on_device).cpu().tolist() if on_device else []  # one transfer from the device
     return combine(units, rows)
 
