@@ -257,3 +257,20 @@ def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:
             block = deep_scan.reduce_piece(deep_scan.Unit("block_scale", ("s",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
             fp8 = deep_scan.reduce_piece(deep_scan.Unit("e4m3", ("w",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
             assert block[:2] == [nan, negative] and fp8[:3] == [nan, float(bool((codes & 0x7F).any())), top], shortcuts
+
+
+@pytest.mark.parametrize("piece_bytes", [deep_scan.PIECE_BYTES, 999, 17])
+def test_a_piece_with_its_alignment_fits_the_piece_size(piece_bytes) -> None:
+    """Codes and block scales of one piece, the scales 8-aligned after the codes, take at most
+    ``piece_bytes`` (pinned host buffers are allocated in powers of two: 16 MiB + 8 would take
+    32 MiB); a piece too small for one block still holds one."""
+    from types import SimpleNamespace
+
+    from fp4forge.checkpoint.safetensors_format import TensorInfo
+
+    ckpt = SimpleNamespace(headers={"s": SimpleNamespace(data_start=8)})
+    rows = 3 * 7001  # blocks that no piece size divides
+    codes, scales = TensorInfo("w", "U8", (rows, 8), 0, rows * 8), TensorInfo("s", "F8_E4M3", (rows, 1), rows * 8, rows * 9)
+    unit = deep_scan._pair(ckpt, ("s", codes), ("s", scales), piece_bytes)
+    assert sum(p[0].length for p in unit.pieces) == codes.nbytes and sum(p[1].length for p in unit.pieces) == scales.nbytes
+    assert deep_scan._buffer_bytes([unit]) <= max(piece_bytes, 16)

@@ -115,7 +115,7 @@ def _pair(ckpt: Checkpoint, packed: tuple[str, TensorInfo], block: tuple[str, Te
     code_start = ckpt.headers[shard].data_start + codes.begin
     scale_start = ckpt.headers[scale_shard].data_start + scales.begin
     per_block = codes.nbytes // max(scales.nbytes, 1)
-    blocks = max(piece_bytes // (per_block + 1), 1)
+    blocks = max((piece_bytes - 8) // (per_block + 1), 1)  # with the scales' 8-alignment: within piece_bytes
     pieces = tuple(
         (Part(shard, code_start + at * per_block, min(blocks, scales.nbytes - at) * per_block), Part(scale_shard, scale_start + at, min(blocks, scales.nbytes - at)))
         for at in range(0, scales.nbytes, blocks)
