@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 PIECE_BYTES = 16 << 20
 #: The most bytes read ahead of the reductions on the device path (its ring of host buffers).
 READ_AHEAD_BYTES = 256 << 20
-#: How far ahead of the reductions the page cache is asked to fill (a hint: page cache, not the
-#: process's memory), and how much the disk reads while torch is imported.
-READ_AHEAD_HINT_BYTES = 1 << 30
+#: How far ahead of the reductions the page cache is asked to fill, and so how much the disk
+#: reads while torch is imported: 4 GiB, at most an eighth of the memory (page cache, not the
+#: process's memory: a hint that outran the memory would evict what it read before its use).
+READ_AHEAD_HINT_BYTES = min(4 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8 if hasattr(os, "sysconf") else 1 << 30)
 #: What each piece reduces to, a row (count, count, maximum, maximum), whose meaning is the kernel's:
 #: float (non-finite values, pieces with a nonzero value, -, -); e4m3 (NaN codes, pieces with a
 #: nonzero code, largest non-NaN magnitude byte, -); codes (-, pieces with a nonzero code, -, -);
