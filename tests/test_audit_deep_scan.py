@@ -240,6 +240,7 @@ def test_nvfp4_products_by_search_equal_every_block(seed) -> None:
     expected = [float(top.any()), float(np.nanmax(products)) if not np.isnan(products).all() else -math.inf]
     for search in (True, False):
         assert Nvfp4Codec("nvfp4").peek_piece(_bytes(packed), _bytes(scales), search=search).tolist() == expected, search
+        assert Nvfp4Codec("nvfp4").peek_piece(_bytes(packed[:0]), _bytes(scales[:0]), search=search).tolist() == [0.0, -math.inf]
 
 
 def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:

@@ -136,10 +136,11 @@ def _largest_product_by_search(packed: Tensor, block_scale: Tensor) -> Tensor:
     from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, e4m3_to_f32
 
     codes = block_scale & 0x7F  # |x| of E4M3 is its low seven bits
-    if int(codes.amax()) == FP8_E4M3_NAN_BITS:  # NaN scales are skipped: as code 0, never a rival
-        if bool((codes == FP8_E4M3_NAN_BITS).all()):
-            return torch.tensor(-math.inf, device=packed.device)
-        codes = codes.masked_fill(codes == FP8_E4M3_NAN_BITS, 0)
+    if codes.numel() and int(codes.amax()) == FP8_E4M3_NAN_BITS:  # NaN scales are skipped: as code 0, never a rival
+        valid = codes != FP8_E4M3_NAN_BITS
+        codes = codes.masked_fill(~valid, 0) if bool(valid.any()) else codes[:0]
+    if not codes.numel():  # no scale, or every one NaN
+        return torch.tensor(-math.inf, device=packed.device)
     blocks = packed.view(-1, NVFP4_BLOCK // 2)
     first = codes.argmax().reshape(1)
     best = _products(blocks.index_select(0, first).reshape(-1), e4m3_to_f32(codes.index_select(0, first))).amax()
