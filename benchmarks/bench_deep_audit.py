@@ -27,6 +27,7 @@ Results go to ``$OUT/bench_deep_audit.json`` (``--out``; default ``$OUT`` or ben
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -88,7 +89,8 @@ def run_step(name: str, argv: list[str], keep_samples: bool = False) -> dict:
         raise SystemExit(f"{name} failed ({run.returncode}): {run.stderr.decode(errors='replace')[-2000:]}")
     print(f"  {name}: {run.wall_s:.2f} s ({run.cpu_s:.2f} CPU-s), peak RSS {run.peak_rss_mib:,.0f} MiB (anon {run.peak_anon_mib:,.0f}, file {run.peak_file_mib:,.0f})", flush=True)
     kept = {"samples": run.samples} if keep_samples else {}
-    return {**kept, "wall_s": run.wall_s, "cpu_s": run.cpu_s, "returncode": run.returncode, "peak_rss_mib": run.peak_rss_mib, "peak_anon_mib": run.peak_anon_mib, "peak_file_mib": run.peak_file_mib}
+    return {**kept, "wall_s": run.wall_s, "cpu_s": run.cpu_s, "returncode": run.returncode, "peak_rss_mib": run.peak_rss_mib, "peak_anon_mib": run.peak_anon_mib, "peak_file_mib": run.peak_file_mib,
+            "stdout_sha256": hashlib.sha256(run.stdout).hexdigest()}
 
 
 def source_dir(args: argparse.Namespace) -> Path:
@@ -214,6 +216,8 @@ def summary(doc: dict) -> dict:
         "deep_warm_vs_warm_read": {d: rate[f"deep_warm_{d}"] / rate["warm_read"] for d in devices},
         "export_s_over_deep_cold_s": {d: median["export"] / median[f"deep_cold_{d}"] for d in devices},
         "peak_rss_mib": {step: max(r.get("peak_rss_mib", 0) for r in runs) for step, runs in doc["runs"].items() if "peak_rss_mib" in runs[0]},
+        # every deep audit (each device, cold and warm) printed the same JSON document
+        "deep_findings_identical": len({r["stdout_sha256"] for step, runs in doc["runs"].items() if step.startswith("deep_") for r in runs}) == 1,
     }
 
 
@@ -236,6 +240,7 @@ def print_summary(doc: dict, s: dict) -> None:
     for step, seconds in s["median_s"].items():
         rss, cpu = s["peak_rss_mib"].get(step), s["median_cpu_s"].get(step)
         print(f"{step:<22}{seconds:>9.2f}{s['gb_per_s_of_checkpoint'][step]:>8.3f}{'' if cpu is None else f'{cpu:>8.2f}'}{'' if rss is None else f'{rss:>14,.0f}'}")
+    print(f"deep audit findings identical across devices and runs: {s['deep_findings_identical']}")
     for where, ratio in s["deep_cold_vs_cold_read"].items():
         print(f"--device {where}: deep audit / read rate, cold {ratio:.2f}, warm {s['deep_warm_vs_warm_read'][where]:.2f}; "
               f"export time / deep audit time (cold) {s['export_s_over_deep_cold_s'][where]:.2f} (>= 1: not slower than the export)")

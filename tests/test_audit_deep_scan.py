@@ -105,14 +105,60 @@ def _scan_with(monkeypatch, **how) -> None:
     monkeypatch.setattr(checks_declarations, "deep_values", values)
 
 
-@pytest.mark.parametrize("how", [dict(path="device"), dict(path="device", piece_bytes=1000), dict(path="threads", piece_bytes=1000, threads=3)])
+@pytest.mark.parametrize("how", [dict(path="device"), dict(path="device", piece_bytes=1000, threads=2), dict(path="threads", piece_bytes=1000, threads=3)])
 def test_device_and_thread_paths_give_the_same_findings(how, cases, monkeypatch) -> None:
-    """The device path (what a GPU runs, here on the CPU device) and odd piece sizes (tensors cut
-    mid-row into many pieces) against the CPU's default thread path."""
-    expected = {name: _doc(path) for name, path in cases.items()}
+    """The device path (what a GPU runs: its ring of reused buffers, here on the CPU device) and
+    odd piece sizes (tensors cut mid-row into many pieces, buffers reused across tensors) against
+    the checks the scan replaced, tensor by tensor."""
+    with monkeypatch.context() as old:
+        use_reference(old)
+        expected = {name: _doc(path) for name, path in cases.items()}
     _scan_with(monkeypatch, **how)
     for name, path in cases.items():
         assert _doc(path) == expected[name], (name, how)
+
+
+def test_a_check_that_raises_stops_the_background_scan(cases, monkeypatch) -> None:
+    """The scan runs beside the header checks: when one raises, the audit raises that error
+    (exit 2, as before) and leaves no scan thread reading the closed checkpoint."""
+    import threading
+
+    from fp4forge.audit import checks_server_files
+    from fp4forge.errors import CheckpointError
+
+    def broken(ctx):
+        raise CheckpointError("planted")
+
+    monkeypatch.setattr(checks_server_files, "run", broken)
+    with pytest.raises(CheckpointError, match="planted"):
+        _doc(cases["nvfp4-experts-compressed-tensors"])
+    assert not [t for t in threading.enumerate() if t.name.startswith("deep-audit")]
+
+
+def test_read_ahead_hints_every_byte_once_in_order() -> None:
+    """The page-cache hints: each planned byte once, adjacent parts as one range, never more
+    than ``ahead`` bytes beyond the pieces taken."""
+
+    class Recording:
+        def __init__(self):
+            self.hints: list[tuple[str, int, int]] = []
+
+        def will_need(self, shard, start, length):
+            self.hints.append((shard, start, length))
+
+    class Ckpt:
+        source = Recording()
+
+    part = deep_scan.Part
+    jobs = [(None, (part("a", 0, 100),)), (None, (part("a", 100, 50), part("b", 0, 10))), (None, (part("a", 400, 100),)), (None, (part("b", 10, 30),))]
+    ahead = deep_scan._ReadAhead(Ckpt(), jobs, 120)
+    ahead.hint()
+    assert Ckpt.source.hints == [("a", 0, 150)]  # 150 >= 120: the second part completes the range
+    ahead.take(jobs[0])
+    assert Ckpt.source.hints[1:] == [("b", 0, 10), ("a", 400, 100)]
+    for job in jobs[1:]:
+        ahead.take(job)
+    assert Ckpt.source.hints[3:] == [("b", 10, 30)]
 
 
 @pytest.mark.parametrize("value", [0.0, -0.0, -1.0, math.nan, math.inf, -math.inf, 1e-45])
@@ -165,7 +211,7 @@ def test_float_rows_count_what_numpy_counts(dtype, np_dtype, count) -> None:
     assert deep_scan.reduce_piece(unit, [_bytes(zeros)]).tolist()[:2] == [0, 0]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_nvfp4_products_by_search_equal_every_block(seed) -> None:
     """The search and the branch-free reduction against numpy over E4M3 / E2M1 tables by hand."""
     import numpy as np
@@ -181,12 +227,20 @@ def test_nvfp4_products_by_search_equal_every_block(seed) -> None:
         scales[:] = 0x7F  # every scale NaN: -inf
     if seed == 4:
         packed[:] &= 0x88  # every code zero (signs only)
+    if seed == 6:
+        scales[:] = rng.choice([0x00, 0x80, 0x7F, 0xFF], blocks)  # zero scales among NaN ones
+        scales[0] = 0x00
+    if seed == 7:
+        scales[:] = 0x40
+        scales[1::2] = 0x3F  # many rivals below the largest scale, whose block holds a small code
+        packed[:8] = 0x11
     magnitudes = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     top = np.maximum(magnitudes[packed & 7], magnitudes[packed >> 4 & 7]).reshape(-1, 8).max(axis=1)
     products = top * np.abs(fp8_e4m3_table()[scales])
     expected = [float(top.any()), float(np.nanmax(products)) if not np.isnan(products).all() else -math.inf]
     for search in (True, False):
         assert Nvfp4Codec("nvfp4").peek_piece(_bytes(packed), _bytes(scales), search=search).tolist() == expected, search
+        assert Nvfp4Codec("nvfp4").peek_piece(_bytes(packed[:0]), _bytes(scales[:0]), search=search).tolist() == [0.0, -math.inf]
 
 
 def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:
@@ -204,3 +258,20 @@ def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:
             block = deep_scan.reduce_piece(deep_scan.Unit("block_scale", ("s",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
             fp8 = deep_scan.reduce_piece(deep_scan.Unit("e4m3", ("w",), "F8_E4M3", ()), [_bytes(codes)], shortcuts=shortcuts).tolist()
             assert block[:2] == [nan, negative] and fp8[:3] == [nan, float(bool((codes & 0x7F).any())), top], shortcuts
+
+
+@pytest.mark.parametrize("piece_bytes", [deep_scan.PIECE_BYTES, 999, 17])
+def test_a_piece_with_its_alignment_fits_the_piece_size(piece_bytes) -> None:
+    """Codes and block scales of one piece, the scales 8-aligned after the codes, take at most
+    ``piece_bytes`` (pinned host buffers are allocated in powers of two: 16 MiB + 8 would take
+    32 MiB); a piece too small for one block still holds one."""
+    from types import SimpleNamespace
+
+    from fp4forge.checkpoint.safetensors_format import TensorInfo
+
+    ckpt = SimpleNamespace(headers={"s": SimpleNamespace(data_start=8)})
+    rows = 3 * 7001  # blocks that no piece size divides
+    codes, scales = TensorInfo("w", "U8", (rows, 8), 0, rows * 8), TensorInfo("s", "F8_E4M3", (rows, 1), rows * 8, rows * 9)
+    unit = deep_scan._pair(ckpt, ("s", codes), ("s", scales), piece_bytes)
+    assert sum(p[0].length for p in unit.pieces) == codes.nbytes and sum(p[1].length for p in unit.pieces) == scales.nbytes
+    assert deep_scan._buffer_bytes([unit]) <= max(piece_bytes, 16)

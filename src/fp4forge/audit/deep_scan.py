@@ -3,22 +3,27 @@
 The deep checks (NaN/Inf and all-zero weights, NaN or negative FP8 block scales, the NVFP4 and
 FP8 scale magnitude) need a few numbers per tensor, not its values. :func:`plan_units` says
 which tensors to read (a Linear's NVFP4 codes together with their block scales, block by block)
-in pieces of at most ``PIECE_BYTES``; the pieces are read once, in shard order, with a bounded
-read-ahead; each piece is reduced by torch operations over the whole piece to four numbers
-(:data:`EMPTY_ROW` says how): two counts that add across pieces and two maxima. Where compute runs is
-``device`` (``model/device.py``): a GPU gets the bytes copied over and keeps every row there
-until one transfer at the end (:func:`_rows_on_device`); the CPU reduces pieces on one thread
-per core (:func:`_rows_on_threads`). Neither the device, the piece size nor the thread count
-changes a number the checks see (``tests/test_audit_deep_scan.py``).
+in pieces of at most ``PIECE_BYTES``; the pieces are read once, in shard order, into buffers
+reused piece after piece (no allocation, no page faults per piece), while the page cache is asked
+to fill ahead of them (:class:`_ReadAhead`); each piece is reduced by torch operations over the
+whole piece to four numbers (:data:`EMPTY_ROW` says how): two counts that add across pieces and
+two maxima. Where compute runs is ``device`` (``model/device.py``): a GPU gets the bytes from a
+ring of pinned buffers by non-blocking copies and keeps every row there until one transfer at
+the end (:func:`_rows_on_device`); the CPU reads and reduces pieces on one thread per core, each
+into its own buffer (:func:`_rows_on_threads`). An audit starts the scan on a background thread
+(:func:`start`) so that it overlaps the checks that read only headers. Neither the device, the
+piece size nor the thread count changes a number the checks see (``tests/test_audit_deep_scan.py``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +40,12 @@ if TYPE_CHECKING:
 
 #: The most bytes of one tensor reduced at once (a larger tensor is read in several pieces).
 PIECE_BYTES = 16 << 20
-#: The most bytes read ahead of the reductions (what the scan holds beyond the tensors' rows).
+#: The most bytes read ahead of the reductions on the device path (its ring of host buffers).
 READ_AHEAD_BYTES = 256 << 20
+#: How far ahead of the reductions the page cache is asked to fill, and so how much the disk
+#: reads while torch is imported: 4 GiB, at most an eighth of the memory (page cache, not the
+#: process's memory: a hint that outran the memory would evict what it read before its use).
+READ_AHEAD_HINT_BYTES = min(4 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8 if hasattr(os, "sysconf") else 1 << 30)
 #: What each piece reduces to, a row (count, count, maximum, maximum), whose meaning is the kernel's:
 #: float (non-finite values, pieces with a nonzero value, -, -); e4m3 (NaN codes, pieces with a
 #: nonzero code, largest non-NaN magnitude byte, -); codes (-, pieces with a nonzero code, -, -);
@@ -107,7 +116,7 @@ def _pair(ckpt: Checkpoint, packed: tuple[str, TensorInfo], block: tuple[str, Te
     code_start = ckpt.headers[shard].data_start + codes.begin
     scale_start = ckpt.headers[scale_shard].data_start + scales.begin
     per_block = codes.nbytes // max(scales.nbytes, 1)
-    blocks = max(piece_bytes // (per_block + 1), 1)
+    blocks = max((piece_bytes - 8) // (per_block + 1), 1)  # with the scales' 8-alignment: within piece_bytes
     pieces = tuple(
         (Part(shard, code_start + at * per_block, min(blocks, scales.nbytes - at) * per_block), Part(scale_shard, scale_start + at, min(blocks, scales.nbytes - at)))
         for at in range(0, scales.nbytes, blocks)
@@ -153,6 +162,8 @@ def _row(*values: Any) -> torch.Tensor:
 
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
     full = list(values) + list(EMPTY_ROW[len(values):])
+    if device is None or device.type == "cpu":  # the numbers are here already: one small tensor
+        return torch.tensor([float(v) for v in full], dtype=torch.float64)
     # constants are filled on the device (a kernel, no copy from the host to wait for)
     return torch.stack([v.double() if isinstance(v, torch.Tensor) else torch.full((), float(v), dtype=torch.float64, device=device) for v in full])
 
@@ -237,34 +248,51 @@ def reduce_piece(unit: Unit, data: list[torch.Tensor], *, shortcuts: bool = True
 
 
 # -- reading and reducing ---------------------------------------------------------------------------
-def _read(ckpt: Checkpoint, parts: tuple[Part, ...]) -> list[bytearray]:
-    """A piece's bytes, one writable buffer per part (straight from the page cache where the
-    source reads into a buffer)."""
-    out = []
+def _aligned(length: int) -> int:
+    return -(-length // 8) * 8  # each part starts 8-aligned in its buffer (the int64 lanes' fast path)
+
+
+def _buffer_bytes(units: list[Unit]) -> int:
+    """The most bytes one piece needs in a buffer, its parts placed 8-aligned one after another."""
+    return max((sum(_aligned(p.length) for p in piece) for unit in units for piece in unit.pieces), default=8) or 8
+
+
+def _read_piece(ckpt: Checkpoint, parts: tuple[Part, ...], buffer: torch.Tensor) -> list[torch.Tensor]:
+    """A piece's bytes read into ``buffer`` (flat uint8, reused piece after piece: no allocation,
+    no page faults), one view per part; straight from the page cache where the source reads into
+    a buffer. The views are valid until the buffer's next piece."""
+    out, at = [], 0
     for part in parts:
-        buffer = bytearray(part.length)
-        read_into = getattr(ckpt.source, "read_into", None)
-        if read_into is not None:
-            read_into(part.shard, part.start, memoryview(buffer))
-        else:
-            got = ckpt.source.read(part.shard, part.start, part.length)
-            if len(got) != part.length:
-                raise CheckpointError(f"file ends {part.length - len(got):,} bytes early", file=part.shard)
-            buffer[:] = got
-        out.append(buffer)
+        view = buffer[at : at + part.length]
+        at += _aligned(part.length)
+        if part.length:
+            _read_part(ckpt, part, memoryview(view.numpy()))
+        out.append(view)
     return out
 
 
-def _bytes_tensor(buffer: bytearray) -> torch.Tensor:
-    import torch
+def _read_part(ckpt: Checkpoint, part: Part, out: memoryview) -> None:
+    read_into = getattr(ckpt.source, "read_into", None)
+    if read_into is not None:
+        read_into(part.shard, part.start, out)
+        return
+    got = ckpt.source.read(part.shard, part.start, part.length)
+    if len(got) != part.length:
+        raise CheckpointError(f"file ends {part.length - len(got):,} bytes early", file=part.shard)
+    out[:] = got
 
-    return torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+
+class ScanStopped(Exception):
+    """The audit ended before its background scan (a check raised): nothing more is read."""
 
 
-def _in_order(pool: ThreadPoolExecutor, work: Callable[[Any], Any], jobs: Iterable[Any], window: int) -> Iterator[Any]:
-    """``work(job)`` for every job on the pool, results in job order, at most ``window`` ahead."""
+def _in_order(pool: ThreadPoolExecutor, work: Callable[[Any], Any], jobs: Iterable[Any], window: int, stop: threading.Event | None = None) -> Iterator[Any]:
+    """``work(job)`` for every job on the pool, results in job order, at most ``window`` ahead;
+    no job is started once ``stop`` is set."""
     pending: deque = deque()
     for job in jobs:
+        if stop is not None and stop.is_set():
+            raise ScanStopped
         pending.append(pool.submit(work, job))
         if len(pending) >= window:
             yield pending.popleft().result()
@@ -272,39 +300,108 @@ def _in_order(pool: ThreadPoolExecutor, work: Callable[[Any], Any], jobs: Iterab
         yield pending.popleft().result()
 
 
+class _ReadAhead:
+    """Hints the source (a local file's ``will_need``) to start reading the next ``ahead`` bytes
+    of the jobs' parts into the page cache, in order, as the jobs are taken: the disk reads while
+    torch is imported and while the pieces before are reduced. Adjacent parts are one hint."""
+
+    def __init__(self, ckpt: Checkpoint, jobs: list[tuple[Unit, tuple[Part, ...]]], ahead: int):
+        self.will_need = getattr(ckpt.source, "will_need", None)
+        self.parts = [part for _, piece in jobs for part in piece] if self.will_need else []
+        self.ahead, self.at, self.hinted, self.taken = ahead, 0, 0, 0
+
+    def take(self, job: tuple[Unit, tuple[Part, ...]]) -> tuple[Unit, tuple[Part, ...]]:
+        """``job`` (the next one), after hinting the parts up to ``ahead`` bytes beyond it."""
+        self.taken += sum(p.length for p in job[1])
+        self.hint()
+        return job
+
+    def hint(self) -> None:
+        run: Part | None = None
+        while self.at < len(self.parts) and self.hinted < self.taken + self.ahead:
+            part = self.parts[self.at]
+            if run is not None and (part.shard != run.shard or part.start != run.start + run.length):
+                self.will_need(run.shard, run.start, run.length)
+                run = None
+            run = part if run is None else Part(run.shard, run.start, run.length + part.length)
+            self.hinted += part.length
+            self.at += 1
+        if run is not None:
+            self.will_need(run.shard, run.start, run.length)
+
+
 def _jobs(units: list[Unit]) -> list[tuple[Unit, tuple[Part, ...]]]:
     return [(unit, piece) for unit in units for piece in unit.pieces]
 
 
-def _rows_on_threads(ckpt: Checkpoint, units: list[Unit], workers: int, piece_bytes: int) -> list[torch.Tensor]:
-    """The CPU path: every piece read and reduced on a pool thread (torch releases the GIL)."""
-
-    def work(job: tuple[Unit, tuple[Part, ...]]) -> torch.Tensor:
-        unit, parts = job
-        return reduce_piece(unit, [_bytes_tensor(b) for b in _read(ckpt, parts)], shortcuts=True)
-
+def _rows_on_threads(ckpt: Checkpoint, jobs: Iterable[tuple[Unit, tuple[Part, ...]]], size: int, workers: int, stop: threading.Event | None) -> list[list[float]]:
+    """The CPU path: every piece read and reduced on a pool thread (torch releases the GIL), into
+    that thread's own buffer of ``size`` bytes; a row leaves the thread as numbers, so the buffer
+    is free again."""
     import torch
 
-    window = max(2, min(2 * workers, READ_AHEAD_BYTES // piece_bytes))
+    local = threading.local()
+
+    def work(job: tuple[Unit, tuple[Part, ...]]) -> list[float]:
+        buffer = getattr(local, "buffer", None)
+        if buffer is None:
+            buffer = local.buffer = torch.empty(size, dtype=torch.uint8)
+        return reduce_piece(job[0], _read_piece(ckpt, job[1], buffer), shortcuts=True).tolist()
+
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)  # the pool is the parallelism; a shared intra-op pool would make each small op wait for all
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deep-audit") as pool:
-            return list(_in_order(pool, work, _jobs(units), window))
+            return list(_in_order(pool, work, jobs, 4 * workers, stop))  # rows are small: a deep queue is free
     finally:
         torch.set_num_threads(intra_op)
 
 
-def _rows_on_device(ckpt: Checkpoint, units: list[Unit], device: torch.device, workers: int, piece_bytes: int) -> list[torch.Tensor]:
-    """The device path: pool threads read ahead; this thread copies each piece to ``device`` and
-    reduces it there; the rows stay on the device (no synchronisation per tensor)."""
-    jobs = _jobs(units)
-    window = max(2, READ_AHEAD_BYTES // piece_bytes)
+class _Ring:
+    """Buffers the reader threads fill and the device path copies from: pinned host memory for a
+    GPU (the copy runs asynchronously, overlapped with the reading and the reductions), each
+    reused once the work queued after its copy has finished (a CUDA event), never sooner."""
+
+    def __init__(self, count: int, size: int, device: torch.device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(count):
+            self.free.put((torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda), None))
+
+    def take(self) -> torch.Tensor:
+        buffer, done = self.free.get()
+        if done is not None:
+            done.synchronize()
+        return buffer
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """After the copies (and reductions) reading ``buffer`` were queued on this thread's stream."""
+        import torch
+
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self.free.put((buffer, done))
+
+
+def _rows_on_device(ckpt: Checkpoint, jobs: Iterable[tuple[Unit, tuple[Part, ...]]], size: int, device: torch.device, workers: int, window: int, stop: threading.Event | None) -> list[torch.Tensor]:
+    """The device path: pool threads read ahead into the ring (``window`` buffers of ``size``
+    bytes and one more); this thread copies each piece to ``device`` (non-blocking from pinned
+    memory) and reduces it there; the rows stay on the device (no synchronisation per tensor)."""
+    ring = _Ring(window + 1, size, device)  # one more than can wait: the one being copied
+
+    def fill(job: tuple[Unit, tuple[Part, ...]]) -> tuple[Unit, torch.Tensor, list[torch.Tensor]]:
+        buffer = ring.take()
+        return job[0], buffer, _read_piece(ckpt, job[1], buffer)
+
     rows = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deep-audit-read") as pool:
-        buffers = _in_order(pool, lambda job: _read(ckpt, job[1]), jobs, window)
-        for (unit, _), piece in zip(jobs, buffers):
-            rows.append(reduce_piece(unit, [_bytes_tensor(b).to(device, non_blocking=True) for b in piece], shortcuts=False))
+        for unit, buffer, views in _in_order(pool, fill, jobs, window, stop):
+            rows.append(reduce_piece(unit, [v.to(device, non_blocking=True) for v in views], shortcuts=False))
+            ring.give_back(buffer)  # on the CPU device the reduction has read it by now
     return rows
 
 
@@ -363,23 +460,66 @@ def scan(ctx: AuditContext, device: str | None = None, *, piece_bytes: int = PIE
     (``model/device.py``); ``path``: ``device`` (reduce on the device, the GPU's path) or
     ``threads`` (the CPU's path, ``threads`` of them, default one per core); default: the
     device's own path."""
+    return scan_units(ctx.ckpt, plan_units(ctx, piece_bytes), device, piece_bytes=piece_bytes, threads=threads, path=path)
+
+
+def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *, piece_bytes: int = PIECE_BYTES, threads: int | None = None,
+               path: str | None = None, stop: threading.Event | None = None) -> DeepValues:
+    """:func:`scan` of planned units (on any thread: it reads only ``ckpt``'s files); the disk
+    starts on the first ``READ_AHEAD_HINT_BYTES`` before torch is imported."""
+    jobs = _jobs(units)
+    ahead = _ReadAhead(ckpt, jobs, READ_AHEAD_HINT_BYTES)
+    ahead.hint()
     import torch
 
     from fp4forge.model.device import resolve_device
 
     where = resolve_device(device)
-    units = plan_units(ctx, piece_bytes)
+    size = _buffer_bytes(units)
     workers = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    hinted = map(ahead.take, jobs)
     if (path or ("threads" if where.type == "cpu" else "device")) == "threads":
-        rows = _rows_on_threads(ctx.ckpt, units, workers, piece_bytes)
+        rows = _rows_on_threads(ckpt, hinted, size, workers, stop)
     else:
-        rows = _rows_on_device(ctx.ckpt, units, where, workers, piece_bytes)
-    return combine(units, torch.stack(rows).cpu().tolist() if rows else [])  # one transfer from the device
+        on_device = _rows_on_device(ckpt, hinted, size, where, workers, max(2, min(READ_AHEAD_BYTES // piece_bytes, 4 * workers)), stop)
+        rows = torch.stack(on_device).cpu().tolist() if on_device else []  # one transfer from the device
+    return combine(units, rows)
+
+
+@dataclass
+class _Running:
+    """A scan started on a background thread (:func:`start`) and how to stop it."""
+
+    future: Future
+    stop: threading.Event
+
+
+def start(ctx: AuditContext) -> None:
+    """Plan the scan here (the context's tables are built on this thread), then read and reduce
+    on a background thread while the checks that read no values run: :func:`deep_values` waits
+    for it; :func:`stop` ends it early (the audit raised)."""
+    if "deep_values" in ctx.memo:
+        return
+    units, stop_event = plan_units(ctx), threading.Event()
+    runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deep-audit-scan")
+    ctx.memo["deep_values"] = _Running(runner.submit(scan_units, ctx.ckpt, units, ctx.device, stop=stop_event), stop_event)
+    runner.shutdown(wait=False)  # the thread ends with its scan
+
+
+def stop(ctx: AuditContext) -> None:
+    """End a background scan that nobody waited for, before the checkpoint's files close."""
+    running = ctx.memo.get("deep_values")
+    if isinstance(running, _Running):
+        running.stop.set()
+        wait([running.future])
 
 
 def deep_values(ctx: AuditContext) -> DeepValues:
-    """The scan, once per audit (the integrity and the magnitude checks share it)."""
+    """The scan, once per audit (the integrity and the magnitude checks share it): the one
+    :func:`start` began, else one run here."""
     found = ctx.memo.get("deep_values")
+    if isinstance(found, _Running):
+        found = ctx.memo["deep_values"] = found.future.result()
     if found is None:
         found = ctx.memo["deep_values"] = scan(ctx, ctx.device)
     return found

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fp4forge.audit import checks_declarations, checks_integrity, checks_names, checks_server_files
+from fp4forge.audit import checks_declarations, checks_integrity, checks_names, checks_server_files, deep_scan
 from fp4forge.audit.context import AuditContext
-from fp4forge.audit.findings import AuditReport, group_issues
+from fp4forge.audit.findings import AuditReport, Issue, group_issues
 from fp4forge.audit.options import AuditOptions
 from fp4forge.checkpoint.declarations import read_declaration
 from fp4forge.checkpoint.layout import layout_or_inferred
 from fp4forge.checkpoint.reader import gc_paused, open_checkpoint_lenient
 
 CHECKS = (checks_integrity, checks_declarations, checks_names, checks_server_files)
+#: The checks that read values with --deep (``deep_scan.deep_values``); the others read headers.
+READS_VALUES = (checks_integrity, checks_declarations)
 
 
 # -- the audit ------------------------------------------------------------------------------------
@@ -52,11 +54,11 @@ def _audit(location: str | Path, options: AuditOptions) -> AuditReport:
         device=options.device,
     )
     try:
-        for check in CHECKS:
-            issues += check.run(ctx)
+        issues += _run_checks(ctx)
         issues = checks_integrity.without_knock_on(issues, ckpt)
         issues = checks_server_files.without_knock_on(issues, ctx)
     finally:
+        deep_scan.stop(ctx)
         close = getattr(ckpt.source, "close", None)
         if close is not None:
             close()
@@ -70,3 +72,13 @@ def _audit(location: str | Path, options: AuditOptions) -> AuditReport:
     )
 
 
+def _run_checks(ctx: AuditContext) -> list[Issue]:
+    """Every check's issues, in CHECKS order. With --deep the values are read on a background
+    thread from the start (``deep_scan.start``) while the checks that read only headers run
+    (transformers' import among them); then the value checks wait for the scan. The checks share
+    nothing but the context's caches, so the order they run in changes no finding."""
+    if not ctx.deep:
+        return [issue for check in CHECKS for issue in check.run(ctx)]
+    deep_scan.start(ctx)
+    found = {check: check.run(ctx) for check in sorted(CHECKS, key=READS_VALUES.__contains__)}
+    return [issue for check in CHECKS for issue in found[check]]

@@ -14,6 +14,7 @@ declaration in ``declarations.py``; ``tests/test_codecs.py`` fails while any par
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -125,23 +126,44 @@ def _largest_product(packed: Tensor, block_scale: Tensor) -> Tensor:
 
 
 def _largest_product_by_search(packed: Tensor, block_scale: Tensor) -> Tensor:
-    """The same maximum, computed on the blocks that can reach it: the block with the largest
-    scale gives a lower bound; only blocks whose scale x 6 (E2M1's top) exceeds it can beat it."""
+    """The same maximum, computed on the blocks that can reach it, on the scales' codes (E4M3's
+    magnitude grows with its low seven bits; no F32 table over every scale): the block with the
+    largest scale gives a lower bound; only blocks whose scale x 6 (E2M1's top) exceeds it can
+    beat it, and those are the codes from one threshold up."""
     import torch
 
-    from fp4forge.numerics.e2m1 import E2M1_MAX
-    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+    from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, e4m3_to_f32
 
-    scales, valid = _scale_magnitudes(block_scale)
-    if not bool(valid.any()):
+    codes = block_scale & 0x7F  # |x| of E4M3 is its low seven bits
+    if codes.numel() and int(codes.amax()) == FP8_E4M3_NAN_BITS:  # NaN scales are skipped: as code 0, never a rival
+        valid = codes != FP8_E4M3_NAN_BITS
+        codes = codes.masked_fill(~valid, 0) if bool(valid.any()) else codes[:0]
+    if not codes.numel():  # no scale, or every one NaN
         return torch.tensor(-math.inf, device=packed.device)
     blocks = packed.view(-1, NVFP4_BLOCK // 2)
-    first = scales.argmax().reshape(1)
-    best = _products(blocks.index_select(0, first).reshape(-1), scales.index_select(0, first)).amax()
-    rivals = torch.nonzero((scales * E2M1_MAX > best) & valid).reshape(-1)
+    first = codes.argmax().reshape(1)
+    best = _products(blocks.index_select(0, first).reshape(-1), e4m3_to_f32(codes.index_select(0, first))).amax()
+    rivals = torch.nonzero(codes >= _first_code_above(float(best))).reshape(-1)
     if rivals.numel():
-        best = torch.maximum(best, _products(blocks.index_select(0, rivals).reshape(-1), scales.index_select(0, rivals)).amax())
+        best = torch.maximum(best, _products(blocks.index_select(0, rivals).reshape(-1), e4m3_to_f32(codes.index_select(0, rivals))).amax())
     return best
+
+
+@lru_cache(maxsize=1)
+def _six_times_e4m3() -> tuple[float, ...]:
+    """6 (E2M1's top) x the value of each E4M3 magnitude code below NaN, ascending."""
+    from fp4forge.checkpoint.raw import fp8_e4m3_table
+    from fp4forge.numerics.e2m1 import E2M1_MAX
+    from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
+
+    return tuple(float(v) * E2M1_MAX for v in fp8_e4m3_table()[:FP8_E4M3_NAN_BITS])
+
+
+def _first_code_above(best: float) -> int:
+    """The smallest E4M3 magnitude code whose value x 6 exceeds ``best`` (127: none). Exact: an
+    E4M3 value x 6 and the products are exact in F32, so the order is the F32 comparison's."""
+    return bisect.bisect_right(_six_times_e4m3(), best)
 
 
 def _byte_tensor(raw: bytes) -> Tensor:

@@ -94,6 +94,23 @@ class LocalSource:
         except OSError as exc:
             raise CheckpointError(f"cannot read: {exc.strerror}", file=str(path)) from None
 
+    def will_need(self, relpath: str, start: int, length: int) -> None:
+        """Ask the kernel to start reading a byte range into the page cache now, asynchronously
+        (``posix_fadvise WILLNEED``): a later read finds it there. A hint only: where the
+        platform or the file refuses it, nothing happens (the read itself reports errors)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(self.path(relpath), os.O_RDONLY)
+        except (OSError, CheckpointError):
+            return
+        try:
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
     def read_into(self, relpath: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes from ``start`` on: one copy from the page cache straight
         into the caller's buffer (``read`` makes a bytes object first)."""
