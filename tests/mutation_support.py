@@ -492,6 +492,7 @@ CT_ARGUMENTS = ("compressed-tensors arguments vLLM rejects where the audit's flo
                 "in fp4forge: `scheme-not-audited`), or that fail only on vLLM's CPU kernels (an assertion, no ScaledMM kernel)")
 EXPLANATIONS: dict[str, str] = {
     r"(input_scale|input_global_scale|k_scale|v_scale):reciprocal": "an inverted activation or KV scale is still a plausible calibration; the audit reads no activations",
+    r"\.scales:reciprocal": "inverted GPTQ / AWQ group scales: the audit (default options) reads no values, and `--deep` has no scale-magnitude check for integer formats",
     r"weight_scale(_inv)?:reciprocal": "inverted weight or block scales: only `--deep` compares scales with the weights they scale (`scale-magnitude`)",
     r"(input_global_scale|weight_global_scale|input_scale|weight_scale):shape=\"add_dim\"": "a [1, 1] per-tensor scale: vLLM's expert loader takes it, its fused q/k/v loader asserts; the audit holds every Linear to 0-d or [1]",
     r"\.format:set=": "vLLM picks a float scheme by its arguments (and refuses a group-level `mixed-precision` FP8), compressed-tensors' decompressor (transformers, llm-compressor) by this string: the audit's error is about those loaders",
@@ -500,6 +501,7 @@ EXPLANATIONS: dict[str, str] = {
     r"^ct-fp8(-dynamic|-block)?:.*input_activations:(delete|set=null)$": "FP8 weights without activation quantization: vLLM's CPU build has no kernel for it (\"Failed to find a kernel that can implement the ScaledMM\"); GPUs serve it, and the audit judges the declaration, not the platform",
     r"input_activations:(delete|set=null)$|:copy=|quant_algo:set=\"W4A16_NVFP4\"|input_activations\.dynamic:set=true": WEIGHT_ONLY_SCALES,
     r"(input_activations|weights)\.(num_bits|type|strategy|group_size|block_structure|actorder|symmetric|dynamic)|weights:(delete|set=null)": CT_ARGUMENTS,
+    r"experts\.\d+\.\w+\.qzeros:shape=\"add_dim\"": "a routed expert's GPTQ zero points with a leading dimension of 1: vLLM 0.32's expert loader copies them into the expert's slice as they are (the same values after loading); the audit holds the shape to vLLM's parameter",
     r"modules_to_not_convert:set=.*\"model\.layers\.1\"": "vLLM's Fp8Config skips layers by exact name (an expert stack is one module there); the audit also lets an ancestor such as `model.layers.1` skip its Linears, as transformers' loader does",
     r"quant_algo:set=\"(INT4_AWQ|MIXED_PRECISION)\"": "a ModelOpt algorithm (or MIXED_PRECISION without quantized_layers) fp4forge has no table for: `scheme-not-audited`; vLLM refuses it",
 }

@@ -118,6 +118,13 @@ def vllm_knows_method(method: str) -> bool:
     return method in quant_params_data()["methods"]
 
 
+def required_keys(method: str) -> list[list[str]]:
+    """The declaration keys vLLM's config class for ``method`` (`gptq`, `awq`) refuses to start
+    without: one list of alternative spellings each (AWQ: `w_bit` or `bits`); [] for a method the
+    data does not hold."""
+    return quant_params_data().get("required_keys", {}).get(method, [])
+
+
 def config_built_params() -> frozenset[str]:
     """Parameters vLLM fills from the quantization config rather than the checkpoint."""
     return frozenset(quant_params_data()["config_built"])
