@@ -118,6 +118,30 @@ def vllm_knows_method(method: str) -> bool:
     return method in quant_params_data()["methods"]
 
 
+_INTEGER = frozenset({"I32", "I64", "I16", "I8", "U8"})
+
+
+def packed_int_suffix_kinds() -> dict[str, str]:
+    """What each tensor suffix of the GPTQ and AWQ parameters vLLM creates is (the layouts' kinds,
+    ``layouts/_common.toml``), from the data: the weight holding several values per element is
+    ``packed_weight`` (`qweight`), another integer parameter a ``zero_point`` (`qzeros`), a float
+    one a ``weight_scale`` (`scales`), and a suffix vLLM discards before loading the ``g_idx``
+    kind (GPTQ's act-order index)."""
+    kinds: dict[str, str] = {}
+    for key, entry in quant_params_data()["schemes"].items():
+        if scheme_args(key).get("method") not in (GPTQ_METHODS[0], AWQ_METHODS[0]) or "params" not in entry:
+            continue
+        for param in entry["params"]:
+            if param.get("weight"):
+                kind = "packed_weight" if param.get("values_per_element", 1) != 1 else "weight"
+            else:
+                kind = "zero_point" if param["dtype"] in _INTEGER else "weight_scale"
+            kinds.setdefault(param["name"], kind)
+        for suffix in entry.get("discarded", ()):
+            kinds.setdefault(suffix, "g_idx")
+    return kinds
+
+
 def required_keys(method: str) -> list[list[str]]:
     """The declaration keys vLLM's config class for ``method`` (`gptq`, `awq`) refuses to start
     without: one list of alternative spellings each (AWQ: `w_bit` or `bits`); [] for a method the
