@@ -8,7 +8,9 @@ mutations from the same base checkpoints and apply them the same way.
 A **base** is a correct tiny checkpoint of one scheme: the tiny Qwen3-MoE testbed (a
 softmax-routed MoE vLLM's CPU build loads) quantized by fp4forge's own exporter for the schemes
 it writes (attention and routed experts, static FP8 KV cache), and by hand-written tensors for
-block-wise FP8 (`write_fp8_block`), which no exporter here writes. Building needs fp4forge
+block-wise FP8 (`write_fp8_block`) and for 4-bit group-128 GPTQ (AutoGPTQ's packing, symmetric,
+no act-order) and AWQ (AutoAWQ's GEMM packing, zero points) (`write_int4_packed`), which no
+exporter here writes. Building needs fp4forge
 (`build_bases`, project venv); generating and applying mutations needs only the base's files.
 
 A **mutation** is one JSON object: ``{"id", "scheme", "edit"}``. ``edit`` is either a change of

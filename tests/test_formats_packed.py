@@ -250,31 +250,19 @@ def test_ct_args_read_as_compressed_tensors_reads_them(args):
 
 
 @pytest.mark.slow
-def test_vllm_quant_params_shipped_equal_installed_vllm(vllm_venv):
-    """The shipped parameter data is what the installed vLLM's quant methods create."""
+@pytest.mark.parametrize(("script_name", "data_name"), [("vllm_quant_params.py", "VLLM_QUANT_PARAMS"), ("vllm_loader_ignores.py", "VLLM_LOADER_IGNORES")])
+def test_vllm_data_shipped_equal_installed_vllm(vllm_venv, script_name, data_name):
+    """The shipped data is what the installed vLLM says: the parameters its quant methods create
+    (and the keys their config classes require), and what its weight loaders skip."""
     import subprocess
 
+    from fp4forge.checkpoint import vllm_params
     from fp4forge.checkpoint.layout import LAYOUTS_DIR
-    from fp4forge.checkpoint.vllm_params import VLLM_QUANT_PARAMS
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "vllm_quant_params.py"
+    script = Path(__file__).resolve().parent.parent / "scripts" / script_name
     result = subprocess.run([str(vllm_venv / "bin" / "python"), str(script)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / VLLM_QUANT_PARAMS).read_text())
-
-
-@pytest.mark.slow
-def test_vllm_loader_ignores_shipped_equal_installed_vllm(vllm_venv):
-    """The shipped data on what vLLM's loaders skip is what the installed vLLM's loaders say."""
-    import subprocess
-
-    from fp4forge.checkpoint.layout import LAYOUTS_DIR
-    from fp4forge.checkpoint.vllm_params import VLLM_LOADER_IGNORES
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "vllm_loader_ignores.py"
-    result = subprocess.run([str(vllm_venv / "bin" / "python"), str(script)], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / VLLM_LOADER_IGNORES).read_text())
+    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / getattr(vllm_params, data_name)).read_text())
 
 
 def test_awq_modules_to_not_convert_match_by_substring(tmp_path, model):
