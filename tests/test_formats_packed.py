@@ -190,6 +190,7 @@ PLANTED = [
     ("gptq-qzeros-missing", GPTQ, gptq, _drop(f"{ATTENTION}.qzeros"), "vllm-param-missing"),
     ("gptq-expert-scales-wrong-group", GPTQ, gptq, _reshape(f"{EXPERT}.scales", (768 // 64, 2048)), "vllm-param-shape"),
     ("gptq-qweight-as-float", GPTQ, gptq, _retype(f"{ATTENTION}.qweight", "F16"), "vllm-param-dtype"),
+    ("gptq-qweight-narrowed", GPTQ, gptq, _retype(f"{ATTENTION}.qweight", "I16"), "vllm-param-dtype"),
     ("gptq-foreign-tensor", GPTQ, gptq, lambda s: s + [TensorSpec(f"{ATTENTION}.weight_packed", "I32", (4096, 256))], "vllm-param-unexpected"),
     ("gptq-desc-act-groups", dict(GPTQ, desc_act=True), gptq, None, "scheme-refused-by-vllm"),
     ("gptq-asymmetric", dict(GPTQ, sym=False), gptq, None, "scheme-refused-by-vllm"),
@@ -376,3 +377,11 @@ def test_gptq_3bit_counts_every_parameter(tmp_path, model):
     assert table.total_params == unquantized_params(model)
     assert table.experts_bpp == pytest.approx(hand_bpp(model, gptq3), rel=1e-12)
     assert [f["rule"] for f in errors(path)] == ["scheme-refused-by-vllm"]
+
+
+def test_packed_words_widened_to_int64_load_as_stored(tmp_path, model):
+    """vLLM copies an I64 `qweight` / `qzeros` into its I32 parameter with a truncating cast: the
+    low 32 bits, the packed word, survive (the mutation oracle measures the same values after
+    loading), so the audit reports no dtype error for them."""
+    words = (f"{ATTENTION}.qweight", f"{ATTENTION}.qzeros")
+    assert errors(build(tmp_path, model, GPTQ, gptq, lambda specs: [TensorSpec(s.name, "I64", s.shape) if s.name in words else s for s in specs])) == []
