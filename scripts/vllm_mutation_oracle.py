@@ -20,7 +20,11 @@ loads, but a parameter the base fills stays uninitialised, or a parameter the ba
 out with another shape or other values after loading or processing: a scale in another
 convention, other numerics than the base's) or **fine**. A stage the base itself cannot pass on
 CPU (vLLM 0.32 CPU has no FP8 MoE kernel: "Unsupported FP8 MoE backend") is skipped for that
-module, for base and mutant alike: the corpus records which.
+module, for base and mutant alike: the corpus records which. The GPTQ and AWQ bases pass every
+stage on the CPU build (its WNA16 kernels run them), so their verdicts are the config class's,
+the parameter creation's, the loader's and the processing's own; a kernel the CPU build lacks
+would show as a base limit, and a mutant refused only for a kernel says so in its message
+("Failed to find a kernel ...").
 """
 
 from __future__ import annotations

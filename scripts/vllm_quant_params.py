@@ -78,7 +78,7 @@ def other_probes() -> list[tuple[str, dict]]:
     for bits, group, desc_act, sym in itertools.product((2, 3, 4, 8), GROUPS, (False, True), (True, False)):
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym}
         out.append((vp.gptq_key(qc), qc))
-    for bits, group, zero_point in itertools.product((4, 8), GROUPS, (True, False)):
+    for bits, group, zero_point in itertools.product((2, 3, 4, 8), GROUPS, (True, False)):
         qc = {"quant_method": "awq", "w_bit": bits, "q_group_size": group, "zero_point": zero_point, "version": "gemm"}
         out.append((vp.awq_key(qc), qc))
     for scheme, block in itertools.product(("dynamic", "static"), (None, [128, 128])):
@@ -293,19 +293,46 @@ def _environment():
     return context
 
 
+def required_keys(method: str) -> list[list[str]]:
+    """The declaration keys the config class of ``method`` cannot do without: each
+    ``get_from_keys(config, [alternatives])`` of its ``from_config`` (``get_from_keys_or`` has a
+    default), read from vLLM's source; vLLM raises "Cannot find any of [...]" when none is present."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(get_quantization_config(method).from_config)))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get_from_keys" and len(node.args) >= 2:
+            try:
+                keys = ast.literal_eval(node.args[1])
+            except ValueError:
+                continue  # keys computed at run time: not a fixed requirement
+            if keys not in out:
+                out.append(keys)
+    return out
+
+
 def table() -> dict:
     import vllm
 
     _environment()
     schemes = {}
-    for key, qc in [*ct_probes(), *other_probes()]:
+    probes = [*ct_probes(), *other_probes()]
+    for key, qc in probes:
         schemes[key] = {"declaration": qc, **probe(qc)}
+    # per quant_method the GPTQ / AWQ probes declare: the keys its config class requires
+    declared = {qc["quant_method"]: _resolved_method(qc) for _, qc in probes if qc["quant_method"] in (*vp.GPTQ_METHODS, *vp.AWQ_METHODS)}
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     from vllm.model_executor.model_loader.default_loader import _CONFIG_BUILT_PARAMS
 
     return {"vllm": vllm.__version__, "methods": sorted(QUANTIZATION_METHODS),
-            "config_built": sorted(_CONFIG_BUILT_PARAMS), "sizes": [list(s) for s in SIZES], "schemes": dict(sorted(schemes.items()))}
+            "config_built": sorted(_CONFIG_BUILT_PARAMS), "sizes": [list(s) for s in SIZES], "schemes": dict(sorted(schemes.items())),
+            "required_keys": {method: required_keys(resolved) for method, resolved in sorted(declared.items())}}
 
 
 def main(argv: list[str]) -> int:

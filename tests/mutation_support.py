@@ -8,7 +8,9 @@ mutations from the same base checkpoints and apply them the same way.
 A **base** is a correct tiny checkpoint of one scheme: the tiny Qwen3-MoE testbed (a
 softmax-routed MoE vLLM's CPU build loads) quantized by fp4forge's own exporter for the schemes
 it writes (attention and routed experts, static FP8 KV cache), and by hand-written tensors for
-block-wise FP8 (`write_fp8_block`), which no exporter here writes. Building needs fp4forge
+block-wise FP8 (`write_fp8_block`) and for 4-bit group-128 GPTQ (AutoGPTQ's packing, symmetric,
+no act-order) and AWQ (AutoAWQ's GEMM packing, zero points) (`write_int4_packed`), which no
+exporter here writes. Building needs fp4forge
 (`build_bases`, project venv); generating and applying mutations needs only the base's files.
 
 A **mutation** is one JSON object: ``{"id", "scheme", "edit"}``. ``edit`` is either a change of
@@ -45,8 +47,12 @@ SCHEMES: dict[str, tuple[str, str]] = {
     "modelopt-nvfp4": ("modelopt", "nvfp4"),
     "modelopt-fp8": ("modelopt", "fp8"),
     "fp8-block": ("fp8", "fp8_block"),
+    "gptq-w4g128": ("gptq", "w4g128"),
+    "awq-w4g128": ("awq", "w4g128"),
 }
 HAND_WRITTEN = {"ct-fp8-block", "fp8-block"}
+# integer weight-only formats no exporter here writes: packed by hand (write_int4_packed)
+INT_PACKED = {"gptq-w4g128", "awq-w4g128"}
 BLOCK = 128
 FP8_MAX = 448.0
 # the Linears whose tensors are mutated: an attention shard vLLM fuses (q of q/k/v) and a routed
@@ -73,19 +79,34 @@ FIELD_DOMAINS: dict[str, list[Any]] = {
     "activation_scheme": ["dynamic", "static"],
     "fmt": ["e4m3", "e5m2"],
     "is_checkpoint_fp8_serialized": [True, False],
+    # GPTQ (AutoGPTQ's quantize_config) and AWQ (AutoAWQ's quant_config)
+    "bits": [3, 4, 8],
+    "w_bit": [3, 4, 8],
+    "desc_act": [True, False],
+    "sym": [True, False],
+    "zero_point": [True, False],
+    "q_group_size": [-1, 32, 64],
+    "lm_head": [True, False],
+    "checkpoint_format": ["gptq", "gptq_v2"],
 }
+# where the declaration is GPTQ's or AWQ's: group_size an int (-1: one group per row), and the
+# other integer format named instead
+INT_METHODS = ("gptq", "awq")
+INT_DOMAINS: dict[str, list[Any]] = {"group_size": [-1, 32, 64], "quant_method": ["gptq", "awq", "compressed-tensors"]}
 # list-valued fields: whole replacements (built per base by _list_alternatives)
 LIST_FIELDS = ("targets", "ignore", "exclude_modules", "ignored_layers", "modules_to_not_convert")
 # objects whose removal is a mutation of its own
 OBJECT_FIELDS = ("input_activations", "weights", "kv_cache_scheme", "output_activations")
 # fields nothing reads the value of (recorded once each, deleted)
-INERT_FIELDS = ("observer", "observer_kwargs", "producer", "version", "global_compression_ratio", "transform_config", "scale_dtype", "zp_dtype")
+INERT_FIELDS = ("observer", "observer_kwargs", "producer", "version", "global_compression_ratio", "transform_config", "scale_dtype", "zp_dtype",
+                "damp_percent", "true_sequential", "model_name_or_path", "model_file_base_name", "static_groups")
 
 # -- tensor domains -------------------------------------------------------------------------------
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F8_E4M3")
 INT_DTYPES = ("U8", "I8")
 # each stored dtype's alternatives: a cast vLLM may take harmlessly, and a lossy or foreign one
-DTYPE_ALTERNATIVES = {"F32": ("BF16", "F8_E4M3"), "BF16": ("F32", "F8_E4M3"), "F16": ("F32", "F8_E4M3"), "F8_E4M3": ("BF16", "U8"), "U8": ("I8", "BF16"), "I8": ("U8",)}
+DTYPE_ALTERNATIVES = {"F32": ("BF16", "F8_E4M3"), "BF16": ("F32", "F8_E4M3"), "F16": ("F32", "F8_E4M3"), "F8_E4M3": ("BF16", "U8"), "U8": ("I8", "BF16"), "I8": ("U8",),
+                      "I32": ("F32", "I64")}
 # another layout's or format's spelling of a suffix (the convention confusions)
 RENAMES = {
     "weight_global_scale": ["weight_scale_2"],
@@ -100,6 +121,11 @@ RENAMES = {
     "v_scale": ["v_proj.v_scale", "attn.v_scale"],
     "k_proj.k_scale": ["k_scale"],
     "v_proj.v_scale": ["v_scale"],
+    # GPTQ / AWQ: another format's name for the packed weight, its zero points and scales
+    "qweight": ["weight", "weight_packed"],
+    "qzeros": ["weight_zero_point"],
+    "scales": ["weight_scale"],
+    "g_idx": ["weight_g_idx"],
 }
 SHAPE_EDITS = ("transpose", "drop_row", "drop_col", "add_dim", "drop_dim", "widen")
 # scales a layout stores that a weight-only Linear must not carry (copied onto one)
@@ -150,21 +176,22 @@ def declaration_mutations(base: Path) -> list[dict[str, Any]]:
         node = doc
         for key in root:
             node = node[key]
+        domains = FIELD_DOMAINS | (INT_DOMAINS if node.get("quant_method") in INT_METHODS else {})
         for field_path, key, value in _leaf_fields(node, list(root)):
-            edits += _field_edits(file, field_path, key, value)
+            edits += _field_edits(file, field_path, key, value, domains)
         if file == HF_QUANT:
             edits.append({"file": file, "path": [], "op": "delete"})  # the sidecar removed
     return edits
 
 
-def _field_edits(file: str, path: list[Any], key: str, value: Any) -> list[dict[str, Any]]:
+def _field_edits(file: str, path: list[Any], key: str, value: Any, domains: dict[str, list[Any]]) -> list[dict[str, Any]]:
     if key in INERT_FIELDS:
         return [_delete(file, path)]
     if key in LIST_FIELDS:
         return [_set(file, path, v) for v in _list_alternatives(key, value)] + [_delete(file, path)]
     if key in OBJECT_FIELDS or isinstance(value, dict):
         return [_delete(file, path), _set(file, path, None)] if value is not None else []
-    domain = FIELD_DOMAINS.get(key)
+    domain = domains.get(key)
     if domain is None:
         return [_delete(file, path)]
     return [_set(file, path, v) for v in domain if v != value] + [_delete(file, path)]
@@ -312,7 +339,7 @@ def _edited_tensor(tensor, op: str, value: Any):
     return tensor.reshape(new_shape)
 
 
-TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn", "U8": "uint8", "I8": "int8"}
+TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "float8_e4m3fn", "U8": "uint8", "I8": "int8", "I32": "int32", "I64": "int64"}
 
 
 # -- bases ----------------------------------------------------------------------------------------
@@ -340,9 +367,13 @@ def build_bases(root: Path, names: list[str] | None = None) -> dict[str, Path]:
     for name in names or list(SCHEMES):
         out = root / name
         if not out.is_dir():
-            (write_fp8_block if name in HAND_WRITTEN else _export)(bf16, out, *SCHEMES[name])
+            _writer(name)(bf16, out, *SCHEMES[name])
         bases[name] = out
     return bases
+
+
+def _writer(name: str):
+    return write_fp8_block if name in HAND_WRITTEN else write_int4_packed if name in INT_PACKED else _export
 
 
 def _export(bf16: Path, out: Path, layout: str, scheme: str) -> None:
@@ -377,6 +408,68 @@ def write_fp8_block(bf16: Path, out: Path, layout: str, scheme: str) -> None:
     (out / CONFIG).write_text(json.dumps(config, indent=2))
 
 
+INT4_GROUP = 128
+INT4_MAX = 15
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's nibble order within an int32 (its GEMM kernel's)
+
+
+def write_int4_packed(bf16: Path, out: Path, layout: str, scheme: str) -> None:
+    """4-bit group-128 weight-only by hand, every attention and expert Linear: GPTQ as AutoGPTQ
+    stores it (symmetric, zero 8 stored as 7, `qweight` [in/8, out] packing eight input rows per
+    int32, `qzeros` [groups, out/8], F16 `scales` [groups, out], `g_idx` [in]) or AWQ as AutoAWQ's
+    GEMM layout (zero points, `qweight` [in, out/8] packing eight output columns in AWQ_ORDER)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v for shard in sorted(bf16.glob("*.safetensors")) for k, v in load_file(shard).items()}
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in QUANTIZED_LEAVES and ".layers." in n]:
+        module = name.removesuffix(".weight")
+        weight = tensors.pop(name).float().t()  # [in, out]
+        groups = weight.reshape(-1, INT4_GROUP, weight.shape[1])
+        if layout == "gptq":
+            scale = (groups.abs().amax(dim=1) / 7).clamp(min=1e-8)  # [groups, out]
+            zero = torch.full_like(scale, 8, dtype=torch.int32)
+        else:
+            low, high = groups.amin(dim=1).clamp(max=0), groups.amax(dim=1).clamp(min=0)
+            scale = ((high - low) / INT4_MAX).clamp(min=1e-8)
+            zero = (-low / scale).round().clamp(0, INT4_MAX).to(torch.int32)
+        codes = (groups / scale[:, None] + zero[:, None]).round().clamp(0, INT4_MAX).to(torch.int32).reshape(weight.shape)
+        tensors[f"{module}.scales"] = scale.to(torch.float16)
+        if layout == "gptq":
+            tensors[f"{module}.qweight"] = _pack_int4(codes.t(), range(8)).t().contiguous()  # along the input rows
+            tensors[f"{module}.qzeros"] = _pack_int4(zero - 1, range(8))
+            tensors[f"{module}.g_idx"] = torch.arange(weight.shape[0], dtype=torch.int32) // INT4_GROUP
+        else:
+            tensors[f"{module}.qweight"] = _pack_int4(codes, AWQ_ORDER)
+            tensors[f"{module}.qzeros"] = _pack_int4(zero, AWQ_ORDER)
+    shutil.copytree(bf16, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    save_file(tensors, out / SHARD, metadata={"format": "pt"})
+    config = json.loads((out / CONFIG).read_text())
+    config[QC] = _gptq_declaration() if layout == "gptq" else _awq_declaration()
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
+
+
+def _pack_int4(values, order) -> Any:
+    """[rows, cols] 4-bit values -> [rows, cols / 8] int32, the value at column 8j + order[k]
+    in bits 4k..4k+3 of element j."""
+    import torch
+
+    grouped = values.reshape(values.shape[0], -1, 8).to(torch.int64)
+    packed = torch.zeros(grouped.shape[:2], dtype=torch.int64)
+    for k, column in enumerate(order):
+        packed |= (grouped[..., column] & 0xF) << (4 * k)
+    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # the same 32 bits, read as signed
+
+
+def _gptq_declaration() -> dict[str, Any]:
+    return {"quant_method": "gptq", "bits": 4, "group_size": INT4_GROUP, "desc_act": False, "sym": True, "damp_percent": 0.01,
+            "true_sequential": True, "static_groups": False}
+
+
+def _awq_declaration() -> dict[str, Any]:
+    return {"quant_method": "awq", "bits": 4, "group_size": INT4_GROUP, "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+
+
 def _ct_block_declaration() -> dict[str, Any]:
     leaves = "|".join(QUANTIZED_LEAVES)
     weights = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [BLOCK, BLOCK], "symmetric": True, "dynamic": False, "group_size": None}
@@ -401,6 +494,7 @@ CT_ARGUMENTS = ("compressed-tensors arguments vLLM rejects where the audit's flo
                 "in fp4forge: `scheme-not-audited`), or that fail only on vLLM's CPU kernels (an assertion, no ScaledMM kernel)")
 EXPLANATIONS: dict[str, str] = {
     r"(input_scale|input_global_scale|k_scale|v_scale):reciprocal": "an inverted activation or KV scale is still a plausible calibration; the audit reads no activations",
+    r"\.scales:reciprocal": "inverted GPTQ / AWQ group scales: the audit (default options) reads no values, and `--deep` has no scale-magnitude check for integer formats",
     r"weight_scale(_inv)?:reciprocal": "inverted weight or block scales: only `--deep` compares scales with the weights they scale (`scale-magnitude`)",
     r"(input_global_scale|weight_global_scale|input_scale|weight_scale):shape=\"add_dim\"": "a [1, 1] per-tensor scale: vLLM's expert loader takes it, its fused q/k/v loader asserts; the audit holds every Linear to 0-d or [1]",
     r"\.format:set=": "vLLM picks a float scheme by its arguments (and refuses a group-level `mixed-precision` FP8), compressed-tensors' decompressor (transformers, llm-compressor) by this string: the audit's error is about those loaders",
@@ -409,6 +503,7 @@ EXPLANATIONS: dict[str, str] = {
     r"^ct-fp8(-dynamic|-block)?:.*input_activations:(delete|set=null)$": "FP8 weights without activation quantization: vLLM's CPU build has no kernel for it (\"Failed to find a kernel that can implement the ScaledMM\"); GPUs serve it, and the audit judges the declaration, not the platform",
     r"input_activations:(delete|set=null)$|:copy=|quant_algo:set=\"W4A16_NVFP4\"|input_activations\.dynamic:set=true": WEIGHT_ONLY_SCALES,
     r"(input_activations|weights)\.(num_bits|type|strategy|group_size|block_structure|actorder|symmetric|dynamic)|weights:(delete|set=null)": CT_ARGUMENTS,
+    r"experts\.\d+\.\w+\.qzeros:shape=\"add_dim\"": "a routed expert's GPTQ zero points with a leading dimension of 1: vLLM 0.32's expert loader copies them into the expert's slice as they are (the same values after loading); the audit holds the shape to vLLM's parameter",
     r"modules_to_not_convert:set=.*\"model\.layers\.1\"": "vLLM's Fp8Config skips layers by exact name (an expert stack is one module there); the audit also lets an ancestor such as `model.layers.1` skip its Linears, as transformers' loader does",
     r"quant_algo:set=\"(INT4_AWQ|MIXED_PRECISION)\"": "a ModelOpt algorithm (or MIXED_PRECISION without quantized_layers) fp4forge has no table for: `scheme-not-audited`; vLLM refuses it",
 }

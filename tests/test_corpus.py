@@ -30,15 +30,17 @@ CORPUS = Path(__file__).parent / "corpus"
 # Each builds in a few seconds; the others hold 45k-92k tensors and take 10-30 s each.
 FAST = ["olmoe-1b-7b-0125-instruct", "phi-3.5-moe-instruct", "llama-4-scout-17b-16e", "glm-4.5v", "jamba-1.5-mini", "qwen2-57b-a14b", "deepseek-coder-v2-lite-instruct", "nemotron-3-nano-30b-a3b", "qwen3-30b-a3b", "wizardlm-2-8x22b", "mixtral-8x7b-instruct", "granite-3.1-1b-a400m", "qwen3.5-25b-reap-a3b", "qwen3.5-18b-reap-a3b", "gpt-oss-120b", "gpt-oss-20b", "mixtral-8x7b-instruct-awq", "mixtral-8x7b-instruct-fp8-kv", "dart-v2-moe-sft-bnb-4bit", "mixtral-8x7b-instruct-bnb-nf4", "qwen3-vl-32b-w4a16-ct"]
 SLOW = ["qwen3.5-35b-a3b", "deepseek-r1-nvfp4-modelopt", "deepseek-v3-fp8", "deepseek-r1-fp8", "deepseek-v3.2-fp8", "qwen3-235b-a22b", "qwen3-next-80b-a3b", "qwen3.5-122b-a10b-fp8"]
+# AutoGPTQ releases of two dense LLaMA models (3, 4 and 8 bits): their shard files are the oracle
+# of the rebuild's layout (test_gptq_release_matches_its_files), the format's arithmetic that of
+# their bytes (test_gptq_linears_by_hand).
+GPTQ = ["wizard-vicuna-30b-gptq-4bit-128g", "wizard-vicuna-30b-gptq-8bit-128g", "wizard-vicuna-30b-gptq-3bit-128g", "mythomax-l2-13b-gptq-4bit-128g", "mythomax-l2-13b-gptq-8bit"]
+FAST += GPTQ
 ENTRIES = [pytest.param(name, id=name) for name in FAST] + [pytest.param(name, id=name, marks=pytest.mark.slow) for name in SLOW]
-# Releases in a format `bytes` and `audit` cannot judge yet (PROVENANCE.json `awaiting_format`):
-# rebuilt and checked against their shard files only, never run through the audit's name checks.
-AWAITING = ["wizard-vicuna-30b-gptq-4bit-128g", "wizard-vicuna-30b-gptq-8bit-128g", "wizard-vicuna-30b-gptq-3bit-128g", "mythomax-l2-13b-gptq-4bit-128g", "mythomax-l2-13b-gptq-8bit"]
 
 
 def test_every_corpus_entry_is_tested_and_documented():
     on_disk = sorted(p.name for p in CORPUS.iterdir() if p.is_dir())
-    assert on_disk == sorted(FAST + SLOW + AWAITING)
+    assert on_disk == sorted(FAST + SLOW)
     table = (CORPUS / "CORPUS.md").read_text(encoding="utf-8")
     for name in on_disk:
         provenance = json.loads((CORPUS / name / "PROVENANCE.json").read_text(encoding="utf-8"))
@@ -441,14 +443,14 @@ def _stored_tensors(checkpoint: Path) -> dict[str, dict]:
     return entries
 
 
-@pytest.mark.parametrize("name", AWAITING)
-def test_release_awaiting_its_format_matches_its_files(tmp_path, name):
+@pytest.mark.parametrize("name", GPTQ)
+def test_gptq_release_matches_its_files(tmp_path, name):
     """A GPTQ release rebuilt in AutoGPTQ's layout: its tensors fill the release's shard file but
     for its safetensors header (Git LFS pointer size), its declaration in config.json is its
     quantize_config.json, and a Linear's parameters have the shapes vLLM's GPTQ method creates
     (pack factor 32 // bits; written out here from vLLM's `create_weights`)."""
     entry = load_entry(CORPUS / name)
-    assert entry.provenance["awaiting_format"] == entry.config["quantization_config"]["quant_method"] == "gptq"
+    assert entry.config["quantization_config"]["quant_method"] == "gptq"
     sidecar = json.loads((CORPUS / name / "quantize_config.json").read_text(encoding="utf-8"))
     assert {k: v for k, v in entry.config["quantization_config"].items() if k != "quant_method"} == sidecar
     stored = _stored_tensors(build_header_only(entry, tmp_path / "ckpt"))
@@ -465,3 +467,29 @@ def test_release_awaiting_its_format_matches_its_files(tmp_path, name):
         assert stored[f"{down}.qzeros"]["shape"] == [groups, hidden // pack]
         assert stored[f"{down}.scales"]["shape"] == [groups, hidden]
     assert "lm_head.weight" in stored and "lm_head.qweight" not in stored
+
+
+def _gptq_linear(rows: int, cols: int, bits: int, group: int) -> tuple[int, int]:
+    """(parameters, bytes) of one AutoGPTQ Linear [out = rows, in = cols], from the format's
+    definition: `bits` per weight packed in int32 along the input, per group of the input one F16
+    scale and one `bits`-wide zero point per output, an I32 `g_idx` per input, and the F16 zero
+    `bias` [out] AutoGPTQ stores (counted as its parameters, as every stored bias is)."""
+    groups = 1 if group == -1 else cols // group
+    bits_total = rows * cols * bits + groups * rows * (16 + bits) + cols * 32 + rows * 16
+    return rows * cols + rows, bits_total // 8
+
+
+@pytest.mark.parametrize("name", GPTQ)
+def test_gptq_linears_by_hand(built, name):
+    """The decoder's Linears of each GPTQ release: parameters and bytes equal the hand count from
+    the config and the declaration (3 bits too, whose values straddle int32s)."""
+    config = json.loads((CORPUS / name / "config.json").read_text())
+    qc, hidden, inter = config["quantization_config"], config["hidden_size"], config["intermediate_size"]
+    attention = [_gptq_linear(hidden, hidden, qc["bits"], qc["group_size"])] * 4  # LLaMA: q, k, v, o of hidden x hidden
+    mlp = [_gptq_linear(inter, hidden, qc["bits"], qc["group_size"])] * 2 + [_gptq_linear(hidden, inter, qc["bits"], qc["group_size"])]
+    table = compute_byte_table(open_checkpoint(str(built(name))), layout_or_inferred(config))
+    by_name = {c.name: c for c in table.components}
+    layers = config["num_hidden_layers"]
+    for component, linears in (("attention", attention), ("dense_mlp", mlp)):
+        assert by_name[component].params == layers * sum(p for p, _ in linears), component
+        assert by_name[component].bytes == layers * sum(b for _, b in linears), component

@@ -190,6 +190,7 @@ PLANTED = [
     ("gptq-qzeros-missing", GPTQ, gptq, _drop(f"{ATTENTION}.qzeros"), "vllm-param-missing"),
     ("gptq-expert-scales-wrong-group", GPTQ, gptq, _reshape(f"{EXPERT}.scales", (768 // 64, 2048)), "vllm-param-shape"),
     ("gptq-qweight-as-float", GPTQ, gptq, _retype(f"{ATTENTION}.qweight", "F16"), "vllm-param-dtype"),
+    ("gptq-qweight-narrowed", GPTQ, gptq, _retype(f"{ATTENTION}.qweight", "I16"), "vllm-param-dtype"),
     ("gptq-foreign-tensor", GPTQ, gptq, lambda s: s + [TensorSpec(f"{ATTENTION}.weight_packed", "I32", (4096, 256))], "vllm-param-unexpected"),
     ("gptq-desc-act-groups", dict(GPTQ, desc_act=True), gptq, None, "scheme-refused-by-vllm"),
     ("gptq-asymmetric", dict(GPTQ, sym=False), gptq, None, "scheme-refused-by-vllm"),
@@ -250,23 +251,26 @@ def test_ct_args_read_as_compressed_tensors_reads_them(args):
 
 
 @pytest.mark.slow
-def test_vllm_quant_params_shipped_equal_installed_vllm(vllm_venv):
-    """The shipped parameter data is what the installed vLLM's quant methods create."""
+@pytest.mark.parametrize(("script_name", "data_name"), [("vllm_quant_params.py", "VLLM_QUANT_PARAMS"), ("vllm_loader_ignores.py", "VLLM_LOADER_IGNORES")])
+def test_vllm_data_shipped_equal_installed_vllm(vllm_venv, script_name, data_name):
+    """The shipped data is what the installed vLLM says: the parameters its quant methods create
+    (and the keys their config classes require), and what its weight loaders skip."""
     import subprocess
 
+    from fp4forge.checkpoint import vllm_params
     from fp4forge.checkpoint.layout import LAYOUTS_DIR
-    from fp4forge.checkpoint.vllm_params import VLLM_QUANT_PARAMS
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "vllm_quant_params.py"
+    script = Path(__file__).resolve().parent.parent / "scripts" / script_name
     result = subprocess.run([str(vllm_venv / "bin" / "python"), str(script)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / VLLM_QUANT_PARAMS).read_text())
+    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / getattr(vllm_params, data_name)).read_text())
 
 
 def test_awq_modules_to_not_convert_match_by_substring(tmp_path, model):
     """vLLM's AWQ skips every Linear whose name contains an entry: attention kept BF16 under
-    `self_attn` is clean; attention quantized all the same is quantized-but-not-targeted."""
-    keep = dict(AWQ, modules_to_not_convert=["self_attn"])
+    `self_attn` is clean; attention quantized all the same is quantized-but-not-targeted. (A list
+    is all vLLM skips: the BF16 router must be in it, `mlp.gate`.)"""
+    keep = dict(AWQ, modules_to_not_convert=["self_attn", "mlp.gate"])
 
     def attention_bf16(module, out, inp):
         return [TensorSpec(f"{module}.weight", "BF16", (out, inp))] if "self_attn" in module else awq(module, out, inp)
@@ -318,3 +322,66 @@ def test_linear_left_bf16_under_a_packed_declaration(tmp_path, model, declaratio
 
     found = errors(build(tmp_path, model, declaration, one_bf16))
     assert [f["rule"] for f in found] == ["module-not-quantized"] and found[0]["tensors"] == [f"{ATTENTION}.weight"]
+
+
+def _with_zero_biases(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """AutoGPTQ's QuantLinear layout: an F16 bias [out] beside every packed Linear."""
+    return specs + [TensorSpec(s.name.removesuffix(".scales") + ".bias", "F16", (s.shape[1],)) for s in specs if s.name.endswith(".scales")]
+
+
+def test_zero_biases_vllms_loader_skips_are_information(tmp_path, model):
+    """AutoGPTQ's zero biases on an architecture whose vLLM loader skips an unexpected `.bias`
+    (Qwen3-MoE: AutoWeightsLoader): named once as information, counted, no error; under an
+    architecture vLLM's data says raises on them (GPT-OSS's hand-written loader), unexpected."""
+    from fp4forge.checkpoint import vllm_params
+
+    assert vllm_params.suffixes_skipped_by_loader(["Qwen3MoeForCausalLM"]) == ("bias",)
+    assert vllm_params.suffixes_skipped_by_loader(["GptOssForCausalLM"]) == ()
+    path = build(tmp_path, model, GPTQ, gptq, _with_zero_biases)
+    findings = audit_checkpoint(str(path)).to_json()["findings"]
+    assert [f for f in findings if f["severity"] == "error"] == []
+    skipped = [f for f in findings if f["rule"] == "tensor-skipped-by-vllm"]
+    assert len(skipped) == 1 and skipped[0]["severity"] == "info" and all(t.endswith(".bias") for t in skipped[0]["tensors"])
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, architectures=["GptOssForCausalLM"])))
+    assert "tensor-unexpected" in {f["rule"] for f in errors(path)}
+
+
+@pytest.mark.parametrize(("declaration", "missing"), [(GPTQ, "desc_act"), (GPTQ, "sym"), (AWQ, "zero_point"), (AWQ, "group_size")])
+def test_a_key_vllms_config_class_requires_is_missing(tmp_path, model, declaration, missing):
+    """vLLM's AutoGPTQConfig / AutoAWQConfig read these with get_from_keys (no default): without
+    them vLLM does not start; the audit says which (the keys read from vLLM's from_config)."""
+    per_linear = gptq if declaration is GPTQ else awq
+    found = errors(build(tmp_path, model, {k: v for k, v in declaration.items() if k != missing}, per_linear))
+    assert any(f["rule"] == "quant-config-invalid" and missing in f["message"] for f in found), found
+
+
+def test_awq_named_skips_leave_the_router_targeted(tmp_path, model):
+    """Without modules_to_not_convert vLLM's AWQ leaves every Linear stored in floats unquantized
+    (the router included); with a list it skips exactly those names, so the BF16 router is
+    targeted and vLLM cannot load it."""
+    assert errors(build(tmp_path, model, dict(AWQ, modules_to_not_convert=None), awq)) == []
+    found = errors(build(tmp_path, model, dict(AWQ, modules_to_not_convert=["model.layers.9.nothing"]), awq))
+    assert any(f["rule"] == "module-not-quantized" and any(".mlp.gate." in t for t in f["tensors"]) for f in found), found
+
+
+def test_gptq_3bit_counts_every_parameter(tmp_path, model):
+    """3-bit GPTQ packs 32 values into three int32s ([in * 3 / 32, out]); vLLM 0.32 accepts no
+    3-bit GPTQ, so the packing comes from the width its int32 holds at the bits it accepts."""
+    def gptq3(module, out, inp):
+        return [TensorSpec(f"{module}.qweight", "I32", (inp * 3 // 32, out)), TensorSpec(f"{module}.qzeros", "I32", (inp // GROUP, out * 3 // 32)),
+                TensorSpec(f"{module}.scales", "F16", (inp // GROUP, out)), TensorSpec(f"{module}.g_idx", "I32", (inp,))]
+
+    path = build(tmp_path, model, dict(GPTQ, bits=3), gptq3)
+    table = byte_table_of(path)
+    assert table.total_params == unquantized_params(model)
+    assert table.experts_bpp == pytest.approx(hand_bpp(model, gptq3), rel=1e-12)
+    assert [f["rule"] for f in errors(path)] == ["scheme-refused-by-vllm"]
+
+
+def test_packed_words_widened_to_int64_load_as_stored(tmp_path, model):
+    """vLLM copies an I64 `qweight` / `qzeros` into its I32 parameter with a truncating cast: the
+    low 32 bits, the packed word, survive (the mutation oracle measures the same values after
+    loading), so the audit reports no dtype error for them."""
+    words = (f"{ATTENTION}.qweight", f"{ATTENTION}.qzeros")
+    assert errors(build(tmp_path, model, GPTQ, gptq, lambda specs: [TensorSpec(s.name, "I64", s.shape) if s.name in words else s for s in specs])) == []

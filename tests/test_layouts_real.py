@@ -146,3 +146,57 @@ def test_quantizable_components_are_the_tables_linear_components(monkeypatch):
     finally:
         monkeypatch.undo()
         layout.quantizable_components.cache_clear()
+
+
+# `_common.toml` entries that differ from what the authorities say, and why each stays.
+SUFFIX_OVERRIDES = {
+    "SCB": "bitsandbytes 8-bit's per-row F32 scale: transformers serializes it among the weight's state, "
+           "but it scales the weight's rows as every weight_scale does",
+}
+
+
+def test_packed_int_and_bitsandbytes_suffixes_are_derived():
+    """GPTQ / AWQ suffixes come from the parameters vLLM's methods create and discard, the
+    bitsandbytes state from transformers' quantizers, not from a list here; the derivation gives
+    what those formats store."""
+    from fp4forge.checkpoint.layout import derived_suffix_kinds
+
+    suffixes, tails = derived_suffix_kinds()
+    assert {k: suffixes[k] for k in ("qweight", "qzeros", "scales", "g_idx")} == {
+        "qweight": "packed_weight", "qzeros": "zero_point", "scales": "weight_scale", "g_idx": "g_idx"}
+    assert suffixes["weight_format"] == "quant_state"
+    assert set(tails) == {"weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map",
+                          "weight.quant_state.bitsandbytes__nf4", "weight.quant_state.bitsandbytes__fp4"}
+    assert set(tails.values()) == {"quant_state"}
+
+
+def test_common_toml_overrides_the_derivation_only_with_a_reason():
+    """A hand entry that repeats the derivation has no reason to exist; one that differs is an
+    override SUFFIX_OVERRIDES explains."""
+    import tomllib
+
+    from fp4forge.checkpoint.layout import LAYOUTS_DIR, derived_suffix_kinds
+
+    doc = tomllib.loads((LAYOUTS_DIR / "_common.toml").read_text(encoding="utf-8"))
+    suffixes, tails = derived_suffix_kinds()
+    hand = {e["suffix"]: e["kind"] for e in doc["suffixes"]} | {e["tail"]: e["kind"] for e in doc.get("tails", ())}
+    derived = suffixes | tails
+    overlapping = {name for name in hand if name in derived}
+    assert overlapping == set(SUFFIX_OVERRIDES)
+    assert all(hand[name] != derived[name] for name in overlapping)
+    assert split_suffix("model.layers.0.mlp.down_proj.SCB")[2] == "weight_scale"
+
+
+def test_bitsandbytes_names_shipped_equal_installed_transformers():
+    """The shipped bitsandbytes names are what the installed transformers' quantizers serialize."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fp4forge.checkpoint.layout import BNB_SERIALIZED, LAYOUTS_DIR
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bnb_serialized_names.py"
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout) == json.loads((LAYOUTS_DIR / BNB_SERIALIZED).read_text())

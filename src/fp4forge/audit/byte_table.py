@@ -26,6 +26,7 @@ from the inferred layout (components from name patterns; ``layout_inferred`` say
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 import re
 from collections import Counter
 from itertools import compress, repeat
@@ -98,13 +99,13 @@ def bits_per_param(nbytes: int, params: int) -> float | None:
     return None if params == 0 else nbytes * 8 / params
 
 
-def logical_params(kind: str, dtype: str, numel: int, per_element: int | None = None) -> int:
+def logical_params(kind: str, dtype: str, numel: int, per_element: int | Fraction | None = None) -> int:
     """Parameters a tensor holds (0 for quantization metadata). ``per_element``: the declaration's
     values per stored element of a packed weight (8 for GPTQ's 4-bit values in an int32, 2 for
     bitsandbytes' 4-bit bytes); without it a U8 FP4 tensor holds two, anything else one."""
     if kind in PACKED_KINDS or (kind == "weight" and dtype in _INTEGER_DTYPES):
         if per_element is not None:
-            return per_element * numel
+            return int(per_element * numel)  # a Fraction for values straddling elements (GPTQ 3-bit)
         return 2 * numel if dtype == "U8" and kind == "packed_fp4" else numel
     if kind in ("weight", "bias"):
         return numel

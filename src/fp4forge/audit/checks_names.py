@@ -26,6 +26,7 @@ from typing import Any
 
 from fp4forge.audit.context import AuditContext, issue, modules_noun, parse_version
 from fp4forge.audit.findings import Issue
+from fp4forge.checkpoint import vllm_params
 from fp4forge.checkpoint.declarations import not_understood
 from fp4forge.checkpoint.layout import UNKNOWN, split_suffix
 
@@ -303,8 +304,24 @@ def run(ctx: AuditContext) -> list[Issue]:
         return issues + [issue("names-not-checked", "expected names", architecture, detail=(reason or "unknown reason") + hint)]
     if ctx.declaration is not None and not ctx.declaration.groups and not_understood(ctx.declaration):
         return issues  # a format fp4forge cannot judge names its tensors its own way (format-not-judged says so)
-    issues += name_issues(ctx, compare(ctx, expected, packing=declared_packing(ctx.declaration)), architecture)
+    comparison = compare(ctx, expected, packing=declared_packing(ctx.declaration))
+    issues += skipped_by_vllm_issues(ctx, comparison, architecture)
+    issues += name_issues(ctx, comparison, architecture)
     return issues + mtp_issues(ctx)
+
+
+def skipped_by_vllm_issues(ctx: AuditContext, comparison: NameComparison, architecture: str) -> list[Issue]:
+    """Unexpected tensors vLLM's loader for this architecture skips rather than refuses (the zero
+    `.bias` every AutoGPTQ QuantLinear stores, docs/formats.md#tensors-vllms-loader-skips): taken
+    out of ``comparison`` and named once, as information."""
+    suffixes = tuple(f".{s}" for s in vllm_params.suffixes_skipped_by_loader(ctx.ckpt.config.get("architectures") or []))
+    skipped = [name for name in comparison.unexpected if name.endswith(suffixes)] if suffixes else []
+    if not skipped:
+        return []
+    stored = [t for name in skipped for t in comparison.unexpected.pop(name)]
+    patterns = ", ".join(_by_pattern(skipped))
+    return [issue("tensor-skipped-by-vllm", f"tensors no parameter of {architecture} takes, which vLLM {vllm_params.vllm_version()}'s loader skips", patterns,
+                  tensors=stored, detail=_count(len(stored), "tensor"), file=ctx.file_of(stored[0]))]
 
 
 def declared_packing(decl) -> int | None:

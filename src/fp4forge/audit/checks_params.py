@@ -124,4 +124,11 @@ def _dtype_changes_values(stored: str, expected: str) -> bool:
     else (integer codes, FP8, a float where codes belong) is read as other numbers."""
     if expected == MODEL_DTYPE or expected in FLOAT_DTYPES:
         return stored not in FLOAT_DTYPES
-    return stored != expected
+    return stored != expected and (stored, expected) not in TRUNCATION_KEEPS_WORDS
+
+
+# (stored, parameter) integer dtypes whose copy keeps every word: vLLM copies an I64 tensor into
+# its I32 parameter with a truncating cast, which keeps the low 32 bits (the packed word a sign- or
+# zero-extending widening put there); the oracle measures the same values after loading
+# (docs/audit.md#agreement-with-vllm)
+TRUNCATION_KEEPS_WORDS = frozenset({("I64", "I32")})

@@ -108,6 +108,7 @@ class QuantDeclaration:
     kv: KvDeclaration | None
     problems: list[str] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)  # schemes declared but not audited
+    literal_ignore: bool = False  # the engine skips exactly `ignore`, its own unquantized Linears (routers) not added
     sidecar_differences: list[str] = field(default_factory=list)  # hf_quant_config.json vs the config.json vLLM reads
 
     @property
@@ -431,13 +432,18 @@ def parse_gptq_awq(fmt: str, qc: dict[str, Any]) -> QuantDeclaration:
     problems = []
     if fmt == GPTQ and qc.get("dynamic"):
         problems.append("GPTQ `dynamic` per-module overrides are not resolved: modules they change are judged by the base scheme")
+    problems += [f"none of {', '.join(f'`{k}`' for k in keys)}: vLLM {vllm_params.vllm_version()}'s {fmt} config class requires it and refuses to start"
+                 for keys in vllm_params.required_keys(fmt) if not any(k in qc for k in keys)]
     ignore = list(qc.get("modules_to_not_convert") or []) if fmt == AWQ else []
     if not qc.get("lm_head"):
         ignore.append("lm_head")
     description = f"{fmt} " + ", ".join(f"{k}={v}" for k, v in sorted(vllm_params.scheme_args(key).items()) if k != "method")
     groups = [SchemeGroup(f"quant_method {fmt}", None, (LINEAR_CLASS_TARGET,), description, key=key)]
     unsupported = [description] if vllm_params.scheme_entry(key) is None else []
-    return QuantDeclaration(fmt, "config.json quantization_config", groups, tuple(ignore), None, problems, unsupported)
+    # vLLM derives the Linears it leaves unquantized from the stored dtypes (routers stored BF16
+    # included), except where AWQ names them: then it skips exactly those
+    literal = fmt == AWQ and bool(qc.get("modules_to_not_convert"))
+    return QuantDeclaration(fmt, "config.json quantization_config", groups, tuple(ignore), None, problems, unsupported, literal_ignore=literal)
 
 
 def parse_bitsandbytes(qc: dict[str, Any]) -> QuantDeclaration:
@@ -570,7 +576,8 @@ def resolve(decl: QuantDeclaration, linears: list[str], *, engine_unquantized: s
     for the formats whose class-wide target would otherwise reach them (fp8, mxfp4, GPTQ, AWQ,
     bitsandbytes)."""
     names = NameSet(linears)
-    ignored: set[str] = set(engine_unquantized) & set(linears) if decl.format in (FP8_BLOCK, MXFP4) + KEYED_FORMATS + (BNB,) else set()
+    engine_skips = decl.format in (FP8_BLOCK, MXFP4) + KEYED_FORMATS + (BNB,) and not decl.literal_ignore
+    ignored: set[str] = set(engine_unquantized) & set(linears) if engine_skips else set()
     unmatched_ignores = []
     for pattern in decl.ignore:
         hits = names.matching(pattern, decl.matcher)

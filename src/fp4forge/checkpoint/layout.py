@@ -13,6 +13,7 @@ config the layout is chosen for; without such layers it matches nothing.
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from dataclasses import dataclass
@@ -115,10 +116,36 @@ class Layout:
         return [c for c, _ in self.components]
 
 
+BNB_SERIALIZED = "_bnb_serialized.json"  # written by scripts/bnb_serialized_names.py
+QUANT_STATE = "quant_state"
+
+
+@lru_cache(maxsize=1)
+def derived_suffix_kinds() -> tuple[dict[str, str], dict[str, str]]:
+    """({suffix: kind}, {tail: kind}) taken from the authorities rather than written here: the
+    GPTQ / AWQ parameters vLLM creates (``vllm_params.packed_int_suffix_kinds``) and the names
+    transformers' bitsandbytes quantizers serialize beside a quantized `weight` (one part: a
+    suffix of the module, `weight_format`; several: a tail of the weight, `weight.absmax`), all
+    quantization state."""
+    from fp4forge.checkpoint import vllm_params  # it reads LAYOUTS_DIR from this module
+
+    suffixes = vllm_params.packed_int_suffix_kinds()
+    tails: dict[str, str] = {}
+    serialized = json.loads((LAYOUTS_DIR / BNB_SERIALIZED).read_text(encoding="utf-8"))["serialized_names"]
+    for names in serialized.values():
+        for parameter, stored in names.items():
+            for name in stored:
+                if name != parameter:
+                    (tails if "." in name else suffixes).setdefault(name, QUANT_STATE)
+    return suffixes, tails
+
+
 @lru_cache(maxsize=1)
 def _suffix_kinds() -> dict[str, str]:
+    """The derived suffixes, then `_common.toml`'s entries (which override: each one that
+    differs from the derivation says why, tests/test_layouts_real.py)."""
     doc = _load_toml("_common.toml")
-    return {entry["suffix"]: entry["kind"] for entry in doc["suffixes"]}
+    return derived_suffix_kinds()[0] | {entry["suffix"]: entry["kind"] for entry in doc["suffixes"]}
 
 
 @lru_cache(maxsize=1)
@@ -126,8 +153,9 @@ def _tail_kinds() -> dict[str, tuple[tuple[str, str], ...]]:
     """last dotted part -> ((tail, kind), ...): suffixes of several dotted parts (bitsandbytes'
     `weight.absmax`), whose module is the name before the whole tail."""
     out: dict[str, list[tuple[str, str]]] = {}
-    for entry in _load_toml("_common.toml").get("tails", ()):
-        out.setdefault(entry["tail"].rpartition(".")[2], []).append((entry["tail"], entry["kind"]))
+    kinds = derived_suffix_kinds()[1] | {entry["tail"]: entry["kind"] for entry in _load_toml("_common.toml").get("tails", ())}
+    for tail, kind in kinds.items():
+        out.setdefault(tail.rpartition(".")[2], []).append((tail, kind))
     return {last: tuple(tails) for last, tails in out.items()}
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from fp4forge.checkpoint.layout import LAYOUTS_DIR
 
 VLLM_QUANT_PARAMS = "_vllm_quant_params.json"
+VLLM_LOADER_IGNORES = "_vllm_loader_ignores.json"  # written by scripts/vllm_loader_ignores.py
 # the dtype a parameter takes from the model (vLLM's params_dtype): any float the checkpoint
 # stores is cast into it on load
 MODEL_DTYPE = "model"
@@ -117,6 +118,37 @@ def vllm_knows_method(method: str) -> bool:
     return method in quant_params_data()["methods"]
 
 
+_INTEGER = frozenset({"I32", "I64", "I16", "I8", "U8"})
+
+
+def packed_int_suffix_kinds() -> dict[str, str]:
+    """What each tensor suffix of the GPTQ and AWQ parameters vLLM creates is (the layouts' kinds,
+    ``layouts/_common.toml``), from the data: the weight holding several values per element is
+    ``packed_weight`` (`qweight`), another integer parameter a ``zero_point`` (`qzeros`), a float
+    one a ``weight_scale`` (`scales`), and a suffix vLLM discards before loading the ``g_idx``
+    kind (GPTQ's act-order index)."""
+    kinds: dict[str, str] = {}
+    for key, entry in quant_params_data()["schemes"].items():
+        if scheme_args(key).get("method") not in (GPTQ_METHODS[0], AWQ_METHODS[0]) or "params" not in entry:
+            continue
+        for param in entry["params"]:
+            if param.get("weight"):
+                kind = "packed_weight" if param.get("values_per_element", 1) != 1 else "weight"
+            else:
+                kind = "zero_point" if param["dtype"] in _INTEGER else "weight_scale"
+            kinds.setdefault(param["name"], kind)
+        for suffix in entry.get("discarded", ()):
+            kinds.setdefault(suffix, "g_idx")
+    return kinds
+
+
+def required_keys(method: str) -> list[list[str]]:
+    """The declaration keys vLLM's config class for ``method`` (`gptq`, `awq`) refuses to start
+    without: one list of alternative spellings each (AWQ: `w_bit` or `bits`); [] for a method the
+    data does not hold."""
+    return quant_params_data().get("required_keys", {}).get(method, [])
+
+
 def config_built_params() -> frozenset[str]:
     """Parameters vLLM fills from the quantization config rather than the checkpoint."""
     return frozenset(quant_params_data()["config_built"])
@@ -169,17 +201,37 @@ def expected_tensors(key: str, in_features: int, out_features: int, *, expert: b
     return out
 
 
-def weight_values_per_element(key: str) -> int | None:
+def weight_values_per_element(key: str) -> int | Fraction | None:
     """Logical parameters per stored element of the scheme's weight tensor (8 for 4-bit values in
     an int32), from the data; for a scheme vLLM refuses or the data lacks (a group size not
     probed), from a scheme of the same method, bit width, type and format it accepts (the packing
-    depends on nothing else); None when the data holds neither."""
+    depends on nothing else); for a bit width vLLM accepts in no scheme of the method (GPTQ's 3
+    bits), the element's width an accepted width of the method packs (values × bits: 32 for an
+    int32) over the declared bits, a Fraction where values straddle elements (32 / 3); None when
+    the data holds none of these."""
     entry = scheme_entry(key)
     if entry is None or "params" not in entry:
         entry = _accepted_sibling(key)
         if entry is None:
-            return None
+            return _packed_at_other_width(key)
+    return _weight_packing(entry)
+
+
+def _weight_packing(entry: dict[str, Any]) -> int | None:
     return next((p.get("values_per_element", 1) for p in entry["params"] if p.get("weight")), None)
+
+
+def _packed_at_other_width(key: str) -> int | Fraction | None:
+    method, bits, kind, fmt = _bits(scheme_args(key))
+    if not isinstance(bits, int) or bits <= 0:
+        return None
+    for other, entry in quant_params_data()["schemes"].items():
+        other_method, other_bits, other_kind, other_fmt = _bits(scheme_args(other))
+        packing = _weight_packing(entry) if "params" in entry else None
+        if (other_method, other_kind, other_fmt) == (method, kind, fmt) and isinstance(packing, int) and packing > 1:
+            value = Fraction(packing * other_bits, bits)
+            return int(value) if value.denominator == 1 else value
+    return None
 
 
 def _bits(args: dict[str, Any]) -> tuple:
@@ -193,3 +245,21 @@ def _accepted_sibling(key: str) -> dict[str, Any] | None:
         if "params" in entry and _bits(scheme_args(other)) == wanted:
             return entry
     return None
+
+
+@lru_cache(maxsize=1)
+def loader_ignores_data() -> dict[str, Any]:
+    return json.loads((LAYOUTS_DIR / VLLM_LOADER_IGNORES).read_text(encoding="utf-8"))
+
+
+def suffixes_skipped_by_loader(architectures: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """Suffixes of checkpoint tensors vLLM's weight loader for these architectures skips instead
+    of refusing where no parameter takes them: `bias` where every loader the model class runs
+    skips an unexpected one (AutoWeightsLoader adds it to its ignore list; hand-written loaders
+    skip it themselves); nothing for an architecture the data does not hold or whose loader
+    raises on it."""
+    data = loader_ignores_data()
+    by_architecture = data["skips_unexpected_bias"]
+    if not architectures or not all(by_architecture.get(a) for a in architectures):
+        return ()
+    return tuple(data["auto_weights_loader"]["ignored_unexpected_suffixes"])

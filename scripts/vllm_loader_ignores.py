@@ -1,0 +1,107 @@
+"""Write (or check) fp4forge's table of the checkpoint tensors vLLM's weight loaders skip instead of
+refusing, from vLLM itself: src/fp4forge/checkpoint/layouts/_vllm_loader_ignores.json.
+
+    python scripts/vllm_loader_ignores.py            # print the table the installed vLLM gives
+    python scripts/vllm_loader_ignores.py --write    # and write it to the data file
+
+Run it with the vLLM environment's interpreter (e.g. `.venv-vllm/bin/python`). Two facts:
+
+* ``auto_weights_loader``: what vLLM's generic loader (``AutoWeightsLoader``) skips, read off the
+  loader itself: the suffixes it ignores where no parameter takes them (it adds `.bias` for the
+  unused zero biases GPTQ exports carry; measured by running its ``load_weights`` on an empty
+  module) and the name parts its rotary-embedding mapper drops (`rotary_emb.inv_freq`, ...).
+* ``architectures``: per architecture of vLLM's model registry, whether every ``load_weights``
+  its model class runs either hands the tensors to ``AutoWeightsLoader`` or skips an unexpected
+  `.bias` itself (the ``if name.endswith(".bias") and name not in params_dict: continue`` of the
+  hand-written loaders): then an unexpected `.bias` is skipped (``true``); a hand-written loader
+  without that skip raises on it (``false``). The functions read are the ``load_weights`` of the
+  vLLM classes in the model class's MRO and of every class their modules define (the model's
+  inner blocks). An architecture whose module cannot be imported here is read from its source
+  file alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "src/fp4forge/checkpoint/layouts/_vllm_loader_ignores.json"
+# a hand-written loader's skip of an unexpected bias: `name.endswith(".bias")` in a condition
+BIAS_SKIP = re.compile(r"""endswith\(\s*\(?\s*["']\.bias["']""")
+AUTO_LOADER = "AutoWeightsLoader("
+
+
+def auto_loader_facts() -> dict:
+    """What AutoWeightsLoader skips, from the loader object: its ignore list after a load of
+    nothing (no quantization config), and the substrings its rotary mapper maps to None."""
+    from torch import nn
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    loader = AutoWeightsLoader(nn.Module())
+    loader.load_weights([])
+    mapper = AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER
+    return {"ignored_unexpected_suffixes": sorted(s.lstrip(".") for s in loader.ignore_unexpected_suffixes),
+            "dropped_substrings": sorted(k for k, v in mapper.orig_to_new_substr.items() if v is None)}
+
+
+def _loader_sources_of(cls: type) -> list[str]:
+    """The source of every load_weights the class's vLLM modules define."""
+    modules = {klass.__module__ for klass in cls.__mro__ if klass.__module__.startswith("vllm.")}
+    out = []
+    for name in sorted(modules):
+        for klass in vars(sys.modules[name]).values():
+            if inspect.isclass(klass) and klass.__module__ == name and "load_weights" in vars(klass):
+                try:
+                    out.append(inspect.getsource(vars(klass)["load_weights"]))
+                except (OSError, TypeError):
+                    continue
+    return out
+
+
+def _loader_sources_in_file(module_name: str) -> list[str] | None:
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return None
+    source = Path(spec.origin).read_text(encoding="utf-8")
+    return [ast.get_source_segment(source, node) or "" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef) and node.name == "load_weights"]
+
+
+def skips_unexpected_bias(sources: list[str]) -> bool:
+    """Every loader hands its tensors to AutoWeightsLoader or skips an unexpected bias itself."""
+    return bool(sources) and all(AUTO_LOADER in s or BIAS_SKIP.search(s) for s in sources)
+
+
+def table() -> dict:
+    import vllm
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    architectures: dict[str, bool] = {}
+    unavailable: dict[str, str] = {}
+    for arch, (short_name, class_name) in sorted(_VLLM_MODELS.items()):
+        module_name = short_name if short_name.startswith("vllm.") else f"vllm.model_executor.models.{short_name}"
+        try:
+            sources = _loader_sources_of(getattr(importlib.import_module(module_name), class_name))
+        except Exception as exc:  # noqa: BLE001 - an optional dependency missing in this environment
+            sources = _loader_sources_in_file(module_name)
+            if sources is None:
+                unavailable[arch] = f"{type(exc).__name__}"
+                continue
+        architectures[arch] = skips_unexpected_bias(sources)
+    return {"vllm": vllm.__version__, "auto_weights_loader": auto_loader_facts(), "skips_unexpected_bias": architectures,
+            "unavailable": unavailable}
+
+
+def main(argv: list[str]) -> int:
+    from vllm_packed_modules import emit  # the sibling script (its directory is on sys.path)
+
+    return emit(table(), DATA, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
