@@ -112,3 +112,35 @@ def test_cached_kl_estimator_is_unbiased() -> None:
     assert bool(((mean - exact).abs() < 4 * stderr + 1e-6).all()), (mean, exact, stderr)
     everything: TeacherEntry = teacher_entry(teacher, targets, 500, 4, gen)  # top-k = the whole vocabulary: exact
     assert torch.allclose(estimated_kl(everything, student), exact, atol=1e-6)
+
+
+def test_student_weights_decoded_where_materialised_are_the_host_decode(laguna: Path, stats: StatsAmax, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the read-ahead hands a CUDA layer (stored codes, decoded on the device) fills every
+    parameter with the values the host decode gives (here the CPU stands in for the device)."""
+    from fp4forge.checkpoint.quantized import QuantizedCheckpoint, StoredWeight
+    from fp4forge.checkpoint.reader import open_checkpoint
+    from fp4forge.model.streaming import StreamedModel, materialize, read_tensors
+
+    ckpt = open_checkpoint(export(laguna, stats, tmp_path / "student"))
+    reader = QuantizedCheckpoint(ckpt, "compressed-tensors").dequantized(torch.bfloat16, formula="multiply")
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no page-locked memory without CUDA
+    with StreamedModel(ckpt.config, reader, device="cpu", prefetch=False) as streamed:
+        layer, prefix = streamed.layers[1], streamed.layer_prefix(1)
+        names = streamed._layer_disk_names(1)
+        handed = read_tensors(reader, names, pin=True)
+        assert sum(isinstance(v, StoredWeight) for v in handed.values()) >= 3 * 16  # the routed experts at least
+        deferred = {n: p.clone() for n, p in materialize(layer, prefix, streamed.plan, reader, "cpu", handed).state_dict().items()}
+        host = materialize(layer, prefix, streamed.plan, reader, "cpu", read_tensors(reader, names)).state_dict()
+        assert deferred.keys() == host.keys() and all(torch.equal(deferred[n], host[n]) for n in host)
+
+
+def test_global_max_experts_quantized_in_one_call_as_per_expert() -> None:
+    """SharedExpertFakeQuant quantizes all experts' rows at once: the per-expert calls' values."""
+    from fp4forge.fidelity.evaluate import ActivationScale, SharedExpertFakeQuant
+
+    rows = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    quant = ActivationScale("nvfp4", float(rows.abs().max())).quantizer()
+    tap = SharedExpertFakeQuant(quant, quant, 4)
+    experts, counts = torch.tensor([0] * 7 + [2] * 30 + [3] * 3), [7, 30, 3]
+    per_expert = torch.cat([tap.gate_up_input(e, part) for e, part in zip((0, 2, 3), rows.split(counts))])
+    assert torch.equal(tap.gate_up_rows(rows, experts), per_expert) and torch.equal(tap.down_rows(rows, experts), per_expert)

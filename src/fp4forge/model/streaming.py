@@ -353,6 +353,9 @@ def materialize(
         for placement in plan.for_param(full):
             target = placement.target(tensor)
             value = tensors.pop(placement.disk_name) if tensors and placement.disk_name in tensors else reader.read(placement.disk_name)
+            on_device = getattr(value, "on_device", None)  # stored codes the reader left to decode here
+            if on_device is not None:
+                value = on_device(target.device)
             if tuple(value.shape) != tuple(target.shape):
                 raise ConfigError(f"{placement.disk_name}: shape {list(value.shape)} does not fit {full} slot {list(target.shape)}", tensor=placement.disk_name)
             target.copy_(value, non_blocking=value.is_pinned())
