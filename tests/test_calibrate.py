@@ -84,6 +84,10 @@ def test_expert_loop_equals_transformers_eager_experts(laguna: Path) -> None:
     top_k = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:4] for i in range(50)])
     weights = torch.rand(50, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     assert torch.equal(experts_forward(experts, hidden, top_k, weights, NoTap()), experts(hidden, top_k, weights))
+    # routes to no local expert (index num_experts) are skipped by both; a token may keep none
+    top_k[::3, 0] = 16
+    top_k[7] = 16
+    assert torch.equal(experts_forward(experts, hidden, top_k, weights, NoTap()), experts(hidden, top_k, weights))
 
 
 def test_running_max_not_last_batch_and_unseen_experts(laguna: Path) -> None:
