@@ -387,11 +387,6 @@ class StoredWeight:
     module: str
     stored: dict[str, Tensor]
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        q = self.source.linears[self.module]
-        return (q.out_features, q.in_features)
-
     def on_device(self, device: torch.device) -> Tensor:
         view = self.source.view
         on = {role: t.to(device, non_blocking=True) for role, t in self.stored.items()}

@@ -2,8 +2,9 @@
 
 * **Routed experts**: transformers 5 keeps them fused (``gate_up_proj`` [E, 2I, H], ``down_proj``
   [E, H, I]) with no per-expert Linear to hook, so the experts module runs :func:`experts_forward`
-  — transformers' eager expert loop (``LagunaExperts.forward`` / ``Qwen3MoeExperts.forward``, same
-  ops, same order) with an :class:`ExpertTap` at each expert's two GEMM inputs. Calibration's tap
+  — transformers' eager expert loop (``LagunaExperts.forward`` / ``Qwen3MoeExperts.forward``: the
+  same values bit for bit, with one host sync per call instead of one per expert) with an
+  :class:`ExpertTap` at each expert's two GEMM inputs. Calibration's tap
   records amax per expert; the fidelity student's tap fake-quantizes.
 * **KV cache**: a :class:`KVCacheTap` passed to attention as ``past_key_values`` receives K and V
   exactly as the cache would store them (after k-norm and RoPE); ``observe`` sees them
@@ -23,7 +24,9 @@ from fp4forge.errors import ConfigError
 
 
 class ExpertTap(Protocol):
-    """Sees (and may replace) the input of each expert's gate/up and down GEMMs."""
+    """Sees (and may replace) the input of each expert's gate/up and down GEMMs. A tap may also
+    define ``gate_up_rows(x, experts)`` / ``down_rows(h, experts)``: then it gets every expert's
+    rows in one call (sorted by expert; ``experts`` names each row's) instead of the per-expert ones."""
 
     def routed(self, counts: Tensor) -> None: ...
 
