@@ -90,6 +90,19 @@ def test_expert_loop_equals_transformers_eager_experts(laguna: Path) -> None:
     assert torch.equal(experts_forward(experts, hidden, top_k, weights, NoTap()), experts(hidden, top_k, weights))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_expert_loop_equals_transformers_eager_experts_on_cuda(laguna: Path) -> None:
+    """On a GPU too (the eager loop's index_add_ is an atomic add there; the sums must still agree)."""
+    model = AutoModelForCausalLM.from_pretrained(laguna, experts_implementation="eager").eval().to("cuda")
+    experts = model.model.layers[1].mlp.experts
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(300, model.config.hidden_size, generator=generator).to(torch.bfloat16).cuda()
+    top_k = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(300)]).cuda()
+    weights = torch.rand(300, 4, generator=generator).to(torch.bfloat16).cuda()
+    assert torch.equal(experts_forward(experts, hidden, top_k, weights, NoTap()), experts(hidden, top_k, weights))
+
+
 def test_running_max_not_last_batch_and_unseen_experts(laguna: Path) -> None:
     ckpt = open_checkpoint(laguna)
     samples = calibration_samples(ckpt, SMALL)

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-from fp4forge.fidelity.evaluate import FidelityOptions, TeacherEntry, estimated_kl, evaluate, exact_kl, teacher_entry
+from fp4forge.fidelity.evaluate import ActivationScale, FidelityOptions, SharedExpertFakeQuant, TeacherEntry, estimated_kl, evaluate, exact_kl, teacher_entry
 from fp4forge.calibrate.kv import write_declaration
 from fp4forge.errors import ConfigError
+from fp4forge.checkpoint.quantized import QuantizedCheckpoint, StoredWeight
+from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.checkpoint.stats import write_stats
+from fp4forge.model.streaming import StreamedModel, materialize, read_tensors
 from fp4forge.quantize.act_scales import StatsAmax
 from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
 from fp4forge.quantize.recipe import load_recipe
@@ -117,10 +120,6 @@ def test_cached_kl_estimator_is_unbiased() -> None:
 def test_student_weights_decoded_where_materialised_are_the_host_decode(laguna: Path, stats: StatsAmax, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the read-ahead hands a CUDA layer (stored codes, decoded on the device) fills every
     parameter with the values the host decode gives (here the CPU stands in for the device)."""
-    from fp4forge.checkpoint.quantized import QuantizedCheckpoint, StoredWeight
-    from fp4forge.checkpoint.reader import open_checkpoint
-    from fp4forge.model.streaming import StreamedModel, materialize, read_tensors
-
     ckpt = open_checkpoint(export(laguna, stats, tmp_path / "student"))
     reader = QuantizedCheckpoint(ckpt, "compressed-tensors").dequantized(torch.bfloat16, formula="multiply")
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no page-locked memory without CUDA
@@ -134,10 +133,16 @@ def test_student_weights_decoded_where_materialised_are_the_host_decode(laguna: 
         assert deferred.keys() == host.keys() and all(torch.equal(deferred[n], host[n]) for n in host)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_student_weights_decoded_on_cuda_are_the_host_decode(laguna: Path, stats: StatsAmax, tmp_path: Path) -> None:
+    ckpt = export(laguna, stats, tmp_path / "student")
+    reader = QuantizedCheckpoint(open_checkpoint(ckpt), "compressed-tensors").dequantized(torch.bfloat16, formula="multiply")
+    for name in [f"{m}.weight" for m in reader.linears]:
+        assert torch.equal(reader.read_host(name, pin=True).on_device(torch.device("cuda")).cpu(), reader.read(name)), name
+
+
 def test_global_max_experts_quantized_in_one_call_as_per_expert() -> None:
     """SharedExpertFakeQuant quantizes all experts' rows at once: the per-expert calls' values."""
-    from fp4forge.fidelity.evaluate import ActivationScale, SharedExpertFakeQuant
-
     rows = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
     quant = ActivationScale("nvfp4", float(rows.abs().max())).quantizer()
     tap = SharedExpertFakeQuant(quant, quant, 4)
