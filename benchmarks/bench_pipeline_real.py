@@ -63,9 +63,11 @@ ASSUMPTIONS = (
     "measured sliding ones only in attention, a small share of a layer's bytes and time.",
     "The token counts do not grow with the layers: calibration on the same samples x seq_len, fidelity on the "
     "same held-out tokens.",
-    "Reads are cold at every size (the source is evicted from the page cache before each run) and the disk "
-    "reads as fast at 235 GB as at the measured sizes. The 48-layer source and its export do not fit a 64 GiB "
-    "disk: the projection is not a run.",
+    "The source is evicted from the page cache before each run, so calibration reads it cold; quantize and "
+    "fidelity read it again, from the page cache at the measured sizes, which a 235 GB source does not fit: at "
+    "48 layers each of them also pays a cold read of every layer (bytes per layer / the disk's read speed), "
+    "which this projection leaves out. The disk is assumed as fast at 235 GB as at the measured sizes. The "
+    "48-layer source and its export do not fit a 64 GiB disk: the projection is not a run.",
     "Peak host RSS and GPU memory are per-layer quantities (the pipeline streams layers); they are reported "
     "as measured at both sizes, not projected.",
 )
