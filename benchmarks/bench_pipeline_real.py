@@ -14,8 +14,12 @@ runs as a user types it, in its own process:
 (calibrate 262,144 tokens, quantize, KV check, deep audit, bytes, fidelity at its defaults of 16 x
 256 tokens, serve command, card). Measured per run: every step's seconds (the pipeline's own
 ``reports/pipeline.json``), the process's wall time, its peak host RSS (``ru_maxrss`` through
-``benchmarks/_util.run_measured``; page cache is not RSS) and its peak GPU memory (torch's
-allocator, allocated and reserved, in that process). The projection: for each step,
+``benchmarks/_util.run_measured``: all resident pages, the mapped file pages included), the peaks
+of its anonymous, file-backed and shared RSS apart (sampled at 20 Hz by a thread of the pipeline
+process; the page cache of files read with ``read()`` is in none of them, mapped file pages are
+file-backed and the kernel drops them under pressure), the anonymous peak against its bound
+(docs/gpu.md#host-memory; :func:`host_bound`), and its peak GPU memory (torch's allocator,
+allocated and reserved, in that process). The projection: for each step,
 ``per_layer = (t(N2) - t(N1)) / (N2 - N1)``, ``fixed = t(N1) - N1 * per_layer`` and
 ``t(48) = fixed + 48 * per_layer``; its assumptions are written beside it (``ASSUMPTIONS``).
 
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -45,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 from benchmarks._util import drop_page_cache, run_measured  # noqa: E402
+from fp4forge.model.samples import DEFAULT_RAM_BUDGET_BYTES  # noqa: E402
 
 PRESET = "laguna-s-2.1-like"
 RECIPE = "nvfp4-experts-fp8-attn"
@@ -57,28 +63,78 @@ ASSUMPTIONS = (
     "measured sliding ones only in attention, a small share of a layer's bytes and time.",
     "The token counts do not grow with the layers: calibration on the same samples x seq_len, fidelity on the "
     "same held-out tokens.",
-    "Reads are cold at every size (the source is evicted from the page cache before each run) and the disk "
-    "reads as fast at 235 GB as at the measured sizes. The 48-layer source and its export do not fit a 64 GiB "
-    "disk: the projection is not a run.",
+    "The source is evicted from the page cache before each run, so calibration reads it cold; quantize and "
+    "fidelity read it again, from the page cache at the measured sizes, which a 235 GB source does not fit: at "
+    "48 layers each of them also pays a cold read of every layer (bytes per layer / the disk's read speed), "
+    "which this projection leaves out. The disk is assumed as fast at 235 GB as at the measured sizes. The "
+    "48-layer source and its export do not fit a 64 GiB disk: the projection is not a run.",
     "Peak host RSS and GPU memory are per-layer quantities (the pipeline streams layers); they are reported "
     "as measured at both sizes, not projected.",
 )
 
-# The pipeline in its own process, as `fp4forge ...` runs it, with torch's GPU peak written after.
+# The pipeline in its own process, as `fp4forge ...` runs it; a thread of that process samples its
+# /proc/self/status at 20 Hz (anonymous, file-backed and shared RSS kept apart), and torch's GPU
+# peak is written after.
 _CHILD = r"""
-import json, runpy, sys
+import json, runpy, sys, threading, time
 report, argv = sys.argv[1], sys.argv[2:]
 sys.argv = ["fp4forge", *argv]
+KEYS = ("RssAnon", "RssFile", "RssShmem", "VmHWM")
+peaks = dict.fromkeys(KEYS, 0)
+peaks["anon_at_s"] = 0.0
+start = time.perf_counter()
+def status():
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f) if k in KEYS}
+def sample():
+    while True:
+        now = status()
+        if now.get("RssAnon", 0) > peaks["RssAnon"]:
+            peaks["anon_at_s"] = time.perf_counter() - start
+        for k in KEYS:
+            peaks[k] = max(peaks[k], now.get(k, 0))
+        time.sleep(0.05)
+threading.Thread(target=sample, daemon=True).start()
 code = 0
 try:
     runpy.run_module("fp4forge.cli", run_name="__main__")
 except SystemExit as exit_:
     code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+for k, v in status().items():
+    peaks[k] = max(peaks[k], v)
 import torch
 gpu = {"allocated_bytes": torch.cuda.max_memory_allocated(), "reserved_bytes": torch.cuda.max_memory_reserved()} if torch.cuda.is_available() else None
-json.dump({"exit_code": code, "gpu_peak": gpu}, open(report, "w"))
+host = {"anon_bytes": peaks["RssAnon"], "file_bytes": peaks["RssFile"], "shmem_bytes": peaks["RssShmem"], "hwm_bytes": peaks["VmHWM"], "anon_peak_at_s": peaks["anon_at_s"]}
+json.dump({"exit_code": code, "gpu_peak": gpu, "host_peak": host}, open(report, "w"))
 sys.exit(code)
 """
+
+# docs/gpu.md#host-memory: the stated constant of the host-memory bound (the interpreter, torch,
+# transformers and the CUDA runtime's own host memory, the tokenizer and the samples).
+HOST_CONSTANT_BYTES = 3 * 2**30
+LAYER_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.")
+
+
+def largest_layer_bytes(checkpoint: Path) -> int:
+    """The stored bytes of the largest decoder layer of a checkpoint (its safetensors headers)."""
+    from fp4forge.checkpoint.reader import open_checkpoint
+
+    per_layer: dict[int, int] = {}
+    for _, info in open_checkpoint(checkpoint).tensors():
+        match = LAYER_NAME.match(info.name)
+        if match:
+            per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + info.nbytes
+    return max(per_layer.values(), default=0)
+
+
+def host_bound(layer_bytes: int, stored_layer_bytes: int, on_cuda: bool, ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES) -> int:
+    """docs/gpu.md#host-memory: peak anonymous RSS <= 2 x (L + S) + A + C on CUDA (the BF16 layer
+    and the student's stored layer, each being copied and read ahead; the host activation budget;
+    the constant). On the CPU the device is RAM: the materialised layer adds L, and the student is
+    decoded on the host (S = L)."""
+    if on_cuda:
+        return 2 * (layer_bytes + stored_layer_bytes) + ram_budget_bytes + HOST_CONSTANT_BYTES
+    return 5 * layer_bytes + ram_budget_bytes + HOST_CONSTANT_BYTES
 
 
 def log(*parts: object) -> None:
@@ -105,7 +161,8 @@ def pipeline_command(src: Path, out: Path, args: argparse.Namespace) -> list[str
     command = ["pipeline", str(src), str(out), "--recipe", RECIPE,
                "--calib-samples", str(args.calib_samples), "--calib-seq-len", str(args.calib_seq_len),
                "--calib-text", str(src / "fp4forge-calibration.jsonl"), "--fidelity-text", str(src / "fp4forge-heldout.jsonl"),
-               "--fidelity-allow-unreadable"]  # random weights read no text: scored with the warning
+               # synth's random weights read no text: fidelity is timed here, scored with the warning
+               "--fidelity-allow-unreadable"]
     if args.fidelity_samples:
         command += ["--fidelity-samples", str(args.fidelity_samples), "--fidelity-seq-len", str(args.fidelity_seq_len)]
     return command
@@ -127,6 +184,12 @@ def run_one(work: Path, layers: int, args: argparse.Namespace) -> dict:
     manifest = json.loads((out / "reports" / "pipeline.json").read_text())
     steps = {s["name"]: s["seconds"] for s in manifest["steps"] if s["status"] == "done"}
     export_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    layer_bytes, stored_layer_bytes = largest_layer_bytes(src), largest_layer_bytes(out)
+    host = child.get("host_peak") or {}
+    bound = host_bound(layer_bytes, stored_layer_bytes, on_cuda=child.get("gpu_peak") is not None)
+    log(f"N={layers}: peak host RSS anonymous {host.get('anon_bytes', 0) / 1e9:.2f} GB (bound {bound / 1e9:.2f} GB: "
+        f"{'within' if host.get('anon_bytes', 0) <= bound else 'OVER'}), file-backed {host.get('file_bytes', 0) / 1e9:.2f} GB, "
+        f"shared {host.get('shmem_bytes', 0) / 1e9:.2f} GB, VmHWM {host.get('hwm_bytes', 0) / 1e9:.2f} GB")
     calibration = json.loads((out / "reports" / "calibration.json").read_text())
     fidelity = json.loads((out / "reports" / "fidelity.json").read_text())
     if not args.keep:
@@ -134,6 +197,7 @@ def run_one(work: Path, layers: int, args: argparse.Namespace) -> dict:
     return {"layers": layers, "source_bytes": source_bytes, "export_bytes": export_bytes, "build_s": build_s,
             "source_evicted": evicted, "step_seconds": steps, "steps_total_s": sum(steps.values()), "wall_s": stats.wall_s,
             "cpu_s": stats.cpu_s, "peak_rss_bytes": int(stats.peak_rss_mib * 2**20), "gpu_peak": child.get("gpu_peak"),
+            "host_peak": host, "layer_bytes": layer_bytes, "stored_layer_bytes": stored_layer_bytes, "host_anon_bound_bytes": bound,
             "calibration_tokens": calibration.get("tokens"), "fidelity_tokens": _fidelity_tokens(fidelity)}
 
 
@@ -191,7 +255,11 @@ def markdown(doc: dict) -> str:
     for step in STEPS:
         lines.append(f"| {step} | " + " | ".join(f"{r['step_seconds'].get(step, float('nan')):.1f}" for r in runs) + " |")
     rows = (("pipeline process wall", lambda r: f"{r['wall_s']:.1f}"), ("source GB (BF16)", lambda r: f"{r['source_bytes'] / 1e9:.2f}"),
-            ("export GB", lambda r: f"{r['export_bytes'] / 1e9:.2f}"), ("peak host RSS GB", lambda r: f"{r['peak_rss_bytes'] / 1e9:.2f}"),
+            ("export GB", lambda r: f"{r['export_bytes'] / 1e9:.2f}"), ("peak host RSS GB (ru_maxrss)", lambda r: f"{r['peak_rss_bytes'] / 1e9:.2f}"),
+            ("peak anonymous RSS GB", lambda r: _gb(r["host_peak"].get("anon_bytes"))),
+            ("its bound GB (docs/gpu.md#host-memory)", lambda r: _gb(r["host_anon_bound_bytes"])),
+            ("peak file-backed RSS GB", lambda r: _gb(r["host_peak"].get("file_bytes"))),
+            ("peak shared RSS GB", lambda r: _gb(r["host_peak"].get("shmem_bytes"))),
             ("peak GPU allocated GB", lambda r: _gb((r["gpu_peak"] or {}).get("allocated_bytes"))),
             ("peak GPU reserved GB", lambda r: _gb((r["gpu_peak"] or {}).get("reserved_bytes"))),
             ("calibration tokens", lambda r: f"{r['calibration_tokens']:,}"), ("build (synth) s", lambda r: f"{r['build_s']:.1f}"))

@@ -84,6 +84,23 @@ def test_expert_loop_equals_transformers_eager_experts(laguna: Path) -> None:
     top_k = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:4] for i in range(50)])
     weights = torch.rand(50, 4, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     assert torch.equal(experts_forward(experts, hidden, top_k, weights, NoTap()), experts(hidden, top_k, weights))
+    # routes to no local expert (index num_experts) are skipped by both; a token may keep none
+    top_k[::3, 0] = 16
+    top_k[7] = 16
+    assert torch.equal(experts_forward(experts, hidden, top_k, weights, NoTap()), experts(hidden, top_k, weights))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_expert_loop_equals_transformers_eager_experts_on_cuda(laguna: Path) -> None:
+    """On a GPU too (the eager loop's index_add_ is an atomic add there; the sums must still agree)."""
+    model = AutoModelForCausalLM.from_pretrained(laguna, experts_implementation="eager").eval().to("cuda")
+    experts = model.model.layers[1].mlp.experts
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(300, model.config.hidden_size, generator=generator).to(torch.bfloat16).cuda()
+    top_k = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(300)]).cuda()
+    weights = torch.rand(300, 4, generator=generator).to(torch.bfloat16).cuda()
+    assert torch.equal(experts_forward(experts, hidden, top_k, weights, NoTap()), experts(hidden, top_k, weights))
 
 
 def test_running_max_not_last_batch_and_unseen_experts(laguna: Path) -> None:

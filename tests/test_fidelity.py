@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from fp4forge.calibrate import CalibrationOptions, calibrate_checkpoint
-from fp4forge.fidelity.evaluate import FidelityOptions, TeacherEntry, estimated_kl, evaluate, exact_kl, teacher_entry
+from fp4forge.fidelity.evaluate import ActivationScale, FidelityOptions, SharedExpertFakeQuant, TeacherEntry, estimated_kl, evaluate, exact_kl, teacher_entry
 from fp4forge.calibrate.kv import write_declaration
 from fp4forge.errors import ConfigError
+from fp4forge.checkpoint.quantized import QuantizedCheckpoint, StoredWeight
+from fp4forge.checkpoint.reader import open_checkpoint
 from fp4forge.checkpoint.stats import write_stats
+from fp4forge.model.streaming import StreamedModel, materialize, read_tensors
 from fp4forge.quantize.act_scales import StatsAmax
 from fp4forge.quantize.export import QuantizeOptions, quantize_checkpoint
 from fp4forge.quantize.recipe import load_recipe
@@ -112,3 +115,37 @@ def test_cached_kl_estimator_is_unbiased() -> None:
     assert bool(((mean - exact).abs() < 4 * stderr + 1e-6).all()), (mean, exact, stderr)
     everything: TeacherEntry = teacher_entry(teacher, targets, 500, 4, gen)  # top-k = the whole vocabulary: exact
     assert torch.allclose(estimated_kl(everything, student), exact, atol=1e-6)
+
+
+def test_student_weights_decoded_where_materialised_are_the_host_decode(laguna: Path, stats: StatsAmax, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the read-ahead hands a CUDA layer (stored codes, decoded on the device) fills every
+    parameter with the values the host decode gives (here the CPU stands in for the device)."""
+    ckpt = open_checkpoint(export(laguna, stats, tmp_path / "student"))
+    reader = QuantizedCheckpoint(ckpt, "compressed-tensors").dequantized(torch.bfloat16, formula="multiply")
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # no page-locked memory without CUDA
+    with StreamedModel(ckpt.config, reader, device="cpu", prefetch=False) as streamed:
+        layer, prefix = streamed.layers[1], streamed.layer_prefix(1)
+        names = streamed._layer_disk_names(1)
+        handed = read_tensors(reader, names, pin=True)
+        assert sum(isinstance(v, StoredWeight) for v in handed.values()) >= 3 * 16  # the routed experts at least
+        deferred = {n: p.clone() for n, p in materialize(layer, prefix, streamed.plan, reader, "cpu", handed).state_dict().items()}
+        host = materialize(layer, prefix, streamed.plan, reader, "cpu", read_tensors(reader, names)).state_dict()
+        assert deferred.keys() == host.keys() and all(torch.equal(deferred[n], host[n]) for n in host)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_student_weights_decoded_on_cuda_are_the_host_decode(laguna: Path, stats: StatsAmax, tmp_path: Path) -> None:
+    ckpt = export(laguna, stats, tmp_path / "student")
+    reader = QuantizedCheckpoint(open_checkpoint(ckpt), "compressed-tensors").dequantized(torch.bfloat16, formula="multiply")
+    for name in [f"{m}.weight" for m in reader.linears]:
+        assert torch.equal(reader.read_host(name, pin=True).on_device(torch.device("cuda")).cpu(), reader.read(name)), name
+
+
+def test_global_max_experts_quantized_in_one_call_as_per_expert() -> None:
+    """SharedExpertFakeQuant quantizes all experts' rows at once: the per-expert calls' values."""
+    rows = torch.randn(40, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    quant = ActivationScale("nvfp4", float(rows.abs().max())).quantizer()
+    tap = SharedExpertFakeQuant(quant, quant, 4)
+    experts, counts = torch.tensor([0] * 7 + [2] * 30 + [3] * 3), [7, 30, 3]
+    per_expert = torch.cat([tap.gate_up_input(e, part) for e, part in zip((0, 2, 3), rows.split(counts))])
+    assert torch.equal(tap.gate_up_rows(rows, experts), per_expert) and torch.equal(tap.down_rows(rows, experts), per_expert)

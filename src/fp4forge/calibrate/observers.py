@@ -97,6 +97,21 @@ class ExpertObserver:
         self.stats.down_amax[expert] = torch.maximum(self.stats.down_amax[expert], self._amax(h))
         return h
 
+    # All experts' rows at once (sorted by expert, ``experts`` says whose each row is): the same
+    # maxima as the per-expert calls, in one reduction instead of a few kernels per expert.
+    def gate_up_rows(self, x: Tensor, experts: Tensor) -> Tensor:
+        self.stats.gate_up_amax = self._rows_amax(self.stats.gate_up_amax, x, experts)
+        return x
+
+    def down_rows(self, h: Tensor, experts: Tensor) -> Tensor:
+        self.stats.down_amax = self._rows_amax(self.stats.down_amax, h, experts)
+        return h
+
+    @staticmethod
+    def _rows_amax(running: Tensor, rows: Tensor, experts: Tensor) -> Tensor:
+        per_row = rows.abs().amax(dim=-1).to(torch.float32)
+        return running.scatter_reduce(0, experts, per_row, "amax", include_self=True)
+
     def after_routed(self, module: nn.Module, hidden_states: Tensor) -> None:
         if self.policy != "all-experts":
             return

@@ -355,11 +355,42 @@ class DequantizedTensors:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return self.view.shapes()
 
-    def read(self, name: str) -> Tensor:
+    def _quantized_module(self, name: str) -> str | None:
         module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is None or module not in self.view.linears:
+        return module if module in self.view.linears else None
+
+    def read(self, name: str) -> Tensor:
+        module = self._quantized_module(name)
+        if module is None:
             return self.view.ckpt.read_tensor(name)
         return self.view.dequantize(module, self.dtype, formula=self.formula)
+
+    def read_host(self, name: str, pin: bool) -> Tensor | StoredWeight:
+        """What a read-ahead thread hands over. Without ``pin``, :meth:`read`. With ``pin`` (the
+        layer goes to a CUDA device), a quantized weight's stored codes and scales in page-locked
+        memory, decoded on the device where it is materialised (:meth:`StoredWeight.on_device`):
+        the same formula in F32, the same values; the host neither decodes nor holds the wide weight."""
+        module = self._quantized_module(name)
+        if not pin:
+            return self.read(name)
+        if module is None:
+            return self.view.ckpt.read_tensor(name).pin_memory()
+        stored = {role: t.pin_memory() for role, t in self.view._stored(module).items()}
+        return StoredWeight(self, module, stored)
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """A quantized Linear's stored tensors on the host, to be decoded where they are used."""
+
+    source: DequantizedTensors
+    module: str
+    stored: dict[str, Tensor]
+
+    def on_device(self, device: torch.device) -> Tensor:
+        view = self.source.view
+        on = {role: t.to(device, non_blocking=True) for role, t in self.stored.items()}
+        return view.linears[self.module].codec.decode(on, view.layout, self.source.dtype, self.source.formula)
 
 
 # -- which layers carry a KV cache, and which layout declares it ------------------------------------

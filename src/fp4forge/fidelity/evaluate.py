@@ -144,6 +144,21 @@ class ExpertFakeQuant:
         pass
 
 
+class SharedExpertFakeQuant(ExpertFakeQuant):
+    """Every expert's input quantized alike (``global-max``): all experts' rows in one call. The
+    quantizers act per row (per 16-element block or per token), so this is the per-expert result."""
+
+    def __init__(self, gate_up: ActQuant | None, down: ActQuant | None, count: int):
+        super().__init__([gate_up] * count, [down] * count)
+        self.shared_gate_up, self.shared_down = gate_up, down
+
+    def gate_up_rows(self, x: Tensor, experts: Tensor) -> Tensor:
+        return x if self.shared_gate_up is None else self.shared_gate_up(x)
+
+    def down_rows(self, h: Tensor, experts: Tensor) -> Tensor:
+        return h if self.shared_down is None else self.shared_down(h)
+
+
 def _group_scale(scales: list[ActivationScale | None]) -> ActivationScale | None:
     """Shards vLLM fuses share the largest amax (vLLM takes the max scale)."""
     present = [s for s in scales if s is not None]
@@ -189,11 +204,12 @@ class StudentNumerics:
         plan = self.streamed.plan
         gate_up = [_group_scale([self._scale(m) for m in plan.expert_modules(f"{experts}.gate_up_proj", e)]) for e in range(count)]
         down = [_group_scale([self._scale(m) for m in plan.expert_modules(f"{experts}.down_proj", e)]) for e in range(count)]
-        if self.options.moe_input_scale == "global-max":
-            gate_up = [_group_scale(gate_up)] * count
-            down = [_group_scale(down)] * count
-        self.activation_quantized += sum(s is not None for s in gate_up + down)
         device = self.streamed.device
+        if self.options.moe_input_scale == "global-max":
+            shared = _group_scale(gate_up), _group_scale(down)
+            self.activation_quantized += count * sum(s is not None for s in shared)
+            return SharedExpertFakeQuant(*[s and s.quantizer(device) for s in shared], count)
+        self.activation_quantized += sum(s is not None for s in gate_up + down)
         return ExpertFakeQuant([s and s.quantizer(device) for s in gate_up], [s and s.quantizer(device) for s in down])
 
     def attach_head(self, head: nn.Module) -> Callable[[], None]:

@@ -2,8 +2,9 @@
 
 * **Routed experts**: transformers 5 keeps them fused (``gate_up_proj`` [E, 2I, H], ``down_proj``
   [E, H, I]) with no per-expert Linear to hook, so the experts module runs :func:`experts_forward`
-  — transformers' eager expert loop (``LagunaExperts.forward`` / ``Qwen3MoeExperts.forward``, same
-  ops, same order) with an :class:`ExpertTap` at each expert's two GEMM inputs. Calibration's tap
+  — transformers' eager expert loop (``LagunaExperts.forward`` / ``Qwen3MoeExperts.forward``: the
+  same values bit for bit, with one host sync per call instead of one per expert) with an
+  :class:`ExpertTap` at each expert's two GEMM inputs. Calibration's tap
   records amax per expert; the fidelity student's tap fake-quantizes.
 * **KV cache**: a :class:`KVCacheTap` passed to attention as ``past_key_values`` receives K and V
   exactly as the cache would store them (after k-norm and RoPE); ``observe`` sees them
@@ -23,7 +24,9 @@ from fp4forge.errors import ConfigError
 
 
 class ExpertTap(Protocol):
-    """Sees (and may replace) the input of each expert's gate/up and down GEMMs."""
+    """Sees (and may replace) the input of each expert's gate/up and down GEMMs. A tap may also
+    define ``gate_up_rows(x, experts)`` / ``down_rows(h, experts)``: then it gets every expert's
+    rows in one call (sorted by expert; ``experts`` names each row's) instead of the per-expert ones."""
 
     def routed(self, counts: Tensor) -> None: ...
 
@@ -64,24 +67,81 @@ def apply_gate(module: nn.Module, gate_up: Tensor) -> Tensor:
 
 @torch.no_grad()
 def experts_forward(module: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, tap: ExpertTap) -> Tensor:
-    """transformers' eager expert loop (same ops, same order), with ``tap`` at the GEMM inputs."""
-    num_experts = module.num_experts
+    """transformers' eager expert loop, same values bit for bit, with ``tap`` at the GEMM inputs.
+
+    Each expert's GEMMs and gate run on the same rows in the same order as the eager loop (its
+    token-expert pairs ordered by top-k slot, then token). What the eager loop does per expert
+    with a host sync and small kernels (finding the rows, weighting, ``index_add_``) is done here
+    once for all experts: the pairs sorted by expert, one sync for the counts, and every token's
+    contributions added in ascending expert order (the order the eager ``index_add_`` calls make).
+    A tap with ``gate_up_rows`` / ``down_rows`` sees all experts' rows at once (one call, not one
+    per expert)."""
+    routes = ExpertRoutes.of(top_k_index, module.num_experts)
+    tap.routed(routes.count_tensor)
+    rows = hidden_states[routes.token[: routes.valid]]
+    batched = hasattr(tap, "gate_up_rows")
+    if batched:
+        rows = tap.gate_up_rows(rows, routes.expert[: routes.valid])
+    parts = routes.split(rows)
+    gated = [apply_gate(module, F.linear(part if batched else tap.gate_up_input(e, part), module.gate_up_proj[e])) for e, part in parts]
+    if batched and gated:
+        gated = list(tap.down_rows(torch.cat(gated), routes.expert[: routes.valid]).split(routes.hit_counts))
+    down = [F.linear(h if batched else tap.down_input(e, h), module.down_proj[e]) for (e, _), h in zip(parts, gated)]
     final = torch.zeros_like(hidden_states)
-    expert_mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
-    tap.routed(torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts])
-    hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for expert_idx in hit:
-        expert = int(expert_idx[0])
-        if expert == num_experts:
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[expert])
-        state = tap.gate_up_input(expert, hidden_states[token_idx])
-        hidden = apply_gate(module, F.linear(state, module.gate_up_proj[expert]))
-        hidden = F.linear(tap.down_input(expert, hidden), module.down_proj[expert])
-        hidden = hidden * top_k_weights[token_idx, top_k_pos, None]
-        final.index_add_(0, token_idx, hidden.to(final.dtype))
+    if down:
+        weights = top_k_weights[routes.token[: routes.valid], routes.slot[: routes.valid], None]
+        final = routes.accumulate(final, (torch.cat(down) * weights).to(final.dtype))
     tap.after_routed(module, hidden_states)
     return final
+
+
+class ExpertRoutes:
+    """One batch's token-expert pairs, sorted by expert (stable: by top-k slot, then token within
+    an expert, as the eager loop's ``torch.where`` over the slot-major mask orders them). Expert
+    index ``num_experts`` (a route to no local expert) sorts last and is skipped."""
+
+    def __init__(self, top_k_index: Tensor, order: Tensor, count_tensor: Tensor, counts: list[int], num_experts: int):
+        tokens = top_k_index.shape[0]
+        self.count_tensor = count_tensor  # routed pairs per expert, on the device
+        self.top_k_index = top_k_index
+        self.num_experts = num_experts
+        self.order = order
+        self.token, self.slot = order % tokens, torch.div(order, tokens, rounding_mode="floor")
+        self.counts = counts[:num_experts]
+        self.valid = sum(self.counts)
+        self.expert = top_k_index.t().reshape(-1)[order]
+        self.hit_counts = [n for n in self.counts if n]
+
+    @classmethod
+    def of(cls, top_k_index: Tensor, num_experts: int) -> ExpertRoutes:
+        flat = top_k_index.t().reshape(-1)  # slot-major: pair p = slot * tokens + token
+        count_tensor = torch.bincount(flat, minlength=num_experts + 1)
+        counts = count_tensor.tolist()  # the one host sync
+        if len(counts) > num_experts + 1:
+            raise ConfigError(f"the router chose expert {len(counts) - 1}; the layer has {num_experts}")
+        return cls(top_k_index, torch.sort(flat, stable=True).indices, count_tensor[:num_experts], counts, num_experts)
+
+    def split(self, rows: Tensor) -> list[tuple[int, Tensor]]:
+        """(expert, its rows) for every expert with any, ascending."""
+        hit = [e for e, n in enumerate(self.counts) if n]
+        return list(zip(hit, rows.split(self.hit_counts))) if hit else []
+
+    def accumulate(self, final: Tensor, contributions: Tensor) -> Tensor:
+        """``final`` plus each token's contributions, one at a time in ascending expert order: the
+        sums (and roundings) the eager loop's per-expert ``index_add_`` calls make."""
+        tokens, slots = self.top_k_index.shape
+        position = torch.empty_like(self.order)
+        position[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        by_expert = torch.sort(self.top_k_index, dim=-1, stable=True)
+        token_ids = torch.arange(tokens, device=position.device)[:, None]
+        rows = position[by_expert.indices * tokens + token_ids]  # [tokens, slots] rows of the sorted pairs
+        valid = by_expert.values < self.num_experts
+        padded = torch.cat([contributions, contributions.new_zeros(1, contributions.shape[-1])])
+        rows = torch.where(valid, rows, self.valid)  # skipped routes read the zero row ...
+        for j in range(slots):
+            summed = final + padded[rows[:, j]]
+            final = torch.where(valid[:, j, None], summed, final)  # ... and leave the sum as it was
+        return final
 
 
 class NoTap:

@@ -23,7 +23,9 @@ table this module does not understand is refused, never guessed.
 layer i is materialised and run on the device, a background reader thread (:class:`LayerPrefetcher`)
 already reads layer i+1's tensors from the checkpoint into host memory (page-locked when the
 device is CUDA, so the host-to-device copy is a plain DMA): disk and compute overlap. Results do
-not depend on the prefetch: the same tensors are copied into the same slots.
+not depend on the prefetch: the same tensors are copied into the same slots. A reader may hand
+over a value with ``on_device(device)`` instead of a tensor (a quantized student's stored codes
+and scales): it is decoded on the device the layer is materialised on.
 
 **Memory.** Host: at most two decoder layers' tensors (the one being materialised and the one
 read ahead), the embedding table while embedding, and the activations that do not fit on the
@@ -33,7 +35,7 @@ peak device memory is about one to two layers plus the activation budget (two wh
 caching allocator still holds the previous layer's blocks). Activations beyond the device budget
 move to host RAM (up to ``ram_budget_bytes``) and beyond that spill to files
 (:class:`ActivationStore`). On the CPU the device tier is RAM too; its budget defaults to 0 there,
-so the CPU behaviour is the RAM budget alone.
+so the CPU behaviour is the RAM budget alone. The host bound, stated: docs/gpu.md#host-memory.
 """
 
 from __future__ import annotations
@@ -353,6 +355,9 @@ def materialize(
         for placement in plan.for_param(full):
             target = placement.target(tensor)
             value = tensors.pop(placement.disk_name) if tensors and placement.disk_name in tensors else reader.read(placement.disk_name)
+            on_device = getattr(value, "on_device", None)  # stored codes the reader left to decode here
+            if on_device is not None:
+                value = on_device(target.device)
             if tuple(value.shape) != tuple(target.shape):
                 raise ConfigError(f"{placement.disk_name}: shape {list(value.shape)} does not fit {full} slot {list(target.shape)}", tensor=placement.disk_name)
             target.copy_(value, non_blocking=value.is_pinned())
