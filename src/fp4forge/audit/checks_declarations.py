@@ -51,6 +51,7 @@ def run(ctx: AuditContext) -> list[Issue]:
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
         issues += checks_params.format_issues(decl)
         issues += [issue("modelopt-sidecar-differs", f"{HF_QUANT_CONFIG} against config.json", difference) for difference in decl.sidecar_differences]
+        issues += [issue("ct-format-string-differs", "group format strings other loaders read otherwise", difference) for difference in decl.loader_differences]
         if ctx.layout is not None and ctx.tensor_format == MXFP4:
             issues += mxfp4_issues(ctx, decl)
         elif ctx.layout is not None and ctx.tensor_format is not None:
@@ -60,6 +61,7 @@ def run(ctx: AuditContext) -> list[Issue]:
             issues += scheme_issues(ctx, resolution)
             issues += fused_scale_issues(ctx, resolution)
             issues += checks_params.param_issues(ctx, resolution)
+            issues += expert_refusal_issues(ctx, resolution)
         elif ctx.layout is not None and decl.format in KEYED_FORMATS:
             resolution = resolve(decl, list(ctx.linear_modules), engine_unquantized=ctx.engine_unquantized)
             issues += target_issues(ctx, decl, resolution)
@@ -72,6 +74,17 @@ def run(ctx: AuditContext) -> list[Issue]:
     issues += kv_issues(ctx)
     issues += provenance_issues(ctx)
     return issues
+
+
+def expert_refusal_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
+    """A group vLLM builds for Linears but whose routed experts its FusedMoE method choice refuses
+    (checkpoint/vllm_ct.py moe_refusal), once per group that targets experts."""
+    refused: dict[str, list[str]] = {}
+    for module, group in resolution.scheme_of.items():
+        if group.expert_refusal and ctx.linear_modules.get(module) == EXPERTS:
+            refused.setdefault(f"{group.description}: {group.expert_refusal}", []).append(module)
+    return [issue("scheme-refused-by-vllm", "declared schemes vLLM refuses", reason, detail=f"{len(modules):,} routed-expert Linears")
+            for reason, modules in refused.items()]
 
 
 def provenance_issues(ctx: AuditContext) -> list[Issue]:
