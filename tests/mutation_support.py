@@ -419,22 +419,23 @@ def load_corpus(corpus: Path = CORPUS_DIR) -> list[dict[str, Any]]:
     return [json.loads((corpus / f"{name}.json").read_text()) for name in SCHEMES if (corpus / f"{name}.json").is_file()]
 
 
-def audit_errors(checkpoint: Path) -> list[str]:
-    """The error rules fp4forge's audit (default options) reports on ``checkpoint``."""
-    from fp4forge.api import audit_checkpoint
+def audit_errors(checkpoint: Path, *, deep: bool = False) -> list[str]:
+    """The error rules fp4forge's audit reports on ``checkpoint`` (``deep``: with --deep)."""
+    from fp4forge.api import AuditOptions, audit_checkpoint
 
-    return sorted({f.rule for f in audit_checkpoint(str(checkpoint)).findings if f.severity == "error"})
+    return sorted({f.rule for f in audit_checkpoint(str(checkpoint), AuditOptions(deep=deep)).findings if f.severity == "error"})
 
 
 def judged_by_audit(bases: dict[str, Path], corpus: list[dict[str, Any]], work: Path) -> list[dict[str, Any]]:
-    """Each stored mutation with the audit's errors on it and whether they agree with vLLM: an
-    error where vLLM refuses or degrades, none where it is fine."""
+    """Each stored mutation with the audit's errors on it (``audit --deep``: what the values say
+    is part of the verdict) and whether they agree with vLLM: an error where vLLM refuses or
+    degrades, none where it is fine."""
     rows = []
     for scheme in corpus:
         base = bases[scheme["scheme"]]
         for number, mutation in enumerate(scheme["mutations"]):
             mutant = apply_mutation(base, mutation, work / f"{scheme['scheme']}-{number}")
-            errors = audit_errors(mutant)
+            errors = audit_errors(mutant, deep=True)
             shutil.rmtree(mutant)
             broken = mutation["vllm"]["outcome"] != "fine"
             rows.append({"id": mutation["id"], "scheme": scheme["scheme"], "vllm": mutation["vllm"]["outcome"], "errors": errors, "agrees": broken == bool(errors)})

@@ -23,9 +23,10 @@ from fp4forge.audit.deep_scan import FP8_SCHEME, NVFP4_SCHEME, DeepValues, deep_
 from fp4forge.audit.findings import Issue, natural_key
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
 from fp4forge.checkpoint.declarations import KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
-from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix
+from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix, vllm_remaps_kv_scales
 from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 from fp4forge.checkpoint.names import PROVENANCE_JSON
+from fp4forge.checkpoint.raw import FLOAT_FORMATS, SCALE_SIGNIFICAND_BITS, cast_verdict, iter_values, survives_cast
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
 from fp4forge.errors import ConfigError
 
@@ -35,6 +36,7 @@ KV_SUFFIXES = ("k_scale", "v_scale")
 EXPERTS = "routed_experts"
 MISSING_TENSOR_RULES = ("scheme-tensor-missing", "moe-input-scale-invalid")
 W4A4_SCHEME = "nvfp4"
+CAST_CHECK_ELEMENTS = 1 << 22  # values read at once when --deep checks a cast
 F32_SMALLEST_NORMAL, F32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
 
 
@@ -265,7 +267,7 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
         if info is None:
             issues.append(_missing_tensor(module, suffix, scheme, component, file))
         elif info.dtype != dtype and info.dtype not in table[suffix].get("accept", ()):
-            issues.append(issue("scheme-tensor-dtype", f"{scheme} {suffix} tensors stored as {info.dtype} instead of {dtype}", name, tensors=[name], file=file))
+            issues.append(dtype_issue(ctx, name, dtype, f"{scheme} {suffix}", file))
         elif not _same_shape(info.shape, expected_shape):
             issues.append(issue("scheme-tensor-shape", f"{scheme} {suffix} tensors with the wrong shape", name, tensors=[name], detail=f"{list(info.shape)}, expected {list(expected_shape)}", file=file))
     for suffix in params:
@@ -277,6 +279,35 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
         else:
             issues.append(issue("scheme-tensor-foreign", f"tensors a {fmt} {scheme} Linear does not have ({suffix})", name, tensors=[name], file=file))
     return issues
+
+
+def dtype_issue(ctx: AuditContext, name: str, expected: str, what: str, file: str | None) -> Issue:
+    """A tensor stored in another dtype than its format's, judged by what vLLM loads: its weight
+    loaders copy_ the tensor into the parameter they created, casting it (e.g.
+    `param.data.copy_(loaded_weight)` in vLLM 0.32's model_executor/parameter.py). Where every
+    value survives that cast and a scale keeps BF16's precision, vLLM serves the numbers the
+    format meant (a warning: other loaders and the byte count differ); where values must be read
+    to know, --deep reads them; integer codes where floats belong, or a scale rounded to fewer
+    bits, change the numbers (an error)."""
+    stored = ctx.tensors[name][1].dtype
+    verdict = cast_verdict(stored, expected)
+    group = f"{what} tensors stored as {stored} instead of {expected}"
+    narrow_scale = verdict == "exact" and FLOAT_FORMATS.get(stored, (0, 0))[0] < SCALE_SIGNIFICAND_BITS
+    if verdict == "values" and ctx.deep:
+        lost = _values_lost_in_cast(ctx, name, expected)
+        if lost:
+            return issue("scheme-tensor-dtype", group, name, tensors=[name], file=file, detail=f"{lost:,} values change when cast to {expected}")
+        verdict = "exact"
+    if verdict in ("bits", "exact") and not narrow_scale:
+        note = "vLLM casts them into its parameter unchanged" + (" (read with --deep)" if ctx.deep and cast_verdict(stored, expected) == "values" else "")
+        return issue("scheme-tensor-dtype-cast", group, name, tensors=[name], file=file, note=note)
+    detail = {"values": "only --deep can tell whether every value survives the cast", "integers": "integer codes are cast as numbers"}.get(verdict, f"{FLOAT_FORMATS.get(stored, (0,))[0]} significant bits")
+    return issue("scheme-tensor-dtype", group, name, tensors=[name], file=file, detail=detail)
+
+
+def _values_lost_in_cast(ctx: AuditContext, name: str, expected: str) -> int:
+    shard, info = ctx.tensors[name]
+    return sum(int((~survives_cast(chunk, expected)).sum()) for chunk in iter_values(ctx.ckpt, shard, info, CAST_CHECK_ELEMENTS))
 
 
 @lru_cache(maxsize=None)
@@ -578,13 +609,18 @@ def kv_issues(ctx: AuditContext) -> list[Issue]:
 
 
 def _misnamed(ctx: AuditContext, name: str, layer: str | None, expected_name: str | None) -> Issue:
-    target = vllm_kv_target(name)
     layer_attention = f"{layer}.self_attn.attn." if layer else None
+    target = name if layer_attention and name.startswith(layer_attention) else vllm_kv_target(name)  # vLLM's own parameter name
     remapped = bool(target and layer_attention and target.startswith(layer_attention))
     detail = f"expected {expected_name}" if expected_name else "no attention layer expects it"
+    architecture = next(iter((ctx.ckpt.config or {}).get("architectures") or []), None)
+    if remapped and vllm_remaps_kv_scales(architecture):
+        group = f"KV scales in another layout's spelling, which vLLM's {architecture} loader remaps"
+        note = "vLLM lands it on the attention layer (its cache-scale mapper); other engines and loaders may drop it"
+        return issue("kv-scale-other-spelling", group, name, tensors=[name], detail=detail, file=ctx.file_of(name), note=note)
     if remapped:
         group = f"KV scales in another layout's spelling (the {ctx.tensor_format} loader expects its own)"
-        note = "vLLM 0.33's generic remapper rescues this spelling only for models loaded through AutoWeightsLoader; per-model loaders and other engines drop it"
+        note = "vLLM's generic remapper rescues this spelling only for models loaded through AutoWeightsLoader; this architecture's loader and other engines drop it"
     else:
         group = "KV scales under names no vLLM remapping rule reaches (dropped silently)"
         note = "the FP8 cache of those layers runs at scale 1.0"
