@@ -247,18 +247,32 @@ def test_modelopt_export_agrees_with_its_sidecar(modelopt: Path) -> None:
     assert "quant-config-invalid" not in rules(audit(modelopt), "error")
 
 
-def test_group_format_string_that_disagrees_with_its_scheme(ct: Path) -> None:
-    # FP8 arguments under nvfp4-pack-quantized: compressed-tensors would pick the NVFP4 decompressor
+def _relabel_fp8(ct: Path, fmt: str) -> None:
     def relabel(d):
         group = qc(d)["config_groups"]["group_0"]
         group["weights"] = {**group["weights"], "num_bits": 8, "type": "float", "strategy": "tensor", "group_size": None}
         group["input_activations"] = {**(group.get("input_activations") or {}), "num_bits": 8, "type": "float", "strategy": "tensor", "group_size": None, "dynamic": False}
-        group["format"] = "nvfp4-pack-quantized"
+        group["format"] = fmt
 
     patch_json(ct / "config.json", relabel)
+
+
+def test_group_format_string_that_disagrees_with_its_scheme(ct: Path) -> None:
+    # FP8 arguments under nvfp4-pack-quantized: vLLM builds the same W8A8 FP8 scheme (the string
+    # only tells it an activation format), compressed-tensors would pick the NVFP4 decompressor
+    _relabel_fp8(ct, "nvfp4-pack-quantized")
+    report = audit(ct)
+    assert "quant-config-invalid" not in rules(report, "error")
+    assert "ct-format-string-differs" in rules(report, "warning")
+    assert "disagrees with its fp8 arguments" in finding(report, "ct-format-string-differs").message
+
+
+def test_group_format_string_vllm_refuses(ct: Path) -> None:
+    # under pack-quantized vLLM's _get_scheme_from_parts finds no scheme for FP8 W8A8 and raises
+    _relabel_fp8(ct, "pack-quantized")
     report = audit(ct)
     assert "quant-config-invalid" in rules(report, "error")
-    assert "disagrees with its fp8 arguments" in finding(report, "quant-config-invalid").message
+    assert "NotImplementedError" in finding(report, "quant-config-invalid").message
 
 
 def test_ignore_entries_naming_real_non_linear_modules_are_not_noise(ct: Path) -> None:
