@@ -17,6 +17,7 @@ from importlib import resources
 from operator import itemgetter
 
 from fp4forge.audit import checks_params
+from fp4forge.checkpoint import vllm_ct, vllm_params
 from fp4forge.audit.checks_params import same_shape as _same_shape
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.deep_scan import FP8_SCHEME, NVFP4_SCHEME, DeepValues, deep_values, magnitude_tensors
@@ -64,6 +65,7 @@ def run(ctx: AuditContext) -> list[Issue]:
             issues += fused_scale_issues(ctx, resolution)
             issues += checks_params.param_issues(ctx, resolution)
             issues += expert_refusal_issues(ctx, resolution)
+            issues += built_weight_issues(ctx, resolution)
         elif ctx.layout is not None and decl.format in KEYED_FORMATS:
             resolution = resolve(decl, list(ctx.linear_modules), engine_unquantized=ctx.engine_unquantized)
             issues += target_issues(ctx, decl, resolution)
@@ -76,6 +78,23 @@ def run(ctx: AuditContext) -> list[Issue]:
         issues += fp8_block_scale_issues(ctx)
     issues += kv_issues(ctx)
     issues += provenance_issues(ctx)
+    return issues
+
+
+def built_weight_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
+    """Every compressed-tensors Linear's stored weight against the weight parameter of the scheme
+    class vLLM builds for its group (routed experts: their FusedMoE method), where that class's
+    parameters are known (checkpoint/vllm_ct.py weight_dtype_built): int arguments over FP8
+    codes, or float weights whose experts vLLM builds as int8, load as other numbers."""
+    issues: list[Issue] = []
+    for module, group in resolution.scheme_of.items():
+        weight = ctx.modules.get(module, {}).get("weight")
+        if group.key is None or weight is None or vllm_params.scheme_args(group.key).get("method") != CT:
+            continue
+        built = vllm_ct.weight_dtype_built(group.key, ctx.linear_modules.get(module) == EXPERTS)
+        if built is not None and weight.dtype != built[1] and cast_verdict(weight.dtype, built[1]) not in ("bits", "exact"):
+            name = f"{module}.weight"
+            issues.append(issue("scheme-tensor-dtype", f"{group.description} weights stored as {weight.dtype}; vLLM builds {built[0]} with {built[1]} weights", name, tensors=[name], file=ctx.file_of(name)))
     return issues
 
 

@@ -13,8 +13,10 @@ SM 9.0) are taken as met: the audit judges the declaration, not the machine.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
+from fp4forge.checkpoint import vllm_params
 from fp4forge.checkpoint.vllm_params import ct_args
 
 # compressed_tensors/utils.py is_activation_quantization_format
@@ -230,3 +232,36 @@ def _is_mx(args: dict, bits: int) -> bool:
 
 def _static_int8_tensor(args: dict | None) -> bool:
     return args is not None and (args["type"], args["strategy"], args["num_bits"]) == ("int", "tensor", 8) and not args["dynamic"]
+
+
+def group_of_key(key: str) -> tuple[dict[str, Any], None]:
+    """A compressed-tensors scheme key (vllm_params.ct_key) as a config group and top format."""
+    args = vllm_params.scheme_args(key)
+    return {"weights": args.get("weights"), "input_activations": args.get("inputs"), "format": args.get("format")}, None
+
+
+@lru_cache(maxsize=256)
+def weight_dtype_built(key: str, expert: bool = False) -> tuple[str, str] | None:
+    """(vLLM's scheme class, the dtype of the weight parameter it creates) for a group's Linears
+    (``expert``: its routed experts' FusedMoE method), taken from a key of vLLM's parameter data
+    that vLLM builds the same class for with the same weight bits (the class decides the
+    parameters). None where vLLM refuses the group or the data holds no such class."""
+    choose = vllm_moe_scheme if expert else vllm_scheme
+    try:
+        built = choose(*group_of_key(key))
+    except Refused:
+        return None
+    bits = (vllm_params.scheme_args(key).get("weights") or {}).get("num_bits")
+    for other, entry in vllm_params.quant_params_data()["schemes"].items():
+        args = vllm_params.scheme_args(other)
+        if args.get("method") != "compressed-tensors" or "params" not in entry or (args.get("weights") or {}).get("num_bits") != bits:
+            continue
+        try:
+            same = choose(*group_of_key(other)) == built
+        except Refused:
+            continue
+        if same:
+            weight = next(p for p in entry["params"] if p.get("weight"))
+            experts = (entry.get("experts") or {}).get("params") if expert else None
+            return built, next((p["dtype"] for p in experts or () if p["name"] == weight["name"]), weight["dtype"])
+    return None
