@@ -23,11 +23,11 @@ from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is
 from fp4forge.audit.deep_scan import FP8_SCHEME, NVFP4_SCHEME, DeepValues, deep_values, magnitude_tensors
 from fp4forge.audit.findings import Issue, natural_key
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
-from fp4forge.checkpoint.declarations import CT, KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.declarations import FUSED_LOADING_REFUSES_EXTRA, KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix, vllm_remaps_kv_scales
 from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 from fp4forge.checkpoint.names import PROVENANCE_JSON
-from fp4forge.checkpoint.raw import FLOAT_FORMATS, SCALE_SIGNIFICAND_BITS, cast_verdict, iter_values, survives_cast
+from fp4forge.checkpoint.raw import FLOAT_FORMATS, SCALE_SIGNIFICAND_BITS, cast_verdict, fp8_e4m3_table, iter_values, survives_cast
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
 from fp4forge.errors import ConfigError
 
@@ -89,7 +89,7 @@ def built_weight_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue
     issues: list[Issue] = []
     for module, group in resolution.scheme_of.items():
         weight = ctx.modules.get(module, {}).get("weight")
-        if group.key is None or weight is None or vllm_params.scheme_args(group.key).get("method") != CT:
+        if group.key is None or weight is None or not vllm_ct.is_ct_key(group.key):
             continue
         built = vllm_ct.weight_dtype_built(group.key, ctx.linear_modules.get(module) == EXPERTS)
         if built is not None and weight.dtype != built[1] and cast_verdict(weight.dtype, built[1]) not in ("bits", "exact"):
@@ -295,7 +295,7 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
             continue
         name = f"{module}.{suffix}"
         if _kind(suffix) in INPUT_SCALE_KINDS and not any(_kind(s) in INPUT_SCALE_KINDS for s in table):
-            rule = "weight-only-scales-refused" if fmt == CT and _fused_or_stacked(ctx, module) else "weight-only-with-activation-scales"
+            rule = "weight-only-scales-refused" if fmt in FUSED_LOADING_REFUSES_EXTRA and _fused_or_stacked(ctx, module) else "weight-only-with-activation-scales"
             issues.append(issue(rule, f"{suffix} tensors on Linears declared {scheme} (no static activation scale)", module, tensors=[name], file=file))
         else:
             issues.append(issue("scheme-tensor-foreign", f"tensors a {fmt} {scheme} Linear does not have ({suffix})", name, tensors=[name], file=file))
@@ -572,11 +572,18 @@ def _convention_issue(ctx: AuditContext, name: str, values) -> Issue:
 # reaches 1) and clipping exporters lower the top block a little; the defects are off by 10^2+.
 MAGNITUDE_MIN_RATIO = 0.25
 MAGNITUDE_MAX_RATIO = 1.0 + 2.0**-10
-# One shard of a fused group (sharing the group's per-tensor scale) below this share of the
-# group's implied amax would need block scales under E4M3's smallest normal (2^-6 of 448) even
-# for its largest block: no export writes that; its block scales were stored inverted or for
-# another global scale.
-SHARD_MIN_RATIO = 2.0**-6 / 448
+
+
+@lru_cache(maxsize=1)
+def shard_min_ratio() -> float:
+    """One shard of a fused group (sharing the group's per-tensor scale) below this share of the
+    group's implied amax would need block scales under E4M3's smallest normal even for its
+    largest block (2^-6 over 448, from the format's own table): no export writes that; its block
+    scales were stored inverted or for another global scale."""
+    import numpy as np
+
+    table = fp8_e4m3_table()
+    return float(table[0x08] / np.nanmax(table))  # 0x08: exponent field 1, mantissa 0
 
 
 def _magnitude_of(ctx: AuditContext, module: str, values: DeepValues) -> tuple[float, float, str] | None:
@@ -624,7 +631,7 @@ def scale_magnitude_issues(ctx: AuditContext) -> list[Issue]:
         in_range = MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO
         # a subnormal (or huge) per-tensor scale keeps the ratio but not the weights: BF16 GEMMs flush them to zero
         representable = F32_SMALLEST_NORMAL <= dequantized <= F32_MAX
-        faint = [s for s in shards if len(shards) > 1 and implied > 0 and measured[s][0] / implied < SHARD_MIN_RATIO]
+        faint = [s for s in shards if len(shards) > 1 and implied > 0 and measured[s][0] / implied < shard_min_ratio()]
         if not (in_range and representable) or faint:
             family = measured[module][2]
             names = [f"{s}.{suffix}" for s in shards for suffix in ctx.modules[s] if _kind(suffix) in ("weight_scale", "weight_global_scale", "packed_fp4") or suffix == "weight"]

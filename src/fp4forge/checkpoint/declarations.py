@@ -37,6 +37,9 @@ GPTQ, AWQ, BNB = "gptq", "awq", "bitsandbytes"
 KEYED_FORMATS = (GPTQ, AWQ)
 METHOD_ALIASES = {**{m: GPTQ for m in vllm_params.GPTQ_METHODS}, **{m: AWQ for m in vllm_params.AWQ_METHODS}}
 NO_METHOD = "unknown"  # a quantization_config without quant_method
+# layouts whose vLLM 0.32 loading fails on a fused shard's or routed expert's tensor that no
+# parameter takes (compressed-tensors); ModelOpt's loader skips it (docs/audit.md#agreement-with-vllm)
+FUSED_LOADING_REFUSES_EXTRA = frozenset({CT})
 LINEAR_CLASS_TARGET = "Linear"
 
 # compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'

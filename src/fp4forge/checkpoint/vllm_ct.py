@@ -234,6 +234,11 @@ def _static_int8_tensor(args: dict | None) -> bool:
     return args is not None and (args["type"], args["strategy"], args["num_bits"]) == ("int", "tensor", 8) and not args["dynamic"]
 
 
+def is_ct_key(key: str) -> bool:
+    """A key vllm_params.ct_key made: it holds a group's QuantizationArgs weights."""
+    return "weights" in vllm_params.scheme_args(key)
+
+
 def group_of_key(key: str) -> tuple[dict[str, Any], None]:
     """A compressed-tensors scheme key (vllm_params.ct_key) as a config group and top format."""
     args = vllm_params.scheme_args(key)
@@ -254,7 +259,7 @@ def weight_dtype_built(key: str, expert: bool = False) -> tuple[str, str] | None
     bits = (vllm_params.scheme_args(key).get("weights") or {}).get("num_bits")
     for other, entry in vllm_params.quant_params_data()["schemes"].items():
         args = vllm_params.scheme_args(other)
-        if args.get("method") != "compressed-tensors" or "params" not in entry or (args.get("weights") or {}).get("num_bits") != bits:
+        if not is_ct_key(other) or "params" not in entry or (args.get("weights") or {}).get("num_bits") != bits:
             continue
         try:
             same = choose(*group_of_key(other)) == built
