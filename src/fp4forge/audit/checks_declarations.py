@@ -92,9 +92,10 @@ def built_weight_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue
         if group.key is None or weight is None or not vllm_ct.is_ct_key(group.key):
             continue
         built = vllm_ct.weight_dtype_built(group.key, ctx.linear_modules.get(module) == EXPERTS)
-        if built is not None and weight.dtype != built[1] and cast_verdict(weight.dtype, built[1]) not in ("bits", "exact"):
-            name = f"{module}.weight"
-            issues.append(issue("scheme-tensor-dtype", f"{group.description} weights stored as {weight.dtype}; vLLM builds {built[0]} with {built[1]} weights", name, tensors=[name], file=ctx.file_of(name)))
+        if built is not None and weight.dtype != built[1]:
+            found = dtype_issue(ctx, f"{module}.weight", built[1], f"{group.description} (vLLM builds {built[0]})", ctx.file_of(f"{module}.weight"))
+            if found.rule == "scheme-tensor-dtype":  # a cast vLLM takes unchanged is the scheme checks' warning
+                issues.append(found)
     return issues
 
 
