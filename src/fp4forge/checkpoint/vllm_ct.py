@@ -91,7 +91,7 @@ def vllm_moe_scheme(group: dict[str, Any], top_format: str | None) -> str:
     if _is_mx(w, 8) and _uint8_scales(group):
         return "CompressedTensorsW8A8Mxfp8MoEMethod"
     if i is None and w["strategy"] in ("channel", "group") and not w["dynamic"]:
-        if w["num_bits"] not in WNA16_BITS or group.get("format") != PACK_QUANTIZED:  # the group's own string, not the top one
+        if w["num_bits"] not in WNA16_BITS or (group.get("format") or top_format) != PACK_QUANTIZED:  # get_scheme_dict fills in the top one
             raise Refused(f"routed experts: weight-only {w['num_bits']}-bit needs format 'pack-quantized' and 4 or 8 bits (get_moe_method raises ValueError)")
         return "CompressedTensorsWNA16MoEMethod"
     if _is_nvfp4(w):
