@@ -84,15 +84,12 @@ def moe_refusal(group: dict[str, Any], top_format: str | None) -> str | None:
 def vllm_moe_scheme(group: dict[str, Any], top_format: str | None) -> str:
     """The FusedMoE method vLLM builds for experts under ``group``; raises Refused where vLLM does."""
     w, i = _validated_parts(group, top_format)
-    if _is_mx(w, 4) and i is not None and _mxfp4_fp8_input(w, i):
-        return "CompressedTensorsW4A8Mxfp4MoEMethod"
-    if _is_mx(w, 4):
-        return "CompressedTensorsW4A4Mxfp4MoEMethod"
-    if _is_mx(w, 8) and _uint8_scales(group):
-        return "CompressedTensorsW8A8Mxfp8MoEMethod"
+    mx = _mx_scheme(w, i, group)
+    if mx:
+        return f"{mx}MoEMethod"
     if i is None and w["strategy"] in ("channel", "group") and not w["dynamic"]:
         if w["num_bits"] not in WNA16_BITS or (group.get("format") or top_format) != PACK_QUANTIZED:  # get_scheme_dict fills in the top one
-            raise Refused(f"routed experts: weight-only {w['num_bits']}-bit needs format 'pack-quantized' and 4 or 8 bits (get_moe_method raises ValueError)")
+            raise Refused(f"routed experts: weight-only {w['num_bits']}-bit needs format 'pack-quantized' and 2 to 8 bits (get_moe_method raises ValueError)")
         return "CompressedTensorsWNA16MoEMethod"
     if _is_nvfp4(w):
         if i is not None and not _is_nvfp4(i):
@@ -157,12 +154,9 @@ def _scheme_from_parts(w: dict, i: dict | None, o: dict | None, fmt: str | None,
         if i is not None and not _is_nvfp4(i):
             raise Refused("NVFP4 weights with non-NVFP4 input_activations ('input quantization must also be NVFP4 format')")
         return "CompressedTensorsW4A4Fp4"
-    if _is_mx(w, 4) and i is not None and _mxfp4_fp8_input(w, i):
-        return "CompressedTensorsW4A8Mxfp4"
-    if _is_mx(w, 4):
-        return "CompressedTensorsW4A4Mxfp4"
-    if _is_mx(w, 8) and _uint8_scales(group):
-        return "CompressedTensorsW8A8Mxfp8"
+    mx = _mx_scheme(w, i, group)
+    if mx:
+        return mx
     if i is not None and _w4a8_fp8(w, i):
         return "CompressedTensorsW4A8Fp8"
     static_int = w["type"] == "int" and not w["dynamic"] and w["strategy"] in ("channel", "group")
@@ -176,6 +170,18 @@ def _scheme_from_parts(w: dict, i: dict | None, o: dict | None, fmt: str | None,
     if fmt not in ACTIVATION_FORMATS:
         return None
     return _activation_scheme(w, i)
+
+
+def _mx_scheme(w: dict, i: dict | None, group: dict) -> str | None:
+    """The MX schemes, first among both the Linear and the FusedMoE predicates (their MoE
+    methods are these names + 'MoEMethod')."""
+    if _is_mx(w, 4) and i is not None and _mxfp4_fp8_input(w, i):
+        return "CompressedTensorsW4A8Mxfp4"
+    if _is_mx(w, 4):
+        return "CompressedTensorsW4A4Mxfp4"
+    if _is_mx(w, 8) and _uint8_scales(group):
+        return "CompressedTensorsW8A8Mxfp8"
+    return None
 
 
 def _activation_scheme(w: dict, i: dict | None) -> str | None:
