@@ -17,11 +17,11 @@ from importlib import resources
 from operator import itemgetter
 
 from fp4forge.audit import checks_params
-from fp4forge.checkpoint import vllm_ct, vllm_params
 from fp4forge.audit.checks_params import same_shape as _same_shape
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.deep_scan import FP8_SCHEME, NVFP4_SCHEME, DeepValues, deep_values, magnitude_tensors
 from fp4forge.audit.findings import Issue, natural_key
+from fp4forge.checkpoint import vllm_ct
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
 from fp4forge.checkpoint.declarations import FUSED_LOADING_REFUSES_EXTRA, KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
 from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix, vllm_remaps_kv_scales

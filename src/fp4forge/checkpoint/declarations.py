@@ -70,7 +70,6 @@ HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
 KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
 NVFP4_GROUP = 16  # values per NVFP4 block scale; vLLM creates NVFP4 weight scales for no other size
 NVFP4_SCHEMES = ("nvfp4", "nvfp4a16")
-MXFP4_GROUP = 32
 
 
 @dataclass(frozen=True)
