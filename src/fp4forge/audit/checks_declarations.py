@@ -493,9 +493,11 @@ def _implausible(ctx: AuditContext, name: str, largest: float, smallest: float) 
     side = IMPLAUSIBLE_SCALE_SIDE.get(suffix)
     if side is not None:
         return (side == "below" and largest < 1.0) or (side == "above" and smallest > 1.0)
+    if largest <= FP8_WEIGHT_SCALE_CEILING or suffix not in FP8_WEIGHT_SCALE_SUFFIXES:
+        return False  # the usual case, decided without a lookup
     weight = ctx.modules.get(module, {}).get("weight")
     float_scale = ctx.tensors[name][1].dtype in FLOAT_WEIGHT_DTYPES  # MXFP8's U8 E8M0 exponents are no amax / 448
-    return suffix in FP8_WEIGHT_SCALE_SUFFIXES and float_scale and weight is not None and weight.dtype == "F8_E4M3" and largest > FP8_WEIGHT_SCALE_CEILING
+    return float_scale and weight is not None and weight.dtype == "F8_E4M3"
 
 
 def scale_value_issues(ctx: AuditContext) -> list[Issue]:
