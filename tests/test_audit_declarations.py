@@ -104,12 +104,15 @@ def test_quantized_tensors_without_declaration(ct: Path) -> None:
     assert_exactly(report, "quantized-without-declaration", warnings={"kv-scale-undeclared"})
 
 
-def test_scheme_without_tensor_table_is_reported_not_judged(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
-    # an INT8 channel group: a real compressed-tensors scheme fp4forge has no tensor table for
+def test_int_declaration_over_fp8_codes_is_judged_by_the_scheme_vllm_builds(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
+    # an INT8 channel group fp4forge has no tensor table for: vLLM builds W8A8 int8 for it (its
+    # _is_dynamic_token_w8a8 reads no input type), and the stored FP8 codes would be cast into
+    # its int8 weight parameter as numbers
     fp8 = copy_checkpoint(lc_fp8_dynamic_dir, tmp_path / "fp8")
     patch_json(fp8 / "config.json", lambda d: qc(d)["config_groups"]["group_0"]["weights"].update(type="int"))
     report = audit(fp8)
-    assert_exactly(report)
+    assert_exactly(report, "scheme-tensor-dtype")
+    assert "vLLM builds CompressedTensorsW8A8Int8" in finding(report, "scheme-tensor-dtype").message
     assert "scheme-not-audited" in rules(report, "info")
 
 

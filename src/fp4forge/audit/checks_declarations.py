@@ -89,8 +89,8 @@ def built_weight_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue
     issues: list[Issue] = []
     for module, group in resolution.scheme_of.items():
         weight = ctx.modules.get(module, {}).get("weight")
-        if group.key is None or weight is None or not vllm_ct.is_ct_key(group.key):
-            continue
+        if group.key is None or weight is None or weight.dtype in FLOAT_WEIGHT_DTYPES or not vllm_ct.is_ct_key(group.key):
+            continue  # (a float weight: unquantized, module-not-quantized's, or a copy the scheme checks judge)
         built = vllm_ct.weight_dtype_built(group.key, ctx.linear_modules.get(module) == EXPERTS)
         if built is not None and weight.dtype != built[1]:
             found = dtype_issue(ctx, f"{module}.weight", built[1], f"{group.description} (vLLM builds {built[0]})", ctx.file_of(f"{module}.weight"))
