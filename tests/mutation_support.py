@@ -397,9 +397,9 @@ DOC_BEGIN, DOC_END = "<!-- mutation-agreement:begin", "<!-- mutation-agreement:e
 # must match one (tests/test_mutation_corpus.py), and docs/audit.md shows the reason beside it
 EXPLANATIONS: dict[str, str] = {
     r"(input_scale|input_global_scale|k_scale|v_scale):reciprocal": (
-        "an inverted KV scale or a routed expert's inverted input scale is still a plausible calibration (no other tensor "
-        "reads that input); the audit reads no activations. Fused shards share their input and are compared "
-        "(`fused-input-scale-divergent`)"),
+        "an inverted KV scale, or one routed expert's inverted input scale among the experts' own calibrations (vLLM "
+        "takes their max), is still a plausible value; the audit reads no activations. Fused shards share one input "
+        "and are compared (`fused-input-scale-divergent`)"),
     r"weight_scale_2:dtype=\"BF16\"": (
         "one fused shard's ModelOpt weight_scale_2 rounded to BF16: vLLM takes the max over the shards, 0.4 % off; "
         "the audit holds fused global scales to exact equality (`fused-weight-scale-mismatch`)"),
