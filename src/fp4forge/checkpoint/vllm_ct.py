@@ -38,7 +38,7 @@ def args_refusal(args: Any) -> str | None:
     if not isinstance(args, dict):
         return None
     group_size, strategy = args.get("group_size"), args.get("strategy")
-    if strategy is None and isinstance(group_size, int) and group_size not in (-1,) and group_size <= 0:
+    if strategy is None and isinstance(group_size, int) and (group_size == 0 or group_size < -1):
         return f"group_size {group_size} (> 0 for group, -1 for channel)"
     norm = ct_args(args)
     strategy, dynamic = norm["strategy"], norm["dynamic"]
@@ -95,7 +95,7 @@ def vllm_moe_scheme(group: dict[str, Any], top_format: str | None) -> str:
         if i is not None and not _is_nvfp4(i):
             raise Refused("routed experts: NVFP4 weights with non-NVFP4 input_activations (get_moe_method raises ValueError)")
         return "CompressedTensorsW4A4Nvfp4MoEMethod"
-    if _fp8_weights(w) and i is not None and i["type"] == "float" and (i["dynamic"] or (i["symmetric"] and i["strategy"] == "tensor")):
+    if i is not None and _fp8_w8a8(w, i):
         _fp8_moe_layout(w, i)
         return "CompressedTensorsW8A8Fp8MoEMethod"
     if i is not None and _dynamic_token_w8a8(w, i):
@@ -185,7 +185,7 @@ def _mx_scheme(w: dict, i: dict | None, group: dict) -> str | None:
 
 
 def _activation_scheme(w: dict, i: dict | None) -> str | None:
-    if _fp8_weights(w) and i is not None and i["type"] == "float" and (i["dynamic"] or (i["symmetric"] and i["strategy"] == "tensor")):
+    if i is not None and _fp8_w8a8(w, i):
         return W8A8_FP8
     if _fp8_weights(w):
         return "CompressedTensorsW8A16Fp8"
@@ -203,6 +203,11 @@ def _activation_scheme(w: dict, i: dict | None) -> str | None:
 def _fp8_weights(w: dict) -> bool:
     """_is_fp8_w8a16's weight test (it reads no num_bits)."""
     return w["type"] == "float" and w["symmetric"] and not w["dynamic"] and w["strategy"] in ("tensor", "channel", "block")
+
+
+def _fp8_w8a8(w: dict, i: dict) -> bool:
+    """_is_fp8_w8a8: FP8 weights with float inputs, dynamic or static symmetric per tensor."""
+    return _fp8_weights(w) and i["type"] == "float" and bool(i["dynamic"] or (i["symmetric"] and i["strategy"] == "tensor"))
 
 
 def _dynamic_token_w8a8(w: dict, i: dict) -> bool:
