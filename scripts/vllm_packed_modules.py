@@ -10,6 +10,9 @@ the checkpoint Linears it is built from: q/k/v, gate/up, MLA's q_a/kv_a, ...) is
 with the entries its ``__init__`` adds for some configs (``self.packed_modules_mapping["x"] = [...]``,
 found in the class's source) and the expert Linears its FusedMoE loader stacks into one w13 GEMM
 (the ``ckpt_gate_proj_name`` / ``ckpt_up_proj_name`` given to ``make_expert_params_mapping``).
+``kv_scales_remapped`` lists the architectures whose loader lands both layouts' KV-scale spellings
+on the attention layer (``AutoWeightsLoader`` in the class's ``load_weights``, or
+``maybe_remap_kv_scale_name`` in its module).
 A group applies in a checkpoint only where all its shards exist, so a config-dependent entry is
 kept. A class whose module cannot be imported here (a missing optional package such as
 torchvision) is read from its source the same way (its class-level mapping literal and those of
@@ -158,27 +161,63 @@ def _source_class_groups(module_name: str, class_name: str, depth: int = 0) -> d
     return {k: v for k, v in sorted(groups.items()) if len(v) > 1 or v != [k]}
 
 
+KV_REMAP_MARKERS = ("AutoWeightsLoader", "maybe_remap_kv_scale_name")
+
+
+def _remaps_kv_scales(load_weights_source: str, module_source: str) -> bool:
+    """Whether the class's loader reaches vLLM's KV-scale remapping: ``AutoWeightsLoader``
+    applies the quantization config's ``get_cache_scale_mapper`` to every checkpoint name (both
+    layouts' spellings land on ``.attn.k_scale``), and a hand-written loop that calls
+    ``maybe_remap_kv_scale_name`` does the same per name."""
+    return KV_REMAP_MARKERS[0] in load_weights_source or KV_REMAP_MARKERS[1] in module_source
+
+
+def _class_remaps_kv_scales(cls: type) -> bool:
+    method = getattr(cls, "load_weights", None)
+    try:
+        return _remaps_kv_scales(inspect.getsource(method) if method else "", inspect.getsource(sys.modules[cls.__module__]))
+    except (OSError, TypeError):
+        return False
+
+
+def _source_remaps_kv_scales(module_name: str) -> bool:
+    """The same, for a class whose module cannot be imported here: its module's source."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ImportError:
+        return False
+    source = Path(spec.origin).read_text(encoding="utf-8") if spec is not None and spec.origin else ""
+    return _remaps_kv_scales(source, source)
+
+
 def vllm_packed_table() -> dict:
     import vllm
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
     architectures: dict[str, dict[str, list[str]]] = {}
     unavailable: dict[str, str] = {}
+    remapping: list[str] = []  # architectures whose loader lands either layout's KV-scale names
     for arch, (short_name, class_name) in sorted(_VLLM_MODELS.items()):
         # most entries name a module of vllm.model_executor.models; newer ones a full module path
         module_name = short_name if short_name.startswith("vllm.") else f"vllm.model_executor.models.{short_name}"
         try:
             module = importlib.import_module(module_name)
             architectures[arch] = _class_groups(getattr(module, class_name))
+            if _class_remaps_kv_scales(getattr(module, class_name)):
+                remapping.append(arch)
         except Exception as exc:  # noqa: BLE001 - an optional dependency missing in this environment
             from_source = _source_class_groups(module_name, class_name)
             if from_source is not None:
                 architectures[arch] = from_source
+                if _source_remaps_kv_scales(module_name):
+                    remapping.append(arch)
             else:
                 # the reason without the venv's own path, so the table is the same from any install
                 reason = f"{type(exc).__name__}: {exc}".replace(str(Path(vllm.__file__).parent.parent), "<site-packages>")
                 unavailable[arch] = reason.splitlines()[0][:160]
-    return {"vllm": vllm.__version__, "architectures": architectures, "unavailable": unavailable}
+    return {"vllm": vllm.__version__, "architectures": architectures, "unavailable": unavailable, "kv_scales_remapped": sorted(remapping)}
 
 
 def emit(table: dict, data_file: Path, argv: list[str]) -> int:

@@ -488,24 +488,23 @@ CORPUS_DIR = Path(__file__).resolve().parent / "mutation_corpus"
 DOC_BEGIN, DOC_END = "<!-- mutation-agreement:begin", "<!-- mutation-agreement:end -->"
 # why the audit and vLLM disagree, by mutation id (a regex searched in the id); every disagreement
 # must match one (tests/test_mutation_corpus.py), and docs/audit.md shows the reason beside it
-WEIGHT_ONLY_SCALES = ("activation scales a scheme has no parameter for: compressed-tensors' loader in vLLM 0.32 refuses them "
-                      "(fused Linears, routed experts), ModelOpt's drops them; the audit warns (`weight-only-with-activation-scales`)")
-CT_ARGUMENTS = ("compressed-tensors arguments vLLM rejects where the audit's float checks do not (int types have no tensor table "
-                "in fp4forge: `scheme-not-audited`), or that fail only on vLLM's CPU kernels (an assertion, no ScaledMM kernel)")
 EXPLANATIONS: dict[str, str] = {
-    r"(input_scale|input_global_scale|k_scale|v_scale):reciprocal": "an inverted activation or KV scale is still a plausible calibration; the audit reads no activations",
+    r"(input_scale|input_global_scale|k_scale|v_scale):reciprocal": (
+        "an inverted KV scale, or one routed expert's inverted input scale among the experts' own calibrations (vLLM "
+        "takes their max), is still a plausible value; the audit reads no activations. Fused shards share one input "
+        "and are compared (`fused-input-scale-divergent`)"),
+    r"weight_scale_2:dtype=\"BF16\"": (
+        "one fused shard's ModelOpt weight_scale_2 rounded to BF16: vLLM takes the max over the shards, 0.4 % off; "
+        "the audit holds fused global scales to exact equality (`fused-weight-scale-mismatch`)"),
+    r"modules_to_not_convert:set=.*\"model\.layers\.1\"": (
+        "vLLM's Fp8Config skips layers by exact name (is_layer_skipped, match_mode exact; an expert stack is one module "
+        "there); the audit also lets an ancestor such as `model.layers.1` skip its Linears, as transformers' loader does"),
+    r"quant_algo:set=\"(INT4_AWQ|MIXED_PRECISION)\"": (
+        "a ModelOpt algorithm vLLM's ModelOptConfig refuses (not in its QUANT_ALGOS), or MIXED_PRECISION without "
+        "quantized_layers: fp4forge's vLLM parameter data holds the algorithms it probed, not the list vLLM accepts, "
+        "so the audit says `scheme-not-audited` (a warning)"),
     r"\.scales:reciprocal": "inverted GPTQ / AWQ group scales: the audit (default options) reads no values, and `--deep` has no scale-magnitude check for integer formats",
-    r"weight_scale(_inv)?:reciprocal": "inverted weight or block scales: only `--deep` compares scales with the weights they scale (`scale-magnitude`)",
-    r"(input_global_scale|weight_global_scale|input_scale|weight_scale):shape=\"add_dim\"": "a [1, 1] per-tensor scale: vLLM's expert loader takes it, its fused q/k/v loader asserts; the audit holds every Linear to 0-d or [1]",
-    r"\.format:set=": "vLLM picks a float scheme by its arguments (and refuses a group-level `mixed-precision` FP8), compressed-tensors' decompressor (transformers, llm-compressor) by this string: the audit's error is about those loaders",
-    r":dtype=": "vLLM casts what it loads into its own parameter: these codes or scales survive the cast (within 1 %); the audit holds the stored dtype to the format's table",
-    r"(k_scale|v_scale):rename=": "vLLM 0.32's Qwen3-MoE loader remaps either layout's KV-scale spelling onto the attention layer; loaders of other architectures drop the other spelling, which the audit reports",
-    r"^ct-fp8(-dynamic|-block)?:.*input_activations:(delete|set=null)$": "FP8 weights without activation quantization: vLLM's CPU build has no kernel for it (\"Failed to find a kernel that can implement the ScaledMM\"); GPUs serve it, and the audit judges the declaration, not the platform",
-    r"input_activations:(delete|set=null)$|:copy=|quant_algo:set=\"W4A16_NVFP4\"|input_activations\.dynamic:set=true": WEIGHT_ONLY_SCALES,
-    r"(input_activations|weights)\.(num_bits|type|strategy|group_size|block_structure|actorder|symmetric|dynamic)|weights:(delete|set=null)": CT_ARGUMENTS,
     r"experts\.\d+\.\w+\.qzeros:shape=\"add_dim\"": "a routed expert's GPTQ zero points with a leading dimension of 1: vLLM 0.32's expert loader copies them into the expert's slice as they are (the same values after loading); the audit holds the shape to vLLM's parameter",
-    r"modules_to_not_convert:set=.*\"model\.layers\.1\"": "vLLM's Fp8Config skips layers by exact name (an expert stack is one module there); the audit also lets an ancestor such as `model.layers.1` skip its Linears, as transformers' loader does",
-    r"quant_algo:set=\"(INT4_AWQ|MIXED_PRECISION)\"": "a ModelOpt algorithm (or MIXED_PRECISION without quantized_layers) fp4forge has no table for: `scheme-not-audited`; vLLM refuses it",
 }
 
 
@@ -514,22 +513,23 @@ def load_corpus(corpus: Path = CORPUS_DIR) -> list[dict[str, Any]]:
     return [json.loads((corpus / f"{name}.json").read_text()) for name in SCHEMES if (corpus / f"{name}.json").is_file()]
 
 
-def audit_errors(checkpoint: Path) -> list[str]:
-    """The error rules fp4forge's audit (default options) reports on ``checkpoint``."""
-    from fp4forge.api import audit_checkpoint
+def audit_errors(checkpoint: Path, *, deep: bool = False) -> list[str]:
+    """The error rules fp4forge's audit reports on ``checkpoint`` (``deep``: with --deep)."""
+    from fp4forge.api import AuditOptions, audit_checkpoint
 
-    return sorted({f.rule for f in audit_checkpoint(str(checkpoint)).findings if f.severity == "error"})
+    return sorted({f.rule for f in audit_checkpoint(str(checkpoint), AuditOptions(deep=deep)).findings if f.severity == "error"})
 
 
 def judged_by_audit(bases: dict[str, Path], corpus: list[dict[str, Any]], work: Path) -> list[dict[str, Any]]:
-    """Each stored mutation with the audit's errors on it and whether they agree with vLLM: an
-    error where vLLM refuses or degrades, none where it is fine."""
+    """Each stored mutation with the audit's errors on it (``audit --deep``: what the values say
+    is part of the verdict) and whether they agree with vLLM: an error where vLLM refuses or
+    degrades, none where it is fine."""
     rows = []
     for scheme in corpus:
         base = bases[scheme["scheme"]]
         for number, mutation in enumerate(scheme["mutations"]):
             mutant = apply_mutation(base, mutation, work / f"{scheme['scheme']}-{number}")
-            errors = audit_errors(mutant)
+            errors = audit_errors(mutant, deep=True)
             shutil.rmtree(mutant)
             broken = mutation["vllm"]["outcome"] != "fine"
             rows.append({"id": mutation["id"], "scheme": scheme["scheme"], "vllm": mutation["vllm"]["outcome"], "errors": errors, "agrees": broken == bool(errors)})

@@ -104,12 +104,15 @@ def test_quantized_tensors_without_declaration(ct: Path) -> None:
     assert_exactly(report, "quantized-without-declaration", warnings={"kv-scale-undeclared"})
 
 
-def test_scheme_without_tensor_table_is_reported_not_judged(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
-    # an INT8 channel group: a real compressed-tensors scheme fp4forge has no tensor table for
+def test_int_declaration_over_fp8_codes_is_judged_by_the_scheme_vllm_builds(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
+    # an INT8 channel group fp4forge has no tensor table for: vLLM builds W8A8 int8 for it (its
+    # _is_dynamic_token_w8a8 reads no input type), and the stored FP8 codes would be cast into
+    # its int8 weight parameter as numbers
     fp8 = copy_checkpoint(lc_fp8_dynamic_dir, tmp_path / "fp8")
     patch_json(fp8 / "config.json", lambda d: qc(d)["config_groups"]["group_0"]["weights"].update(type="int"))
     report = audit(fp8)
-    assert_exactly(report)
+    assert_exactly(report, "scheme-tensor-dtype")
+    assert "vLLM builds CompressedTensorsW8A8Int8" in finding(report, "scheme-tensor-dtype").message
     assert "scheme-not-audited" in rules(report, "info")
 
 
@@ -141,9 +144,21 @@ def test_kv_scales_all_absent_says_scale_one(ct: Path, tmp_path: Path) -> None:
 
 
 def test_kv_scale_in_the_modelopt_spelling_inside_a_ct_checkpoint(ct: Path, tmp_path: Path) -> None:
+    # vLLM's Laguna loader (AutoWeightsLoader) applies the cache-scale mapper: it lands either
+    # spelling on the attention layer (checkpoint/layouts/_vllm_packed.json kv_scales_remapped)
     report = audit(edited(ct, tmp_path, lambda t: t.update({f"{ATTN}.k_proj.k_scale": t.pop(f"{ATTN}.k_scale")})))
-    assert_exactly(report, "kv-scale-misnamed")
-    assert finding(report, "kv-scale-misnamed").tensors == [f"{ATTN}.k_proj.k_scale"]
+    assert_exactly(report, warnings={"kv-scale-other-spelling"})
+    assert finding(report, "kv-scale-other-spelling").tensors == [f"{ATTN}.k_proj.k_scale"]
+
+
+def test_kv_scale_in_the_other_spelling_where_vllm_does_not_remap(ct: Path, tmp_path: Path) -> None:
+    # an architecture whose vLLM loader the data does not list keeps the error
+    def drop_remap(d):
+        d["architectures"] = ["NoSuchRemappingForCausalLM"]
+
+    out = edited(ct, tmp_path, lambda t: t.update({f"{ATTN}.k_proj.k_scale": t.pop(f"{ATTN}.k_scale")}))
+    patch_json(out / "config.json", drop_remap)
+    assert "kv-scale-misnamed" in rules(audit(out), "error")
 
 
 def test_kv_scale_in_the_ct_spelling_inside_a_modelopt_checkpoint(modelopt: Path, tmp_path: Path) -> None:
@@ -154,8 +169,8 @@ def test_kv_scale_in_the_ct_spelling_inside_a_modelopt_checkpoint(modelopt: Path
                 tensors[f"{prefix}.{kv}_scale"] = tensors.pop(f"{prefix}.{kv}_proj.{kv}_scale")
 
     report = audit(edited(modelopt, tmp_path, respell))
-    assert_exactly(report, "kv-scale-misnamed")
-    assert finding(report, "kv-scale-misnamed").count == 8
+    assert_exactly(report, warnings={"kv-scale-other-spelling"})
+    assert finding(report, "kv-scale-other-spelling").count == 8
 
 
 def test_kv_scale_under_a_name_vllm_drops(ct: Path, tmp_path: Path) -> None:
@@ -247,18 +262,32 @@ def test_modelopt_export_agrees_with_its_sidecar(modelopt: Path) -> None:
     assert "quant-config-invalid" not in rules(audit(modelopt), "error")
 
 
-def test_group_format_string_that_disagrees_with_its_scheme(ct: Path) -> None:
-    # FP8 arguments under nvfp4-pack-quantized: compressed-tensors would pick the NVFP4 decompressor
+def _relabel_fp8(ct: Path, fmt: str) -> None:
     def relabel(d):
         group = qc(d)["config_groups"]["group_0"]
         group["weights"] = {**group["weights"], "num_bits": 8, "type": "float", "strategy": "tensor", "group_size": None}
         group["input_activations"] = {**(group.get("input_activations") or {}), "num_bits": 8, "type": "float", "strategy": "tensor", "group_size": None, "dynamic": False}
-        group["format"] = "nvfp4-pack-quantized"
+        group["format"] = fmt
 
     patch_json(ct / "config.json", relabel)
+
+
+def test_group_format_string_that_disagrees_with_its_scheme(ct: Path) -> None:
+    # FP8 arguments under nvfp4-pack-quantized: vLLM builds the same W8A8 FP8 scheme (the string
+    # only tells it an activation format), compressed-tensors would pick the NVFP4 decompressor
+    _relabel_fp8(ct, "nvfp4-pack-quantized")
+    report = audit(ct)
+    assert "quant-config-invalid" not in rules(report, "error")
+    assert "ct-format-string-differs" in rules(report, "warning")
+    assert "disagrees with its fp8 arguments" in finding(report, "ct-format-string-differs").message
+
+
+def test_group_format_string_vllm_refuses(ct: Path) -> None:
+    # under pack-quantized vLLM's _get_scheme_from_parts finds no scheme for FP8 W8A8 and raises
+    _relabel_fp8(ct, "pack-quantized")
     report = audit(ct)
     assert "quant-config-invalid" in rules(report, "error")
-    assert "disagrees with its fp8 arguments" in finding(report, "quant-config-invalid").message
+    assert "NotImplementedError" in finding(report, "quant-config-invalid").message
 
 
 def test_ignore_entries_naming_real_non_linear_modules_are_not_noise(ct: Path) -> None:
@@ -318,11 +347,32 @@ def test_missing_block_scale(ct: Path, tmp_path: Path) -> None:
     assert "weight_scale" in finding(report, "scheme-tensor-missing").message
 
 
-def test_global_scale_in_bf16(ct: Path, tmp_path: Path) -> None:
+def test_global_scale_in_bf16_is_cast_by_vllm(ct: Path, tmp_path: Path) -> None:
+    # vLLM copies it into its F32 parameter: 8 significant bits, 0.4 % (a warning)
     name = f"{ATTN}.o_proj.weight_global_scale"
     report = audit(edited(ct, tmp_path, lambda t: t.update({name: t[name].to(torch.bfloat16)})))
-    assert_exactly(report, "scheme-tensor-dtype")
+    assert_exactly(report, warnings={"scheme-tensor-dtype-cast"})
+    assert finding(report, "scheme-tensor-dtype-cast").tensors == [name]
+
+
+def test_global_scale_in_fp8(ct: Path, tmp_path: Path) -> None:
+    # 4 significant bits: the scale vLLM multiplies with is up to 6 % off
+    name = f"{ATTN}.o_proj.weight_global_scale"
+    report = audit(edited(ct, tmp_path, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)})))
+    assert "scheme-tensor-dtype" in rules(report, "error")
     assert finding(report, "scheme-tensor-dtype").tensors == [name]
+
+
+def test_fp8_codes_in_bf16_are_cleared_only_by_deep(lc_fp8_dynamic_dir: Path, tmp_path: Path) -> None:
+    # a BF16 copy of FP8 codes: vLLM casts it back into its F8 parameter exactly, but only the
+    # values tell a copy of codes from dequantized weights
+    name = f"{ATTN}.o_proj.weight"
+    out = edited(lc_fp8_dynamic_dir, tmp_path, lambda t: t.update({name: t[name].to(torch.bfloat16)}))
+    assert "scheme-tensor-dtype" in rules(audit(out), "error")
+    deep = audit(out, deep=True)
+    assert "scheme-tensor-dtype" not in rules(deep, "error") and "scheme-tensor-dtype-cast" in rules(deep, "warning")
+    out2 = edited(lc_fp8_dynamic_dir, tmp_path / "2", lambda t: t.update({name: (t[name].to(torch.bfloat16) * 1.01)}))
+    assert "scheme-tensor-dtype" in rules(audit(out2, deep=True), "error")
 
 
 def test_block_scale_with_the_wrong_shape(ct: Path, tmp_path: Path) -> None:
@@ -371,9 +421,13 @@ def test_w4a4_declared_without_any_activation_scale(ct: Path, tmp_path: Path) ->
 
 
 def test_weight_only_declared_while_activation_scales_ship(ct: Path) -> None:
+    # vLLM 0.32's compressed-tensors loading fails on the fused shards' and experts' scales, skips
+    # those of plain Linears (o_proj)
     patch_json(ct / "config.json", lambda d: qc(d)["config_groups"]["group_0"].update(input_activations=None))
     report = audit(ct)
-    assert_exactly(report, warnings={"weight-only-with-activation-scales"})
+    assert rules(report, "error") == {"weight-only-scales-refused"}
+    assert "weight-only-with-activation-scales" in rules(report, "warning")
+    assert all(".o_proj" not in t for t in finding(report, "weight-only-scales-refused").tensors)
 
 
 # -- fused groups -----------------------------------------------------------------------------------
@@ -392,6 +446,12 @@ def test_expert_gate_up_weight_global_scales_differ(modelopt: Path, tmp_path: Pa
 def test_qkv_input_scales_differ(ct: Path, tmp_path: Path) -> None:
     report = audit(edited(ct, tmp_path, lambda t: t[f"{ATTN}.v_proj.input_global_scale"].mul_(1.25)))
     assert_exactly(report, warnings={"fused-input-scale-mismatch"})
+
+
+def test_qkv_input_scale_inverted(ct: Path, tmp_path: Path) -> None:
+    # vLLM quantizes the fused input with the max of the shards' scales: one inverted moves all
+    report = audit(edited(ct, tmp_path, lambda t: t[f"{ATTN}.v_proj.input_global_scale"].reciprocal_()))
+    assert "fused-input-scale-divergent" in rules(report, "error")
 
 
 # -- scale values -----------------------------------------------------------------------------------

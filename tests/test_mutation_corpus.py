@@ -1,7 +1,7 @@
 """The audit against vLLM's own verdicts on generated defects (docs/audit.md#agreement-with-vllm).
 
 The verdicts are data: tests/mutation_corpus/<scheme>.json, written by
-scripts/vllm_mutation_oracle.py from the installed vLLM. Here the audit judges the same mutants
+scripts/vllm_mutation_oracle.py from the installed vLLM. Here the audit (with --deep) judges the same mutants
 (rebuilt from the same deterministic bases, tests/mutation_support.py) and the agreement figures
 docs/audit.md states are recomputed; the slow test re-asks vLLM for a sample of the verdicts.
 """
@@ -77,7 +77,7 @@ def test_every_disagreement_is_explained(rows: list[dict]) -> None:
 
 # The agreement measured when the corpus was last regenerated: a change to the audit may raise it,
 # never lower it (raise this floor with the figure in docs/audit.md).
-AGREEMENT_FLOOR = 1146 / 1296
+AGREEMENT_FLOOR = 1271 / 1296
 
 
 def test_the_agreement_does_not_fall(rows: list[dict]) -> None:
@@ -85,7 +85,6 @@ def test_the_agreement_does_not_fall(rows: list[dict]) -> None:
     assert agree / len(rows) >= AGREEMENT_FLOOR, f"{agree} of {len(rows)}: the audit now disagrees with vLLM on more mutations"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33's target; measured 88.4 % (docs/audit.md#agreement-with-vllm): passing means the mark goes")
 def test_the_agreement_reaches_the_target(rows: list[dict]) -> None:
     agree = sum(r["agrees"] for r in rows)
     assert agree / len(rows) >= 0.98, f"{agree} of {len(rows)}"

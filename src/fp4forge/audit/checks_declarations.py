@@ -21,11 +21,13 @@ from fp4forge.audit.checks_params import same_shape as _same_shape
 from fp4forge.audit.context import SCALE_KINDS, AuditContext, describe_value, is_finite_positive, issue, modules_noun
 from fp4forge.audit.deep_scan import FP8_SCHEME, NVFP4_SCHEME, DeepValues, deep_values, magnitude_tensors
 from fp4forge.audit.findings import Issue, natural_key
+from fp4forge.checkpoint import vllm_ct
 from fp4forge.checkpoint.codecs import codec, layout_of_suffix
-from fp4forge.checkpoint.declarations import KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
-from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix
+from fp4forge.checkpoint.declarations import FUSED_LOADING_REFUSES_EXTRA, KEYED_FORMATS, MXFP4, NameSet, QuantDeclaration, Resolution, SchemeGroup, detect_format, resolve
+from fp4forge.checkpoint.layout import PACKED_KINDS, split_suffix, vllm_remaps_kv_scales
 from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 from fp4forge.checkpoint.names import PROVENANCE_JSON
+from fp4forge.checkpoint.raw import FLOAT_FORMATS, SCALE_SIGNIFICAND_BITS, cast_verdict, fp8_e4m3_table, iter_values, survives_cast
 from fp4forge.checkpoint.schemes import kv_scale_specs, linear_tensor_specs, scheme_table
 from fp4forge.errors import ConfigError
 
@@ -35,6 +37,7 @@ KV_SUFFIXES = ("k_scale", "v_scale")
 EXPERTS = "routed_experts"
 MISSING_TENSOR_RULES = ("scheme-tensor-missing", "moe-input-scale-invalid")
 W4A4_SCHEME = "nvfp4"
+CAST_CHECK_ELEMENTS = 1 << 22  # values read at once when --deep checks a cast
 F32_SMALLEST_NORMAL, F32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
 
 
@@ -51,6 +54,7 @@ def run(ctx: AuditContext) -> list[Issue]:
         issues += [issue("scheme-not-audited", "declared schemes without a tensor table", name) for name in decl.unsupported]
         issues += checks_params.format_issues(decl)
         issues += [issue("modelopt-sidecar-differs", f"{HF_QUANT_CONFIG} against config.json", difference) for difference in decl.sidecar_differences]
+        issues += [issue("ct-format-string-differs", "group format strings other loaders read otherwise", difference) for difference in decl.loader_differences]
         if ctx.layout is not None and ctx.tensor_format == MXFP4:
             issues += mxfp4_issues(ctx, decl)
         elif ctx.layout is not None and ctx.tensor_format is not None:
@@ -60,6 +64,8 @@ def run(ctx: AuditContext) -> list[Issue]:
             issues += scheme_issues(ctx, resolution)
             issues += fused_scale_issues(ctx, resolution)
             issues += checks_params.param_issues(ctx, resolution)
+            issues += expert_refusal_issues(ctx, resolution)
+            issues += built_weight_issues(ctx, resolution)
         elif ctx.layout is not None and decl.format in KEYED_FORMATS:
             resolution = resolve(decl, list(ctx.linear_modules), engine_unquantized=ctx.engine_unquantized)
             issues += target_issues(ctx, decl, resolution)
@@ -69,9 +75,39 @@ def run(ctx: AuditContext) -> list[Issue]:
     issues += scale_value_issues(ctx)
     if ctx.deep:
         issues += scale_magnitude_issues(ctx)
+        issues += fp8_block_scale_issues(ctx)
     issues += kv_issues(ctx)
     issues += provenance_issues(ctx)
     return issues
+
+
+def built_weight_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
+    """Every compressed-tensors Linear's stored weight against the weight parameter of the scheme
+    class vLLM builds for its group (routed experts: their FusedMoE method), where that class's
+    parameters are known (checkpoint/vllm_ct.py weight_dtype_built): int arguments over FP8
+    codes, or float weights whose experts vLLM builds as int8, load as other numbers."""
+    issues: list[Issue] = []
+    for module, group in resolution.scheme_of.items():
+        weight = ctx.modules.get(module, {}).get("weight")
+        if group.key is None or weight is None or weight.dtype in FLOAT_WEIGHT_DTYPES or not vllm_ct.is_ct_key(group.key):
+            continue  # (a float weight: unquantized, module-not-quantized's, or a copy the scheme checks judge)
+        built = vllm_ct.weight_dtype_built(group.key, ctx.linear_modules.get(module) == EXPERTS)
+        if built is not None and weight.dtype != built[1]:
+            found = dtype_issue(ctx, f"{module}.weight", built[1], f"{group.description} (vLLM builds {built[0]})", ctx.file_of(f"{module}.weight"))
+            if found.rule == "scheme-tensor-dtype":  # a cast vLLM takes unchanged is the scheme checks' warning
+                issues.append(found)
+    return issues
+
+
+def expert_refusal_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]:
+    """A group vLLM builds for Linears but whose routed experts its FusedMoE method choice refuses
+    (checkpoint/vllm_ct.py moe_refusal), once per group that targets experts."""
+    refused: dict[str, list[str]] = {}
+    for module, group in resolution.scheme_of.items():
+        if group.expert_refusal and ctx.linear_modules.get(module) == EXPERTS:
+            refused.setdefault(f"{group.description}: {group.expert_refusal}", []).append(module)
+    return [issue("scheme-refused-by-vllm", "declared schemes vLLM refuses", reason, detail=f"{len(modules):,} routed-expert Linears")
+            for reason, modules in refused.items()]
 
 
 def provenance_issues(ctx: AuditContext) -> list[Issue]:
@@ -252,18 +288,64 @@ def module_scheme_issues(ctx: AuditContext, module: str, group: SchemeGroup) -> 
         if info is None:
             issues.append(_missing_tensor(module, suffix, scheme, component, file))
         elif info.dtype != dtype and info.dtype not in table[suffix].get("accept", ()):
-            issues.append(issue("scheme-tensor-dtype", f"{scheme} {suffix} tensors stored as {info.dtype} instead of {dtype}", name, tensors=[name], file=file))
-        elif not _same_shape(info.shape, expected_shape):
+            issues.append(dtype_issue(ctx, name, dtype, f"{scheme} {suffix}", file))
+        elif not (_same_shape(info.shape, expected_shape) or (component == EXPERTS and _expert_scalar(info.shape, expected_shape))):
             issues.append(issue("scheme-tensor-shape", f"{scheme} {suffix} tensors with the wrong shape", name, tensors=[name], detail=f"{list(info.shape)}, expected {list(expected_shape)}", file=file))
     for suffix in params:
         if suffix in table or suffix == "bias" or _kind(suffix) == "kv_scale":  # ModelOpt hangs KV scales on k/v_proj
             continue
         name = f"{module}.{suffix}"
         if _kind(suffix) in INPUT_SCALE_KINDS and not any(_kind(s) in INPUT_SCALE_KINDS for s in table):
-            issues.append(issue("weight-only-with-activation-scales", f"{suffix} tensors on Linears declared {scheme} (no static activation scale)", module, tensors=[name], file=file))
+            rule = "weight-only-scales-refused" if fmt in FUSED_LOADING_REFUSES_EXTRA and _fused_or_stacked(ctx, module) else "weight-only-with-activation-scales"
+            issues.append(issue(rule, f"{suffix} tensors on Linears declared {scheme} (no static activation scale)", module, tensors=[name], file=file))
         else:
             issues.append(issue("scheme-tensor-foreign", f"tensors a {fmt} {scheme} Linear does not have ({suffix})", name, tensors=[name], file=file))
     return issues
+
+
+def dtype_issue(ctx: AuditContext, name: str, expected: str, what: str, file: str | None) -> Issue:
+    """A tensor stored in another dtype than its format's, judged by what vLLM loads: its weight
+    loaders copy_ the tensor into the parameter they created, casting it (e.g.
+    `param.data.copy_(loaded_weight)` in vLLM 0.32's model_executor/parameter.py). Where every
+    value survives that cast and a scale keeps BF16's precision, vLLM serves the numbers the
+    format meant (a warning: other loaders and the byte count differ); where values must be read
+    to know, --deep reads them; integer codes where floats belong, or a scale rounded to fewer
+    bits, change the numbers (an error)."""
+    stored = ctx.tensors[name][1].dtype
+    verdict = cast_verdict(stored, expected)
+    group = f"{what} tensors stored as {stored} instead of {expected}"
+    narrow_scale = verdict == "exact" and FLOAT_FORMATS.get(stored, (0, 0))[0] < SCALE_SIGNIFICAND_BITS
+    if verdict == "values" and ctx.deep:
+        lost = _values_lost_in_cast(ctx, name, expected)
+        if lost:
+            return issue("scheme-tensor-dtype", group, name, tensors=[name], file=file, detail=f"{lost:,} values change when cast to {expected}")
+        verdict = "exact"
+    if verdict in ("bits", "exact") and not narrow_scale:
+        note = "vLLM casts them into its parameter unchanged" + (" (read with --deep)" if ctx.deep and cast_verdict(stored, expected) == "values" else "")
+        return issue("scheme-tensor-dtype-cast", group, name, tensors=[name], file=file, note=note)
+    detail = {"values": "only --deep can tell whether every value survives the cast", "integers": "integer codes are cast as numbers"}.get(verdict, f"{FLOAT_FORMATS.get(stored, (0,))[0]} significant bits")
+    return issue("scheme-tensor-dtype", group, name, tensors=[name], file=file, detail=detail)
+
+
+def _values_lost_in_cast(ctx: AuditContext, name: str, expected: str) -> int:
+    shard, info = ctx.tensors[name]
+    return sum(int((~survives_cast(chunk, expected)).sum()) for chunk in iter_values(ctx.ckpt, shard, info, CAST_CHECK_ELEMENTS))
+
+
+def _expert_scalar(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """A per-tensor scale of any one-element shape ([1, 1] too): vLLM 0.32's FusedMoE loader
+    takes each expert's per-tensor scale through `_to_scalar(loaded_weight)`
+    (fused_moe/routed_experts.py `_load_per_tensor_weight_scale`); its fused q/k/v loader asserts
+    on the shape instead."""
+    return tuple(expected) in ((), (1,)) and math.prod(stored) == 1
+
+
+def _fused_or_stacked(ctx: AuditContext, module: str) -> bool:
+    """A shard vLLM loads into a fused Linear (q/k/v, gate/up) or a routed expert it stacks into
+    a FusedMoE parameter: where a checkpoint tensor without a parameter fails vLLM 0.32's
+    compressed-tensors loading (docs/audit.md#agreement-with-vllm), a plain Linear's is skipped."""
+    leaf = module.rpartition(".")[2]
+    return ctx.linear_modules.get(module) == EXPERTS or any(leaf in members and len(members) > 1 for members in ctx.layout.fused.values())
 
 
 @lru_cache(maxsize=None)
@@ -338,6 +420,11 @@ def unexpected_quantization(ctx: AuditContext, module: str, why: str) -> list[Is
 
 
 # -- fused groups ---------------------------------------------------------------------------------
+# vLLM quantizes a fused layer's input with the max of its shards' input scales (vLLM 0.32
+# compressed_tensors_w8a8_fp8.py `layer.input_scale.max()`, compressed_tensors_w4a4_nvfp4.py
+# `input_global_scale.max()`, modelopt.py likewise): shards that read one input and were
+# calibrated on it agree; 8x apart (three binades of E4M3's range) is no calibration's spread.
+FUSED_INPUT_SCALE_ERROR_RATIO = 8.0
 FUSED_SCALE_RULES = ((("weight_global_scale",), "fused-weight-scale-mismatch"), (INPUT_SCALE_KINDS, "fused-input-scale-mismatch"))
 
 
@@ -376,6 +463,8 @@ def fused_scale_issues(ctx: AuditContext, resolution: Resolution) -> list[Issue]
                 continue
         if len(set(floats)) > 1 and min(floats) > 0:
             kind = "weight global scales" if rule.startswith("fused-weight") else "input scales"
+            if rule == "fused-input-scale-mismatch" and max(floats) / min(floats) >= FUSED_INPUT_SCALE_ERROR_RATIO:
+                rule = "fused-input-scale-divergent"
             issues.append(issue(rule, f"fused {name} groups whose {kind} differ", f"{parent}.{{{','.join(s.rpartition('.')[2] for s in shards)}}}", tensors=names, detail=f"ratio {max(floats) / min(floats):.4g}×", file=ctx.file_of(names[0])))  # type: ignore[arg-type]
     return issues
 
@@ -391,6 +480,24 @@ def _first_of_kinds(suffixes: tuple[str, ...], kinds: tuple[str, ...]) -> str | 
 # weight_scale_2 * 2688 (ModelOpt). An amax above 2688 (the value 1 on either side) is no LLM
 # weight's, so a value past 1 on the wrong side was written in the other convention.
 IMPLAUSIBLE_SCALE_SIDE = {"weight_global_scale": "below", "weight_scale_2": "above"}
+# An FP8 weight scale (per tensor, channel or 128x128 block) is amax / 448: above 6 (= 2688 / 448)
+# it implies the same impossible amax, a scale stored inverted (448 / amax) or for other codes.
+FP8_WEIGHT_SCALE_CEILING = 6.0
+FP8_WEIGHT_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+
+
+def _implausible(ctx: AuditContext, name: str, largest: float, smallest: float) -> bool:
+    """A scale on the side of 1 no LLM weight's amax puts it (NVFP4's per-tensor scales), or an
+    FP8 weight scale past FP8_WEIGHT_SCALE_CEILING."""
+    module, suffix, _ = ctx.roles[name]
+    side = IMPLAUSIBLE_SCALE_SIDE.get(suffix)
+    if side is not None:
+        return (side == "below" and largest < 1.0) or (side == "above" and smallest > 1.0)
+    if largest <= FP8_WEIGHT_SCALE_CEILING or suffix not in FP8_WEIGHT_SCALE_SUFFIXES:
+        return False  # the usual case, decided without a lookup
+    weight = ctx.modules.get(module, {}).get("weight")
+    float_scale = ctx.tensors[name][1].dtype in FLOAT_WEIGHT_DTYPES  # MXFP8's U8 E8M0 exponents are no amax / 448
+    return float_scale and weight is not None and weight.dtype == "F8_E4M3"
 
 
 def scale_value_issues(ctx: AuditContext) -> list[Issue]:
@@ -402,10 +509,9 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
         value = scalars.get(name)
         if value is not None:
             if 0 < value < math.inf:  # NaN compares false
-                side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
                 if value < F32_SMALLEST_NORMAL:
                     issues.append(_subnormal_issue(ctx, name, _as_array(value)))
-                elif side is not None and ((side == "below" and value < 1.0) or (side == "above" and value > 1.0)):
+                elif _implausible(ctx, name, value, value):
                     issues.append(_convention_issue(ctx, name, _as_array(value)))
                 continue
             values = _as_array(value)
@@ -414,10 +520,9 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
             if values is None:
                 continue
             if is_finite_positive(values):
-                side = IMPLAUSIBLE_SCALE_SIDE.get(roles[name][1])
                 if float(values.min()) < F32_SMALLEST_NORMAL:
                     issues.append(_subnormal_issue(ctx, name, values))
-                elif side is not None and ((side == "below" and float(values.max()) < 1.0) or (side == "above" and float(values.min()) > 1.0)):
+                elif _implausible(ctx, name, float(values.max()), float(values.min())):
                     issues.append(_convention_issue(ctx, name, values))
                 continue
         module, suffix, kind = roles[name]
@@ -425,6 +530,19 @@ def scale_value_issues(ctx: AuditContext) -> list[Issue]:
             issues.append(issue("moe-input-scale-invalid", f"routed experts whose {suffix} is not finite and positive", module, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
         else:
             issues.append(issue("scale-invalid", f"{suffix} tensors that are NaN, Inf, zero or negative", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name)))
+    return issues
+
+
+def fp8_block_scale_issues(ctx: AuditContext) -> list[Issue]:
+    """--deep: block-wise FP8 weight scales (2-D, read only with the values) past the ceiling the
+    per-tensor and per-channel ones are held to without --deep (scale_value_issues)."""
+    small = set(ctx.small_scales)
+    names = [f"{module}.{suffix}" for module, params in ctx.modules.items() if (params.get("weight") is not None and params["weight"].dtype == "F8_E4M3")
+             for suffix in FP8_WEIGHT_SCALE_SUFFIXES if suffix in params and f"{module}.{suffix}" not in small]
+    issues = []
+    for name, values in ctx.values(names).items():
+        if values.size and is_finite_positive(values) and _implausible(ctx, name, float(values.max()), float(values.min())):
+            issues.append(_convention_issue(ctx, name, values))
     return issues
 
 
@@ -442,7 +560,8 @@ def _subnormal_issue(ctx: AuditContext, name: str, values) -> Issue:
 
 def _convention_issue(ctx: AuditContext, name: str, values) -> Issue:
     suffix = ctx.roles[name][1]
-    return issue("scale-convention", f"{suffix} values in the other layout's convention", name, tensors=[name], detail=describe_value(values), file=ctx.file_of(name))
+    what = "in the other layout's convention" if suffix in IMPLAUSIBLE_SCALE_SIDE else "implying FP8 weights above 2688 (stored inverted?)"
+    return issue("scale-convention", f"{suffix} values {what}", name, tensors=[name], detail=describe_value(values) if values.size == 1 else f"largest {float(values.max()):.4g}", file=ctx.file_of(name))
 
 
 # -- scale magnitude against the weights (--deep) ------------------------------------------------------
@@ -457,6 +576,18 @@ def _convention_issue(ctx: AuditContext, name: str, values) -> Issue:
 # reaches 1) and clipping exporters lower the top block a little; the defects are off by 10^2+.
 MAGNITUDE_MIN_RATIO = 0.25
 MAGNITUDE_MAX_RATIO = 1.0 + 2.0**-10
+
+
+@lru_cache(maxsize=1)
+def shard_min_ratio() -> float:
+    """One shard of a fused group (sharing the group's per-tensor scale) below this share of the
+    group's implied amax would need block scales under E4M3's smallest normal even for its
+    largest block (2^-6 over 448, from the format's own table): no export writes that; its block
+    scales were stored inverted or for another global scale."""
+    import numpy as np
+
+    table = fp8_e4m3_table()
+    return float(table[0x08] / np.nanmax(table))  # 0x08: exponent field 1, mantissa 0
 
 
 def _magnitude_of(ctx: AuditContext, module: str, values: DeepValues) -> tuple[float, float, str] | None:
@@ -504,11 +635,13 @@ def scale_magnitude_issues(ctx: AuditContext) -> list[Issue]:
         in_range = MAGNITUDE_MIN_RATIO <= ratio <= MAGNITUDE_MAX_RATIO
         # a subnormal (or huge) per-tensor scale keeps the ratio but not the weights: BF16 GEMMs flush them to zero
         representable = F32_SMALLEST_NORMAL <= dequantized <= F32_MAX
-        if not (in_range and representable):
+        faint = [s for s in shards if len(shards) > 1 and implied > 0 and measured[s][0] / implied < shard_min_ratio()]
+        if not (in_range and representable) or faint:
             family = measured[module][2]
             names = [f"{s}.{suffix}" for s in shards for suffix in ctx.modules[s] if _kind(suffix) in ("weight_scale", "weight_global_scale", "packed_fp4") or suffix == "weight"]
             detail = f"largest dequantized value {dequantized:.4g}, implied amax {implied:.4g}, ratio {ratio:.3g}"
-            detail += "" if not in_range else ", not a normal float32: served, these weights are zero or infinite"
+            detail += "" if not in_range or faint else ", not a normal float32: served, these weights are zero or infinite"
+            detail += "".join(f"; {s.rpartition('.')[2]} reaches {measured[s][0] / implied:.3g} of it" for s in faint)
             issues.append(issue("scale-magnitude", f"{family.upper()} weights whose scales imply a range their values do not reach", ", ".join(shards) if len(shards) > 1 else module, tensors=names, detail=detail, file=ctx.file_of(names[0]) if names else None))
     return issues
 
@@ -565,13 +698,18 @@ def kv_issues(ctx: AuditContext) -> list[Issue]:
 
 
 def _misnamed(ctx: AuditContext, name: str, layer: str | None, expected_name: str | None) -> Issue:
-    target = vllm_kv_target(name)
     layer_attention = f"{layer}.self_attn.attn." if layer else None
+    target = name if layer_attention and name.startswith(layer_attention) else vllm_kv_target(name)  # vLLM's own parameter name
     remapped = bool(target and layer_attention and target.startswith(layer_attention))
     detail = f"expected {expected_name}" if expected_name else "no attention layer expects it"
+    architecture = next(iter((ctx.ckpt.config or {}).get("architectures") or []), None)
+    if remapped and vllm_remaps_kv_scales(architecture):
+        group = f"KV scales in another layout's spelling, which vLLM's {architecture} loader remaps"
+        note = "vLLM lands it on the attention layer (its cache-scale mapper); other engines and loaders may drop it"
+        return issue("kv-scale-other-spelling", group, name, tensors=[name], detail=detail, file=ctx.file_of(name), note=note)
     if remapped:
         group = f"KV scales in another layout's spelling (the {ctx.tensor_format} loader expects its own)"
-        note = "vLLM 0.33's generic remapper rescues this spelling only for models loaded through AutoWeightsLoader; per-model loaders and other engines drop it"
+        note = "vLLM's generic remapper rescues this spelling only for models loaded through AutoWeightsLoader; this architecture's loader and other engines drop it"
     else:
         group = "KV scales under names no vLLM remapping rule reaches (dropped silently)"
         note = "the FP8 cache of those layers runs at scale 1.0"

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from fp4forge.checkpoint import vllm_params
+from fp4forge.checkpoint import vllm_ct, vllm_params
 from fp4forge.checkpoint.names import HF_QUANT_CONFIG_JSON as HF_QUANT_CONFIG
 
 CT = "compressed-tensors"
@@ -37,6 +37,9 @@ GPTQ, AWQ, BNB = "gptq", "awq", "bitsandbytes"
 KEYED_FORMATS = (GPTQ, AWQ)
 METHOD_ALIASES = {**{m: GPTQ for m in vllm_params.GPTQ_METHODS}, **{m: AWQ for m in vllm_params.AWQ_METHODS}}
 NO_METHOD = "unknown"  # a quantization_config without quant_method
+# layouts whose vLLM 0.32 loading fails on a fused shard's or routed expert's tensor that no
+# parameter takes (compressed-tensors); ModelOpt's loader skips it (docs/audit.md#agreement-with-vllm)
+FUSED_LOADING_REFUSES_EXTRA = frozenset({CT})
 LINEAR_CLASS_TARGET = "Linear"
 
 # compressed-tensors QuantizationArgs -> scheme key of _schemes.toml. Each row: the weights'
@@ -67,7 +70,6 @@ HF_QUANT_REQUIRED = ("group_size", "kv_cache_quant_algo", "exclude_modules")
 KV_ALGOS = {"FP8": "fp8", "NVFP4": "nvfp4"}
 NVFP4_GROUP = 16  # values per NVFP4 block scale; vLLM creates NVFP4 weight scales for no other size
 NVFP4_SCHEMES = ("nvfp4", "nvfp4a16")
-MXFP4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class SchemeGroup:
     block: tuple[int, int] | None = None  # FP8 block-wise: [out, in] values per weight scale
     key: str | None = None  # the scheme key of vLLM's parameter data (checkpoint/vllm_params.py)
     packing: int | None = None  # values per stored weight element, for a format vLLM's data lacks (bnb)
+    expert_refusal: str | None = None  # why vLLM's FusedMoE refuses the group for routed experts
 
     @property
     def values_per_element(self) -> int | None:
@@ -110,6 +113,7 @@ class QuantDeclaration:
     unsupported: list[str] = field(default_factory=list)  # schemes declared but not audited
     literal_ignore: bool = False  # the engine skips exactly `ignore`, its own unquantized Linears (routers) not added
     sidecar_differences: list[str] = field(default_factory=list)  # hf_quant_config.json vs the config.json vLLM reads
+    loader_differences: list[str] = field(default_factory=list)  # what vLLM accepts and other loaders read otherwise
 
     @property
     def matcher(self) -> Callable[[str, str], bool]:
@@ -181,64 +185,27 @@ def _ct_scheme(weights: dict[str, Any], inputs: Any) -> str | None:
     return None
 
 
-def _ct_args_refusal(args: dict[str, Any], *, weights: bool) -> str | None:
-    """Why compressed-tensors' QuantizationArgs (which vLLM validates the declaration with) rejects
-    float arguments, or None: its validators, for the float family fp4forge audits."""
-    strategy, group_size = args.get("strategy", "tensor"), args.get("group_size")
-    if args.get("num_bits", 8) not in (4, 8):
-        return f"float num_bits {args.get('num_bits')!r} (only 4 and 8 exist)"
-    if (strategy in ("group", "tensor_group")) != (isinstance(group_size, int) and group_size > 0):
-        return f"strategy {strategy!r} with group_size {group_size!r} (a group size belongs to, and only to, group strategies)"
-    if (strategy == "block") != bool(args.get("block_structure")):
-        return f"strategy {strategy!r} with block_structure {args.get('block_structure')!r}"
-    if weights and args.get("actorder") is not None and strategy != "group":
-        return f"actorder {args.get('actorder')!r} with strategy {strategy!r}"
-    if args.get("dynamic") == "local" and strategy != "tensor_group":
-        return f"dynamic 'local' with strategy {strategy!r}"
-    return None
+def _ct_group_problems(name: str, group: dict[str, Any], top_format: str | None) -> list[str]:
+    """vLLM's own refusal of the group: its scheme choice mirrored (checkpoint/vllm_ct.py)."""
+    refusal = vllm_ct.group_refusal(group, top_format)
+    return [f"config group {name!r}: {refusal}; vLLM refuses it"] if refusal else []
 
 
-def _ct_float_refusal(weights: dict[str, Any], inputs: Any) -> str | None:
-    """Why vLLM 0.32 builds no compressed-tensors scheme for float weights (its NVFP4, MXFP4 and
-    FP8 predicates, CompressedTensorsConfig._get_scheme_from_parts), or None. NVFP4's own
-    checks are _ct_group_problems'."""
-    for role, args in (("weights", weights), ("input_activations", inputs)):
-        reason = _ct_args_refusal(args, weights=role == "weights") if isinstance(args, dict) and args.get("type") == "float" else None
-        if reason:
-            return f"{role}: {reason}"
-    if (weights.get("num_bits"), weights.get("strategy")) == (4, "tensor_group"):
+def _ct_format_judgement(name: str, group: dict[str, Any], top_format: str | None, scheme: str | None) -> tuple[str, str] | None:
+    """A group `format` string other than compressed-tensors' own for its arguments, as
+    ("problem" | "difference", message). vLLM picks the scheme from the arguments and reads the
+    string only to tell activation formats from others (_get_scheme_from_parts): where the
+    canonical string gives vLLM the same scheme, the string matters only to compressed-tensors'
+    decompressor (transformers, llm-compressor), a difference; where vLLM builds another scheme,
+    a problem (a refusal is _ct_group_problems')."""
+    fmt = group.get("format") or top_format
+    if scheme is None or fmt in (None, "mixed-precision", CT_FORMATS[scheme]) or vllm_ct.group_refusal(group, top_format):
         return None
-    strategy = weights.get("strategy", "tensor")
-    if weights.get("num_bits", 8) == 4 and strategy == "group" and weights.get("group_size") == MXFP4_GROUP and weights.get("symmetric", True) is not False:
-        return None  # MXFP4; vLLM's FP8 predicates below read no num_bits
-    if weights.get("symmetric") is False or weights.get("dynamic") not in (False, None) or strategy not in ("tensor", "channel", "block"):
-        return "8-bit float weights that are not symmetric, static, per tensor / channel / block"
-    if isinstance(inputs, dict) and inputs.get("type", "int") != "float":
-        return "FP8 weights with activations that are not float"
-    if isinstance(inputs, dict) and inputs.get("dynamic") is True and inputs.get("strategy", "tensor") not in ("token", "group"):
-        return "FP8 weights with dynamic activations that are not per token or per group"
-    if isinstance(inputs, dict) and inputs.get("dynamic") is not True and (inputs.get("symmetric") is False or inputs.get("strategy", "tensor") != "tensor"):
-        return "FP8 weights with static activations that are not symmetric per tensor"
-    return None
-
-
-def _ct_group_problems(name: str, group: dict[str, Any]) -> list[str]:
-    weights = group.get("weights")
-    problems = []
-    if isinstance(weights, dict) and weights.get("type") == "float":
-        refusal = _ct_float_refusal(weights, group.get("input_activations"))
-        if refusal:
-            problems.append(f"config group {name!r}: {refusal}; vLLM refuses it")
-    if (weights or {}).get("num_bits") == 4 and weights.get("type") == "float" and weights.get("strategy") == "tensor_group":
-        if weights.get("group_size") != NVFP4_GROUP or weights.get("symmetric") is False:
-            problems.append(f"config group {name!r}: NVFP4 needs group_size 16 and symmetric true (vLLM's _is_nvfp4_format)")
-        kind = _ct_input_kind(group.get("input_activations"))
-        if kind not in (None, "nvfp4"):
-            problems.append(
-                f"config group {name!r}: NVFP4 weights with non-NVFP4 input_activations; vLLM raises "
-                "'For NVFP4 weights, input quantization must also be NVFP4 format, None for NVFP4A16'"
-            )
-    return problems
+    said = f"config group {name!r}: format {fmt!r} disagrees with its {scheme} arguments (compressed-tensors decompresses {scheme} as {CT_FORMATS[scheme]!r})"
+    built, canonical = vllm_ct.vllm_scheme(group, top_format), vllm_ct.vllm_scheme({**group, "format": CT_FORMATS[scheme]}, None)
+    if built != canonical:
+        return "problem", f"{said}; vLLM builds {built} instead of {canonical}"
+    return "difference", f"{said}; vLLM builds {built} either way"
 
 
 def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
@@ -246,6 +213,7 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
     problems: list[str] = []
     groups: list[SchemeGroup] = []
     unsupported: list[str] = []
+    loader_differences: list[str] = []
     raw_groups = qc.get("config_groups")
     # A KV-cache-only declaration (empty config_groups + kv_cache_scheme) is valid: vLLM 0.32
     # serves it with an FP8 cache and BF16 weights (what `fp4forge kv calibrate` writes).
@@ -260,25 +228,24 @@ def parse_compressed_tensors(qc: dict[str, Any]) -> QuantDeclaration:
         targets = group.get("targets") or []
         if isinstance(targets, str):
             targets = [targets]
-        problems.extend(_ct_group_problems(name, group))
+        problems.extend(_ct_group_problems(name, group, qc.get("format")))
         scheme = _ct_scheme(group["weights"], group.get("input_activations"))
         fmt = group.get("format") or qc.get("format")
-        # "mixed-precision" at the top says only that the groups differ: each group's own string counts
-        if scheme is not None and fmt not in (None, "mixed-precision", CT_FORMATS[scheme]):
-            # compressed-tensors picks the decompressor by this string, not by the arguments
-            problems.append(f"config group {name!r}: format {fmt!r} disagrees with its {scheme} arguments "
-                            f"(compressed-tensors decompresses {scheme} as {CT_FORMATS[scheme]!r})")
+        judged = _ct_format_judgement(name, group, qc.get("format"), scheme)
+        if judged:
+            (problems if judged[0] == "problem" else loader_differences).append(judged[1])
         description = f"{name} ({fmt or 'format?'})"
         key = vllm_params.ct_key(group, qc.get("format"))
         if scheme is None and vllm_params.scheme_entry(key) is None:
             unsupported.append(description)
         block = _block_size(group["weights"].get("block_structure"), problems, f"config group {name!r} block_structure") if scheme == "fp8_block" else None
-        groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description, block=block, key=key))
+        expert_refusal = None if vllm_ct.group_refusal(group, qc.get("format")) else vllm_ct.moe_refusal(group, qc.get("format"))
+        groups.append(SchemeGroup(name=name, scheme=scheme, targets=tuple(targets), description=description, block=block, key=key, expert_refusal=expert_refusal))
     ignore = qc.get("ignore") or []
     kv = _ct_kv(qc.get("kv_cache_scheme"), problems)
     if qc.get("sparsity_config"):
         problems.append("sparsity_config is not empty; vLLM raises DeprecationWarning for sparse compressed-tensors")
-    return QuantDeclaration(CT, where, groups, tuple(ignore), kv, problems, unsupported)
+    return QuantDeclaration(CT, where, groups, tuple(ignore), kv, problems, unsupported, loader_differences=loader_differences)
 
 
 def _ct_kv(scheme: Any, problems: list[str]) -> KvDeclaration | None:

@@ -331,11 +331,21 @@ def expert_counts(config: dict[str, Any] | None) -> frozenset[int]:
 
 
 @lru_cache(maxsize=1)
-def vllm_packed_groups() -> dict[str, dict[str, list[str]]]:
-    """Architecture -> vLLM's fused groups (scripts/vllm_packed_modules.py writes the data)."""
+def _vllm_packed_data() -> dict[str, Any]:
     import json
 
-    return json.loads((LAYOUTS_DIR / VLLM_PACKED).read_text(encoding="utf-8"))["architectures"]
+    return json.loads((LAYOUTS_DIR / VLLM_PACKED).read_text(encoding="utf-8"))
+
+
+def vllm_packed_groups() -> dict[str, dict[str, list[str]]]:
+    """Architecture -> vLLM's fused groups (scripts/vllm_packed_modules.py writes the data)."""
+    return _vllm_packed_data()["architectures"]
+
+
+def vllm_remaps_kv_scales(architecture: str | None) -> bool:
+    """Whether vLLM's loader for this architecture lands either layout's KV-scale names on the
+    attention layer (the same data: AutoWeightsLoader or maybe_remap_kv_scale_name)."""
+    return architecture in _vllm_packed_data().get("kv_scales_remapped", ())
 
 
 def _vllm_groups(*architectures: str) -> dict[str, list[str]]:

@@ -189,3 +189,47 @@ def read_many_small(ckpt: Checkpoint, entries: list[tuple[str, TensorInfo]]) -> 
             for p, blob in zip(positions, [mapped[s] for s in slices]):
                 out[p] = blob
     return out
+
+
+# -- casts into another dtype (what vLLM's parameter copy does to a stored value) -------------------
+#: float dtype -> (significand bits with the implicit one, exponent bits)
+FLOAT_FORMATS = {"F64": (53, 11), "F32": (24, 8), "BF16": (8, 8), "F16": (11, 5), "F8_E4M3": (4, 4), "F8_E5M2": (3, 5)}
+#: integer dtype -> (smallest, largest) value
+INT_RANGES = {"U8": (0, 255), "I8": (-128, 127), "I16": (-(1 << 15), (1 << 15) - 1), "I32": (-(1 << 31), (1 << 31) - 1)}
+#: significand bits a float scale keeps within the 1 % a calibration tolerates (BF16's 8: 0.4 %)
+SCALE_SIGNIFICAND_BITS = 8
+
+
+def cast_verdict(stored: str, expected: str) -> str:
+    """What copying ``stored`` values into a parameter of dtype ``expected`` does (vLLM's weight
+    loaders ``copy_`` a tensor into the parameter they created, casting it; docs/audit.md#agreement-with-vllm):
+    ``bits``: integers of one width, the bytes kept (int8 -> uint8 wraps); ``exact``: every stored
+    value is one of ``expected`` (a narrower float, integers in a float's range); ``values``: only
+    the values a wider or other dtype happens to hold survive (read them); ``integers``: integer
+    codes where a float belongs, read as numbers."""
+    if stored in INT_RANGES and expected in INT_RANGES:
+        return "bits" if DTYPE_BITS[stored] == DTYPE_BITS[expected] else "values"
+    if stored in INT_RANGES:
+        return "integers"
+    if stored in FLOAT_FORMATS and expected in FLOAT_FORMATS:
+        (s_sig, s_exp), (e_sig, e_exp) = FLOAT_FORMATS[stored], FLOAT_FORMATS[expected]
+        return "exact" if s_sig <= e_sig and s_exp <= e_exp else "values"
+    return "values"
+
+
+def survives_cast(values, expected: str):
+    """Which float32 ``values`` (numpy, as ``iter_values`` yields them) a cast into ``expected``
+    keeps unchanged (NaN is kept where the dtype has one)."""
+    import numpy as np
+
+    if expected in INT_RANGES:
+        low, high = INT_RANGES[expected]
+        return (values == np.round(values)) & (values >= low) & (values <= high)
+    if expected == "F8_E4M3":
+        table = fp8_e4m3_table()
+        return np.isin(values, table[np.isfinite(table)]) | (np.isnan(values))
+    if expected == "BF16":
+        return (values.astype(np.float32).view(np.uint32) & 0xFFFF) == 0
+    if expected == "F16":
+        return (values.astype(np.float16).astype(np.float32) == values) | np.isnan(values)
+    return np.ones(values.shape, dtype=bool)  # F32 / F64 hold every float32
