@@ -12,9 +12,9 @@ capability this CPU offers, and with 1 and 2 threads, with the options `make dem
   torch's flash-attention CPU kernel refuses to run (``pack_vnni2 is only supported when avx512
   is supported``: it packs for the CPU it finds, not the capability it was told), so those runs
   use the math attention backend, and so does the native run they are compared with;
-* the one dependence known to remain, kept as a strict xfail: oneDNN's bf16 matmuls, whose
-  instruction set ``ONEDNN_MAX_CPU_ISA`` lowers, round a few activations differently, and the
-  calibrated maxima of those activations move by one bf16 step.
+* the one dependence known to remain, bounded rather than excused: oneDNN's bf16 matmuls, whose
+  instruction set ``ONEDNN_MAX_CPU_ISA`` lowers, round a few activations differently; at most 2 %
+  of the statistics may differ, each by at most 4 bf16 steps of its largest value.
 """
 
 from __future__ import annotations
@@ -133,9 +133,31 @@ def test_calibration_is_the_same_under_every_kernel_family_and_thread_count(runs
         assert same_tensors(runs.stats(capability, 1, attention="math"), reference) == [], capability
 
 
-@pytest.mark.xfail(strict=True, reason="oneDNN's AVX2 and AVX-512 bf16 matmuls round a few activations differently: "
-                                      "their calibrated maxima move by one bf16 step (docs/quantization.md#the-same-bytes-on-every-cpu)")
-def test_calibration_does_not_depend_on_the_matmul_instruction_set(runs: Runs) -> None:
+def bf16_steps_apart(a: Path, b: Path) -> dict[str, float]:
+    """For each tensor that differs: its largest difference in bf16 steps of the tensor's own
+    largest magnitude (the spacing of bf16 numbers at that magnitude: 2^(floor(log2 amax) - 7))."""
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys() and x
+    steps = {}
+    for name in x:
+        if x[name].dtype != y[name].dtype or x[name].shape != y[name].shape:
+            steps[name] = float("inf")
+        elif not torch.equal(x[name], y[name]):
+            ref, other = x[name].double(), y[name].double()
+            amax = max(float(ref.abs().max()), float(other.abs().max()))
+            step = 2.0 ** (torch.floor(torch.log2(torch.tensor(amax))).item() - 7)
+            steps[name] = float((ref - other).abs().max()) / step
+    return steps
+
+
+def test_calibration_under_another_matmul_instruction_set_moves_a_few_bf16_steps(runs: Runs) -> None:
+    """The one dependence known to remain (docs/quantization.md#the-same-bytes-on-every-cpu):
+    oneDNN's AVX2 and AVX-512 bf16 matmuls round a few activations differently. What is promised
+    is its size: a few statistics, each within 4 bf16 steps of its largest value (measured: 2 of
+    193, by 1 and 3 steps)."""
     if runs.native != "avx512":
-        pytest.skip("needs an AVX-512 CPU, whose oneDNN matmuls can be lowered to AVX2")
-    assert same_tensors(runs.stats(runs.native, 1, env={"ONEDNN_MAX_CPU_ISA": "AVX2"}), runs.stats(runs.native, 1)) == []
+        pytest.skip("needs an AVX-512 CPU, whose oneDNN matmuls can be lowered to AVX2 (on an AVX2 CPU there is no other ISA to compare)")
+    native = runs.stats(runs.native, 1)
+    steps = bf16_steps_apart(runs.stats(runs.native, 1, env={"ONEDNN_MAX_CPU_ISA": "AVX2"}), native)
+    assert len(steps) <= 0.02 * len(load_file(native)), steps
+    assert all(s <= 4.0 for s in steps.values()), steps
