@@ -460,7 +460,7 @@ def _score_floor_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
     return lines
 
 
-def minimum_detectable_effect(doc: dict[str, Any]) -> str | None:
+def detectable_effect_cell(doc: dict[str, Any]) -> str | None:
     """The smallest mean per-scenario difference the paired test detects with 80 % power
     (docs/quality.md#resolving-power-on-the-shipped-testbed); the sign test's least discordance is
     in the power lines above the table, so it is not repeated here."""
@@ -486,7 +486,7 @@ def _compare_lines(ctx: CardContext, doc: dict[str, Any]) -> list[str]:
     if doc["verdict"].get("ordering") == "none" and doc["verdict"].get("label") != "refused":
         ctx.non_claims.append(f"The paired quality comparison ({doc['verdict'].get('label')}) is not evidence of no regression"
                               + (f": {power['text']}." if power.get("text") else " (it states no power)."))
-    mde = minimum_detectable_effect(doc) if power else None
+    mde = detectable_effect_cell(doc) if power else None
     lines += table(["test", "result"], [
         ["points, mean of runs", f"A {points['A']:.1f}, B {points['B']:.1f} of {doc['max_points']}; B − A {points['diff']:+.1f}"],
         ["95 % paired bootstrap CI, mean per-scenario difference", f"[{low:+.4f}, {high:+.4f}]"],
