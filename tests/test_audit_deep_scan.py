@@ -118,6 +118,29 @@ def test_device_and_thread_paths_give_the_same_findings(how, cases, monkeypatch)
         assert _doc(path) == expected[name], (name, how)
 
 
+@pytest.mark.parametrize("path", ["threads", "device"])
+def test_pieces_reduced_together_give_each_piece_its_own_row(path, cases, monkeypatch) -> None:
+    """Neighbouring experts' tensors are read and reduced as one job (rows of a strided view):
+    every tensor's numbers equal those of a scan that takes each piece alone, on every export
+    and planted defect; and the exports' experts do share jobs (else this proved nothing)."""
+    from fp4forge.audit.context import AuditContext
+    from fp4forge.checkpoint.layout import layout_or_inferred
+    from fp4forge.checkpoint.reader import open_checkpoint
+
+    def scan(ckpt):
+        ctx = AuditContext(ckpt=ckpt, layout=layout_or_inferred(ckpt.config), declaration=None, deep=True, fmt="auto", vllm_version=(0, 32), device="cpu")
+        units = deep_scan.plan_units(ctx)
+        return deep_scan.scan_units(ckpt, units, "cpu", path=path, threads=2).rows, deep_scan.plan_jobs(units)
+
+    together = {name: scan(open_checkpoint(p)) for name, p in cases.items()}
+    monkeypatch.setattr(deep_scan, "_extends", lambda *args: False)
+    for name, p in cases.items():
+        alone, jobs = scan(open_checkpoint(p))
+        assert together[name][0] == alone and all(job.rows == 1 for job in jobs), name
+    assert max(job.rows for job in together["nvfp4-experts-compressed-tensors"][1]) > 1
+    assert max(job.rows for job in together["nvfp4-experts-modelopt"][1]) > 1
+
+
 def test_a_check_that_raises_stops_the_background_scan(cases, monkeypatch) -> None:
     """The scan runs beside the header checks: when one raises, the audit raises that error
     (exit 2, as before) and leaves no scan thread reading the closed checkpoint."""
@@ -150,7 +173,8 @@ def test_read_ahead_hints_every_byte_once_in_order() -> None:
         source = Recording()
 
     part = deep_scan.Part
-    jobs = [(None, (part("a", 0, 100),)), (None, (part("a", 100, 50), part("b", 0, 10))), (None, (part("a", 400, 100),)), (None, (part("b", 10, 30),))]
+    pieces = [(part("a", 0, 100),), (part("a", 100, 50), part("b", 0, 10)), (part("a", 400, 100),), (part("b", 10, 30),)]
+    jobs = [deep_scan.Job("float", "BF16", 1, tuple((p, 0) for p in piece), ()) for piece in pieces]
     ahead = deep_scan._ReadAhead(Ckpt(), jobs, 120)
     ahead.hint()
     assert Ckpt.source.hints == [("a", 0, 150)]  # 150 >= 120: the second part completes the range
@@ -274,4 +298,4 @@ def test_a_piece_with_its_alignment_fits_the_piece_size(piece_bytes) -> None:
     codes, scales = TensorInfo("w", "U8", (rows, 8), 0, rows * 8), TensorInfo("s", "F8_E4M3", (rows, 1), rows * 8, rows * 9)
     unit = deep_scan._pair(ckpt, ("s", codes), ("s", scales), piece_bytes)
     assert sum(p[0].length for p in unit.pieces) == codes.nbytes and sum(p[1].length for p in unit.pieces) == scales.nbytes
-    assert deep_scan._buffer_bytes([unit]) <= max(piece_bytes, 16)
+    assert deep_scan._buffer_bytes(deep_scan.plan_jobs([unit], piece_bytes)) <= max(piece_bytes, 16)

@@ -156,16 +156,13 @@ def plan_units(ctx: AuditContext, piece_bytes: int = PIECE_BYTES) -> list[Unit]:
 
 
 # -- the reductions (torch, any device) -------------------------------------------------------------
-def _row(*values: Any) -> torch.Tensor:
-    """A piece's row as float64 on the device of its tensor values (missing values: EMPTY_ROW's)."""
+def _columns(rows: int, device: Any, *values: Any) -> torch.Tensor:
+    """Rows [m, 4] in float64 from up to four columns (tensors [m] or numbers; missing ones:
+    EMPTY_ROW's), made on the device of the tensors (constants filled there: no copy to wait for)."""
     import torch
 
-    device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
     full = list(values) + list(EMPTY_ROW[len(values):])
-    if device is None or device.type == "cpu":  # the numbers are here already: one small tensor
-        return torch.tensor([float(v) for v in full], dtype=torch.float64)
-    # constants are filled on the device (a kernel, no copy from the host to wait for)
-    return torch.stack([v.double() if isinstance(v, torch.Tensor) else torch.full((), float(v), dtype=torch.float64, device=device) for v in full])
+    return torch.stack([v.double() if isinstance(v, torch.Tensor) else torch.full((rows,), float(v), dtype=torch.float64, device=device) for v in full], dim=1)
 
 
 #: float dtype -> (integer lanes of its bit patterns, |x| mask of one lane, the smallest |x| pattern
@@ -179,96 +176,186 @@ FLOAT_BITS = {
 
 
 def _masked_lanes(raw: torch.Tensor, lanes: str, mask: int) -> torch.Tensor:
-    """``raw`` (flat uint8) as integer lanes, each and-ed with ``mask``: eight bytes per int64
-    operation where the length allows (several times faster than narrow lanes on the CPU)."""
+    """``raw`` (uint8 rows [m, L]) as integer lanes, each and-ed with ``mask``: eight bytes per
+    int64 operation where the length allows (several times faster than narrow lanes on the CPU)."""
     import torch
 
+    from fp4forge.checkpoint.codecs import lanes_of
+
     lane = getattr(torch, lanes)
-    width = torch.empty((), dtype=lane).element_size()
-    if raw.numel() % 8 == 0 and raw.storage_offset() % 8 == 0:
+    width = lane.itemsize
+    if raw.shape[1] % 8 == 0:
         repeated = int.from_bytes(mask.to_bytes(width, "little") * (8 // width), "little")
         repeated -= (1 << 64) if repeated >= 1 << 63 else 0  # as a signed int64 constant
-        return (raw.view(torch.int64) & repeated).view(lane)
-    return raw.view(lane) & mask
+        return (lanes_of(raw, torch.int64) & repeated).view(lane)
+    return lanes_of(raw, lane) & mask
 
 
-def _float_row(raw: torch.Tensor, dtype: str, shortcuts: bool) -> torch.Tensor:
+def _any_above(values: torch.Tensor, limit: int, shortcuts: bool) -> bool:
+    """Whether a count over ``values`` can be nonzero: always, without ``shortcuts`` (no host
+    round trip: the device's path); else whether the largest reaches ``limit``."""
+    return not shortcuts or (values.numel() > 0 and int(values.amax()) >= limit)
+
+
+def _float_rows(raw: torch.Tensor, dtype: str, shortcuts: bool) -> torch.Tensor:
+    """(non-finite values, any value nonzero) per row."""
     lanes, mask, nonfinite_from = FLOAT_BITS[dtype]
     bits = _masked_lanes(raw, lanes, mask)
-    if not bits.numel():
-        return _row(0, 0)
-    largest = bits.amax()
-    if shortcuts and int(largest) < nonfinite_from:  # the usual case: no count to make
-        return _row(0, largest > 0)
-    return _row((bits >= nonfinite_from).sum(), largest > 0)
+    nonzero = (bits > 0).any(dim=1)
+    if not _any_above(bits, nonfinite_from, shortcuts):  # the usual case: no count to make
+        return _columns(raw.shape[0], raw.device, 0, nonzero)
+    return _columns(raw.shape[0], raw.device, (bits >= nonfinite_from).sum(dim=1), nonzero)
 
 
-def _fp8_rows(raw: torch.Tensor, shortcuts: bool) -> tuple[Any, Any, Any]:
-    """(NaN count, any nonzero, largest non-NaN magnitude byte) of E4M3 bytes."""
-    from fp4forge.checkpoint.codecs import codec
+def _fp8_rows(raw: torch.Tensor, shortcuts: bool) -> torch.Tensor:
+    """(NaN count, any nonzero, largest non-NaN magnitude byte) of E4M3 bytes per row."""
     from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
 
     magnitude = _masked_lanes(raw, "uint8", 0x7F)
-    if not magnitude.numel():
-        return 0, 0, 0
-    largest = magnitude.amax()
-    if shortcuts and int(largest) < FP8_E4M3_NAN_BITS:
-        return 0, largest > 0, largest
-    return (magnitude == FP8_E4M3_NAN_BITS).sum(), largest > 0, codec(FP8_SCHEME).peek_piece(raw)
+    if not raw.shape[1]:
+        return _columns(raw.shape[0], raw.device, 0, 0, 0)
+    nonzero = (magnitude > 0).any(dim=1)
+    if not _any_above(magnitude, FP8_E4M3_NAN_BITS, shortcuts):
+        return _columns(raw.shape[0], raw.device, 0, nonzero, magnitude.amax(dim=1))
+    nan = magnitude == FP8_E4M3_NAN_BITS
+    return _columns(raw.shape[0], raw.device, nan.sum(dim=1), nonzero, magnitude.masked_fill(nan, 0).amax(dim=1))
 
 
 def _block_scale_counts(raw: torch.Tensor, shortcuts: bool) -> tuple[Any, Any]:
-    """(NaN, negative) E4M3 scales: a sign bit on a value that is neither zero nor NaN."""
+    """(NaN, negative) E4M3 scales per row: a sign bit on a value that is neither zero nor NaN."""
     from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
 
-    if not raw.numel() or (shortcuts and int(raw.amax()) < FP8_E4M3_NAN_BITS):  # no sign bit, no NaN
+    if not _any_above(raw, FP8_E4M3_NAN_BITS, shortcuts):  # no sign bit, no NaN
         return 0, 0
     magnitude = raw & 0x7F
     nan = magnitude == FP8_E4M3_NAN_BITS
-    return nan.sum(), (((raw & 0x80) != 0) & (magnitude != 0) & ~nan).sum()
+    return nan.sum(dim=1), (((raw & 0x80) != 0) & (magnitude != 0) & ~nan).sum(dim=1)
 
 
-def reduce_piece(unit: Unit, data: list[torch.Tensor], *, shortcuts: bool = True) -> torch.Tensor:
-    """One piece's row from its bytes (flat uint8 tensors, one per part, on any device).
+def reduce_rows(kernel: str, dtype: str, data: list[torch.Tensor], *, shortcuts: bool = True) -> torch.Tensor:
+    """Rows [m, 4] (float64, :data:`EMPTY_ROW` says what each kernel's are) of m pieces at once:
+    ``data``, one uint8 tensor [m, L] per part (the last dimension contiguous, any device).
     ``shortcuts``: skip the exact counts where one maximum shows there is nothing to count (a
-    host round trip per piece: the CPU's path); the numbers are the same either way."""
+    host round trip per call: the CPU's path); the numbers are the same either way."""
     from fp4forge.checkpoint.codecs import codec
 
     raw = data[0]
-    if unit.kernel == "float":
-        return _float_row(raw, unit.dtype, shortcuts)
-    if unit.kernel == "codes":  # packed FP4 (and any other integer codes): zero and negative zero
-        return _row(0, _masked_lanes(raw, "uint8", 0x77).any())
-    if unit.kernel == "e4m3":
-        return _row(*_fp8_rows(raw, shortcuts))
-    if unit.kernel == "block_scale":
-        return _row(*_block_scale_counts(raw, shortcuts))
-    any_code, product = codec(NVFP4_SCHEME).peek_piece(raw, data[1], search=shortcuts)
-    return _row(*_block_scale_counts(data[1], shortcuts), any_code, product)
+    rows = raw.shape[0]
+    if kernel == "float":
+        return _float_rows(raw, dtype, shortcuts)
+    if kernel == "codes":  # packed FP4 (and any other integer codes): zero and negative zero
+        return _columns(rows, raw.device, 0, (_masked_lanes(raw, "uint8", 0x77) > 0).any(dim=1))
+    if kernel == "e4m3":
+        return _fp8_rows(raw, shortcuts)
+    if kernel == "block_scale":
+        return _columns(rows, raw.device, *_block_scale_counts(raw, shortcuts))
+    peeked = codec(NVFP4_SCHEME).peek_rows(raw, data[1], search=shortcuts)
+    return _columns(rows, raw.device, *_block_scale_counts(data[1], shortcuts), peeked[:, 0], peeked[:, 1])
 
 
-# -- reading and reducing ---------------------------------------------------------------------------
+def reduce_piece(unit: Unit, data: list[torch.Tensor], *, shortcuts: bool = True) -> torch.Tensor:
+    """One piece's row from its bytes (flat uint8 tensors, one per part): :func:`reduce_rows`."""
+    return reduce_rows(unit.kernel, unit.dtype, [d.view(1, -1) for d in data], shortcuts=shortcuts)[0]
+
+
+# -- batches: pieces read and reduced at once ------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """Pieces read and reduced at once: ``rows`` consecutive pieces of one kernel whose part k
+    lies at ``views[k]`` = (offset in the buffer, distance from one piece to the next, length).
+    Part k of all the pieces is one read of the span they cover (an MoE layer's experts are
+    stored side by side), placed at its file offset's phase mod 8 when there are several (so
+    tensors 8-aligned in the file stay 8-aligned for the int64 lanes), 8-aligned otherwise."""
+
+    kernel: str
+    dtype: str
+    rows: int
+    reads: tuple[tuple[Part, int], ...]  # (part of a file, its offset in the buffer)
+    views: tuple[tuple[int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return max((at + part.length for part, at in self.reads), default=0)
+
+
 def _aligned(length: int) -> int:
     return -(-length // 8) * 8  # each part starts 8-aligned in its buffer (the int64 lanes' fast path)
 
 
-def _buffer_bytes(units: list[Unit]) -> int:
-    """The most bytes one piece needs in a buffer, its parts placed 8-aligned one after another."""
-    return max((sum(_aligned(p.length) for p in piece) for unit in units for piece in unit.pieces), default=8) or 8
+def _strides(group: list[tuple[Unit, tuple[Part, ...]]]) -> list[int]:
+    """Per part: the distance in its file from one piece of ``group`` to the next (one piece: its length)."""
+    head = group[0][1]
+    return [b.start - a.start for a, b in zip(head, group[1][1])] if len(group) > 1 else [p.length for p in head]
 
 
-def _read_piece(ckpt: Checkpoint, parts: tuple[Part, ...], buffer: torch.Tensor) -> list[torch.Tensor]:
-    """A piece's bytes read into ``buffer`` (flat uint8, reused piece after piece: no allocation,
-    no page faults), one view per part; straight from the page cache where the source reads into
-    a buffer. The views are valid until the buffer's next piece."""
-    out, at = [], 0
-    for part in parts:
-        view = buffer[at : at + part.length]
-        at += _aligned(part.length)
+def _layout(head: tuple[Part, ...], strides: list[int], rows: int) -> tuple[tuple[tuple[Part, int], ...], int]:
+    """(each part's span and its offset in the buffer, the buffer bytes they take)."""
+    reads, at = [], 0
+    for part, stride in zip(head, strides):
+        phase = part.start % 8 if rows > 1 else 0
+        span = Part(part.shard, part.start, (rows - 1) * stride + part.length)
+        reads.append((span, at + phase))
+        at += _aligned(phase + span.length)
+    return tuple(reads), at
+
+
+def _job(group: list[tuple[Unit, tuple[Part, ...]]]) -> Job:
+    unit, head = group[0]
+    strides = _strides(group)
+    reads, _ = _layout(head, strides, len(group))
+    return Job(unit.kernel, unit.dtype, len(group), reads, tuple((at, stride, part.length) for (_, at), stride, part in zip(reads, strides, head)))
+
+
+def _extends(group: list[tuple[Unit, tuple[Part, ...]]], unit: Unit, piece: tuple[Part, ...], limit: int) -> bool:
+    """Whether ``piece`` joins ``group``: one-piece units of one kernel, each part as long as the
+    first piece's, in the same file, at a constant distance from the last piece's; the buffer
+    within ``limit`` bytes and at least half of what is read read for a reason."""
+    head_unit, head = group[0]
+    if len(unit.pieces) != 1 or len(head_unit.pieces) != 1 or (unit.kernel, unit.dtype) != (head_unit.kernel, head_unit.dtype):
+        return False
+    if len(piece) != len(head) or any(p.shard != q.shard or p.length != q.length or not p.length for p, q in zip(piece, head)):
+        return False
+    steps = [p.start - q.start for p, q in zip(piece, group[-1][1])]
+    if any(step <= 0 for step in steps) or (len(group) > 1 and steps != _strides(group)):
+        return False
+    reads, nbytes = _layout(head, steps, len(group) + 1)
+    return nbytes <= limit and all(2 * (len(group) + 1) * part.length >= span.length for part, (span, _) in zip(head, reads))
+
+
+def plan_jobs(units: list[Unit], piece_bytes: int = PIECE_BYTES) -> list[Job]:
+    """The units' pieces, in order, as jobs (:class:`Job`): neighbours that :func:`_extends`
+    allows share one, within ``piece_bytes``; every piece's row comes out in the same order."""
+    jobs: list[Job] = []
+    group: list[tuple[Unit, tuple[Part, ...]]] = []
+    for unit in units:
+        for piece in unit.pieces:
+            if group and not _extends(group, unit, piece, piece_bytes):
+                jobs.append(_job(group))
+                group = []
+            group.append((unit, piece))
+    if group:
+        jobs.append(_job(group))
+    return jobs
+
+
+def _buffer_bytes(jobs: list[Job]) -> int:
+    """The most bytes one job needs in a buffer."""
+    return max((job.nbytes for job in jobs), default=8) or 8
+
+
+def _job_data(job: Job, flat: torch.Tensor) -> list[torch.Tensor]:
+    """The job's parts as uint8 rows [rows, length] over ``flat`` (its bytes, on any device)."""
+    return [flat.as_strided((job.rows, length), (stride, 1), flat.storage_offset() + offset) for offset, stride, length in job.views]
+
+
+def _read_job(ckpt: Checkpoint, job: Job, buffer: torch.Tensor) -> torch.Tensor:
+    """The job's bytes read into ``buffer`` (flat uint8, reused job after job: no allocation, no
+    page faults), straight from the page cache where the source reads into a buffer; the bytes
+    used, valid until the buffer's next job."""
+    for part, at in job.reads:
         if part.length:
-            _read_part(ckpt, part, memoryview(view.numpy()))
-        out.append(view)
-    return out
+            _read_part(ckpt, part, memoryview(buffer[at : at + part.length].numpy()))
+    return buffer[: job.nbytes]
 
 
 def _read_part(ckpt: Checkpoint, part: Part, out: memoryview) -> None:
@@ -305,14 +392,14 @@ class _ReadAhead:
     of the jobs' parts into the page cache, in order, as the jobs are taken: the disk reads while
     torch is imported and while the pieces before are reduced. Adjacent parts are one hint."""
 
-    def __init__(self, ckpt: Checkpoint, jobs: list[tuple[Unit, tuple[Part, ...]]], ahead: int):
+    def __init__(self, ckpt: Checkpoint, jobs: list[Job], ahead: int):
         self.will_need = getattr(ckpt.source, "will_need", None)
-        self.parts = [part for _, piece in jobs for part in piece] if self.will_need else []
+        self.parts = [part for job in jobs for part, _ in job.reads] if self.will_need else []
         self.ahead, self.at, self.hinted, self.taken = ahead, 0, 0, 0
 
-    def take(self, job: tuple[Unit, tuple[Part, ...]]) -> tuple[Unit, tuple[Part, ...]]:
+    def take(self, job: Job) -> Job:
         """``job`` (the next one), after hinting the parts up to ``ahead`` bytes beyond it."""
-        self.taken += sum(p.length for p in job[1])
+        self.taken += sum(part.length for part, _ in job.reads)
         self.hint()
         return job
 
@@ -330,29 +417,25 @@ class _ReadAhead:
             self.will_need(run.shard, run.start, run.length)
 
 
-def _jobs(units: list[Unit]) -> list[tuple[Unit, tuple[Part, ...]]]:
-    return [(unit, piece) for unit in units for piece in unit.pieces]
-
-
-def _rows_on_threads(ckpt: Checkpoint, jobs: Iterable[tuple[Unit, tuple[Part, ...]]], size: int, workers: int, stop: threading.Event | None) -> list[list[float]]:
-    """The CPU path: every piece read and reduced on a pool thread (torch releases the GIL), into
-    that thread's own buffer of ``size`` bytes; a row leaves the thread as numbers, so the buffer
-    is free again."""
+def _rows_on_threads(ckpt: Checkpoint, jobs: Iterable[Job], size: int, workers: int, stop: threading.Event | None) -> list[list[float]]:
+    """The CPU path: every job read and reduced on a pool thread (torch releases the GIL), into
+    that thread's own buffer of ``size`` bytes; its rows leave the thread as numbers, so the
+    buffer is free again."""
     import torch
 
     local = threading.local()
 
-    def work(job: tuple[Unit, tuple[Part, ...]]) -> list[float]:
+    def work(job: Job) -> list[list[float]]:
         buffer = getattr(local, "buffer", None)
         if buffer is None:
             buffer = local.buffer = torch.empty(size, dtype=torch.uint8)
-        return reduce_piece(job[0], _read_piece(ckpt, job[1], buffer), shortcuts=True).tolist()
+        return reduce_rows(job.kernel, job.dtype, _job_data(job, _read_job(ckpt, job, buffer)), shortcuts=True).tolist()
 
     intra_op = torch.get_num_threads()
     torch.set_num_threads(1)  # the pool is the parallelism; a shared intra-op pool would make each small op wait for all
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deep-audit") as pool:
-            return list(_in_order(pool, work, jobs, 4 * workers, stop))  # rows are small: a deep queue is free
+            return [row for rows in _in_order(pool, work, jobs, 4 * workers, stop) for row in rows]  # rows are small: a deep queue is free
     finally:
         torch.set_num_threads(intra_op)
 
@@ -387,20 +470,21 @@ class _Ring:
         self.free.put((buffer, done))
 
 
-def _rows_on_device(ckpt: Checkpoint, jobs: Iterable[tuple[Unit, tuple[Part, ...]]], size: int, device: torch.device, workers: int, window: int, stop: threading.Event | None) -> list[torch.Tensor]:
+def _rows_on_device(ckpt: Checkpoint, jobs: Iterable[Job], size: int, device: torch.device, workers: int, window: int, stop: threading.Event | None) -> list[torch.Tensor]:
     """The device path: pool threads read ahead into the ring (``window`` buffers of ``size``
-    bytes and one more); this thread copies each piece to ``device`` (non-blocking from pinned
-    memory) and reduces it there; the rows stay on the device (no synchronisation per tensor)."""
+    bytes and one more); this thread copies each job's bytes to ``device`` (non-blocking from
+    pinned memory) and reduces them there; the rows stay on the device (no synchronisation per
+    tensor)."""
     ring = _Ring(window + 1, size, device)  # one more than can wait: the one being copied
 
-    def fill(job: tuple[Unit, tuple[Part, ...]]) -> tuple[Unit, torch.Tensor, list[torch.Tensor]]:
+    def fill(job: Job) -> tuple[Job, torch.Tensor, torch.Tensor]:
         buffer = ring.take()
-        return job[0], buffer, _read_piece(ckpt, job[1], buffer)
+        return job, buffer, _read_job(ckpt, job, buffer)
 
     rows = []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deep-audit-read") as pool:
-        for unit, buffer, views in _in_order(pool, fill, jobs, window, stop):
-            rows.append(reduce_piece(unit, [v.to(device, non_blocking=True) for v in views], shortcuts=False))
+        for job, buffer, used in _in_order(pool, fill, jobs, window, stop):
+            rows.append(reduce_rows(job.kernel, job.dtype, _job_data(job, used.to(device, non_blocking=True)), shortcuts=False))
             ring.give_back(buffer)  # on the CPU device the reduction has read it by now
     return rows
 
@@ -467,7 +551,7 @@ def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *
                path: str | None = None, stop: threading.Event | None = None) -> DeepValues:
     """:func:`scan` of planned units (on any thread: it reads only ``ckpt``'s files); the disk
     starts on the first ``READ_AHEAD_HINT_BYTES`` before torch is imported."""
-    jobs = _jobs(units)
+    jobs = plan_jobs(units, piece_bytes)
     ahead = _ReadAhead(ckpt, jobs, READ_AHEAD_HINT_BYTES)
     ahead.hint()
     import torch
@@ -475,14 +559,14 @@ def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *
     from fp4forge.model.device import resolve_device
 
     where = resolve_device(device)
-    size = _buffer_bytes(units)
+    size = _buffer_bytes(jobs)
     workers = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     hinted = map(ahead.take, jobs)
     if (path or ("threads" if where.type == "cpu" else "device")) == "threads":
         rows = _rows_on_threads(ckpt, hinted, size, workers, stop)
     else:
         on_device = _rows_on_device(ckpt, hinted, size, where, workers, max(2, min(READ_AHEAD_BYTES // piece_bytes, 4 * workers)), stop)
-        rows = torch.stack(on_device).cpu().tolist() if on_device else []  # one transfer from the device
+        rows = torch.cat(on_device).cpu().tolist() if on_device else []  # one transfer from the device
     return combine(units, rows)
 
 

@@ -14,7 +14,6 @@ declaration in ``declarations.py``; ``tests/test_codecs.py`` fails while any par
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -75,23 +74,32 @@ def blocks_match(packed_bytes: int, block_scale_bytes: int) -> bool:
 
 
 _E2M1_TABLES: dict = {}  # device -> E2M1 magnitude of each three-bit code, F32
+_SIX_TIMES_TABLES: dict = {}  # device -> _six_times_e4m3() as F32
 _NIBBLE_MAGNITUDES = 0x7777777777777777  # the E2M1 magnitude bits of sixteen packed codes
 _LOW_THREE_BITS = 0x0707070707070707
 
 
+def lanes_of(rows: Tensor, lane: Any) -> Tensor:
+    """``rows`` (uint8 [m, L], the last dimension contiguous) as ``lane`` integers [m, L / width]:
+    a view where the length, the row stride and the offset allow, else of a compact copy."""
+    width = lane.itemsize
+    if not rows.numel():
+        return rows.new_empty((rows.shape[0], rows.shape[1] // width), dtype=lane)
+    if rows.shape[1] % width == 0 and rows.stride(0) % width == 0 and rows.storage_offset() % width == 0:
+        return rows.view(lane)
+    return rows.contiguous().view(lane)
+
+
 def _top_codes(packed: Tensor) -> Tensor:
     """Each block's largest E2M1 magnitude code (0..7; the magnitude grows with the low three
-    bits), from its eight packed bytes (flat uint8, a whole number of blocks)."""
+    bits), from its eight packed bytes: rows of blocks (uint8 [m, 8 x blocks]) -> [m, blocks]."""
     import torch
 
     from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
 
-    if packed.numel() % 8 == 0 and packed.storage_offset() % 8 == 0:  # eight lanes per int64 op
-        words = packed.view(torch.int64)
-        lo, hi = (words & _LOW_THREE_BITS).view(torch.uint8), ((words >> 4) & _LOW_THREE_BITS).view(torch.uint8)
-    else:
-        lo, hi = packed & 7, (packed >> 4) & 7
-    return torch.maximum(lo, hi).view(-1, NVFP4_BLOCK // 2).amax(dim=1)
+    words = lanes_of(packed, torch.int64)  # eight lanes per int64 op
+    lo, hi = (words & _LOW_THREE_BITS).view(torch.uint8), ((words >> 4) & _LOW_THREE_BITS).view(torch.uint8)
+    return torch.maximum(lo, hi).view(packed.shape[0], -1, NVFP4_BLOCK // 2).amax(dim=2)
 
 
 def _scale_magnitudes(block_scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,50 +112,60 @@ def _scale_magnitudes(block_scale: Tensor) -> tuple[Tensor, Tensor]:
     return e4m3_to_f32(magnitude.masked_fill(~valid, 0)), valid
 
 
-def _products(packed_blocks: Tensor, scales: Tensor) -> Tensor:
-    """E2M1 value of each block's top code x its |scale| (exact in F32)."""
+def _e2m1_table(device: Any) -> Tensor:
     import torch
 
     from fp4forge.numerics.e2m1 import E2M1_VALUES
 
-    table = _E2M1_TABLES.get(scales.device)
+    table = _E2M1_TABLES.get(device)
     if table is None:  # one copy to each device, not one per piece
-        table = _E2M1_TABLES[scales.device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=scales.device)
-    return table[_top_codes(packed_blocks).int()] * scales
+        table = _E2M1_TABLES[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return table
 
 
-def _largest_product(packed: Tensor, block_scale: Tensor) -> Tensor:
-    """max over blocks of top code x |scale|, NaN scales skipped, -inf where none: every block."""
+def _products(packed: Tensor, scales: Tensor) -> Tensor:
+    """E2M1 value of each block's top code x its |scale| (exact in F32): [m, blocks]."""
+    return _e2m1_table(scales.device)[_top_codes(packed).int()] * scales
+
+
+def _largest_products(packed: Tensor, block_scale: Tensor) -> Tensor:
+    """Per row: max over blocks of top code x |scale|, NaN scales skipped, -inf where none."""
     import torch
 
+    if not block_scale.shape[1]:
+        return torch.full((block_scale.shape[0],), -math.inf, device=packed.device)
     scales, valid = _scale_magnitudes(block_scale)
-    products = _products(packed, scales).masked_fill(~valid, -math.inf)
-    return products.amax() if products.numel() else torch.tensor(-math.inf, device=packed.device)
+    return _products(packed, scales).masked_fill(~valid, -math.inf).amax(dim=1)
 
 
-def _largest_product_by_search(packed: Tensor, block_scale: Tensor) -> Tensor:
-    """The same maximum, computed on the blocks that can reach it, on the scales' codes (E4M3's
-    magnitude grows with its low seven bits; no F32 table over every scale): the block with the
-    largest scale gives a lower bound; only blocks whose scale x 6 (E2M1's top) exceeds it can
-    beat it, and those are the codes from one threshold up."""
+def _largest_products_by_search(packed: Tensor, block_scale: Tensor) -> Tensor:
+    """The same maxima, computed on the blocks that can reach them, on the scales' codes (E4M3's
+    magnitude grows with its low seven bits; no F32 table over every scale): each row's block
+    with the largest scale gives a lower bound; only blocks whose scale x 6 (E2M1's top) exceeds
+    it can beat it, and those are the codes from one threshold up (a few, in a min-max export)."""
     import torch
 
     from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
     from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, e4m3_to_f32
 
+    rows, count = block_scale.shape
+    if not count:
+        return torch.full((rows,), -math.inf, device=packed.device)
     codes = block_scale & 0x7F  # |x| of E4M3 is its low seven bits
-    if codes.numel() and int(codes.amax()) == FP8_E4M3_NAN_BITS:  # NaN scales are skipped: as code 0, never a rival
-        valid = codes != FP8_E4M3_NAN_BITS
-        codes = codes.masked_fill(~valid, 0) if bool(valid.any()) else codes[:0]
-    if not codes.numel():  # no scale, or every one NaN
-        return torch.tensor(-math.inf, device=packed.device)
-    blocks = packed.view(-1, NVFP4_BLOCK // 2)
-    first = codes.argmax().reshape(1)
-    best = _products(blocks.index_select(0, first).reshape(-1), e4m3_to_f32(codes.index_select(0, first))).amax()
-    rivals = torch.nonzero(codes >= _first_code_above(float(best))).reshape(-1)
-    if rivals.numel():
-        best = torch.maximum(best, _products(blocks.index_select(0, rivals).reshape(-1), e4m3_to_f32(codes.index_select(0, rivals))).amax())
-    return best
+    nan = codes == FP8_E4M3_NAN_BITS
+    all_nan = nan.all(dim=1) if bool(nan.any()) else None
+    if all_nan is not None:  # NaN scales are skipped: as code 0, never a rival
+        codes = codes.masked_fill(nan, 0)
+    blocks = packed.reshape(rows, count, NVFP4_BLOCK // 2)
+    index = torch.arange(rows, device=packed.device)
+    first = codes.argmax(dim=1)
+    best = _products(blocks[index, first], e4m3_to_f32(codes[index, first]).unsqueeze(1)).squeeze(1)
+    thresholds = torch.bucketize(best, _six_times_e4m3_tensor(best.device), right=True)
+    row, block = torch.nonzero(codes >= thresholds.unsqueeze(1).to(codes.dtype), as_tuple=True)
+    if row.numel():
+        rivals = _products(blocks[row, block], e4m3_to_f32(codes[row, block]).unsqueeze(1)).squeeze(1)
+        best = best.scatter_reduce(0, row, rivals, "amax")
+    return best if all_nan is None else best.masked_fill(all_nan, -math.inf)
 
 
 @lru_cache(maxsize=1)
@@ -160,10 +178,14 @@ def _six_times_e4m3() -> tuple[float, ...]:
     return tuple(float(v) * E2M1_MAX for v in fp8_e4m3_table()[:FP8_E4M3_NAN_BITS])
 
 
-def _first_code_above(best: float) -> int:
-    """The smallest E4M3 magnitude code whose value x 6 exceeds ``best`` (127: none). Exact: an
-    E4M3 value x 6 and the products are exact in F32, so the order is the F32 comparison's."""
-    return bisect.bisect_right(_six_times_e4m3(), best)
+def _six_times_e4m3_tensor(device: Any) -> Tensor:
+    """:func:`_six_times_e4m3` as F32 on ``device`` (exact: 3 bits of mantissa times 6)."""
+    import torch
+
+    table = _SIX_TIMES_TABLES.get(device)
+    if table is None:
+        table = _SIX_TIMES_TABLES[device] = torch.tensor(_six_times_e4m3(), dtype=torch.float32, device=device)
+    return table
 
 
 def _byte_tensor(raw: bytes) -> Tensor:
@@ -309,18 +331,22 @@ class Nvfp4Codec(Codec):
         return self.peek_finish(bool(any_code), product, per_tensor, layout)
 
     def peek_piece(self, packed: Tensor, block_scale: Tensor, *, search: bool = True) -> Tensor:
-        """The value check over one piece of the stored bytes (flat uint8, on any device; block i
-        is packed bytes [8i, 8i+8) and block_scale byte i): float64 [any code nonzero, the
-        largest top code x |block scale| (NaN scales skipped; -inf where none)]. Pieces combine
-        by max, so a tensor may be read in any number of them. ``search``: find the largest
-        product among the blocks whose scale could reach it (a few, in a min-max export) rather
-        than computing every block's; the same number either way."""
+        """:meth:`peek_rows` of one piece (flat uint8 tensors): float64 [any code, largest product]."""
+        return self.peek_rows(packed.view(1, -1), block_scale.view(1, -1), search=search)[0]
+
+    def peek_rows(self, packed: Tensor, block_scale: Tensor, *, search: bool = True) -> Tensor:
+        """The value check over rows of stored bytes (uint8 [m, 8 x blocks] codes and [m, blocks]
+        scales, the last dimension contiguous, on any device; block i of a row is its packed bytes
+        [8i, 8i+8) and its scale byte i): float64 [m, 2] of [any code nonzero, the largest top
+        code x |block scale| (NaN scales skipped; -inf where none)]. Rows combine by max, so a
+        tensor may be read in any number of pieces. ``search``: find the largest product among
+        the blocks whose scale could reach it rather than computing every block's; the same
+        number either way."""
         import torch
 
-        words = packed.view(torch.int64) if packed.numel() % 8 == 0 and packed.storage_offset() % 8 == 0 else None
-        any_code = (words & _NIBBLE_MAGNITUDES).any() if words is not None else (packed & 0x77).any()
-        largest = _largest_product_by_search(packed, block_scale) if search else _largest_product(packed, block_scale)
-        return torch.stack([any_code.double(), largest.double()])
+        any_code = (lanes_of(packed, torch.int64) & _NIBBLE_MAGNITUDES).any(dim=1) if packed.shape[1] % 8 == 0 else (packed & 0x77).any(dim=1)
+        largest = _largest_products_by_search(packed, block_scale) if search else _largest_products(packed, block_scale)
+        return torch.stack([any_code.double(), largest.double()], dim=1)
 
     def peek_finish(self, any_code: bool, product: float, per_tensor: float, layout: str) -> Peek | None:
         """The Peek from a Linear's pieces combined (None where every code is zero). Any scalar
