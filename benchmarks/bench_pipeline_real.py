@@ -152,7 +152,7 @@ def largest_layer_bytes(checkpoint: Path) -> int:
 
 
 def host_bound(layer_bytes: int, stored_layer_bytes: int, on_cuda: bool, ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES) -> int:
-    """docs/gpu.md#host-memory: peak anonymous RSS <= 2 x (L + S) + A + C on CUDA (the BF16 layer
+    """docs/gpu.md#host-memory: peak anonymous + shared RSS <= 2 x (L + S) + A + C on CUDA (the BF16 layer
     and the student's stored layer, each being copied and read ahead; the host activation budget;
     the constant). On the CPU the device is RAM: the materialised layer adds L, and the student is
     decoded on the host (S = L)."""
@@ -335,7 +335,8 @@ def markdown(doc: dict) -> str:
              f"- **Machine:** {m['gpu'] or 'CPU only'}, {m['cpu_cores']} CPU cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM, "
              f"torch {m['torch']}, transformers {m['transformers']}",
              f"- **Date:** {m['date']}",
-             "- **Goal:** the projected 48-layer pipeline ≤ 15 minutes on one H100",
+             "- **Goal:** the projected 48-layer pipeline ≤ 15 minutes on one H100, cold reads included; peak host RSS "
+             "within its bound (docs/gpu.md#host-memory)",
              "- **Raw data:** [data/pipeline-real/](data/pipeline-real/) (`pipeline-real.json`)", ""]
     lines += ["| step | " + " | ".join(f"N={r['layers']} (s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
     for step in STEPS:
