@@ -108,14 +108,14 @@ def test_sampled_runs_with_seeds_measure_the_floor() -> None:
 
 def sixteen_runs(loss: int) -> list[dict[str, tuple[int, int]]]:
     """16 runs of 20 scenarios (max 4): even runs earn 2 everywhere (40 points), odd runs 4 on
-    s10-s14 (50 points); ``loss``: s0-s7 earn 2 - loss in every run."""
+    s10 to s14 (50 points); ``loss``: s0 to s7 earn 2 - loss in every run."""
     low = {f"s{i}": 2 - loss for i in range(8)}
     high = {**low, **{f"s{i}": 4 for i in range(10, 15)}}
     return [run_of(high if k % 2 else low, default=2, maximum=4) for k in range(16)]
 
 
 def test_sampled_band_is_scaled_to_the_difference_of_means() -> None:
-    # Each arm moves 10 points between two single runs (40 vs 50); B loses 1 point on s0-s7 in
+    # Each arm moves 10 points between two single runs (40 vs 50); B loses 1 point on s0 to s7 in
     # every run: means 45 and 37, difference -8. For 16 seeded runs each the band of a
     # difference of means is 10 * sqrt((1/16 + 1/16) / 2) = 10 * 0.25 = 2.5 < 8: ordered.
     result = compare_arms(sixteen_runs(0), sixteen_runs(1), CATEGORIES, n_boot=2000,
