@@ -78,6 +78,9 @@ def test_cannot_order_names_what_the_suite_could_have_detected(ckpt: Path) -> No
     assert all(f"`{f['id']}` ({f['category']}, favours {f['favours']}" in text for f in doc["flips"])
     at_observed = {row["q"]: row["power"] for row in doc["power"]["power_at_observed"]}
     assert f"{at_observed[1.0]:.2f} when 100% of discordant scenarios favour one arm" in text
+    # the band the difference of means was held against: 0 points between A's runs, x sqrt((1/2 + 1/2) / 2)
+    assert "A/A band: 0.0 points: the largest difference between two single runs of one arm (0) × 0.707 for the " \
+           "difference of the means of 2 and 2 sampled runs." in text
 
 
 def test_a_comparison_without_a_power_statement_says_so(ckpt: Path) -> None:

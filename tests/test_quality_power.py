@@ -17,6 +17,7 @@ from fp4forge.quality.stats import (
     detectable_one_way_rate,
     floor_effect,
     majority_needed,
+    mean_difference_factor,
 )
 
 CATEGORIES = {f"s{i}": ("alpha" if i < 10 else "beta") for i in range(20)}
@@ -103,6 +104,52 @@ def test_sampled_runs_with_seeds_measure_the_floor() -> None:
     assert floor["band_points"] == 3  # arm A moved 3 points between its own runs
     assert "within the noise floor" in " ".join(result["verdict"]["reasons"])
     assert result["categories"]["alpha"]["within_noise"] is True
+
+
+def sixteen_runs(loss: int) -> list[dict[str, tuple[int, int]]]:
+    """16 runs of 20 scenarios (max 4): even runs earn 2 everywhere (40 points), odd runs 4 on
+    s10 to s14 (50 points); ``loss``: s0 to s7 earn 2 - loss in every run."""
+    low = {f"s{i}": 2 - loss for i in range(8)}
+    high = {**low, **{f"s{i}": 4 for i in range(10, 15)}}
+    return [run_of(high if k % 2 else low, default=2, maximum=4) for k in range(16)]
+
+
+def test_sampled_band_is_scaled_to_the_difference_of_means() -> None:
+    # Each arm moves 10 points between two single runs (40 vs 50); B loses 1 point on s0 to s7 in
+    # every run: means 45 and 37, difference -8. For 16 seeded runs each the band of a
+    # difference of means is 10 * sqrt((1/16 + 1/16) / 2) = 10 * 0.25 = 2.5 < 8: ordered.
+    result = compare_arms(sixteen_runs(0), sixteen_runs(1), CATEGORIES, n_boot=2000,
+                          requests={"A": [sampled(k) for k in range(16)], "B": [sampled(k) for k in range(16)]})
+    assert result["points"]["diff"] == pytest.approx(-8.0)
+    assert result["sign_test"]["favours_a"] == 8 and result["sign_test"]["p"] == pytest.approx(2 / 2**8)
+    band = result["power"]["floor"]["applied_band"]
+    assert band["single_run_points"] == 10 and band["factor"] == pytest.approx(0.25) and band["points"] == pytest.approx(2.5)
+    assert band["scaled"] is True and band["discordance_guard"] is False
+    assert result["verdict"]["ordering"] == "A>B", result["verdict"]
+    assert "2.5 points" in result["verdict"]["text"] and "16 and 16 sampled runs" in result["verdict"]["text"]
+
+
+def test_server_band_of_the_same_numbers_is_not_scaled() -> None:
+    # The same scores from greedy runs that differ (a server's non-determinism, not i.i.d.
+    # draws): the single-run band 10 stays, and |-8| <= 10 cannot order.
+    result = compare_arms(sixteen_runs(0), sixteen_runs(1), CATEGORIES, n_boot=2000,
+                          requests={"A": [GREEDY] * 16, "B": [GREEDY] * 16})
+    band = result["power"]["floor"]["applied_band"]
+    assert band["scaled"] is False and band["points"] == 10 and band["discordance_guard"] is True
+    assert result["verdict"]["ordering"] == "none"
+    assert result["verdict"]["reasons"] == ["the difference (-8.0 points) is within the noise floor (band " + band["why"] + ")"]
+    # 8 discordant scenarios between the arms against 5 between one arm's own runs: the guard holds
+    assert result["discordant"] == 8 and result["power"]["floor"]["max_discordant"] == 5
+
+
+def test_the_band_factor_is_one_for_one_run_each() -> None:
+    assert mean_difference_factor([1, 1]) == 1.0
+    assert mean_difference_factor([16, 16]) == pytest.approx(0.25)
+    assert mean_difference_factor([2, 1]) == pytest.approx((3 / 4) ** 0.5)  # (1/2 + 1) / 2
+    # two sampled runs against one: 3 points between A's runs -> 3 * sqrt(3/4) = 2.6
+    runs_a = [run_of({}), run_of({"s1": 2, "s2": 2, "s3": 2})]
+    result = compare_arms(runs_a, [run_of({"s4": 2})], CATEGORIES, n_boot=500, requests={"A": [sampled(0), sampled(1)], "B": [sampled(0)]})
+    assert result["power"]["floor"]["applied_band"]["points"] == pytest.approx(3 * 0.75**0.5)
 
 
 def test_greedy_runs_that_differ_measure_the_servers_nondeterminism() -> None:

@@ -109,7 +109,7 @@ def _part(folder: Path, plays: dict[str, list[tuple[int, int]]], extra_jobs: lis
         _, build, arm, seed = name.split(":")
         ids = [scenario.id for scenario in load_suite().scenarios[: len(points)]]  # the verdict reads their categories
         record = {"max": sum(m for _, m in points), "scenarios": [{"id": i, "earned": e, "max": m} for i, (e, m) in zip(ids, points)],
-                  "earned": sum(e for e, _ in points), "seed": int(seed), "cut_at_max_tokens": 0}
+                  "earned": sum(e for e, _ in points), "seed": int(seed), "temperature": temperature, "cut_at_max_tokens": 0}
         path = folder / "work" / build / arm / f"run-{seed}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
@@ -140,6 +140,9 @@ def test_the_report_reads_both_parts_and_refuses_what_cannot_be_compared(tmp_pat
     assert rows["bf16"]["points_per_run"] == [4, 5] and rows["fp8"]["points_per_run"] == [5] and rows["fp8"]["bpp"] == 8.0
     assert rows["fp8"]["vs_bf16"]["sign_test"]["favours_b"] == 1  # the first scenario: 2 against BF16's mean 1.5
     assert rows["int2-g32-mse"]["runs"] == 0
+    # seeded samples: BF16's band (5 - 4 = 1 point) scaled to its 2 runs' mean against fp8's one run
+    floor = rows["fp8"]["vs_bf16"]["power"]["floor"]
+    assert floor["arms"]["A"]["kind"] == "sampled" and floor["applied_band"]["points"] == pytest.approx(((1 / 2 + 1) / 2) ** 0.5)
     assert [p["build"] for p in doc["curve"]] == ["s500-w2@1"]  # no shipped facts described: no shipped point
     assert doc["curve"][0]["int2-g32-mse"]["points_per_run"] == [5] and doc["curve"][0]["expert_kurtosis_max"] == 4.0
     assert doc["meta"]["not_run"] == ["play:shipped:fp8:1: stopped at the deadline of 7.0 min"]

@@ -17,8 +17,10 @@ Tests:
   discordant pairs favouring one arm), and the graded-score minimum detectable effect.
 
 The verdict orders two arms only when every one of these holds: the sign test is significant, the
-bootstrap CI excludes 0, the difference in points exceeds what an arm moved between its own runs,
-and there are more discordant scenarios between arms than within an arm. Otherwise it says
+bootstrap CI excludes 0, the difference of the arms' mean points exceeds the A/A band (what an arm
+moved between two of its own runs, scaled to a difference of means where the runs are seeded
+samples: ``applied_band``), and, where that band is not scaled, there are more discordant
+scenarios between arms than within an arm. Otherwise it says
 "cannot order" and lists which condition failed; without two runs of at least one arm there is no
 noise floor and it never orders.
 
@@ -327,17 +329,49 @@ def arm_floor_status(floor: dict[str, Any], requests: Sequence[Mapping[str, Any]
 
 
 def floor_statement(floors: Mapping[str, dict[str, Any]], requests: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
-    """The comparison's A/A floor: measured when an arm's runs measured one; its band from those arms."""
+    """The comparison's A/A floor: measured when an arm's runs measured one; its band from those
+    arms, and the band the difference of the arms' means is held against (``applied_band``)."""
     arms = {arm: arm_floor_status(floor, requests.get(arm, ())) for arm, floor in floors.items()}
     measured = [floors[arm] for arm, status in arms.items() if status["measured"]]
+    band = max((floor["band_points"] for floor in measured), default=None)
     return {
         "measured": bool(measured),
         "why": _floor_why(arms),
         "arms": arms,
         "repeated": any(floor["runs"] >= 2 for floor in floors.values()),
-        "band_points": max((floor["band_points"] for floor in measured), default=None),
+        "band_points": band,
         "max_discordant": max((floor["max_discordant"] for floor in measured), default=None),
+        "applied_band": applied_band(band, arms, {arm: floor["runs"] for arm, floor in floors.items()}) if measured else None,
     }
+
+
+def mean_difference_factor(runs: Sequence[int]) -> float:
+    """What the band of two single runs becomes for the difference of two arms' means of i.i.d.
+    runs: two single runs differ with SD σ√2, the means of n_a and n_b runs with SD
+    σ√(1/n_a + 1/n_b), so the band scales by √((1/n_a + 1/n_b) / 2), exactly 1 for one run each."""
+    return math.sqrt(sum(1 / n for n in runs) / len(runs))
+
+
+def applied_band(band: float, arms: Mapping[str, dict[str, Any]], runs: Mapping[str, int]) -> dict[str, Any]:
+    """The band the difference of the arms' mean points must exceed, and whether the count of
+    discordant scenarios is compared with one arm's own runs' (``discordance_guard``).
+
+    Scaled to a difference of means only where every repeated arm's runs are seeded samples
+    (i.i.d. draws: averaging shrinks their noise). A server's non-determinism among greedy runs,
+    or runs of unrecorded sampling, need not shrink that way: their single-run band stays, as
+    does the discordance guard. Scaled, the guard is not applied: a scenario whose means over
+    several runs differ is not the statistic of two single runs that differ (means of many draws
+    rarely tie), and the sign test already weighs how the discordant scenarios split."""
+    counts = " and ".join(str(runs[arm]) for arm in runs)
+    if all(status["kind"] in ("sampled", "one run") for status in arms.values()):
+        factor = mean_difference_factor(list(runs.values()))
+        return {"points": band * factor, "single_run_points": band, "scaled": True, "factor": factor, "discordance_guard": False,
+                "why": f"{band * factor:.1f} points: the largest difference between two single runs of one arm ({band}) "
+                       f"× {factor:.3f} for the difference of the means of {counts} sampled runs"}
+    kinds = ", ".join(sorted({status["kind"] for status in arms.values() if status["measured"]}))
+    return {"points": float(band), "single_run_points": band, "scaled": False, "factor": 1.0, "discordance_guard": True,
+            "why": f"{band} points: the largest difference between two single runs of one arm, not scaled to the means of "
+                   f"{counts} runs (floor {kinds}: not seeded i.i.d. samples, so averaging need not shrink it)"}
 
 
 def _floor_why(arms: Mapping[str, dict[str, Any]]) -> str:
@@ -474,7 +508,8 @@ def verdict(result: dict[str, Any], alpha: float = DEFAULT_ALPHA) -> dict[str, A
         return {"ordering": "none", "label": "no difference", "text": text, "reasons": [], "notes": _power_notes(result)}
     reasons = _failed_conditions(result, alpha)
     also = result["flips_also_within_arm"]
-    notes = ([f"{also} of the {discordant} discordant scenarios also flip within an arm's own runs"] if floor["measured"] else [])
+    notes = ([f"{also} of the {discordant} discordant scenarios also flip within an arm's own runs", _band_note(floor["applied_band"])]
+             if floor["measured"] else [])
     notes += _power_notes(result)
     if reasons:
         return {"ordering": "none", "label": "cannot order the arms", "text": "cannot order the arms: " + "; ".join(reasons),
@@ -482,7 +517,8 @@ def verdict(result: dict[str, Any], alpha: float = DEFAULT_ALPHA) -> dict[str, A
     better = "B" if diff > 0 else "A"
     worse = "A" if better == "B" else "B"
     low, high = result["bootstrap_ci"]
-    floor_text = "outside the A/A noise floor" if floor["measured"] else f"{floor['why']}: the ordering rests on the paired tests"
+    floor_text = (f"outside the A/A noise floor (band {floor['applied_band']['why']})" if floor["measured"]
+                  else f"{floor['why']}: the ordering rests on the paired tests")
     text = (f"{better} scores higher than {worse}: {abs(diff):.1f} points (mean per-scenario difference "
             f"{result['mean_fraction_diff']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}]), sign test p = {sign['p']:.3g}, {floor_text}")
     return {"ordering": f"{better}>{worse}", "label": f"{better} better", "text": text, "reasons": [], "notes": notes}
@@ -501,12 +537,19 @@ def _failed_conditions(result: dict[str, Any], alpha: float) -> list[str]:
     if low <= 0.0 <= high:
         reasons.append(f"the 95% bootstrap CI of the mean difference [{low:+.3f}, {high:+.3f}] includes 0")
     if floor["measured"]:
-        band, within = floor["band_points"], floor["max_discordant"]
-        if abs(diff) <= band:
-            reasons.append(f"the difference ({diff:+.1f} points) is within the noise floor (an arm moved up to {band} points between its own runs)")
-        if discordant <= within:
+        band, within = floor["applied_band"], floor["max_discordant"]
+        if abs(diff) <= band["points"]:
+            reasons.append(f"the difference ({diff:+.1f} points) is within the noise floor (band {band['why']})")
+        if band["discordance_guard"] and discordant <= within:
             reasons.append(f"{discordant} scenarios differ between the arms, no more than the {within} that differ between one arm's own runs")
     return reasons
+
+
+def _band_note(band: dict[str, Any]) -> str:
+    guard = ("; the count of discordant scenarios must exceed one arm's own runs'" if band["discordance_guard"] else
+             "; the count of discordant scenarios is not held against one arm's own runs' (means of several draws rarely "
+             "tie, so it is not the same count): the sign test weighs how they split")
+    return f"A/A band {band['why']}{guard}"
 
 
 def _power_notes(result: dict[str, Any]) -> list[str]:

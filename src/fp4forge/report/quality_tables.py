@@ -152,6 +152,8 @@ def power_lines(power: dict[str, Any]) -> list[str]:
         return ["This comparison states no power (written by an older fp4forge): re-run `fp4forge quality compare`."]
     floor = power["floor"]
     lines = [f"A/A {floor['why']}."]
+    if floor.get("applied_band"):  # which band the difference of means was held against (older documents: none)
+        lines.append(f"A/A band: {floor['applied_band']['why']}.")
     if power["floor_effect"]:
         lines.append(f"**Floor effect** (both arms below {power['floor_effect_level']:.0%}): {power['floor_effect']}.")
     lines.append(f"Power: {power['text']}.")

@@ -305,8 +305,10 @@ def compare_runs(runs_a: list[dict[str, Any]], runs_b: list[dict[str, Any]]) -> 
     def as_run(result: dict[str, Any]) -> dict[str, tuple[int, int]]:
         return {s["id"]: (s["earned"], s["max"]) for s in result["scenarios"]}
 
-    result = compare_arms([as_run(r) for r in runs_a], [as_run(r) for r in runs_b], categories)
-    keep = ("points", "mean_fraction_diff", "bootstrap_ci", "sign_test", "sign_flip_p", "discordant", "verdict", "power")
+    # each play's sampling (temperature, seed): seeded samples scale the A/A band to the means' difference
+    requests = {arm: [{"temperature": r.get("temperature"), "seed": r.get("seed")} for r in runs] for arm, runs in (("A", runs_a), ("B", runs_b))}
+    result = compare_arms([as_run(r) for r in runs_a], [as_run(r) for r in runs_b], categories, requests=requests)
+    keep = ("runs", "points", "mean_fraction_diff", "bootstrap_ci", "sign_test", "sign_flip_p", "discordant", "verdict", "power")
     out = {k: result[k] for k in keep}
     out["noise_floor"] = {arm: {k: floor[k] for k in ("total_per_run", "band_points", "max_discordant")} for arm, floor in result["noise_floor"].items()}
     return out

@@ -170,8 +170,12 @@ def _range(row: dict[str, Any]) -> str:
     return f"{min(points)}–{max(points)}" if points else ""
 
 
-def _verdict(comparison: dict[str, Any] | None) -> str:
-    return "" if comparison is None else comparison["verdict"]["label"]
+def _verdict(comparison: dict[str, Any] | None, names: tuple[str, str] = ("BF16", "the arm")) -> str:
+    """The verdict's label with arms A and B named (A is BF16 against every arm)."""
+    if comparison is None:
+        return ""
+    label = comparison["verdict"]["label"]
+    return {"A better": f"{names[0]} better", "B better": f"{names[1]} better"}.get(label, label)
 
 
 def resolution_markdown(doc: dict[str, Any]) -> list[str]:
@@ -184,7 +188,7 @@ def resolution_markdown(doc: dict[str, Any]) -> list[str]:
     lines = table(["arm", "bits/param", "runs", "mean points", "range", "discordant BF16 / arm", "sign p", "verdict"], rows)
     aa, mde = doc["aa"], doc["mde"]
     if aa is not None:
-        lines += ["", f"A/A (BF16's even against odd runs): {_discordant(aa)} discordant, sign p = {_fmt_p(aa)}, verdict: {_verdict(aa)}."]
+        lines += ["", f"A/A (BF16's even against odd runs): {_discordant(aa)} discordant, sign p = {_fmt_p(aa)}, verdict: {_verdict(aa, ('even runs', 'odd runs'))}."]
     if mde is not None:
         least = f"the sign test needs at least {mde['smallest_significant_discordance']} discordant scenarios, all one way"
         lines += ["", f"Smallest effect detected with {mde['runs_per_arm']} runs per arm on {mde['scenarios']} scenarios (paired, alpha 0.05, "
