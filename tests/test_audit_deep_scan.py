@@ -299,3 +299,19 @@ def test_a_piece_with_its_alignment_fits_the_piece_size(piece_bytes) -> None:
     unit = deep_scan._pair(ckpt, ("s", codes), ("s", scales), piece_bytes)
     assert sum(p[0].length for p in unit.pieces) == codes.nbytes and sum(p[1].length for p in unit.pieces) == scales.nbytes
     assert deep_scan._buffer_bytes(deep_scan.plan_jobs([unit], piece_bytes)) <= max(piece_bytes, 16)
+
+
+def test_the_scan_is_planned_and_its_reads_hinted_before_torch_is_imported(exports) -> None:
+    """An audit asks the disk for the values it will scan before importing torch (seconds on a
+    GPU node), so a cold read overlaps the import: planning imports no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom fp4forge.audit import deep_scan\nfrom fp4forge.audit.context import AuditContext\n"
+            "from fp4forge.checkpoint.layout import layout_or_inferred\nfrom fp4forge.checkpoint.reader import open_checkpoint\n"
+            "ckpt = open_checkpoint(sys.argv[1])\n"
+            "ctx = AuditContext(ckpt=ckpt, layout=layout_or_inferred(ckpt.config), declaration=None, deep=True, fmt='auto', vllm_version=(0, 32))\n"
+            "jobs = deep_scan.plan_jobs(deep_scan.plan_units(ctx))\n"
+            "assert jobs and 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n")
+    done = subprocess.run([sys.executable, "-c", code, str(exports["nvfp4-experts-compressed-tensors"])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -3,16 +3,19 @@
 The deep checks (NaN/Inf and all-zero weights, NaN or negative FP8 block scales, the NVFP4 and
 FP8 scale magnitude) need a few numbers per tensor, not its values. :func:`plan_units` says
 which tensors to read (a Linear's NVFP4 codes together with their block scales, block by block)
-in pieces of at most ``PIECE_BYTES``; the pieces are read once, in shard order, into buffers
-reused piece after piece (no allocation, no page faults per piece), while the page cache is asked
-to fill ahead of them (:class:`_ReadAhead`); each piece is reduced by torch operations over the
-whole piece to four numbers (:data:`EMPTY_ROW` says how): two counts that add across pieces and
-two maxima. Where compute runs is ``device`` (``model/device.py``): a GPU gets the bytes from a
-ring of pinned buffers by non-blocking copies and keeps every row there until one transfer at
-the end (:func:`_rows_on_device`); the CPU reads and reduces pieces on one thread per core, each
-into its own buffer (:func:`_rows_on_threads`). An audit starts the scan on a background thread
+in pieces of at most ``PIECE_BYTES``; :func:`plan_jobs` makes neighbouring pieces of one kind and
+size (an MoE layer's experts, stored side by side) one job: one read per part of the span they
+cover, reduced as the rows of a strided view. Jobs are read once, in shard order, into buffers
+reused job after job (no allocation, no page faults per job), while the page cache is asked to
+fill ahead of them (:class:`_ReadAhead`); each piece is reduced by torch operations over whole
+rows to four numbers (:data:`EMPTY_ROW` says how): two counts that add across pieces and two
+maxima. Where compute runs is ``device`` (``model/device.py``): a GPU gets the bytes from a ring
+of pinned buffers by non-blocking copies and keeps every row there until one transfer at the end
+(:func:`_rows_on_device`); the CPU reads and reduces jobs on one thread per core, each into its
+own buffer (:func:`_rows_on_threads`). An audit starts the scan on a background thread
 (:func:`start`) so that it overlaps the checks that read only headers. Neither the device, the
-piece size nor the thread count changes a number the checks see (``tests/test_audit_deep_scan.py``).
+piece size, the jobs nor the thread count changes a number the checks see
+(``tests/test_audit_deep_scan.py``).
 """
 
 from __future__ import annotations

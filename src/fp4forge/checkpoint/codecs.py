@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from fp4forge.checkpoint.schemes import LAYOUTS, resolve_shape, role_entries, scheme_table
+from fp4forge.checkpoint.schemes import LAYOUTS, NVFP4_BLOCK, resolve_shape, role_entries, scheme_table
 from fp4forge.errors import ConfigError
 
 if TYPE_CHECKING:  # the arithmetic is imported where it runs: the registry itself loads no torch
@@ -67,9 +67,8 @@ class Peek:
 
 def blocks_match(packed_bytes: int, block_scale_bytes: int) -> bool:
     """Whether NVFP4 codes and E4M3 block scales of these sizes pair up block by block (eight
-    bytes of two codes each per block scale)."""
-    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
-
+    bytes of two codes each per block scale). Torch-free: the deep audit plans its reads (and
+    asks the disk for them) before torch is imported."""
     return packed_bytes % (NVFP4_BLOCK // 2) == 0 and packed_bytes // (NVFP4_BLOCK // 2) == block_scale_bytes
 
 
@@ -95,7 +94,6 @@ def _top_codes(packed: Tensor) -> Tensor:
     bits), from its eight packed bytes: rows of blocks (uint8 [m, 8 x blocks]) -> [m, blocks]."""
     import torch
 
-    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
 
     words = lanes_of(packed, torch.int64)  # eight lanes per int64 op
     lo, hi = (words & _LOW_THREE_BITS).view(torch.uint8), ((words >> 4) & _LOW_THREE_BITS).view(torch.uint8)
@@ -146,7 +144,7 @@ def _largest_products_by_search(packed: Tensor, block_scale: Tensor) -> Tensor:
     import torch
 
     from fp4forge.numerics.fp8 import FP8_E4M3_NAN_BITS
-    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, e4m3_to_f32
+    from fp4forge.numerics.nvfp4 import e4m3_to_f32
 
     rows, count = block_scale.shape
     if not count:

@@ -295,7 +295,8 @@ def run_study(src: str | Path, out: str | Path, options: StudyOptions = StudyOpt
     sections = _gemm_part(src, parts, not_run, progress)
     not_run.append({"part": "serving-latency arms", "reason": "the study starts no server; measure them with `fp4forge pipeline --serve` "
                     "or `fp4forge bench compare` against one server per arm"})
-    not_run.append({"part": "quality-suite arms", "reason": "the suite needs a served model per arm (`fp4forge quality run` / `quality compare`)"})
+    not_run.append({"part": "quality-suite arms", "reason": "the suite needs a served model per arm (`fp4forge quality run` / `quality compare`); "
+                    "what it can resolve on the shipped testbed: docs/quality.md#resolving-power-on-the-shipped-testbed"})
     plots = _plots(frontier_doc, arms, out, not_run)
     doc = versioned({
         "format": "fp4forge-study/1",
