@@ -39,7 +39,7 @@ DEMO_BASE := $(if $(BASE_MODEL),--base-model $(BASE_MODEL),)
 demo: install
 	@if [ ! -d $(DEMO)/trained-laguna ]; then $(BIN)/fp4forge testbed shipped $(DEMO)/trained-laguna; fi
 	$(BIN)/fp4forge pipeline $(DEMO)/trained-laguna $(DEMO)/trained-laguna-nvfp4 --recipe nvfp4-experts-fp8-attn \
-	  --calib-samples 16 --calib-seq-len 256 --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl --fidelity-samples 64 --fidelity-seq-len 512 $(DEMO_SERVE) $(DEMO_BASE)
+	  --calib-samples 16 --calib-seq-len 256 --calib-portable --calib-text $(DEMO)/trained-laguna/fp4forge-calibration.jsonl --fidelity-text $(DEMO)/trained-laguna/fp4forge-heldout.jsonl --fidelity-samples 64 --fidelity-seq-len 512 $(DEMO_SERVE) $(DEMO_BASE)
 
 # The vLLM CPU venv with the fp4forge-vllm plugin (about 3 min and 3.4 GB, once).
 vllm:

@@ -284,6 +284,31 @@ def test_block_scale_and_fp8_rows_count_what_numpy_counts() -> None:
             assert block[:2] == [nan, negative] and fp8[:3] == [nan, float(bool((codes & 0x7F).any())), top], shortcuts
 
 
+@pytest.mark.parametrize("kernel, dtype, widths", [("float", "BF16", (64,)), ("float", "F32", (64,)), ("e4m3", "F8_E4M3", (24,)),
+                                                    ("block_scale", "F8_E4M3", (24,)), ("codes", "U8", (64,)), ("fp4_pair", "U8", (64, 8))])
+@pytest.mark.parametrize("offset, gap", [(0, 0), (4, 4), (3, 5), (1, 0)])
+def test_rows_at_any_offset_and_row_distance_equal_each_piece_alone(kernel, dtype, widths, offset, gap) -> None:
+    """A job's rows are strided views into its buffer at the file's phase: any offset and any
+    distance between rows (a copy where the int64 lanes cannot view them) gives each row what
+    its piece alone gives, with and without the shortcuts."""
+    generator = torch.Generator().manual_seed(offset * 7 + gap)
+    rows = 5
+    pieces = [[torch.randint(0, 256, (width,), dtype=torch.uint8, generator=generator) for width in widths] for _ in range(rows)]
+    pieces[2][0][:] = 0  # a row of zeros among the others
+    data = []
+    for part, width in enumerate(widths):
+        stride = width + gap
+        flat = torch.zeros(offset + rows * stride, dtype=torch.uint8)
+        for row in range(rows):
+            flat[offset + row * stride : offset + row * stride + width] = pieces[row][part]
+        data.append(flat.as_strided((rows, width), (stride, 1), offset))
+    unit = deep_scan.Unit(kernel, ("x",), dtype, ())
+    for shortcuts in (True, False):
+        together = deep_scan.reduce_rows(kernel, dtype, data, shortcuts=shortcuts)
+        alone = torch.stack([deep_scan.reduce_piece(unit, [p.clone() for p in pieces[row]], shortcuts=shortcuts) for row in range(rows)])
+        assert torch.equal(together, alone), shortcuts
+
+
 @pytest.mark.parametrize("piece_bytes", [deep_scan.PIECE_BYTES, 999, 17])
 def test_a_piece_with_its_alignment_fits_the_piece_size(piece_bytes) -> None:
     """Codes and block scales of one piece, the scales 8-aligned after the codes, take at most

@@ -18,6 +18,11 @@ class CalibrationOptions(SampleOptions):
 
     policy: Policy = "routed"
     prefetch: bool = True  # read the next layer on a background thread (same results)
+    # On a CPU, run the matmuls on ATen's own kernels instead of oneDNN's: oneDNN's bf16 matmul
+    # rounds differently on AVX2, AVX-512 and AMX, so a few statistics (and the export's scales)
+    # would differ between machines; ATen's agree on AVX2 and AVX-512 (docs/quantization.md#the-same-bytes-on-every-cpu).
+    # About 3x slower on a CPU; no effect on a GPU.
+    portable: bool = False
 
     def __post_init__(self) -> None:
         require_choice(self.policy, POLICIES, "policy")

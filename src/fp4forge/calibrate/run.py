@@ -10,8 +10,9 @@ the reference the streamed run must equal bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,22 @@ def _metadata(ckpt: Checkpoint, samples: Samples, options: CalibrationOptions, o
         "source": ckpt.display,
         "mode": mode,
         "batch_size": options.batch_size,
+        "portable": options.portable,
         "data": samples.describe(),
         **observed,
     }
+
+
+@contextlib.contextmanager
+def portable_cpu_kernels(on: bool) -> Iterator[None]:
+    """With ``on``: matmuls on ATen's own kernels, not oneDNN's, which packs and sums its bf16
+    matmuls for the instruction set it finds (AVX2, AVX-512, AMX), so a few bf16 results would
+    differ between machines; ATen's kernels agree on AVX2 and AVX-512 (``tests/test_export_cpu_kinds.py``)."""
+    if not on:
+        yield
+        return
+    with torch.backends.mkldnn.flags(enabled=False):
+        yield
 
 
 @torch.inference_mode()
@@ -124,7 +138,8 @@ def calibrate_checkpoint(
     progress = progress if ranks.is_main else None
     total = streamed.num_layers + 2
     try:
-        timings = _observe_layers(streamed, observer, batches, space, progress, total)
+        with portable_cpu_kernels(options.portable and device.type == "cpu"):
+            timings = _observe_layers(streamed, observer, batches, space, progress, total)
     except BaseException:
         ranks.fail("calibration")
         raise

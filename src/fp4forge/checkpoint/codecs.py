@@ -81,12 +81,14 @@ _LOW_THREE_BITS = 0x0707070707070707
 def lanes_of(rows: Tensor, lane: Any) -> Tensor:
     """``rows`` (uint8 [m, L], the last dimension contiguous) as ``lane`` integers [m, L / width]:
     a view where the length, the row stride and the offset allow, else of a compact copy."""
+    import torch
+
     width = lane.itemsize
     if not rows.numel():
         return rows.new_empty((rows.shape[0], rows.shape[1] // width), dtype=lane)
     if rows.shape[1] % width == 0 and rows.stride(0) % width == 0 and rows.storage_offset() % width == 0:
         return rows.view(lane)
-    return rows.contiguous().view(lane)
+    return torch.empty(rows.shape, dtype=rows.dtype, device=rows.device).copy_(rows).view(lane)  # offset 0, compact
 
 
 def _top_codes(packed: Tensor) -> Tensor:

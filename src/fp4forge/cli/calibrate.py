@@ -25,6 +25,7 @@ SAMPLES_OPT = typer.Option(SampleOptions.samples, "--samples", help="Calibration
 SEQ_LEN_OPT = typer.Option(SampleOptions.seq_len, "--seq-len", help="Tokens per sample (texts are packed, never padded).")
 BATCH_OPT = typer.Option(SampleOptions.batch_size, "--batch-size", help="Samples per forward.")
 POLICY_OPT = typer.Option(CalibrationOptions.policy, "--policy", help="MoE coverage: routed (the router's tokens) | all-experts (every token through every expert).")
+PORTABLE_OPT = typer.Option(CalibrationOptions.portable, "--portable", help="On a CPU: matmuls on kernels that give the same statistics on AVX2 and AVX-512 machines (about 3x slower).")
 TEXT_OPT = typer.Option([], "--text", help="Extra text: .jsonl ({'messages': [...]} or {'text': ...}) or plain text; repeatable.")
 NO_BUILTIN_OPT = typer.Option(False, "--no-builtin", help="Use only --text files, not the built-in stdlib corpus.")
 BUILTIN_OPT = typer.Option(False, "--builtin", help="Use the built-in stdlib corpus when --text runs out, without the warning that it is not the model's own text.")
@@ -79,6 +80,7 @@ def calibrate_command(
     seq_len: int = SEQ_LEN_OPT,
     batch_size: int = BATCH_OPT,
     policy: str = POLICY_OPT,
+    portable: bool = PORTABLE_OPT,
     text: list[Path] = TEXT_OPT,
     no_builtin: bool = NO_BUILTIN_OPT,
     builtin: bool = BUILTIN_OPT,
@@ -93,7 +95,7 @@ def calibrate_command(
     from fp4forge.calibrate.run import calibrate_to_file
     from fp4forge.report.calibrate_tables import calibration_rich
 
-    options = calibration_options(dict(samples=samples, seq_len=seq_len, batch_size=batch_size, policy=policy), text=text, no_builtin=no_builtin,
+    options = calibration_options(dict(samples=samples, seq_len=seq_len, batch_size=batch_size, policy=policy, portable=portable), text=text, no_builtin=no_builtin,
                                   builtin=builtin, tokenizer=tokenizer, ram_budget_gb=ram_budget_gb, spill_dir=spill_dir, device=device, activation_budget=activation_budget)
     with progress_bar("calibrating", not as_json) as progress:
         summary = calibrate_to_file(src, stats_out, options, progress=progress)

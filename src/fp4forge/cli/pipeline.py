@@ -173,6 +173,7 @@ def pipeline_command(
     calib_samples: int = typer.Option(CalibrationOptions.samples, "--calib-samples", help="Calibration samples."),
     calib_seq_len: int = typer.Option(CalibrationOptions.seq_len, "--calib-seq-len", help="Tokens per calibration sample."),
     calib_text: list[Path] = typer.Option([], "--calib-text", help="Extra calibration text (.jsonl or plain); repeatable."),
+    calib_portable: bool = typer.Option(CalibrationOptions.portable, "--calib-portable", help="Calibrate on CPU kernels that give the same statistics on AVX2 and AVX-512 machines (about 3x slower on a CPU)."),
     fidelity_samples: int = typer.Option(FidelityOptions.samples, "--fidelity-samples", help="Held-out samples."),
     fidelity_seq_len: int = typer.Option(FidelityOptions.seq_len, "--fidelity-seq-len", help="Tokens per held-out sample."),
     fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),
@@ -226,7 +227,7 @@ def pipeline_command(
 
 
 def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, calib_samples: int, calib_seq_len: int,
-                      calib_text: list[Path], fidelity_samples: int, fidelity_seq_len: int, fidelity_text: list[Path],
+                      calib_text: list[Path], calib_portable: bool = False, fidelity_samples: int, fidelity_seq_len: int, fidelity_text: list[Path],
                       fidelity_numerics: str, fidelity_builtin: bool, fidelity_allow_unreadable: bool, tokenizer: Optional[Path], device: Optional[str], activation_budget: Optional[str],
                       vllm_venv: Optional[Path], serve: bool, bench: Optional[str], perf_workload: Optional[str],
                       quality_runs: int, quality_max_tokens: int, quality_categories: Optional[str], **pipeline: Any) -> Any:
@@ -238,7 +239,7 @@ def _pipeline_options(*, recipe: str, layout_format: str, block_scales: str, cal
 
     shared = dict(tokenizer=tokenizer, device=device, activation_budget=activation_budget)
     with option_path("calibration", CalibrationOptions):
-        calibration = calibration_options(dict(samples=calib_samples, seq_len=calib_seq_len), text=calib_text, **shared)
+        calibration = calibration_options(dict(samples=calib_samples, seq_len=calib_seq_len, portable=calib_portable), text=calib_text, **shared)
     with option_path("fidelity", FidelityOptions):
         fidelity = fidelity_options(dict(samples=fidelity_samples, seq_len=fidelity_seq_len, numerics=fidelity_numerics,
                                          allow_unreadable=fidelity_allow_unreadable), text=fidelity_text, builtin=fidelity_builtin, **shared)

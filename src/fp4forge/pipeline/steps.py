@@ -591,7 +591,7 @@ SAMPLE_TEXT = ("samples", "seq_len", "text_files", "builtin_corpus", "tokenizer"
 STEPS: tuple[Step, ...] = (
     Step("calibrate", "calibrate activations and KV (layer-streamed)", run_calibrate,
          ("reports/calibration.json", "reports/calibration-stats.safetensors"), ("src",),
-         tuple(f"calibration.{name}" for name in SAMPLE_TEXT) + ("calibration.batch_size", "calibration.policy"), options="calibration"),
+         tuple(f"calibration.{name}" for name in SAMPLE_TEXT) + ("calibration.batch_size", "calibration.policy", "calibration.portable"), options="calibration"),
     # version 2: only the source's model-repository files are copied (checkpoint/names.py MODEL_REPO_FILES)
     Step("quantize", "quantize by the recipe", run_quantize, (".", "reports/quantize.json"),
          ("src", "calibration-stats.safetensors", "recipe"),
