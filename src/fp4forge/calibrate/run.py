@@ -11,6 +11,7 @@ the reference the streamed run must equal bit for bit.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -99,14 +100,23 @@ def _metadata(ckpt: Checkpoint, samples: Samples, options: CalibrationOptions, o
     }
 
 
+#: MKL's conditional numerical reproducibility: its float32 matmuls (a router's logits) take the
+#: AVX2 code path on every AVX2 or newer CPU. MKL reads it once, at its first call in the process.
+MKL_CBWR = ("MKL_CBWR", "AVX2")
+
+
 @contextlib.contextmanager
 def portable_cpu_kernels(on: bool) -> Iterator[None]:
-    """With ``on``: matmuls on ATen's own kernels, not oneDNN's, which packs and sums its bf16
-    matmuls for the instruction set it finds (AVX2, AVX-512, AMX), so a few bf16 results would
-    differ between machines; ATen's kernels agree on AVX2 and AVX-512 (``tests/test_export_cpu_kinds.py``)."""
+    """With ``on``: bf16 matmuls on ATen's own kernels, not oneDNN's, and MKL's float32 matmuls on
+    its AVX2 branch (:data:`MKL_CBWR`, unless the environment chose one): both libraries pack and
+    sum for the instruction set they find (AVX2, AVX-512, AMX), so a few results (a calibrated
+    maximum, a token's expert) would differ between machines (``tests/test_export_cpu_kinds.py``).
+    MKL's branch then holds for the rest of the process; a process that ran an MKL matmul
+    before keeps the branch it had."""
     if not on:
         yield
         return
+    os.environ.setdefault(*MKL_CBWR)
     with torch.backends.mkldnn.flags(enabled=False):
         yield
 
