@@ -19,7 +19,7 @@ class CalibrationOptions(SampleOptions):
     policy: Policy = "routed"
     prefetch: bool = True  # read the next layer on a background thread (same results)
     # On a CPU, the bf16 matmuls on ATen's own kernels instead of oneDNN's and MKL's float32 ones on
-    # its AVX2 branch: both round differently on AVX2, AVX-512 and AMX, so a few statistics (and the
+    # one MKL branch (MKL_CBWR=COMPATIBLE): both round differently on AVX2, AVX-512 and AMX, so a few statistics (and the
     # export's scales) would differ between machines (docs/quantization.md#the-same-bytes-on-every-cpu).
     # About 3x slower on a CPU; no effect on a GPU.
     portable: bool = False

@@ -100,16 +100,17 @@ def _metadata(ckpt: Checkpoint, samples: Samples, options: CalibrationOptions, o
     }
 
 
-#: MKL's conditional numerical reproducibility: its float32 matmuls (a router's logits) take the
-#: AVX2 code path on every AVX2 or newer CPU. MKL reads it once, at its first call in the process.
-MKL_CBWR = ("MKL_CBWR", "AVX2")
+#: MKL's conditional numerical reproducibility: its float32 matmuls (a router's logits) take one
+#: code path on every x86 CPU. COMPATIBLE, not AVX2: MKL honours its AVX2 branch on Intel CPUs only
+#: (its CNR guide; elsewhere it falls back to choosing by CPU). MKL reads it once, at its first call.
+MKL_CBWR = ("MKL_CBWR", "COMPATIBLE")
 
 
 @contextlib.contextmanager
 def portable_cpu_kernels(on: bool) -> Iterator[None]:
     """With ``on``: bf16 matmuls on ATen's own kernels, not oneDNN's, and MKL's float32 matmuls on
-    its AVX2 branch (:data:`MKL_CBWR`, unless the environment chose one): both libraries pack and
-    sum for the instruction set they find (AVX2, AVX-512, AMX), so a few results (a calibrated
+    its one portable branch (:data:`MKL_CBWR`, unless the environment chose one): both libraries pack and
+    sum for the CPU they find (AVX2, AVX-512, AMX, its vendor), so a few results (a calibrated
     maximum, a token's expert) would differ between machines (``tests/test_export_cpu_kinds.py``).
     MKL's branch then holds for the rest of the process; a process that ran an MKL matmul
     before keeps the branch it had."""
