@@ -177,3 +177,25 @@ def test_trained_testbed_needs_its_own_text_and_then_carries_intervals(trained_l
     print(f"\ntrained testbed nvfp4-experts W4A4: KL {points['kl']:.6f} [{m['intervals']['kl']['low']:.6f}, {m['intervals']['kl']['high']:.6f}], "
           f"top-1 {points['top1_agreement']:.4f}, teacher ppl {points['teacher_perplexity']:.3f}, {m['documents']} documents, {m['tokens']} tokens")
 
+
+
+@pytest.mark.parametrize("readability, banner, note", [
+    ({"readable": False, "warning": "UNREADABLE TEXT, scored anyway: the teacher cannot read this text"}, True, False),
+    ({"readable": None, "warning": "the config names no vocab_size: whether the teacher reads this text was not checked"}, False, True),
+    ({"readable": True, "warning": None}, False, False),
+])
+def test_the_fidelity_table_calls_text_unreadable_only_when_it_was_found_so(readability, banner, note) -> None:
+    """Text not checked (no vocab_size) is said to be unchecked, not unreadable."""
+    from rich.console import Console
+
+    from fp4forge.report.calibrate_tables import fidelity_rich
+
+    metrics = {"kl": {"estimator": "exact", "mean": 0.001, "median": 0.0005, "p99": 0.01}, "positions": 100, "documents": 4,
+               "perplexity": {"teacher": 2.0, "student": 2.1}, "top1_agreement": 0.99, "intervals": {}, "readability": readability}
+    report = {"student": "s", "teacher": "t", "numerics": "w4a4", "kv_cache": "bf16", "moe_input_scale": "global-max", "metrics": metrics, "layers": []}
+    console = Console(record=True, width=200)
+    for table in fidelity_rich(report):
+        console.print(table)
+    text = console.export_text()
+    assert ("UNREADABLE TEXT" in text) is banner
+    assert ("was not checked" in text) is note

@@ -81,9 +81,11 @@ def fidelity_rich(report: dict[str, Any]) -> list[Table]:
         ("KV cache", report["kv_cache"]),
         ("MoE input scales", report["moe_input_scale"]),
     ]
-    warning = (metrics.get("readability") or {}).get("warning")
-    if warning:
+    readability = metrics.get("readability") or {}
+    if readability.get("readable") is False:
         rows.insert(0, ("[bold red]UNREADABLE TEXT[/bold red]", "[bold red]scored anyway: see the warning[/bold red]"))
+    elif readability.get("warning"):  # not checked (no vocab_size): say so, without calling the text unreadable
+        rows.insert(0, ("readability", readability["warning"]))
     if "kl_cache_estimate" in metrics:
         est = metrics["kl_cache_estimate"]
         rows.append(("KL cache estimate (same run) mean / median / p99", f"{est['mean']:.6f} / {est['median']:.6f} / {est['p99']:.6f}"))
