@@ -349,3 +349,15 @@ def test_card_cli(ckpt: Path, tmp_path: Path) -> None:
     assert "](tiny-laguna-nvfp4/reports/plots/bytes.png)" in target.read_text()
     proc = subprocess.run([fp4forge, "card", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "not a directory" in proc.stderr
+
+
+def test_the_card_judges_readability_against_the_vocabulary_fidelity_recorded(ckpt: Path) -> None:
+    """Fidelity records the vocabulary it judged readability against (also a config's
+    text_config's); the card uses that, not only config.json's top-level vocab_size."""
+    path = ckpt / "reports" / "fidelity.json"
+    doc = json.loads(path.read_text())
+    teacher = doc["metrics"]["perplexity"]["teacher"]
+    vocab = int(teacher)  # the teacher's perplexity is then over half of it: unreadable
+    doc["metrics"]["readability"] = {"readable": False, "vocab_size": vocab, "warning": "UNREADABLE TEXT, scored anyway"}
+    path.write_text(json.dumps(doc))
+    assert f"on a {vocab:,}-token vocabulary" in render_card(ckpt).markdown

@@ -25,7 +25,8 @@ from fp4forge.checkpoint.names import CONFIG_JSON, PROVENANCE_JSON
 from fp4forge.errors import ConfigError
 from fp4forge.report.card_artifacts import Artifacts, server_life
 from fp4forge.report.card_metadata import front_matter
-from fp4forge.report.card_verdict import UNTRAINED_PERPLEXITY_SHARE, Verdict, card_verdict, verdict_lines
+from fp4forge.fidelity.readable import UNREADABLE_PERPLEXITY_SHARE
+from fp4forge.report.card_verdict import Verdict, card_verdict, fidelity_vocab_size, verdict_lines
 from fp4forge.report.plotting import pyplot
 from fp4forge.report.markdown import table
 
@@ -524,9 +525,9 @@ def fidelity_section(ctx: CardContext) -> list[str]:
         ctx.non_claims.append("Fidelity against the BF16 teacher was not measured.")
         return _missing(ctx, "fidelity.json")
     m = doc["metrics"]
-    vocab = (ctx.art.json(f"ckpt:{CONFIG_JSON}") or {}).get("vocab_size")
+    vocab = fidelity_vocab_size(ctx, m)
     warning = (m.get("readability") or {}).get("warning")
-    if vocab and m["perplexity"]["teacher"] >= UNTRAINED_PERPLEXITY_SHARE * vocab:
+    if vocab and m["perplexity"]["teacher"] >= UNREADABLE_PERPLEXITY_SHARE * vocab:
         ctx.non_claims.append(f"The teacher's perplexity ({m['perplexity']['teacher']:.0f}) is near its vocabulary size ({vocab}): "
                               "on this text it predicts no better than chance. Either it is untrained (a random testbed) or the "
                               "text is far from what it learned (a trained testbed knows only its own corpus); either way "

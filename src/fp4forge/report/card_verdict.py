@@ -39,9 +39,6 @@ ORDER = (HOLDS, NOT_ESTABLISHED, DO_NOT_SHIP)
 # wrong scales or a dropped tensor falls far outside. An interval across a level is not established.
 KL_MEAN_MAX = 0.10  # nats per predicted token, KL(teacher ‖ student)
 TOP1_AGREEMENT_MIN = 0.85
-# A teacher whose perplexity reaches this share of its vocabulary is guessing on that text: untrained, or
-# evaluated on text far from its training corpus (fidelity refuses to score it unless told to).
-UNTRAINED_PERPLEXITY_SHARE = UNREADABLE_PERPLEXITY_SHARE
 COMPARE = "quality-teacher/compare.json"
 NUMERICS_KEYS = ("target", "moe_backend", "activations", "moe_input_scale")
 MESSAGE_CHARS = 240  # a finding's message on the verdict line (the audit table has it whole)
@@ -185,17 +182,23 @@ def fidelity_reason(ctx: CardContext) -> Reason:
     return Reason("fidelity", max(states, key=ORDER.index), text, ("fidelity.json",))
 
 
+def fidelity_vocab_size(ctx: CardContext, metrics: dict[str, Any]) -> int | None:
+    """The vocabulary size fidelity judged readability against (its ``readability`` block, which
+    also finds a ``text_config``'s), else the checkpoint config's, for reports older than it."""
+    recorded = (metrics.get("readability") or {}).get("vocab_size")
+    return recorded or (ctx.art.json(f"ckpt:{CONFIG_JSON}") or {}).get("vocab_size")
+
+
 def _unreadable_text(ctx: CardContext, metrics: dict[str, Any]) -> str | None:
     """Why the teacher cannot read the fidelity text (its perplexity near its vocabulary), or None."""
     teacher = (metrics.get("perplexity") or {}).get("teacher")
-    config = ctx.art.json(f"ckpt:{CONFIG_JSON}")
-    if config is None:
+    vocab = fidelity_vocab_size(ctx, metrics)
+    if not vocab and ctx.art.json(f"ckpt:{CONFIG_JSON}") is None:
         return f"its vocabulary size is unknown (`{CONFIG_JSON}` is {ctx.art.problems.get(CONFIG_JSON, 'missing')})"
-    vocab = config.get("vocab_size")
     if teacher is None or not vocab:
         return "the teacher's perplexity or the vocabulary size is not recorded"
-    if teacher >= UNTRAINED_PERPLEXITY_SHARE * vocab:
-        return f"teacher perplexity {teacher:.0f} on a {vocab:,}-token vocabulary (over {UNTRAINED_PERPLEXITY_SHARE:.0%} of it)"
+    if teacher >= UNREADABLE_PERPLEXITY_SHARE * vocab:
+        return f"teacher perplexity {teacher:.0f} on a {vocab:,}-token vocabulary (over {UNREADABLE_PERPLEXITY_SHARE:.0%} of it)"
     return None
 
 
