@@ -216,10 +216,15 @@ def summary(doc: dict) -> dict:
         "deep_warm_vs_warm_read": {d: rate[f"deep_warm_{d}"] / rate["warm_read"] for d in devices},
         "export_s_over_deep_cold_s": {d: median["export"] / median[f"deep_cold_{d}"] for d in devices},
         "peak_rss_mib": {step: max(r.get("peak_rss_mib", 0) for r in runs) for step, runs in doc["runs"].items() if "peak_rss_mib" in runs[0]},
-        # every deep audit (each device, cold and warm) printed the same JSON document
-        "deep_findings_identical": len({r["stdout_sha256"] for step, runs in doc["runs"].items() if step.startswith("deep_") for r in runs}) == 1,
+        # every deep audit (each device, cold and warm) printed the same JSON document (None: a record without the hashes)
+        "deep_findings_identical": _all_equal([r.get("stdout_sha256") for step, runs in doc["runs"].items() if step.startswith("deep_") for r in runs]),
     }
 
+
+
+def _all_equal(values: list) -> bool | None:
+    """Whether every value is the same; None where one is missing (not recorded is not equal)."""
+    return None if not values or None in values else len(set(values)) == 1
 
 def print_table(doc: dict) -> None:
     if "summary" in doc:

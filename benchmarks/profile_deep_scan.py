@@ -6,7 +6,8 @@ first scan). A profile, not the benchmark: `bench_deep_audit.py` times the comma
 
 Per path (``device``: the GPU's ring of pinned buffers; ``threads``: the CPU's pool) and reader
 thread count: wall and CPU seconds, GB/s of the bytes the scan reads, the seconds the readers spent
-reading (summed over threads) and the reducing thread's seconds; then the top of a cProfile of
+reading and reducing (each summed over the threads that did it: one reducing thread on the device
+path, the pool on the threads path); then the top of a cProfile of
 one device-path scan.
 """
 
@@ -72,7 +73,7 @@ def main() -> None:
         deep_scan.scan_units(ckpt, units, args.device, path=path, threads=threads)
         wall = time.perf_counter() - start
         print(f"{path} threads={threads}: {wall:.2f} s, {time.process_time() - cpu:.2f} CPU-s, {total / wall:.2f} GB/s; "
-              f"read (sum over threads) {acc['read']:.2f} s, reduce {acc['reduce']:.2f} s", flush=True)
+              f"read {acc['read']:.2f} s, reduce {acc['reduce']:.2f} s (each summed over threads)", flush=True)
     deep_scan._read_job, deep_scan.reduce_rows = read_job, reduce_rows
     profile = cProfile.Profile()
     profile.enable()

@@ -184,6 +184,8 @@ def test_portable_calibration_is_the_same_on_avx2_and_avx512_machines(runs: Runs
     for name, other in others.items():
         assert same_tensors(other, reference) == [], name
         assert routed_tokens(other) == routed_tokens(reference), name  # the routers chose the same experts
+        # the whole file, metadata included: with the export-from-statistics test above, the same export
+        assert other.read_bytes() == reference.read_bytes(), name
 
 
 def routed_tokens(stats: Path) -> dict:

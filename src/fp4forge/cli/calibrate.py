@@ -25,7 +25,7 @@ SAMPLES_OPT = typer.Option(SampleOptions.samples, "--samples", help="Calibration
 SEQ_LEN_OPT = typer.Option(SampleOptions.seq_len, "--seq-len", help="Tokens per sample (texts are packed, never padded).")
 BATCH_OPT = typer.Option(SampleOptions.batch_size, "--batch-size", help="Samples per forward.")
 POLICY_OPT = typer.Option(CalibrationOptions.policy, "--policy", help="MoE coverage: routed (the router's tokens) | all-experts (every token through every expert).")
-PORTABLE_OPT = typer.Option(CalibrationOptions.portable, "--portable", help="On a CPU: matmuls on kernels that give the same statistics on AVX2 and AVX-512 machines (about 3x slower; pins MKL to one code path for the process).")
+PORTABLE_OPT = typer.Option(CalibrationOptions.portable, "--portable", help="On a CPU: matmuls on kernels that give the same statistics on AVX2 and AVX-512 machines (slower: 3x on the testbed; pins MKL to one code path for the process).")
 TEXT_OPT = typer.Option([], "--text", help="Extra text: .jsonl ({'messages': [...]} or {'text': ...}) or plain text; repeatable.")
 NO_BUILTIN_OPT = typer.Option(False, "--no-builtin", help="Use only --text files, not the built-in stdlib corpus.")
 BUILTIN_OPT = typer.Option(False, "--builtin", help="Use the built-in stdlib corpus when --text runs out, without the warning that it is not the model's own text.")

@@ -173,7 +173,7 @@ def pipeline_command(
     calib_samples: int = typer.Option(CalibrationOptions.samples, "--calib-samples", help="Calibration samples."),
     calib_seq_len: int = typer.Option(CalibrationOptions.seq_len, "--calib-seq-len", help="Tokens per calibration sample."),
     calib_text: list[Path] = typer.Option([], "--calib-text", help="Extra calibration text (.jsonl or plain); repeatable."),
-    calib_portable: bool = typer.Option(CalibrationOptions.portable, "--calib-portable", help="Calibrate on CPU kernels that give the same statistics on AVX2 and AVX-512 machines (about 3x slower on a CPU)."),
+    calib_portable: bool = typer.Option(CalibrationOptions.portable, "--calib-portable", help="Calibrate on CPU kernels that give the same statistics on AVX2 and AVX-512 machines (slower: 3x on the testbed; pins MKL to one code path for the process)."),
     fidelity_samples: int = typer.Option(FidelityOptions.samples, "--fidelity-samples", help="Held-out samples."),
     fidelity_seq_len: int = typer.Option(FidelityOptions.seq_len, "--fidelity-seq-len", help="Tokens per held-out sample."),
     fidelity_text: list[Path] = typer.Option([], "--fidelity-text", help="Held-out text for fidelity; repeatable."),

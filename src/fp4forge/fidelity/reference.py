@@ -40,6 +40,7 @@ from fp4forge.checkpoint.quantized import QuantizedCheckpoint, ServedExperts, Se
 from fp4forge.checkpoint.reader import Checkpoint, open_checkpoint
 from fp4forge.checkpoint.tensor_file import save_tensors
 from fp4forge.errors import ConfigError
+from fp4forge.model.hooks import ExpertRoutes
 from fp4forge.numerics.fp8 import E4M3_ROUNDINGS, fp8_fake_quantize, fp8_fake_quantize_reciprocal
 from fp4forge.numerics.nvfp4 import nvfp4_fake_quantize_activation
 
@@ -108,33 +109,27 @@ def routed_experts_forward(
     down: Sequence[Tensor] | Tensor,
     quant: Callable[[Tensor, Tensor, str], Tensor],
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """The routed experts' forward over every (token, expert) pair at once: rows sorted by expert,
-    each activation fake-quantized by ``quant(rows, expert_of_row, gemm)`` in one call per GEMM
-    (per-row numerics: the same values as expert by expert), one GEMM per expert, and each token's
-    expert outputs added in ascending expert order, as a loop over the experts adds them."""
+    """The routed experts' forward over every (token, expert) pair at once, on the routes the
+    calibration and fidelity hooks use (``model/hooks.py`` :class:`ExpertRoutes`): rows sorted by
+    expert, each activation fake-quantized by ``quant(rows, expert_of_row, gemm)`` in one call per
+    GEMM (per-row numerics: the same values as expert by expert), one GEMM per expert, and each
+    token's expert outputs added in ascending expert order, as a loop over the experts adds them."""
     intermediate = gate_up[0].shape[0] // 2
 
     def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        experts, order = top_k_index.flatten().sort(stable=True)
-        tokens, slots = order // top_k_index.shape[1], order % top_k_index.shape[1]
-        counts = torch.bincount(experts, minlength=len(gate_up)).tolist()
-        used = [e for e, n in enumerate(counts) if n]
+        routes = ExpertRoutes.of(top_k_index, len(gate_up))
+        out = torch.zeros_like(hidden_states)
+        if not routes.valid:
+            return out
+        experts, tokens, slots = (t[: routes.valid] for t in (routes.expert, routes.token, routes.slot))
 
         def per_expert(rows: Tensor, weights: Sequence[Tensor] | Tensor) -> Tensor:
-            parts = torch.split(rows, [counts[e] for e in used]) if len(used) > 1 else (rows,)
-            return torch.cat([F.linear(part, weights[e]) for e, part in zip(used, parts)])
+            return torch.cat([F.linear(part, weights[e]) for e, part in routes.split(rows)])
 
         h = per_expert(quant(hidden_states[tokens], experts, "w13"), gate_up)
         h = F.silu(h[:, :intermediate]) * h[:, intermediate:]
         h = per_expert(quant(h, experts, "w2"), down) * top_k_weights[tokens, slots, None]
-        # Row r of ``placed`` holds each token's r-th expert (ascending): added in that order.
-        rank = top_k_index.argsort(dim=1, stable=True).argsort(dim=1, stable=True)[tokens, slots]
-        placed = torch.zeros((top_k_index.shape[1], *hidden_states.shape), dtype=hidden_states.dtype, device=hidden_states.device)
-        placed[rank, tokens] = h.to(hidden_states.dtype)
-        out = torch.zeros_like(hidden_states)
-        for row in placed:
-            out += row
-        return out
+        return routes.accumulate(out, h.to(hidden_states.dtype))
 
     return forward
 
