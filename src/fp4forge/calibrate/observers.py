@@ -89,10 +89,6 @@ class ExpertObserver:
     def routed(self, counts: Tensor) -> None:
         self.stats.tokens += counts
 
-    def gate_up_input(self, expert: int, x: Tensor) -> Tensor:
-        self.stats.gate_up_amax[expert] = torch.maximum(self.stats.gate_up_amax[expert], self._amax(x))
-        return x
-
     def down_input(self, expert: int, h: Tensor) -> Tensor:
         self.stats.down_amax[expert] = torch.maximum(self.stats.down_amax[expert], self._amax(h))
         return h

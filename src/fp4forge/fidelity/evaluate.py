@@ -274,7 +274,7 @@ class PositionMetrics:
         parts = self.kl if exact.numel() else self.kl_estimate
         out: dict[str, Any] = {
             "positions": int(kl.numel()),
-            # One mean per sample: the independent units a confidence interval resamples.
+            # One mean per sample (a row of the batch); the intervals resample documents (fidelity/intervals.py).
             "kl_per_sample": [float(row.to(torch.float64).mean()) for part in parts for row in part.reshape(part.shape[0], -1)],
             "kl": _distribution(kl) | {"estimator": "exact (full vocabulary)" if exact.numel() else "top-k + sampled tail (unbiased)"},
             "top1_agreement": float(self._cat(self.agree).float().mean()),

@@ -250,7 +250,7 @@ static inline void elements16(state_t *st, const uint16_t *src, uint8_t *dst, fl
  *   raw = amax / scalar6, raw 0 -> 1, scale = e4m3(clamp(raw, 2^-9, 448)), step = scale * s2.
  * codes: e2m1(w / step) with the references' boundaries; sign iff w / step < 0.
  * With sums != 0: sums[0] += (value * step - |w|)^2, sums[1] += w^2 (F32 squares summed in F64,
- * as the eager path sums them: the totals differ from its by summation order only, ~1e-16).
+ * as the eager path sums them: the totals differ from its by summation order only, ~1e-15 relative).
  * Returns 0, or 1 if some step is zero or not finite (nothing is promised then: the caller
  * quantizes that tensor by the general path). */
 int fp4forge_nvfp4_minmax_bf16(const uint16_t *w, int64_t n_blocks, int convention, float scalar, float scalar6,
