@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
 import shutil
 import tempfile
@@ -105,8 +104,8 @@ class CheckpointTensors:
         the first tensor's start to the last one's end) into the page cache now, asynchronously:
         one large request in flight instead of one tensor-sized read at a time. A hint; no-op for
         sources that are not local files."""
-        local_path = getattr(self.ckpt.source, "path", None)
-        if local_path is None or not hasattr(os, "posix_fadvise"):
+        will_need = getattr(self.ckpt.source, "will_need", None)
+        if will_need is None:
             return
         spans: dict[str, tuple[int, int]] = {}
         for name in names:
@@ -115,16 +114,7 @@ class CheckpointTensors:
             lo, hi = spans.get(shard, (begin, begin + info.nbytes))
             spans[shard] = (min(lo, begin), max(hi, begin + info.nbytes))
         for shard, (lo, hi) in spans.items():
-            try:
-                fd = os.open(local_path(shard), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+            will_need(shard, lo, hi - lo)  # the source's one posix_fadvise WILLNEED (checkpoint/source.py)
 
     def read_host(self, name: str, pin: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """``read``, but a local file is read straight into the (page-locked with ``pin``) tensor:
