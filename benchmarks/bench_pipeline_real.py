@@ -109,6 +109,7 @@ start = time.perf_counter()
 def status():
     with open("/proc/self/status") as f:
         return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f) if k in KEYS}
+steps, current = {}, ["start"]  # per step: its peaks, and torch's page-locked cache at its end
 def sample():
     while True:
         now = status()
@@ -117,8 +118,25 @@ def sample():
         for k in KEYS:
             peaks[k] = max(peaks[k], now.get(k, 0))
         peaks["anon_shmem"] = max(peaks["anon_shmem"], now.get("RssAnon", 0) + now.get("RssShmem", 0))
+        step = steps.setdefault(current[0], {"anon_bytes": 0, "shmem_bytes": 0, "anon_shmem_bytes": 0})
+        step["anon_bytes"] = max(step["anon_bytes"], now.get("RssAnon", 0))
+        step["shmem_bytes"] = max(step["shmem_bytes"], now.get("RssShmem", 0))
+        step["anon_shmem_bytes"] = max(step["anon_shmem_bytes"], now.get("RssAnon", 0) + now.get("RssShmem", 0))
         time.sleep(0.05)
 threading.Thread(target=sample, daemon=True).start()
+from fp4forge.pipeline import run as pipeline_run
+inner_step = pipeline_run._run_step
+def timed_step(step, *args, **kwargs):
+    current[0] = step.name
+    try:
+        return inner_step(step, *args, **kwargs)
+    finally:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            stats = torch.cuda.host_memory_stats()
+            steps.setdefault(step.name, {})["host_cache"] = {k: v for k, v in stats.items() if k.endswith(".current") or k.endswith(".peak")}
+        current[0] = "between steps"
+pipeline_run._run_step = timed_step
 code = 0
 try:
     runpy.run_module("fp4forge.cli", run_name="__main__")
@@ -129,7 +147,7 @@ for k, v in status().items():
 import torch
 gpu = {"allocated_bytes": torch.cuda.max_memory_allocated(), "reserved_bytes": torch.cuda.max_memory_reserved()} if torch.cuda.is_available() else None
 host = {"anon_bytes": peaks["RssAnon"], "file_bytes": peaks["RssFile"], "shmem_bytes": peaks["RssShmem"], "hwm_bytes": peaks["VmHWM"], "anon_shmem_bytes": peaks["anon_shmem"], "anon_peak_at_s": peaks["anon_at_s"]}
-json.dump({"exit_code": code, "gpu_peak": gpu, "host_peak": host}, open(report, "w"))
+json.dump({"exit_code": code, "gpu_peak": gpu, "host_peak": host, "step_host_peaks": steps}, open(report, "w"))
 sys.exit(code)
 """
 
@@ -233,7 +251,7 @@ def run_one(work: Path, layers: int, args: argparse.Namespace) -> dict:
     return {"layers": layers, "source_bytes": source_bytes, "export_bytes": export_bytes, "build_s": build_s,
             "source_evicted": evicted, "source_cold_read_s": cold_read_s, "step_seconds": steps, "steps_total_s": sum(steps.values()), "wall_s": stats.wall_s,
             "cpu_s": stats.cpu_s, "peak_rss_bytes": int(stats.peak_rss_mib * 2**20), "gpu_peak": child.get("gpu_peak"),
-            "host_peak": host, "layer_bytes": layer_bytes, "stored_layer_bytes": stored_layer_bytes, "host_anon_bound_bytes": bound,
+            "host_peak": host, "step_host_peaks": child.get("step_host_peaks"), "layer_bytes": layer_bytes, "stored_layer_bytes": stored_layer_bytes, "host_anon_bound_bytes": bound,
             "calibration_tokens": calibration.get("tokens"), "fidelity_tokens": _fidelity_tokens(fidelity)}
 
 

@@ -7,6 +7,7 @@ findings, never an exception (docs/audit.md#what-is-read)."""
 from __future__ import annotations
 
 import math
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -144,7 +145,6 @@ def test_pieces_reduced_together_give_each_piece_its_own_row(path, cases, monkey
 def test_a_check_that_raises_stops_the_background_scan(cases, monkeypatch) -> None:
     """The scan runs beside the header checks: when one raises, the audit raises that error
     (exit 2, as before) and leaves no scan thread reading the closed checkpoint."""
-    import threading
 
     from fp4forge.audit import checks_server_files
     from fp4forge.errors import CheckpointError
@@ -183,6 +183,38 @@ def test_read_ahead_hints_every_byte_once_in_order() -> None:
     for job in jobs[1:]:
         ahead.take(job)
     assert Ckpt.source.hints[3:] == [("b", 10, 30)]
+
+
+def test_the_first_hint_blocks_neither_the_import_nor_the_reads() -> None:
+    """A hint that blocks (a full disk queue) holds up neither :meth:`start`'s caller (which then
+    imports torch) nor :meth:`take`; once it returns, taking hints on from where it stopped."""
+
+    class Blocking:
+        def __init__(self):
+            self.hints: list[tuple[str, int, int]] = []
+            self.release, self.entered = threading.Event(), threading.Event()
+
+        def will_need(self, shard, start, length):
+            self.entered.set()
+            assert self.release.wait(10)
+            self.hints.append((shard, start, length))
+
+    class Ckpt:
+        source = Blocking()
+
+    part = deep_scan.Part
+    jobs = [deep_scan.Job("float", "BF16", 1, ((part("a", 100 * i, 100), 0),), ()) for i in range(4)]
+    ahead = deep_scan._ReadAhead(Ckpt(), jobs, 150)
+    ahead.start()
+    assert Ckpt.source.entered.wait(10)
+    assert ahead.take(jobs[0]) is jobs[0]  # returns while the first hint still blocks
+    Ckpt.source.release.set()
+    for thread in [t for t in threading.enumerate() if t.name == "fp4forge-read-ahead"]:
+        thread.join(10)
+    assert Ckpt.source.hints == [("a", 0, 200)]
+    for job in jobs[1:]:
+        ahead.take(job)
+    assert Ckpt.source.hints[1:] == [("a", 200, 200)]
 
 
 @pytest.mark.parametrize("value", [0.0, -0.0, -1.0, math.nan, math.inf, -math.inf, 1e-45])

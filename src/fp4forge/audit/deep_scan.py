@@ -383,18 +383,35 @@ def _in_order(pool: ThreadPoolExecutor, work: Callable[[Any], Any], jobs: Iterab
 class _ReadAhead:
     """Hints the source (a local file's ``will_need``) to start reading the next ``ahead`` bytes
     of the jobs' parts into the page cache, in order, as the jobs are taken: the disk reads while
-    torch is imported and while the pieces before are reduced. Adjacent parts are one hint."""
+    torch is imported and while the pieces before are reduced. Adjacent parts are one hint.
+
+    The first window is hinted on a thread of its own (:meth:`start`): a hint may block while the
+    disk's queue is full, and torch's import must not wait behind it. Until that hint returns,
+    :meth:`take` adds none (it is ahead of the reads anyway)."""
 
     def __init__(self, ckpt: Checkpoint, jobs: list[Job], ahead: int):
         self.will_need = getattr(ckpt.source, "will_need", None)
         self.parts = [part for job in jobs for part, _ in job.reads] if self.will_need else []
         self.ahead, self.at, self.hinted, self.taken = ahead, 0, 0, 0
+        self.hinting = threading.Lock()
+
+    def start(self) -> None:
+        """Hint the first ``ahead`` bytes now, on a daemon thread."""
+        if self.parts:
+            threading.Thread(target=self._hint_unless_busy, name="fp4forge-read-ahead", daemon=True).start()
 
     def take(self, job: Job) -> Job:
         """``job`` (the next one), after hinting the parts up to ``ahead`` bytes beyond it."""
         self.taken += sum(part.length for part, _ in job.reads)
-        self.hint()
+        self._hint_unless_busy()
         return job
+
+    def _hint_unless_busy(self) -> None:
+        if self.hinting.acquire(blocking=False):
+            try:
+                self.hint()
+            finally:
+                self.hinting.release()
 
     def hint(self) -> None:
         run: Part | None = None
@@ -543,10 +560,10 @@ def scan(ctx: AuditContext, device: str | None = None, *, piece_bytes: int = PIE
 def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *, piece_bytes: int = PIECE_BYTES, threads: int | None = None,
                path: str | None = None, stop: threading.Event | None = None) -> DeepValues:
     """:func:`scan` of planned units (on any thread: it reads only ``ckpt``'s files); the disk
-    starts on the first ``READ_AHEAD_HINT_BYTES`` before torch is imported."""
+    starts on the first ``READ_AHEAD_HINT_BYTES`` while torch is imported."""
     jobs = plan_jobs(units, piece_bytes)
     ahead = _ReadAhead(ckpt, jobs, READ_AHEAD_HINT_BYTES)
-    ahead.hint()
+    ahead.start()
     import torch
 
     from fp4forge.model.device import resolve_device
