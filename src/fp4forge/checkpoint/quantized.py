@@ -32,7 +32,7 @@ from torch import Tensor
 from fp4forge.checkpoint.codecs import Codec, Nvfp4Codec, codec
 from fp4forge.checkpoint.declarations import detect_format
 from fp4forge.checkpoint.names import natural_key
-from fp4forge.checkpoint.reader import Checkpoint
+from fp4forge.checkpoint.reader import Checkpoint, HostAlloc, host_copy
 from fp4forge.checkpoint.schemes import LAYOUTS, kv_role_names, scheme_table
 from fp4forge.errors import ConfigError
 from fp4forge.numerics.conventions import convention_rule
@@ -365,17 +365,29 @@ class DequantizedTensors:
             return self.view.ckpt.read_tensor(name)
         return self.view.dequantize(module, self.dtype, formula=self.formula)
 
-    def read_host(self, name: str, pin: bool) -> Tensor | StoredWeight:
+    def host_nbytes(self, names: list[str]) -> list[int]:
+        """The bytes :meth:`read_host` with ``pin`` hands over for each of ``names``: a quantized
+        weight's stored tensors, anything else as stored (sizes a read-ahead slab)."""
+        ckpt = self.view.ckpt
+        sizes = []
+        for name in names:
+            module = self._quantized_module(name)
+            stored = [name] if module is None else [n for role, n in self.view._linear(module).names.items() if role != "input_scale"]
+            sizes += [ckpt.locate(n)[1].nbytes for n in stored]
+        return sizes
+
+    def read_host(self, name: str, pin: bool, alloc: HostAlloc | None = None) -> Tensor | StoredWeight:
         """What a read-ahead thread hands over. Without ``pin``, :meth:`read`. With ``pin`` (the
         layer goes to a CUDA device), a quantized weight's stored codes and scales in page-locked
-        memory, decoded on the device where it is materialised (:meth:`StoredWeight.on_device`):
-        the same formula in F32, the same values; the host neither decodes nor holds the wide weight."""
+        memory (made by ``alloc`` when given), decoded on the device where it is materialised
+        (:meth:`StoredWeight.on_device`): the same formula in F32, the same values; the host
+        neither decodes nor holds the wide weight."""
         module = self._quantized_module(name)
         if not pin:
             return self.read(name)
         if module is None:
-            return self.view.ckpt.read_tensor(name).pin_memory()
-        stored = {role: t.pin_memory() for role, t in self.view._stored(module).items()}
+            return host_copy(self.view.ckpt.read_tensor(name), pin, alloc)
+        stored = {role: host_copy(t, pin, alloc) for role, t in self.view._stored(module).items()}
         return StoredWeight(self, module, stored)
 
 

@@ -8,7 +8,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fp4forge.checkpoint.index import IndexFile, parse_index
 from fp4forge.checkpoint.names import CONFIG_JSON, EXTRA_JSON, INDEX_JSON, SINGLE_SAFETENSORS
@@ -20,6 +20,19 @@ from fp4forge.errors import CheckpointError, IndexFileError
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 # safetensors dtype string -> torch dtype attribute name.
+#: Makes an empty host tensor of a shape and torch dtype: a read-ahead slab's ``empty``
+#: (model/host_memory.py), which read-ahead threads hand to a reader's ``read_host``.
+HostAlloc = Callable[[tuple[int, ...], Any], Any]
+
+
+def host_copy(value: Any, pin: bool, alloc: HostAlloc | None = None) -> Any:
+    """``value`` (a host tensor) in memory made by ``alloc`` when given, else page-locked with
+    ``pin``, else as it is."""
+    if alloc is not None:
+        return alloc(tuple(value.shape), value.dtype).copy_(value)
+    return value.pin_memory() if pin else value
+
+
 TORCH_DTYPES = {
     "BOOL": "bool",
     "U8": "uint8",

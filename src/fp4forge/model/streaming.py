@@ -64,10 +64,11 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
-from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint
+from fp4forge.checkpoint.reader import TORCH_DTYPES, Checkpoint, HostAlloc, host_copy
 from fp4forge.checkpoint.skeleton import config_dtype, model_config_dict, to_transformers_config
 from fp4forge.errors import CheckpointError, ConfigError
 from fp4forge.model.device import is_cuda, resolve_device
+from fp4forge.model.host_memory import SlabRing, aligned, empty_host_cache
 from fp4forge.model.samples import DEFAULT_RAM_BUDGET_BYTES  # re-exported: its users import it here
 
 # Activations kept on a CUDA device before they move to host RAM (the CPU default is 0: RAM alone).
@@ -116,11 +117,16 @@ class CheckpointTensors:
         for shard, (lo, hi) in spans.items():
             will_need(shard, lo, hi - lo)  # the source's one posix_fadvise WILLNEED (checkpoint/source.py)
 
-    def read_host(self, name: str, pin: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    def host_nbytes(self, names: list[str]) -> list[int]:
+        """The bytes :meth:`read_host` hands over for each of ``names`` (sizes a read-ahead slab)."""
+        return [self.ckpt.locate(name)[1].nbytes for name in names]
+
+    def read_host(self, name: str, pin: bool, out: torch.Tensor | None = None, alloc: HostAlloc | None = None) -> torch.Tensor:
         """``read``, but a local file is read straight into the (page-locked with ``pin``) tensor:
         one copy from the page cache, the GIL released while the kernel copies. With ``out`` (a
         contiguous host tensor of the tensor's dtype and element count, e.g. one slice of a
-        stack), the values go there and ``out`` is returned."""
+        stack), the values go there and ``out`` is returned; with ``alloc`` (a read-ahead slab's
+        ``empty``), the tensor is made by it."""
         shard, info = self.ckpt.locate(name)
         local_path = getattr(self.ckpt.source, "path", None)
         dtype = getattr(torch, TORCH_DTYPES.get(info.dtype, ""), None)
@@ -130,9 +136,9 @@ class CheckpointTensors:
             value = self.read(name)
             if out is not None:
                 return out.copy_(value.reshape(out.shape))
-            return value.pin_memory() if pin else value
+            return host_copy(value, pin, alloc)
         if out is None:
-            out = torch.empty(tuple(info.shape), dtype=dtype, pin_memory=pin)
+            out = alloc(tuple(info.shape), dtype) if alloc is not None else torch.empty(tuple(info.shape), dtype=dtype, pin_memory=pin)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if info.nbytes else memoryview(b"")
         got = 0
         with open(local_path(shard), "rb", buffering=0) as fh:
@@ -310,19 +316,20 @@ def disk_names(module: nn.Module, prefix: str, plan: WeightPlan) -> list[str]:
 READ_THREADS = 4  # tensors of one layer read at once: a disk (NVMe, network) wants several requests in flight
 
 
-def _read_one(reader: TensorReader, name: str, pin: bool) -> torch.Tensor:
+def _read_one(reader: TensorReader, name: str, pin: bool, alloc: HostAlloc | None = None) -> torch.Tensor:
     read_host = getattr(reader, "read_host", None)
     if read_host is not None:
-        return read_host(name, pin)
-    value = reader.read(name)
-    return value.pin_memory() if pin else value
+        return read_host(name, pin, alloc=alloc) if alloc is not None else read_host(name, pin)
+    return host_copy(reader.read(name), pin, alloc)
 
 
-def read_tensors(reader: TensorReader, names: list[str], pin: bool = False, pool: ThreadPoolExecutor | None = None) -> dict[str, torch.Tensor]:
-    """``names`` read from ``reader`` (into page-locked memory with ``pin``; on ``pool``'s threads if given)."""
+def read_tensors(reader: TensorReader, names: list[str], pin: bool = False, pool: ThreadPoolExecutor | None = None,
+                 alloc: HostAlloc | None = None) -> dict[str, torch.Tensor]:
+    """``names`` read from ``reader`` (into page-locked memory with ``pin``, made by ``alloc`` when
+    given; on ``pool``'s threads if given)."""
     if pool is None:
-        return {name: _read_one(reader, name, pin) for name in names}
-    futures = {name: pool.submit(_read_one, reader, name, pin) for name in names}
+        return {name: _read_one(reader, name, pin, alloc) for name in names}
+    futures = {name: pool.submit(_read_one, reader, name, pin, alloc) for name in names}
     return {name: future.result() for name, future in futures.items()}
 
 
@@ -366,20 +373,36 @@ class LayerPrefetcher:
     """Reads decoder layers' checkpoint tensors in the background (``READ_THREADS`` at once), one layer ahead.
 
     ``request(i)`` starts reading layer i (if not already); ``take(i)`` waits for it and hands
-    the tensors over. Pinned host memory when the device is CUDA. At most the requested layers
-    are held, so with "take i, request i+1" the host holds two layers at most."""
+    the tensors over. Pinned host memory when the device is CUDA: layer i's tensors are carved
+    from slab ``i % 2`` of ``slabs`` (model/host_memory.py) where the reader can size them, so
+    the host holds two layers' bytes, once; the materialising side marks a slab ``copied`` and
+    its next fill waits for that. At most the requested layers are held, so with "take i,
+    request i+1" the host holds two layers at most."""
 
-    def __init__(self, reader: TensorReader, names_of: Any, pin: bool):
+    def __init__(self, reader: TensorReader, names_of: Any, pin: bool, slabs: SlabRing | None = None):
         self.reader = reader
         self.names_of = names_of  # index -> list of disk names
         self.pin = pin
+        self.slabs = slabs
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4forge-prefetch")
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="fp4forge-read")
         self._pending: dict[int, Future] = {}
 
     def request(self, index: int) -> None:
         if index not in self._pending:
-            self._pending[index] = self._pool.submit(read_tensors, self.reader, self.names_of(index), self.pin, self._readers)
+            self._pending[index] = self._pool.submit(self._read_layer, index)
+
+    def _read_layer(self, index: int) -> dict[str, torch.Tensor]:
+        if self.slabs is None:
+            return read_tensors(self.reader, self.names_of(index), self.pin, self._readers)
+        slab = self.slabs.for_layer(index)
+        slab.reset()  # waits for the device to finish copying the layer this slab held before
+        return read_tensors(self.reader, self.names_of(index), self.pin, self._readers, alloc=slab.empty)
+
+    def copied(self, index: int) -> None:
+        """Layer ``index``'s tensors have been queued for copying to the device."""
+        if self.slabs is not None:
+            self.slabs.for_layer(index).copied()
 
     def take(self, index: int) -> dict[str, torch.Tensor]:
         self.request(index)
@@ -391,6 +414,9 @@ class LayerPrefetcher:
         self._pending.clear()
         self._pool.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        if self.slabs is not None:
+            self.slabs.close()
+            self.slabs = None
 
 
 # -- activations between layers ------------------------------------------------------------------
@@ -591,7 +617,8 @@ class StreamedModel:
         self._head_name = module_name(self.model, self._head)
         self.prefetcher: LayerPrefetcher | None = None
         if prefetch:
-            self.prefetcher = LayerPrefetcher(reader, self._layer_disk_names, pin=is_cuda(self.device))
+            pin = is_cuda(self.device)
+            self.prefetcher = LayerPrefetcher(reader, self._layer_disk_names, pin=pin, slabs=self._slab_ring() if pin else None)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, *, device: torch.device | str | None = None, prefetch: bool = True) -> StreamedModel:
@@ -602,11 +629,22 @@ class StreamedModel:
     def _layer_disk_names(self, index: int) -> list[str]:
         return disk_names(self.layers[index], self.layer_prefix(index), self.plan)
 
+    def _slab_ring(self) -> SlabRing | None:
+        """Two page-locked slabs of the largest layer's read-ahead bytes (model/host_memory.py),
+        where the reader can size them (else torch's page-locked blocks, as before)."""
+        host_nbytes = getattr(self.reader, "host_nbytes", None)
+        if host_nbytes is None or not self.num_layers:
+            return None
+        largest = max(sum(aligned(n) for n in host_nbytes(self._layer_disk_names(i))) for i in range(self.num_layers))
+        return SlabRing(largest, pin=True)
+
     def close(self) -> None:
-        """Stop the background reader (idempotent)."""
+        """Stop the background reader and free its host memory (idempotent), torch's cached
+        page-locked blocks included: the next step does not inherit them."""
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
+            empty_host_cache()
 
     def __enter__(self) -> StreamedModel:
         return self
@@ -626,8 +664,11 @@ class StreamedModel:
         return f"{self.layers_prefix}.{index}"
 
     @contextlib.contextmanager
-    def _materialized(self, module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor] | None = None) -> Iterator[nn.Module]:
+    def _materialized(self, module: nn.Module, prefix: str, tensors: dict[str, torch.Tensor] | None = None,
+                      layer: int | None = None) -> Iterator[nn.Module]:
         materialize(module, prefix, self.plan, self.reader, self.device, tensors)
+        if layer is not None and self.prefetcher is not None:
+            self.prefetcher.copied(layer)  # its read-ahead slab may be refilled once these copies finish
         try:
             yield module
         finally:
@@ -652,7 +693,7 @@ class StreamedModel:
             tensors = self.prefetcher.take(index)
             if index + 1 < self.num_layers:
                 self.prefetcher.request(index + 1)
-        return self._materialized(self.layers[index], self.layer_prefix(index), tensors)
+        return self._materialized(self.layers[index], self.layer_prefix(index), tensors, layer=index)
 
     def final_norm(self) -> contextlib.AbstractContextManager[nn.Module]:
         return self._materialized(self._norm, self._norm_name)
