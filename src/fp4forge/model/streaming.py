@@ -618,7 +618,7 @@ class StreamedModel:
         self.prefetcher: LayerPrefetcher | None = None
         if prefetch:
             pin = is_cuda(self.device)
-            self.prefetcher = LayerPrefetcher(reader, self._layer_disk_names, pin=pin, slabs=self._slab_ring() if pin else None)
+            self.prefetcher = LayerPrefetcher(reader, self._layer_disk_names, pin=pin, slabs=self.slab_ring(pin=True) if pin else None)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, *, device: torch.device | str | None = None, prefetch: bool = True) -> StreamedModel:
@@ -629,14 +629,15 @@ class StreamedModel:
     def _layer_disk_names(self, index: int) -> list[str]:
         return disk_names(self.layers[index], self.layer_prefix(index), self.plan)
 
-    def _slab_ring(self) -> SlabRing | None:
-        """Two page-locked slabs of the largest layer's read-ahead bytes (model/host_memory.py),
-        where the reader can size them (else torch's page-locked blocks, as before)."""
+    def slab_ring(self, pin: bool) -> SlabRing | None:
+        """Two slabs (page-locked with ``pin``) of the largest layer's read-ahead bytes
+        (model/host_memory.py), where the reader can size them (else None: torch's page-locked
+        blocks, as before)."""
         host_nbytes = getattr(self.reader, "host_nbytes", None)
         if host_nbytes is None or not self.num_layers:
             return None
         largest = max(sum(aligned(n) for n in host_nbytes(self._layer_disk_names(i))) for i in range(self.num_layers))
-        return SlabRing(largest, pin=True)
+        return SlabRing(largest, pin=pin)
 
     def close(self) -> None:
         """Stop the background reader and free its host memory (idempotent), torch's cached
