@@ -26,6 +26,7 @@ from fp4forge.checkpoint import ranges
 from fp4forge.checkpoint.codecs import Nvfp4Codec, codec, torch_dtypes
 from fp4forge.checkpoint.reader import Checkpoint
 from fp4forge.errors import NumericsError
+from fp4forge.model.host_memory import empty_host_cache
 from fp4forge.numerics.nvfp4 import NVFP4_BLOCK, nvfp4_quantize_stacked
 from fp4forge.quantize.options import QuantizeOptions
 from fp4forge.quantize.plan import WorkUnit
@@ -239,3 +240,4 @@ def process_units_on_device(units: list[WorkUnit], ckpt: Checkpoint, quantizer: 
             for batch in started:  # an error or a closed generator: drop the queued reads
                 for future in [*batch.singles.values(), *(r for st in batch.stacks for r in st.reads)]:
                     future.cancel()
+            empty_host_cache()  # the batches' page-locked blocks are not held into the next step
