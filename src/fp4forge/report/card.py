@@ -28,7 +28,7 @@ from fp4forge.report.card_metadata import front_matter
 from fp4forge.fidelity.readable import UNREADABLE_PERPLEXITY_SHARE
 from fp4forge.report.card_verdict import Verdict, card_verdict, fidelity_vocab_size, verdict_lines
 from fp4forge.report.plotting import pyplot
-from fp4forge.report.markdown import table
+from fp4forge.report.markdown import interval_text, table
 
 PLOTS = "plots"
 # Fewer resampled documents than this and a bootstrap interval is said to be rough (a percentile
@@ -542,12 +542,12 @@ def fidelity_section(ctx: CardContext) -> list[str]:
     intervals = m.get("intervals") or {}
     ppl = m["perplexity"]
     lines += table(["metric", "value", "interval"], [
-        ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4), _span(intervals.get("kl"), _num)],
+        ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4), interval_text(intervals.get("kl"), _num, cell=True)],
         ["KL, median", _num(m["kl"]["median"], 4), "–"],
         ["KL, p99", _num(m["kl"]["p99"], 4), "–"],
-        ["top-1 agreement", _pct(m["top1_agreement"]), _span(intervals.get("top1_agreement"), _pct)],
-        ["perplexity, teacher", _num(ppl["teacher"], 5), _span(intervals.get("teacher_perplexity"), _num)],
-        ["perplexity, student", _num(ppl["student"], 5), _span(intervals.get("student_perplexity"), _num)],
+        ["top-1 agreement", _pct(m["top1_agreement"]), interval_text(intervals.get("top1_agreement"), _pct, cell=True)],
+        ["perplexity, teacher", _num(ppl["teacher"], 5), interval_text(intervals.get("teacher_perplexity"), _num, cell=True)],
+        ["perplexity, student", _num(ppl["student"], 5), interval_text(intervals.get("student_perplexity"), _num, cell=True)],
     ])
     lines += ["", *table(["layer", "relative error (cumulative)", "relative error (this layer alone)"], [
         [f"`{layer['layer']}`", _num(layer["relative_error"], 4), _num(layer["local_relative_error"], 4)] for layer in doc["layers"]
@@ -568,10 +568,6 @@ def _fidelity_interval_note(m: dict[str, Any]) -> str:
     if (units or 0) < FEW_INTERVAL_UNITS:
         note += f" With so few {unit}s the interval is rough and likely too narrow: more held-out text narrows and steadies it."
     return note
-
-
-def _span(interval: dict[str, float] | None, fmt: Callable[[float], str]) -> str:
-    return "–" if not interval else f"{fmt(interval['low'])} – {fmt(interval['high'])}"
 
 
 def making_section(ctx: CardContext) -> list[str]:
