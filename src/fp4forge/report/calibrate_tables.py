@@ -65,12 +65,10 @@ def fidelity_rich(report: dict[str, Any]) -> list[Table]:
     head.add_column("value", justify="right")
     intervals = metrics.get("intervals", {})
     level = next(iter(intervals.values()), {}).get("level", 0.95)
-    unit = metrics.get("interval_unit", "document")
-    units = metrics.get("documents") if unit == "document" else metrics.get("interval_units")
     ppl = metrics["perplexity"]
     rows = [
         ("predicted positions", f"{metrics['positions']:,}"),
-        (f"bootstrap units ({level:.0%} intervals)", f"{units} {unit}s, {metrics.get('tokens', metrics['positions']):,} tokens"),
+        (f"bootstrap units ({level:.0%} intervals)", f"{metrics['documents']} documents, {metrics['tokens']:,} tokens"),
         (f"KL(teacher‖student) mean / median / p99 [{kl['estimator']}]", f"{kl['mean']:.6f} / {kl['median']:.6f} / {kl['p99']:.6f}"),
         ("KL mean interval", interval_text(intervals.get("kl"), "{:.6f}".format)),
         ("top-1 agreement", f"{metrics['top1_agreement'] * 100:.2f} % {interval_text(intervals.get('top1_agreement'), '{:.2%}'.format)}"),

@@ -561,12 +561,11 @@ def _fidelity_interval_note(m: dict[str, Any]) -> str:
     if not intervals:
         return "No intervals: this report predates them (re-run `fp4forge fidelity`)."
     level = next(iter(intervals.values()))["level"]
-    unit = m.get("interval_unit", "document")
-    units = m.get("documents") if unit == "document" else m.get("interval_units")
-    note = (f"Intervals: {level:.0%} percentile bootstrap over {_count(units or 0, unit)} ({_int(m.get('tokens'))} predicted "
+    documents = m.get("documents") or 0
+    note = (f"Intervals: {level:.0%} percentile bootstrap over {_count(documents, 'document')} ({_int(m.get('tokens'))} predicted "
             "tokens), each number recomputed over the drawn units (docs/fidelity.md#intervals).")
-    if (units or 0) < FEW_INTERVAL_UNITS:
-        note += f" With so few {unit}s the interval is rough and likely too narrow: more held-out text narrows and steadies it."
+    if documents < FEW_INTERVAL_UNITS:
+        note += " With so few documents the interval is rough and likely too narrow: more held-out text narrows and steadies it."
     return note
 
 
