@@ -269,3 +269,18 @@ def test_compare_of_noisy_runs_cannot_tell_them_apart() -> None:
     tight = [sample("p81", 81, t) for t in (0.0795, 0.0798, 0.0799, 0.080, 0.0801, 0.0802, 0.0805)]
     (same,) = compare_samples(tight, tight)["cells"]
     assert same["ttft"]["verdict"] == stats.NO_DIFFERENCE
+
+
+def test_a_prefill_rate_whose_slope_ci_reaches_zero_is_not_established() -> None:
+    """Shapes above the knee whose TTFT scatters without growing: the line's slope is positive, its
+    CI reaches 0, so the rate has no upper bound and the text says it is not established."""
+    from fp4forge.report.bench_tables import prefill_line
+
+    flat = [stats.ShapePoint(81, [0.010, 0.011, 0.009]), stats.ShapePoint(633, [0.10, 0.13, 0.07]),
+            stats.ShapePoint(1250, [0.11, 0.08, 0.14]), stats.ShapePoint(2500, [0.105, 0.135, 0.075])]
+    fit = stats.prefill_fit(flat)
+    assert fit.rate_tok_s is not None and fit.rate_ci_tok_s is not None and fit.rate_ci_tok_s[1] is None
+    assert "not established: the slope's 95% CI reaches 0" in prefill_line({**fit.to_json(), "load": "c1"})
+    rng = np.random.default_rng(2)  # a real slope: a bounded CI, no such note
+    rising = stats.prefill_fit([stats.ShapePoint(p, list(0.25 + p / 3500.0 + rng.normal(0, 0.01, 7))) for p in LADDER])
+    assert rising.rate_ci_tok_s[1] is not None and "not established" not in prefill_line({**rising.to_json(), "load": "c1"})
