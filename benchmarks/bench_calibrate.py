@@ -96,7 +96,7 @@ def child(src: Path, ids_path: Path, batch_size: int, ram_budget_gb: float, poli
 
     ids = torch.load(ids_path)
     options = CalibrationOptions(samples=ids.shape[0], seq_len=ids.shape[1], batch_size=batch_size, policy=policy, ram_budget_bytes=int(ram_budget_gb * 2**30))
-    result = calibrate_checkpoint(src, options, samples=Samples(ids, ("builtin:calibration",), 0))
+    result = calibrate_checkpoint(src, options, samples=Samples.from_rows(ids, ("builtin:calibration",)))
     print(json.dumps({**result.summary(), "timings": result.timings}))
 
 

@@ -162,7 +162,7 @@ def calibrate(src: Path, ids: torch.Tensor, source: str, device: str, batch_size
     from fp4forge.model.samples import Samples
 
     options = CalibrationOptions(samples=ids.shape[0], seq_len=ids.shape[1], batch_size=batch_size, policy=policy, device=device, activation_budget_bytes=budget)
-    return calibrate_checkpoint(src, options, samples=Samples(ids, (source,), 0))
+    return calibrate_checkpoint(src, options, samples=Samples.from_rows(ids, (source,)))
 
 
 LC_SCRIPT = r"""

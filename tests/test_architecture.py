@@ -341,3 +341,16 @@ def test_the_scheme_dispatch_test_catches_a_planted_comparison() -> None:
     finally:
         fake.unlink()
     assert [int(h.split(":")[1]) for h in hits] == [3, 4, 5, 6, 7, 8], hits
+
+
+def test_the_torch_free_nvfp4_block_agrees_with_numerics() -> None:
+    """checkpoint/schemes.py repeats NVFP4's block size: it must import without torch (the deep
+    audit plans its reads first), and numerics, a lower rank, imports torch on any import."""
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom fp4forge.checkpoint.schemes import NVFP4_BLOCK\nprint(NVFP4_BLOCK, 'torch' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    from fp4forge.numerics.nvfp4 import NVFP4_BLOCK
+
+    assert done.stdout.split() == [str(NVFP4_BLOCK), "False"]

@@ -173,9 +173,13 @@ def test_decode_falling_with_context_is_not_flat() -> None:
 
 # -- ratios and verdicts ------------------------------------------------------------------------
 def test_ratio_verdict_by_hand() -> None:
-    assert stats.ratio_verdict((0.9, 1.1), higher="up", lower="down") == stats.NO_DIFFERENCE
+    assert stats.ratio_verdict((0.97, 1.04), higher="up", lower="down") == stats.NO_DIFFERENCE
+    assert stats.ratio_verdict((1.01, 1.03), higher="up", lower="down") == stats.NO_DIFFERENCE  # real but under 5 %
     assert stats.ratio_verdict((1.02, 1.3), higher="up", lower="down") == "up"
     assert stats.ratio_verdict((0.7, 0.95), higher="up", lower="down") == "down"
+    # covering 1 is not sameness: a CI wider than 1 ± 5 % cannot tell the runs apart
+    assert stats.ratio_verdict((0.9, 1.1), higher="up", lower="down") == stats.CANNOT_TELL
+    assert stats.ratio_verdict((0.99, 1.3), higher="up", lower="down") == stats.CANNOT_TELL
 
 
 def test_ratio_of_medians_ci() -> None:
@@ -249,3 +253,34 @@ def test_compare_no_difference_and_slower() -> None:
     assert p81_slow["ttft"]["ci"][0] > 1.0
     p633 = next(row for row in same["cells"] if row["shape"] == "p633")
     assert p633["ttft"]["verdict"].startswith("bimodal")
+
+
+def test_compare_of_noisy_runs_cannot_tell_them_apart() -> None:
+    """Two runs with the same median whose samples scatter widely: the ratio's CI covers 1 and
+    reaches far beyond 1 ± 5 %, so the verdict is that the runs cannot be told apart, not "no difference"."""
+    spread = (0.050, 0.065, 0.072, 0.080, 0.088, 0.097, 0.110)  # median 0.080, ±40 % around it
+    run_a = [sample("p81", 81, t) for t in spread]
+    run_b = [sample("p81", 81, t) for t in reversed(spread)]
+    (row,) = compare_samples(run_a, run_b)["cells"]
+    lo, hi = row["ttft"]["ci"]
+    assert row["ttft"]["ratio"] == pytest.approx(1.0) and lo < 1.0 - stats.RATIO_SAME_TOLERANCE and hi > 1.0 + stats.RATIO_SAME_TOLERANCE
+    assert row["ttft"]["verdict"] == stats.CANNOT_TELL
+    # the same median with tight samples: alike within 5 %
+    tight = [sample("p81", 81, t) for t in (0.0795, 0.0798, 0.0799, 0.080, 0.0801, 0.0802, 0.0805)]
+    (same,) = compare_samples(tight, tight)["cells"]
+    assert same["ttft"]["verdict"] == stats.NO_DIFFERENCE
+
+
+def test_a_prefill_rate_whose_slope_ci_reaches_zero_is_not_established() -> None:
+    """Shapes above the knee whose TTFT scatters without growing: the line's slope is positive, its
+    CI reaches 0, so the rate has no upper bound and the text says it is not established."""
+    from fp4forge.report.bench_tables import prefill_line
+
+    flat = [stats.ShapePoint(81, [0.010, 0.011, 0.009]), stats.ShapePoint(633, [0.10, 0.13, 0.07]),
+            stats.ShapePoint(1250, [0.11, 0.08, 0.14]), stats.ShapePoint(2500, [0.105, 0.135, 0.075])]
+    fit = stats.prefill_fit(flat)
+    assert fit.rate_tok_s is not None and fit.rate_ci_tok_s is not None and fit.rate_ci_tok_s[1] is None
+    assert "not established: the slope's 95% CI reaches 0" in prefill_line({**fit.to_json(), "load": "c1"})
+    rng = np.random.default_rng(2)  # a real slope: a bounded CI, no such note
+    rising = stats.prefill_fit([stats.ShapePoint(p, list(0.25 + p / 3500.0 + rng.normal(0, 0.01, 7))) for p in LADDER])
+    assert rising.rate_ci_tok_s[1] is not None and "not established" not in prefill_line({**rising.to_json(), "load": "c1"})

@@ -94,8 +94,10 @@ def test_sequential_completions_unique_prompts_and_reanalysis(vllm_laguna_dense:
 
     compared = CliRunner().invoke(bench_app(), ["bench", "compare", str(out), str(alone), "--json"])
     assert compared.exit_code == 0, compared.output
-    verdicts = {row["ttft"]["verdict"] for row in json.loads(compared.output)["cells"]}
-    assert verdicts <= {"no difference", "bimodal: compare the modes, not medians"}
+    cells = json.loads(compared.output)["cells"]
+    # a run against its own samples moves no way; with 4 samples a noisy cell may not show it alike within 5 %
+    assert {row["ttft"]["verdict"] for row in cells} <= {"no difference", "cannot tell apart", "bimodal: compare the modes, not medians"}
+    assert all(row["ttft"]["ratio"] in (None, 1.0) for row in cells)
 
 
 def test_chat_endpoint_times_the_first_token_not_the_role_chunk(vllm_laguna_dense: VllmServer, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ and `quantize --stats` takes its activation scales from calibration."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,8 +108,8 @@ def test_running_max_not_last_batch_and_unseen_experts(laguna: Path) -> None:
     ckpt = open_checkpoint(laguna)
     samples = calibration_samples(ckpt, SMALL)
     whole = calibrate_checkpoint(ckpt, SMALL, samples=samples)
-    last = calibrate_checkpoint(ckpt, SMALL, samples=type(samples)(samples.input_ids[4:], samples.sources, 0))
-    first = calibrate_checkpoint(ckpt, SMALL, samples=type(samples)(samples.input_ids[:4], samples.sources, 0))
+    last = calibrate_checkpoint(ckpt, SMALL, samples=replace(samples, input_ids=samples.input_ids[4:], document_ids=samples.document_ids[4:]))
+    first = calibrate_checkpoint(ckpt, SMALL, samples=replace(samples, input_ids=samples.input_ids[:4], document_ids=samples.document_ids[:4]))
     filled = tuple(f"{e}." for e in first.metadata["experts_without_tokens"] + last.metadata["experts_without_tokens"])
     for name, value in whole.tensors.items():
         if not name.startswith(filled):  # a half without tokens for an expert filled it from peers

@@ -47,7 +47,7 @@ def _coverage(document_level: bool, replications: int = REPLICATIONS, resamples:
         units = owner if document_level else np.arange(owner.size)
         # one row: the first token is predicted by nothing, position i predicts token i + 1
         ids = np.concatenate([[units[0]], units])[None, :]
-        found = fidelity_intervals(values, ids, 1, level=LEVEL, resamples=resamples, seed=number)["intervals"]
+        found = fidelity_intervals(values, ids, level=LEVEL, resamples=resamples, seed=number)["intervals"]
         for name in hits:
             hits[name] += found[name]["low"] <= truth[name] <= found[name]["high"]
     return {name: count / replications for name, count in hits.items()}
@@ -68,12 +68,13 @@ def test_unit_sums_and_the_reported_numbers_by_hand() -> None:
     assert counts.tolist() == [3.0, 1.0] and sums["kl"].tolist() == [7.0, 3.0] and sums["agree"].tolist() == [2.0, 1.0]
     # one document: every resample is the whole run, the interval is the point estimate
     one = {"kl": np.array([0.5, 1.5]), "agree": np.array([1.0, 0.0]), "teacher_nll": np.log([2.0, 8.0]), "student_nll": np.log([4.0, 4.0])}
-    found = fidelity_intervals(one, np.array([[0, 0, 0]]), 1)
+    found = fidelity_intervals(one, np.array([[0, 0, 0]]))
     assert found["documents"] == 1 and found["tokens"] == 2 and found["interval_unit"] == "document"
     assert found["intervals"]["kl"] == {"low": 1.0, "high": 1.0, "level": 0.95}
     assert found["intervals"]["teacher_perplexity"]["low"] == pytest.approx(4.0)  # exp(mean(log 2, log 8))
-    rows = fidelity_intervals(one, None, 2)  # only the rows known: they are the unit
-    assert rows["interval_unit"] == "sample" and rows["documents"] is None and rows["interval_units"] == 2
+    # two rows of one document each: the first token of a row is predicted by nothing
+    two = fidelity_intervals(one, np.array([[5, 5], [8, 8]]))
+    assert two["documents"] == 2 and two["tokens"] == 2 and two["intervals"]["kl"]["low"] == 0.5 and two["intervals"]["kl"]["high"] == 1.5
 
 
 class _CharTokenizer:
@@ -190,7 +191,7 @@ def test_the_fidelity_table_calls_text_unreadable_only_when_it_was_found_so(read
 
     from fp4forge.report.calibrate_tables import fidelity_rich
 
-    metrics = {"kl": {"estimator": "exact", "mean": 0.001, "median": 0.0005, "p99": 0.01}, "positions": 100, "documents": 4,
+    metrics = {"kl": {"estimator": "exact", "mean": 0.001, "median": 0.0005, "p99": 0.01}, "positions": 100, "documents": 4, "tokens": 100,
                "perplexity": {"teacher": 2.0, "student": 2.1}, "top1_agreement": 0.99, "intervals": {}, "readability": readability}
     report = {"student": "s", "teacher": "t", "numerics": "w4a4", "kv_cache": "bf16", "moe_input_scale": "global-max", "metrics": metrics, "layers": []}
     console = Console(record=True, width=200)

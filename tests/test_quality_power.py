@@ -126,7 +126,9 @@ def test_sampled_band_is_scaled_to_the_difference_of_means() -> None:
     assert band["single_run_points"] == 10 and band["factor"] == pytest.approx(0.25) and band["points"] == pytest.approx(2.5)
     assert band["scaled"] is True and band["discordance_guard"] is False
     assert result["verdict"]["ordering"] == "A>B", result["verdict"]
-    assert "2.5 points" in result["verdict"]["text"] and "16 and 16 sampled runs" in result["verdict"]["text"]
+    assert "outside the A/A noise floor (band 2.5 points)" in result["verdict"]["text"] and "16 and 16 sampled runs" in band["why"]
+    # why the band is that wide is said once, with the power, not again in the verdict or its notes
+    assert not any(band["why"] in line for line in [result["verdict"]["text"], *result["verdict"]["notes"]])
 
 
 def test_server_band_of_the_same_numbers_is_not_scaled() -> None:
@@ -137,7 +139,7 @@ def test_server_band_of_the_same_numbers_is_not_scaled() -> None:
     band = result["power"]["floor"]["applied_band"]
     assert band["scaled"] is False and band["points"] == 10 and band["discordance_guard"] is True
     assert result["verdict"]["ordering"] == "none"
-    assert result["verdict"]["reasons"] == ["the difference (-8.0 points) is within the noise floor (band " + band["why"] + ")"]
+    assert result["verdict"]["reasons"] == ["the difference (-8.0 points) is within the noise floor (band 10.0 points)"]
     # 8 discordant scenarios between the arms against 5 between one arm's own runs: the guard holds
     assert result["discordant"] == 8 and result["power"]["floor"]["max_discordant"] == 5
 

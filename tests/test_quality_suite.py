@@ -346,6 +346,8 @@ def test_cli_compare_orders_a_clear_gap_with_dash_dash(two_arms: tuple[list[Path
     assert {"compare.json", "compare.md", "category_scores.png"} <= {p.name for p in out.iterdir()}
     markdown = (out / "compare.md").read_text()
     assert "Verdict: A scores higher than B" in markdown and "| category |" in markdown and "Flip list" in markdown
+    band = doc["power"]["floor"]["applied_band"]
+    assert markdown.count(band["why"]) == 1 and f"A/A band: {band['why']}." in markdown  # said once, in the power lines
 
 
 def test_compare_refuses_runs_of_one_arm_grouped_with_the_other(suite: Suite, two_arms: tuple[list[Path], list[Path]]) -> None:

@@ -153,3 +153,26 @@ def test_the_report_reads_both_parts_and_refuses_what_cannot_be_compared(tmp_pat
     hotter = _part(tmp_path / "hot", {"play:shipped:bf16:2": a}, [], temperature=1.0)
     with pytest.raises(ConfigError, match="temperature"):
         write_report(tmp_path / "out", [resolution, hotter])
+
+
+def test_the_merged_report_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch) -> None:
+    """A report that fails after its Markdown is written leaves the earlier pair as it was."""
+    import json
+
+    import pytest
+
+    from fp4forge.lab.diagnostics import suite_resolution_report
+    from fp4forge.lab.diagnostics.suite_resolution_report import write_report
+
+    part = _part(tmp_path / "res", {"play:shipped:bf16:0": [(1, 2)]}, [])
+    write_report(tmp_path / "out", [part])
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert sorted(before) == ["resolution.json", "resolution.md"]
+
+    def broken_dumps(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(suite_resolution_report, "json", type("J", (), {"dumps": staticmethod(broken_dumps), "loads": json.loads}))
+    with pytest.raises(OSError, match="disk full"):
+        write_report(tmp_path / "out", [_part(tmp_path / "res2", {"play:shipped:bf16:0": [(2, 2)]}, [])])
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before  # no new Markdown, no temp file

@@ -38,7 +38,7 @@ from fp4forge.audit.options import ByteTableOptions
 from fp4forge.checkpoint.declarations import QuantDeclaration, not_understood, read_declaration, resolve
 from fp4forge.checkpoint.layout import KV_SCALES, PACKED_KINDS, UNKNOWN, Layout, TensorRole
 from fp4forge.checkpoint.reader import Checkpoint, gc_paused
-from fp4forge.checkpoint.safetensors_format import DTYPE_BITS
+from fp4forge.checkpoint.safetensors_format import DTYPE_BITS, INTEGER_DTYPES
 
 EXPERTS = "routed_experts"
 
@@ -103,16 +103,13 @@ def logical_params(kind: str, dtype: str, numel: int, per_element: int | Fractio
     """Parameters a tensor holds (0 for quantization metadata). ``per_element``: the declaration's
     values per stored element of a packed weight (8 for GPTQ's 4-bit values in an int32, 2 for
     bitsandbytes' 4-bit bytes); without it a U8 FP4 tensor holds two, anything else one."""
-    if kind in PACKED_KINDS or (kind == "weight" and dtype in _INTEGER_DTYPES):
+    if kind in PACKED_KINDS or (kind == "weight" and dtype in INTEGER_DTYPES):
         if per_element is not None:
             return int(per_element * numel)  # a Fraction for values straddling elements (GPTQ 3-bit)
         return 2 * numel if dtype == "U8" and kind == "packed_fp4" else numel
     if kind in ("weight", "bias"):
         return numel
     return 0
-
-
-_INTEGER_DTYPES = frozenset({"U8", "I8", "I32"})
 
 
 def modelopt_packed_weights(ckpt: Checkpoint) -> set[str]:
@@ -301,7 +298,7 @@ def _per_element(declaration: QuantDeclaration | None, roles: dict[tuple, Tensor
     exclude list holds hundreds of entries; NameSet matches them without a pass per module)."""
     if declaration is None:
         return {}
-    modules = {key: role.module for key, role in roles.items() if role.kind in PACKED_KINDS or (role.kind == "weight" and key[1] in _INTEGER_DTYPES)}
+    modules = {key: role.module for key, role in roles.items() if role.kind in PACKED_KINDS or (role.kind == "weight" and key[1] in INTEGER_DTYPES)}
     if not modules:
         return {}
     scheme_of = resolve(declaration, sorted(set(modules.values()))).scheme_of

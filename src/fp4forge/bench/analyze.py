@@ -388,7 +388,7 @@ def compare_samples(samples_a: Sequence[dict[str, Any]], samples_b: Sequence[dic
     return {
         "schema": COMPARE_SCHEMA,
         "ratio": "median(B) / median(A)",
-        "ci": f"{stats.CI_CONFIDENCE:.0%} percentile bootstrap, runs resampled independently; '{stats.NO_DIFFERENCE}' when it covers 1",
+        "ci": f"{stats.CI_CONFIDENCE:.0%} percentile bootstrap, runs resampled independently; {stats.RATIO_TEST_TEXT}",
         "cells": rows,
         "only_in_a": [f"{load}/{shape}" for load, shape in cells_a if (load, shape) not in cells_b],
         "only_in_b": [f"{load}/{shape}" for load, shape in cells_b if (load, shape) not in cells_a],

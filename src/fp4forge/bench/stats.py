@@ -668,14 +668,22 @@ def _half_slope(points: Sequence[ShapePoint]) -> float | None:
 
 
 # -- comparing two runs -------------------------------------------------------------------------
+# "no difference" is an equivalence claim, as "flat" is for decode: the whole CI of the ratio lies
+# within 1 ± RATIO_SAME_TOLERANCE. A CI that covers 1 but reaches beyond it cannot tell the runs
+# apart (more samples would): a wide interval is not evidence of sameness.
 NO_DIFFERENCE = "no difference"
+RATIO_SAME_TOLERANCE = 0.05
+RATIO_TEST_TEXT = (f"'{NO_DIFFERENCE}' when the whole CI lies within 1 ± {RATIO_SAME_TOLERANCE:.0%}, a direction when it excludes 1, "
+                   f"else '{CANNOT_TELL}'")
 
 
 def ratio_verdict(ci: tuple[float, float] | None, *, higher: str, lower: str) -> str:
-    """"no difference" when the ratio's CI covers 1; otherwise which way it moved."""
+    """Whether a ratio's CI shows the runs alike, which way it moved, or neither (see above)."""
     if ci is None:
         return "not enough samples"
     lo, hi = ci
-    if lo <= 1.0 <= hi:
+    if 1.0 - RATIO_SAME_TOLERANCE <= lo and hi <= 1.0 + RATIO_SAME_TOLERANCE:
         return NO_DIFFERENCE
-    return higher if lo > 1.0 else lower
+    if lo > 1.0 or hi < 1.0:
+        return higher if lo > 1.0 else lower
+    return CANNOT_TELL

@@ -51,6 +51,8 @@ DTYPE_BITS: dict[str, int] = {
     "I64": 64,
     "U64": 64,
 }
+# The integer dtypes (signed and unsigned): GPTQ / AWQ packed weights and zero points, int8 weights.
+INTEGER_DTYPES = frozenset(dtype for dtype in DTYPE_BITS if dtype[0] in "IU")
 
 
 class TensorInfo(NamedTuple):

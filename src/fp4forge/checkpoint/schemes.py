@@ -9,6 +9,8 @@ from importlib import resources
 from fp4forge.checkpoint.writer import TensorSpec
 from fp4forge.errors import ConfigError
 
+# numerics.nvfp4's NVFP4_BLOCK, repeated: this module plans the deep audit before torch is imported,
+# and importing anything of numerics imports torch (tests/test_architecture.py keeps the two equal).
 NVFP4_BLOCK = 16
 LAYOUTS = ("compressed-tensors", "modelopt")  # the layouts fp4forge writes; _schemes.toml also describes formats it only reads
 

@@ -245,6 +245,7 @@ def _static_int8_tensor(args: dict | None) -> bool:
     return args is not None and (args["type"], args["strategy"], args["num_bits"]) == ("int", "tensor", 8) and not args["dynamic"]
 
 
+@lru_cache(maxsize=None)  # asked per group and per key of the data on every audit: each key's JSON parsed once
 def is_ct_key(key: str) -> bool:
     """A key vllm_params.ct_key made: it holds a group's QuantizationArgs weights."""
     return "weights" in vllm_params.scheme_args(key)

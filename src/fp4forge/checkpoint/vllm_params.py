@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from fp4forge.checkpoint.layout import LAYOUTS_DIR
+from fp4forge.checkpoint.safetensors_format import INTEGER_DTYPES
 
 VLLM_QUANT_PARAMS = "_vllm_quant_params.json"
 VLLM_LOADER_IGNORES = "_vllm_loader_ignores.json"  # written by scripts/vllm_loader_ignores.py
@@ -118,9 +119,6 @@ def vllm_knows_method(method: str) -> bool:
     return method in quant_params_data()["methods"]
 
 
-_INTEGER = frozenset({"I32", "I64", "I16", "I8", "U8"})
-
-
 def packed_int_suffix_kinds() -> dict[str, str]:
     """What each tensor suffix of the GPTQ and AWQ parameters vLLM creates is (the layouts' kinds,
     ``layouts/_common.toml``), from the data: the weight holding several values per element is
@@ -135,7 +133,7 @@ def packed_int_suffix_kinds() -> dict[str, str]:
             if param.get("weight"):
                 kind = "packed_weight" if param.get("values_per_element", 1) != 1 else "weight"
             else:
-                kind = "zero_point" if param["dtype"] in _INTEGER else "weight_scale"
+                kind = "zero_point" if param["dtype"] in INTEGER_DTYPES else "weight_scale"
             kinds.setdefault(param["name"], kind)
         for suffix in entry.get("discarded", ()):
             kinds.setdefault(suffix, "g_idx")

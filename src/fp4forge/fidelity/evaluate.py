@@ -283,8 +283,7 @@ class PositionMetrics:
         if exact.numel() and estimate.numel():
             out["kl_cache_estimate"] = _distribution(estimate)
         per_position = {"kl": kl, "agree": self._cat(self.agree), "teacher_nll": self._cat(self.teacher_nll), "student_nll": self._cat(self.student_nll)}
-        document_ids = None if samples.document_ids is None else samples.document_ids.numpy()
-        return out | fidelity_intervals({k: v.to(torch.float64).numpy() for k, v in per_position.items()}, document_ids, samples.input_ids.shape[0], seed=seed)
+        return out | fidelity_intervals({k: v.to(torch.float64).numpy() for k, v in per_position.items()}, samples.document_ids.numpy(), seed=seed)
 
     def gathered(self, ranks: distributed.Ranks) -> PositionMetrics:
         """Every rank's positions, in batch order (the ranks hold contiguous blocks of batches),

@@ -5,9 +5,7 @@ position), so the unit a bootstrap resamples is the document: each predicted pos
 the document of the token it predicts (packing cuts documents into rows, so a row may hold several
 documents and a document span several rows). A bootstrap draw takes documents with replacement
 and recomputes each number as the run does, over all positions of the drawn documents: KL and top-1
-agreement as means per position, perplexity as ``exp`` of the mean negative log-likelihood. When
-only the rows are known (samples made without document numbers), the rows are the unit, and the
-report says so (``interval_unit``).
+agreement as means per position, perplexity as ``exp`` of the mean negative log-likelihood.
 
 The resampling is ``fp4forge.stats``' (one random source, one quantile convention).
 """
@@ -53,22 +51,17 @@ def unit_intervals(sums: dict[str, np.ndarray], counts: np.ndarray, *, level: fl
     return out
 
 
-def fidelity_intervals(per_position: dict[str, np.ndarray], document_ids: np.ndarray | None, rows: int, *,
+def fidelity_intervals(per_position: dict[str, np.ndarray], document_ids: np.ndarray, *,
                        level: float = DEFAULT_LEVEL, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict[str, Any]:
     """``metrics`` keys: ``intervals``, ``documents`` (units resampled), ``tokens`` (predicted
     positions scored) and ``interval_unit``. ``per_position`` holds ``PER_POSITION`` flat, row
-    after row; ``document_ids`` [rows, seq_len] numbers each token's document (None: rows only)."""
-    positions = next(iter(per_position.values())).size
-    per_row = positions // rows
-    if document_ids is None:
-        units, unit = np.repeat(np.arange(rows), per_row), "sample"
-    else:  # a position predicts the next token: it belongs to that token's document
-        units, unit = np.asarray(document_ids)[:, 1:].reshape(-1), "document"
+    after row; ``document_ids`` [rows, seq_len] numbers each token's document."""
+    # A position predicts the next token: it belongs to that token's document.
+    units = np.asarray(document_ids)[:, 1:].reshape(-1)
     sums, counts = unit_sums(per_position, units)
     return {
         "intervals": unit_intervals(sums, counts, level=level, resamples=resamples, seed=seed),
-        "documents": int(counts.size) if unit == "document" else None,
-        "tokens": int(positions),
-        "interval_unit": unit,
-        "interval_units": int(counts.size),
+        "documents": int(counts.size),
+        "tokens": int(units.size),
+        "interval_unit": "document",
     }

@@ -244,9 +244,18 @@ class Samples:
     sources: tuple[str, ...]
     documents_used: int
     # Per token, the number of the document it came from (0, 1, ...): packing cuts documents into
-    # rows, so a row is a chunk of one or more documents. None when only the rows are known.
-    document_ids: torch.Tensor | None = None
+    # rows, so a row is a chunk of one or more documents. Fidelity's intervals resample them.
+    document_ids: torch.Tensor
     warnings: tuple[str, ...] = ()
+
+    @classmethod
+    def from_rows(cls, input_ids: torch.Tensor, sources: tuple[str, ...]) -> Samples:
+        """Token rows whose documents are not known (ids a benchmark saved or drew at random), each
+        row numbered its own document: for calibration, which reads no document numbers."""
+        import torch
+
+        rows, seq_len = input_ids.shape
+        return cls(input_ids, sources, rows, document_ids=torch.arange(rows).repeat_interleave(seq_len).reshape(rows, seq_len))
 
     @property
     def digest(self) -> str:

@@ -511,7 +511,7 @@ def verdict(result: dict[str, Any], alpha: float = DEFAULT_ALPHA) -> dict[str, A
         return {"ordering": "none", "label": "no difference", "text": text, "reasons": [], "notes": _power_notes(result)}
     reasons = _failed_conditions(result, alpha)
     also = result["flips_also_within_arm"]
-    notes = ([f"{also} of the {discordant} discordant scenarios also flip within an arm's own runs", _band_note(floor["applied_band"])]
+    notes = ([f"{also} of the {discordant} discordant scenarios also flip within an arm's own runs", _guard_note(floor["applied_band"])]
              if floor["measured"] else [])
     notes += _power_notes(result)
     if reasons:
@@ -520,7 +520,7 @@ def verdict(result: dict[str, Any], alpha: float = DEFAULT_ALPHA) -> dict[str, A
     better = "B" if diff > 0 else "A"
     worse = "A" if better == "B" else "B"
     low, high = result["bootstrap_ci"]
-    floor_text = (f"outside the A/A noise floor (band {floor['applied_band']['why']})" if floor["measured"]
+    floor_text = (f"outside the A/A noise floor ({_band_size(floor['applied_band'])})" if floor["measured"]
                   else f"{floor['why']}: the ordering rests on the paired tests")
     text = (f"{better} scores higher than {worse}: {abs(diff):.1f} points (mean per-scenario difference "
             f"{result['mean_fraction_diff']:+.3f}, 95% CI [{low:+.3f}, {high:+.3f}]), sign test p = {sign['p']:.3g}, {floor_text}")
@@ -542,17 +542,22 @@ def _failed_conditions(result: dict[str, Any], alpha: float) -> list[str]:
     if floor["measured"]:
         band, within = floor["applied_band"], floor["max_discordant"]
         if abs(diff) <= band["points"]:
-            reasons.append(f"the difference ({diff:+.1f} points) is within the noise floor (band {band['why']})")
+            reasons.append(f"the difference ({diff:+.1f} points) is within the noise floor ({_band_size(band)})")
         if band["discordance_guard"] and discordant <= within:
             reasons.append(f"{discordant} scenarios differ between the arms, no more than the {within} that differ between one arm's own runs")
     return reasons
 
 
-def _band_note(band: dict[str, Any]) -> str:
-    guard = ("; the count of discordant scenarios must exceed one arm's own runs'" if band["discordance_guard"] else
-             "; the count of discordant scenarios is not held against one arm's own runs' (means of several draws rarely "
-             "tie, so it is not the same count): the sign test weighs how they split")
-    return f"A/A band {band['why']}{guard}"
+def _band_size(band: dict[str, Any]) -> str:
+    """The band in a verdict or a reason; why it is that wide is said once, with the power (``A/A band:``)."""
+    return f"band {band['points']:.1f} points"
+
+
+def _guard_note(band: dict[str, Any]) -> str:
+    if band["discordance_guard"]:
+        return "the count of discordant scenarios must exceed one arm's own runs'"
+    return ("the count of discordant scenarios is not held against one arm's own runs' (means of several draws rarely "
+            "tie, so it is not the same count): the sign test weighs how they split")
 
 
 def _power_notes(result: dict[str, Any]) -> list[str]:

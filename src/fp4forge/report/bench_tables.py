@@ -61,9 +61,12 @@ def failures_cell(entry: dict[str, Any]) -> str:
 
 # -- the fits' claims: one text per fit, printed alike in the notes and the plots' legends ------------
 def prefill_claim(fit: dict[str, Any]) -> str:
-    """The prefill line as a claim: rate, intercept and its R² over its shapes' samples."""
+    """The prefill line as a claim: rate, intercept and its R² over its shapes' samples; a rate whose
+    slope's CI reaches 0 (no upper bound) is said not to be established."""
     r2 = (fit.get("goodness") or {}).get("r2_line")
-    return (f"line {fit['rate_tok_s']:,.0f} tok/s, intercept {fit['intercept_s'] * 1000:,.1f} ms"
+    ci = fit.get("rate_ci_tok_s")
+    unbounded = " (not established: the slope's 95% CI reaches 0, TTFT is not shown to grow with the prompt)" if ci and ci[1] is None else ""
+    return (f"line {fit['rate_tok_s']:,.0f} tok/s{unbounded}, intercept {fit['intercept_s'] * 1000:,.1f} ms"
             + (f", R² {stats.format_r2(r2)}" if r2 is not None else ""))
 
 

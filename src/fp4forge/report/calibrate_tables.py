@@ -6,6 +6,8 @@ from typing import Any
 
 from rich.table import Table
 
+from fp4forge.report.markdown import interval_text
+
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 
 
@@ -15,10 +17,6 @@ def _num(value: float | list[float] | None, fmt: str = "{:.6g}") -> str:
     if isinstance(value, list):
         return "[" + ", ".join(fmt.format(v) for v in value) + "]"
     return fmt.format(value)
-
-
-def _interval(interval: dict[str, float] | None, fmt: str) -> str:
-    return "" if not interval else f"[{fmt.format(interval['low'])}, {fmt.format(interval['high'])}]"
 
 
 def calibration_rich(summary: dict[str, Any], out_path: str) -> Table:
@@ -67,17 +65,15 @@ def fidelity_rich(report: dict[str, Any]) -> list[Table]:
     head.add_column("value", justify="right")
     intervals = metrics.get("intervals", {})
     level = next(iter(intervals.values()), {}).get("level", 0.95)
-    unit = metrics.get("interval_unit", "document")
-    units = metrics.get("documents") if unit == "document" else metrics.get("interval_units")
     ppl = metrics["perplexity"]
     rows = [
         ("predicted positions", f"{metrics['positions']:,}"),
-        (f"bootstrap units ({level:.0%} intervals)", f"{units} {unit}s, {metrics.get('tokens', metrics['positions']):,} tokens"),
+        (f"bootstrap units ({level:.0%} intervals)", f"{metrics['documents']} documents, {metrics['tokens']:,} tokens"),
         (f"KL(teacher‖student) mean / median / p99 [{kl['estimator']}]", f"{kl['mean']:.6f} / {kl['median']:.6f} / {kl['p99']:.6f}"),
-        ("KL mean interval", _interval(intervals.get("kl"), "{:.6f}")),
-        ("top-1 agreement", f"{metrics['top1_agreement'] * 100:.2f} % {_interval(intervals.get('top1_agreement'), '{:.2%}')}"),
-        ("perplexity teacher", f"{ppl['teacher']:.4g} {_interval(intervals.get('teacher_perplexity'), '{:.4g}')}"),
-        ("perplexity student", f"{ppl['student']:.4g} {_interval(intervals.get('student_perplexity'), '{:.4g}')}"),
+        ("KL mean interval", interval_text(intervals.get("kl"), "{:.6f}".format)),
+        ("top-1 agreement", f"{metrics['top1_agreement'] * 100:.2f} % {interval_text(intervals.get('top1_agreement'), '{:.2%}'.format)}"),
+        ("perplexity teacher", f"{ppl['teacher']:.4g} {interval_text(intervals.get('teacher_perplexity'), '{:.4g}'.format)}"),
+        ("perplexity student", f"{ppl['student']:.4g} {interval_text(intervals.get('student_perplexity'), '{:.4g}'.format)}"),
         ("KV cache", report["kv_cache"]),
         ("MoE input scales", report["moe_input_scale"]),
     ]

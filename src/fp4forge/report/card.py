@@ -28,7 +28,7 @@ from fp4forge.report.card_metadata import front_matter
 from fp4forge.fidelity.readable import UNREADABLE_PERPLEXITY_SHARE
 from fp4forge.report.card_verdict import Verdict, card_verdict, fidelity_vocab_size, verdict_lines
 from fp4forge.report.plotting import pyplot
-from fp4forge.report.markdown import table
+from fp4forge.report.markdown import interval_text, table
 
 PLOTS = "plots"
 # Fewer resampled documents than this and a bootstrap interval is said to be rough (a percentile
@@ -542,12 +542,12 @@ def fidelity_section(ctx: CardContext) -> list[str]:
     intervals = m.get("intervals") or {}
     ppl = m["perplexity"]
     lines += table(["metric", "value", "interval"], [
-        ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4), _span(intervals.get("kl"), _num)],
+        ["KL(teacher ‖ student), mean", _num(m["kl"]["mean"], 4), interval_text(intervals.get("kl"), _num, cell=True)],
         ["KL, median", _num(m["kl"]["median"], 4), "–"],
         ["KL, p99", _num(m["kl"]["p99"], 4), "–"],
-        ["top-1 agreement", _pct(m["top1_agreement"]), _span(intervals.get("top1_agreement"), _pct)],
-        ["perplexity, teacher", _num(ppl["teacher"], 5), _span(intervals.get("teacher_perplexity"), _num)],
-        ["perplexity, student", _num(ppl["student"], 5), _span(intervals.get("student_perplexity"), _num)],
+        ["top-1 agreement", _pct(m["top1_agreement"]), interval_text(intervals.get("top1_agreement"), _pct, cell=True)],
+        ["perplexity, teacher", _num(ppl["teacher"], 5), interval_text(intervals.get("teacher_perplexity"), _num, cell=True)],
+        ["perplexity, student", _num(ppl["student"], 5), interval_text(intervals.get("student_perplexity"), _num, cell=True)],
     ])
     lines += ["", *table(["layer", "relative error (cumulative)", "relative error (this layer alone)"], [
         [f"`{layer['layer']}`", _num(layer["relative_error"], 4), _num(layer["local_relative_error"], 4)] for layer in doc["layers"]
@@ -561,17 +561,12 @@ def _fidelity_interval_note(m: dict[str, Any]) -> str:
     if not intervals:
         return "No intervals: this report predates them (re-run `fp4forge fidelity`)."
     level = next(iter(intervals.values()))["level"]
-    unit = m.get("interval_unit", "document")
-    units = m.get("documents") if unit == "document" else m.get("interval_units")
-    note = (f"Intervals: {level:.0%} percentile bootstrap over {_count(units or 0, unit)} ({_int(m.get('tokens'))} predicted "
+    documents = m.get("documents") or 0
+    note = (f"Intervals: {level:.0%} percentile bootstrap over {_count(documents, 'document')} ({_int(m.get('tokens'))} predicted "
             "tokens), each number recomputed over the drawn units (docs/fidelity.md#intervals).")
-    if (units or 0) < FEW_INTERVAL_UNITS:
-        note += f" With so few {unit}s the interval is rough and likely too narrow: more held-out text narrows and steadies it."
+    if documents < FEW_INTERVAL_UNITS:
+        note += " With so few documents the interval is rough and likely too narrow: more held-out text narrows and steadies it."
     return note
-
-
-def _span(interval: dict[str, float] | None, fmt: Callable[[float], str]) -> str:
-    return "–" if not interval else f"{fmt(interval['low'])} – {fmt(interval['high'])}"
 
 
 def making_section(ctx: CardContext) -> list[str]:

@@ -27,6 +27,7 @@ from fp4forge.audit.findings import split_fix
 from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.fidelity.readable import UNREADABLE_PERPLEXITY_SHARE
 from fp4forge.report.card_artifacts import server_life
+from fp4forge.report.markdown import interval_bounds, interval_text
 
 if TYPE_CHECKING:
     from fp4forge.report.card import CardContext
@@ -146,14 +147,6 @@ def served_reason(ctx: CardContext) -> Reason:
     return Reason("served", HOLDS, f"{where}{ready}.{line}{elsewhere}", reports)
 
 
-def _interval(metrics: dict[str, Any], key: str) -> tuple[float, float, float] | None:
-    entry = (metrics.get("intervals") or {}).get(key) or {}
-    try:
-        return float(entry["low"]), float(entry["high"]), float(entry.get("level", 0.95))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def _against_level(low: float, high: float, *, at_most: float | None = None, at_least: float | None = None) -> str:
     """An interval against a level: wholly inside holds, wholly beyond is do-not-ship, across is open."""
     if at_most is not None:
@@ -172,12 +165,14 @@ def fidelity_reason(ctx: CardContext) -> Reason:
     unreadable = _unreadable_text(ctx, m)
     if unreadable:
         return Reason("fidelity", NOT_ESTABLISHED, f"{point}, on text the teacher cannot read: {unreadable}.", ("fidelity.json",))
-    kl_ci, top1_ci = _interval(m, "kl"), _interval(m, "top1_agreement")
+    intervals = m.get("intervals") or {}
+    kl_ci, top1_ci = interval_bounds(intervals.get("kl")), interval_bounds(intervals.get("top1_agreement"))
     if kl_ci is None or top1_ci is None:
         return Reason("fidelity", NOT_ESTABLISHED, f"{point} without an interval: not established: no interval.", ("fidelity.json",))
     states = [_against_level(*kl_ci[:2], at_most=KL_MEAN_MAX), _against_level(*top1_ci[:2], at_least=TOP1_AGREEMENT_MIN)]
     size = ", ".join(f"{m[k]:,} {k}" for k in ("documents", "tokens") if isinstance(m.get(k), int))
-    text = (f"mean KL {kl:.4g} [{kl_ci[0]:.4g}, {kl_ci[1]:.4g}], top-1 agreement {top1:.1%} [{top1_ci[0]:.1%}, {top1_ci[1]:.1%}] "
+    text = (f"mean KL {kl:.4g} {interval_text(intervals['kl'], '{:.4g}'.format)}, "
+            f"top-1 agreement {top1:.1%} {interval_text(intervals['top1_agreement'], '{:.1%}'.format)} "
             f"({kl_ci[2]:.0%} intervals{', ' + size if size else ''}); levels: KL ≤ {KL_MEAN_MAX:g}, top-1 ≥ {TOP1_AGREEMENT_MIN:.0%}.")
     return Reason("fidelity", max(states, key=ORDER.index), text, ("fidelity.json",))
 

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from fp4forge.checkpoint.atomic import atomic_file, write_json_atomic
 from fp4forge.errors import ConfigError
 from fp4forge.lab.diagnostics.suite_resolution_report import ARMS, BF16, CURVE_ARM, JOBS_FILE, PLAYS_TAR, SHIPPED, play_name, write_report
 
@@ -389,19 +390,15 @@ def run_jobs(jobs: list[Job], workers: int, budget_s: float, log: Callable[[str]
 # -- the outputs -----------------------------------------------------------------------------------
 def pack_plays(plays: Path, tar_path: Path) -> None:
     """Every play record under ``plays`` into ``tar_path`` (replaced whole, never half-written)."""
-    partial = tar_path.with_name(tar_path.name + ".partial")
-    with tarfile.open(partial, "w:gz", compresslevel=6) as tar:
+    with atomic_file(tar_path) as partial, tarfile.open(partial, "w:gz", compresslevel=6) as tar:
         for record in sorted(plays.rglob("*.json")) if plays.is_dir() else ():
             tar.add(record, arcname=record.relative_to(plays).as_posix())
-    partial.replace(tar_path)
 
 
 def save_jobs(out: Path, jobs: list[Job], meta: dict[str, Any]) -> None:
     """Every job's state so far, so a run stopped from outside still leaves its report (``--report-only``)."""
     doc = {"meta": meta, "jobs": [{"name": j.name, "result": j.result, "error": j.error, "seconds": j.seconds} for j in jobs]}
-    partial = out / (JOBS_FILE + ".partial")
-    partial.write_text(json.dumps(doc, indent=1) + "\n")
-    partial.replace(out / JOBS_FILE)
+    write_json_atomic(out / JOBS_FILE, doc, indent=1)
 
 
 def run(out: Path, plan: Plan, device: str, work_root: Path | None = None, keep_work: bool = False) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.checkpoint.atomic import staged_files
 from fp4forge.errors import ConfigError
 
 BF16 = "bf16"
@@ -237,7 +238,7 @@ def write_report(out: Path, folders: list[Path]) -> dict[str, Any]:
     """``OUT/resolution.json`` and ``OUT/resolution.md`` from the output folders ``folders``."""
     runs = load_runs(folders)
     doc = {**summarise(runs), "meta": {"parts": runs.parts, "not_run": runs.notes}}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resolution.md").write_text(report_markdown(doc))
-    (out / "resolution.json").write_text(json.dumps(doc, indent=1) + "\n")
+    with staged_files(out) as stage:  # both or neither: the tables never disagree with their JSON
+        stage.path("resolution.md").write_text(report_markdown(doc))
+        stage.path("resolution.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
