@@ -4,7 +4,8 @@ vLLM environment's interpreter (tests/test_vllm_loader_ignores.py does).
     .venv-vllm/bin/python tests/vllm_loader_probe.py CASES.json
 
 CASES.json maps an architecture to ``{"config": <config.json>, "module": <a Linear without a
-bias>}``. Each model is built on the CPU as a server builds it (``EngineArgs`` ->
+bias>}`` (and its weight's ``"shape"`` where the checkpoint's name is not vLLM's parameter's: a
+routed expert's Linear). Each model is built on the CPU as a server builds it (``EngineArgs`` ->
 ``initialize_model``, a one-process group) and its ``load_weights`` run twice: with the module's
 `weight` alone (the control: it must load) and with a `bias` beside it that no parameter takes.
 Printed, as JSON per architecture: ``{"control": "loaded" | <exception>, "bias": "skipped" |
@@ -40,7 +41,7 @@ def _outcome(load) -> str:
     return "loaded"
 
 
-def probe(config: dict, module: str, work: Path) -> dict[str, str]:
+def probe(config: dict, module: str, shape: list[int] | None, work: Path) -> dict[str, str]:
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -51,8 +52,8 @@ def probe(config: dict, module: str, work: Path) -> dict[str, str]:
     engine_config = args.create_engine_config()
     with set_current_vllm_config(engine_config):
         model = initialize_model(vllm_config=engine_config)
-        weight = dict(model.named_parameters())[module + ".weight"]
-        control = [(module + ".weight", torch.zeros_like(weight))]
+        weight = torch.zeros(shape) if shape else torch.zeros_like(dict(model.named_parameters())[module + ".weight"])
+        control = [(module + ".weight", weight)]
         with_bias = control + [(module + ".bias", torch.zeros(weight.shape[0]))]
         outcome = {"control": _outcome(lambda: model.load_weights(iter(control)))}
         bias = _outcome(lambda: model.load_weights(iter(with_bias)))
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
     out = {}
     for architecture, case in cases.items():
         with tempfile.TemporaryDirectory() as work:
-            out[architecture] = probe(case["config"], case["module"], Path(work))
+            out[architecture] = probe(case["config"], case["module"], case.get("shape"), Path(work))
     print(json.dumps(out, indent=1, sort_keys=True))
     return 0
 

@@ -12,7 +12,8 @@ card states). :func:`build_header_only` writes a checkpoint with every tensor th
   device for the first few layers (one of each layer kind), then the quantization the config
   declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block;
   FP8 per-tensor as AutoFP8 / AMD Quark store it; MXFP4 as GPT-OSS stores it; GPTQ as AutoGPTQ,
-  AWQ as AutoAWQ, bitsandbytes 4-bit as transformers store them);
+  AWQ as AutoAWQ, bitsandbytes 4-bit as transformers store them: the GPTQ / AWQ / compressed-tensors
+  parameters from vLLM's parameter data, the bitsandbytes names from transformers' quantizers);
 - data: file holes (sparse headers only), so a 600 B-parameter release costs a few MB of disk.
 """
 
