@@ -9,15 +9,17 @@ Run it with the vLLM environment's interpreter (e.g. `.venv-vllm/bin/python`). T
 * ``auto_weights_loader``: what vLLM's generic loader (``AutoWeightsLoader``) skips, read off the
   loader itself: the suffixes it ignores where no parameter takes them (it adds `.bias` for the
   unused zero biases GPTQ exports carry; measured by running its ``load_weights`` on an empty
-  module) and the name parts its rotary-embedding mapper drops (`rotary_emb.inv_freq`, ...).
-* ``architectures``: per architecture of vLLM's model registry, whether every ``load_weights``
-  its model class runs either hands the tensors to ``AutoWeightsLoader`` or skips an unexpected
-  `.bias` itself (the ``if name.endswith(".bias") and name not in params_dict: continue`` of the
-  hand-written loaders): then an unexpected `.bias` is skipped (``true``); a hand-written loader
-  without that skip raises on it (``false``). The functions read are the ``load_weights`` of the
-  vLLM classes in the model class's MRO and of every class their modules define (the model's
-  inner blocks). An architecture whose module cannot be imported here is read from its source
-  file alone.
+  module).
+* ``skips_unexpected_bias``: per architecture of vLLM's model registry, whether every
+  ``load_weights`` its model class runs either hands the tensors to ``AutoWeightsLoader`` (when
+  that loader ignores `.bias`, above), skips an unexpected `.bias` itself (the ``if
+  name.endswith(".bias") and name not in params_dict: continue`` of the hand-written loaders) or
+  passes them on to its parent class's loader (``super().load_weights``, judged in turn): then
+  an unexpected `.bias` is skipped (``true``); a hand-written loader without that skip raises on
+  it (``false``). The functions read are the ``load_weights`` of the vLLM classes in the model
+  class's MRO and of every class their modules define (the model's inner blocks). An
+  architecture whose module cannot be imported here is read from its source file alone. The
+  verdict is checked against real loads in tests/test_vllm_loader_ignores.py.
 """
 
 from __future__ import annotations
@@ -30,23 +32,28 @@ import re
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "src/fp4forge/checkpoint/layouts/_vllm_loader_ignores.json"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+from fp4forge.checkpoint.vllm_params import UNEXPECTED_BIAS as BIAS, VLLM_LOADER_IGNORES  # noqa: E402 - the product's names
+
+DATA = ROOT / "src/fp4forge/checkpoint/layouts" / VLLM_LOADER_IGNORES
 # a hand-written loader's skip of an unexpected bias: `name.endswith(".bias")` in a condition
 BIAS_SKIP = re.compile(r"""endswith\(\s*\(?\s*["']\.bias["']""")
 AUTO_LOADER = "AutoWeightsLoader("
+# a loader that hands its tensors on to its parent class's (the Transformers backend's causal LM
+# after taking out `lm_head.bias`): the parent's loader, also among those read, is judged instead
+PARENT_LOADER = re.compile(r"super\(\)\.load_weights\(")
 
 
 def auto_loader_facts() -> dict:
     """What AutoWeightsLoader skips, from the loader object: its ignore list after a load of
-    nothing (no quantization config), and the substrings its rotary mapper maps to None."""
+    nothing (no quantization config)."""
     from torch import nn
     from vllm.model_executor.models.utils import AutoWeightsLoader
 
     loader = AutoWeightsLoader(nn.Module())
     loader.load_weights([])
-    mapper = AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER
-    return {"ignored_unexpected_suffixes": sorted(s.lstrip(".") for s in loader.ignore_unexpected_suffixes),
-            "dropped_substrings": sorted(k for k, v in mapper.orig_to_new_substr.items() if v is None)}
+    return {"ignored_unexpected_suffixes": sorted(s.lstrip(".") for s in loader.ignore_unexpected_suffixes)}
 
 
 def _loader_sources_of(cls: type) -> list[str]:
@@ -72,15 +79,19 @@ def _loader_sources_in_file(module_name: str) -> list[str] | None:
             if isinstance(node, ast.FunctionDef) and node.name == "load_weights"]
 
 
-def skips_unexpected_bias(sources: list[str]) -> bool:
-    """Every loader hands its tensors to AutoWeightsLoader or skips an unexpected bias itself."""
-    return bool(sources) and all(AUTO_LOADER in s or BIAS_SKIP.search(s) for s in sources)
+def skips_unexpected_bias(sources: list[str], auto_loader_skips_bias: bool) -> bool:
+    """Every loader hands its tensors to AutoWeightsLoader (which skips an unexpected bias where
+    ``auto_loader_skips_bias``) or to its parent class's loader, or skips one itself."""
+    return bool(sources) and all((auto_loader_skips_bias and AUTO_LOADER in s) or BIAS_SKIP.search(s) or PARENT_LOADER.search(s)
+                                 for s in sources)
 
 
 def table() -> dict:
     import vllm
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
+    auto_loader = auto_loader_facts()
+    auto_loader_skips_bias = BIAS in auto_loader["ignored_unexpected_suffixes"]
     architectures: dict[str, bool] = {}
     unavailable: dict[str, str] = {}
     for arch, (short_name, class_name) in sorted(_VLLM_MODELS.items()):
@@ -92,8 +103,8 @@ def table() -> dict:
             if sources is None:
                 unavailable[arch] = f"{type(exc).__name__}"
                 continue
-        architectures[arch] = skips_unexpected_bias(sources)
-    return {"vllm": vllm.__version__, "auto_weights_loader": auto_loader_facts(), "skips_unexpected_bias": architectures,
+        architectures[arch] = skips_unexpected_bias(sources, auto_loader_skips_bias)
+    return {"vllm": vllm.__version__, "auto_weights_loader": auto_loader, "skips_unexpected_bias": architectures,
             "unavailable": unavailable}
 
 

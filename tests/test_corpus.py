@@ -493,3 +493,52 @@ def test_gptq_linears_by_hand(built, name):
     for component, linears in (("attention", attention), ("dense_mlp", mlp)):
         assert by_name[component].params == layers * sum(p for p, _ in linears), component
         assert by_name[component].bytes == layers * sum(b for _, b in linears), component
+
+
+def test_gptq_awq_hand_entries_are_what_vllms_data_lacks():
+    """Why the GPTQ / AWQ builder keeps hand entries beside vLLM's parameter data: vLLM creates no
+    `g_idx` or `bias` parameter (its loader drops `g_idx` and skips an unexpected bias), so their
+    shapes are AutoGPTQ's; and a declaration vLLM refuses (act order with groups, 3 bits) is built
+    from an accepted one, which the data bears out: within a method, bit width and group size, act
+    order and symmetry change no shape, and rescaling the int32-packed dimensions takes one
+    accepted width to the other (4 -> 8 bits)."""
+    from fractions import Fraction
+
+    from fp4forge.checkpoint.vllm_params import gptq_key, quant_params_data, scheme_args, scheme_params, tensors_of
+    from fp4forge.testbed.corpus import _rescaled_packing
+
+    def shapes(params):
+        return {t.suffix: t.shape for t in tensors_of(params, 4096, 1024)}
+
+    variants: dict[tuple, list] = {}
+    for key, entry in quant_params_data()["schemes"].items():
+        args = scheme_args(key)
+        if args.get("method") in ("gptq", "awq") and "params" in entry:
+            assert not {p["name"] for p in entry["params"]} & {"g_idx", "bias"} and "g_idx" in entry["discarded"], key
+            variants.setdefault((args["method"], args["bits"], args["group_size"]), []).append(entry["params"])
+    assert all(shapes(p) == shapes(same[0]) for same in variants.values() for p in same)
+    for group in (32, 64, 128, -1):
+        assert shapes(_rescaled_packing(variants[("gptq", 4, group)][0], Fraction(8, 4))) == shapes(variants[("gptq", 8, group)][0])
+    refused = [load_entry(CORPUS / n).config["quantization_config"] for n in ("wizard-vicuna-30b-gptq-3bit-128g", "wizard-vicuna-30b-gptq-4bit-128g")]
+    assert [scheme_params(gptq_key(qc)) for qc in refused] == [None, None]  # the fallback is what builds them
+
+
+def test_bnb_state_names_are_transformers(monkeypatch):
+    """bitsandbytes state tensors are named by transformers' serialized_names (the data), those of
+    one save chosen by its quant type and double quantization; their sizes (not in the data) are
+    bitsandbytes' QuantState's, and a name transformers adds that the builder cannot size is
+    refused by name rather than left out."""
+    import copy
+
+    from fp4forge.checkpoint.writer import TensorSpec
+    from fp4forge.errors import ConfigError
+    from fp4forge.testbed import corpus
+
+    assert corpus._bnb4_state_names("nf4", True) == ["weight.absmax", "weight.nested_absmax", "weight.nested_quant_map",
+                                                     "weight.quant_map", "weight.quant_state.bitsandbytes__nf4"]
+    assert corpus._bnb4_state_names("fp4", False) == ["weight.absmax", "weight.quant_map", "weight.quant_state.bitsandbytes__fp4"]
+    names = copy.deepcopy(corpus.bnb_serialized_names())
+    names["4bit"]["weight"].append("weight.code_offsets")
+    monkeypatch.setattr(corpus, "bnb_serialized_names", lambda: names)
+    with pytest.raises(ConfigError, match="weight.code_offsets"):
+        corpus._bnb4_specs([TensorSpec("model.layers.0.mlp.down_proj.weight", "BF16", (64, 128))], {"bnb_4bit_quant_type": "nf4"})

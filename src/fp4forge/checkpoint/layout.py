@@ -121,6 +121,13 @@ QUANT_STATE = "quant_state"
 
 
 @lru_cache(maxsize=1)
+def bnb_serialized_names() -> dict[str, dict[str, list[str]]]:
+    """{`4bit` | `8bit`: {parameter: [names save_pretrained writes for it]}}, from transformers'
+    bitsandbytes quantizers (their `serialized_names`)."""
+    return json.loads((LAYOUTS_DIR / BNB_SERIALIZED).read_text(encoding="utf-8"))["serialized_names"]
+
+
+@lru_cache(maxsize=1)
 def derived_suffix_kinds() -> tuple[dict[str, str], dict[str, str]]:
     """({suffix: kind}, {tail: kind}) taken from the authorities rather than written here: the
     GPTQ / AWQ parameters vLLM creates (``vllm_params.packed_int_suffix_kinds``) and the names
@@ -131,8 +138,7 @@ def derived_suffix_kinds() -> tuple[dict[str, str], dict[str, str]]:
 
     suffixes = vllm_params.packed_int_suffix_kinds()
     tails: dict[str, str] = {}
-    serialized = json.loads((LAYOUTS_DIR / BNB_SERIALIZED).read_text(encoding="utf-8"))["serialized_names"]
-    for names in serialized.values():
+    for names in bnb_serialized_names().values():
         for parameter, stored in names.items():
             for name in stored:
                 if name != parameter:

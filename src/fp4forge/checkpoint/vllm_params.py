@@ -22,6 +22,8 @@ from fp4forge.checkpoint.safetensors_format import INTEGER_DTYPES
 
 VLLM_QUANT_PARAMS = "_vllm_quant_params.json"
 VLLM_LOADER_IGNORES = "_vllm_loader_ignores.json"  # written by scripts/vllm_loader_ignores.py
+# the suffix whose unexpected tensors the loader data judges per architecture (AutoGPTQ's zero biases)
+UNEXPECTED_BIAS = "bias"
 # the dtype a parameter takes from the model (vLLM's params_dtype): any float the checkpoint
 # stores is cast into it on load
 MODEL_DTYPE = "model"
@@ -188,8 +190,11 @@ def expected_tensors(key: str, in_features: int, out_features: int, *, expert: b
     """The tensors vLLM creates for a Linear of ``in_features`` -> ``out_features`` (a routed
     expert's, with ``expert``) under the scheme ``key``; None when the data holds no parameters."""
     params = scheme_params(key, expert=expert)
-    if params is None:
-        return None
+    return None if params is None else tensors_of(params, in_features, out_features)
+
+
+def tensors_of(params: list[dict[str, Any]], in_features: int, out_features: int) -> list[ExpectedTensor]:
+    """Parameter records of the data (each dimension's ``a * in + b * out + c``) at one size."""
     out = []
     for param in params:
         dims = [_dimension(f, in_features, out_features) for f in param["shape"]] if param["shape"] is not None else [None]
@@ -255,9 +260,9 @@ def suffixes_skipped_by_loader(architectures: list[str] | tuple[str, ...]) -> tu
     of refusing where no parameter takes them: `bias` where every loader the model class runs
     skips an unexpected one (AutoWeightsLoader adds it to its ignore list; hand-written loaders
     skip it themselves); nothing for an architecture the data does not hold or whose loader
-    raises on it."""
-    data = loader_ignores_data()
-    by_architecture = data["skips_unexpected_bias"]
+    raises on it. Only `bias`: the data's verdict is about that suffix alone, whatever else
+    AutoWeightsLoader ignores (a hand-written loader ignores nothing else)."""
+    by_architecture = loader_ignores_data()["skips_unexpected_bias"]
     if not architectures or not all(by_architecture.get(a) for a in architectures):
         return ()
-    return tuple(data["auto_weights_loader"]["ignored_unexpected_suffixes"])
+    return (UNEXPECTED_BIAS,)

@@ -12,7 +12,8 @@ card states). :func:`build_header_only` writes a checkpoint with every tensor th
   device for the first few layers (one of each layer kind), then the quantization the config
   declares applied (FP8 block-wise: ``F8_E4M3`` weight + ``F32`` ``weight_scale_inv`` per block;
   FP8 per-tensor as AutoFP8 / AMD Quark store it; MXFP4 as GPT-OSS stores it; GPTQ as AutoGPTQ,
-  AWQ as AutoAWQ, bitsandbytes 4-bit as transformers store them);
+  AWQ as AutoAWQ, bitsandbytes 4-bit as transformers store them: the GPTQ / AWQ / compressed-tensors
+  parameters from vLLM's parameter data, the bitsandbytes names from transformers' quantizers);
 - data: file holes (sparse headers only), so a 600 B-parameter release costs a few MB of disk.
 """
 
@@ -25,6 +26,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,7 +37,9 @@ from fp4forge.errors import ConfigError
 from fp4forge.testbed.synth import PER_LAYER_LIST_KEYS, truncated_config
 from fp4forge.checkpoint.atomic import ensure_fresh_output
 from fp4forge.checkpoint.declarations import match_ct, stored_quantization_config
-from fp4forge.checkpoint.vllm_params import MODEL_DTYPE, ct_key, expected_tensors
+from fp4forge.checkpoint.layout import bnb_serialized_names
+from fp4forge.checkpoint.vllm_params import (MODEL_DTYPE, awq_key, ct_key, expected_tensors, gptq_key, quant_params_data,
+                                             scheme_args, scheme_params, tensors_of)
 
 PROVENANCE = "PROVENANCE.json"
 INDEX = "model.safetensors.index.json"
@@ -382,56 +386,86 @@ def _mxfp4_specs(specs: list[TensorSpec]) -> list[TensorSpec]:
     return out
 
 
-GPTQ_WORD_BITS = 32  # GPTQ packs its integer codes and zero points into int32 words
+def _packed_int_params(name: str, key: str) -> list[dict[str, Any]]:
+    """The parameter records (vLLM's data) a GPTQ / AWQ release stores per Linear: the
+    declaration's own where vLLM accepts it; else those of an accepted declaration of the same
+    method and group size (act order and symmetry change the values, not the shapes: vLLM
+    refuses GPTQ act order with groups, which AutoGPTQ released), the same bit width first, else
+    another with its int32-packed dimensions rescaled to the declared bits (vLLM refuses 3-bit
+    GPTQ; AutoGPTQ packs 32 such values into 3 words). Checked on the data: tests/test_corpus.py."""
+    own = scheme_params(key)
+    if own is not None:
+        return own
+    wanted = scheme_args(key)
+    accepted = [(args, entry["params"]) for other, entry in quant_params_data()["schemes"].items()
+                if "params" in entry and _same_method_and_group(args := scheme_args(other), wanted)]
+    if not accepted:
+        raise ConfigError(f"{name}: vLLM's data has no {wanted['method']} parameters with group size {wanted['group_size']}")
+    args, params = min(accepted, key=lambda item: item[0]["bits"] != wanted["bits"])
+    return _rescaled_packing(params, Fraction(wanted["bits"], args["bits"]))
 
 
-def _gptq_specs(specs: list[TensorSpec], declaration: dict[str, Any], *, with_bias: bool) -> list[TensorSpec]:
-    """A GPTQ release as AutoGPTQ stores it: each decoder Linear [out, in] becomes `qweight` I32
-    [in*bits/32, out], `qzeros` I32 [groups, out*bits/32], `scales` F16 [groups, out] and `g_idx`
-    I32 [in] (one group for group_size -1), the parameters vLLM's GPTQ method creates (it drops
-    `g_idx` on load); AutoGPTQ versions that gave every QuantLinear a `bias` buffer add F16 [out]
-    (``with_bias``: known from the release's shard sizes, see its PROVENANCE.json)."""
-    bits, group = declaration["bits"], declaration["group_size"]
+def _same_method_and_group(args: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    return (args.get("method"), args.get("group_size")) == (wanted["method"], wanted["group_size"])
+
+
+def _rescaled_packing(params: list[dict[str, Any]], ratio: Fraction) -> list[dict[str, Any]]:
+    """``params`` at ``ratio`` times their bit width: every dimension's coefficient of one word
+    per packed value count (1/8 at 4 bits) scaled by ``ratio``."""
+    if ratio == 1:
+        return params
+    word = Fraction(1, next(p.get("values_per_element", 1) for p in params if p.get("weight")))
+
+    def scaled(pair: list[int]) -> list[int]:
+        value = Fraction(*pair) * (ratio if Fraction(*pair) == word else 1)
+        return [value.numerator, value.denominator]
+
+    return [{**p, "shape": [[scaled(a), scaled(b), c] for a, b, c in p["shape"]]} for p in params]
+
+
+def _packed_int_specs(name: str, specs: list[TensorSpec], key: str, keep: Callable[[str], bool],
+                      stored_beside: Callable[[str, TensorSpec], list[TensorSpec]]) -> list[TensorSpec]:
+    """Each decoder Linear [out, in] not kept (``keep`` of its module) as the parameters of
+    :func:`_packed_int_params` (by name; a parameter of the model's dtype takes the Linear's),
+    then what the release's quantizer stores beside them that vLLM creates no parameter for
+    (``stored_beside``)."""
+    params = _packed_int_params(name, key)
     out = []
     for spec in specs:
         module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
-        if not (module and _quantizable(module, spec)):
+        if not (module and _quantizable(module, spec)) or keep(module):
             out.append(spec)
             continue
         rows, cols = spec.shape
-        groups = 1 if group == -1 else math.ceil(cols / group)
-        out += [
-            TensorSpec(module + ".qweight", "I32", (cols * bits // GPTQ_WORD_BITS, rows)),
-            TensorSpec(module + ".qzeros", "I32", (groups, rows * bits // GPTQ_WORD_BITS)),
-            TensorSpec(module + ".scales", "F16", (groups, rows)),
-            TensorSpec(module + ".g_idx", "I32", (cols,)),
-        ]
-        if with_bias:
-            out.append(TensorSpec(module + ".bias", "F16", (rows,)))
+        tensors = sorted(tensors_of(params, cols, rows), key=lambda t: t.suffix)
+        if any(t.shape is None for t in tensors):
+            raise ConfigError(f"{name}: {module} [{rows}, {cols}] does not divide into {key}'s parameters")
+        out += [TensorSpec(f"{module}.{t.suffix}", spec.dtype if t.dtype == MODEL_DTYPE else t.dtype, t.shape) for t in tensors]
+        out += stored_beside(module, spec)
     return out
 
 
-def _awq_specs(specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
-    """An AutoAWQ (GEMM) release: each decoder Linear [out, in] becomes `qweight` I32
-    [in, out*bits/32], `qzeros` I32 [groups, out*bits/32] and `scales` F16 [groups, out], the
-    parameters vLLM's AWQ method creates; a module whose name contains an entry of
-    `modules_to_not_convert` keeps its weight (vLLM's is_layer_skipped_awq matches substrings)."""
-    bits, group = declaration["bits"], declaration["group_size"]
+def _gptq_specs(name: str, specs: list[TensorSpec], declaration: dict[str, Any], *, with_bias: bool) -> list[TensorSpec]:
+    """A GPTQ release as AutoGPTQ stores it: the parameters vLLM's GPTQ method creates (`qweight`,
+    `qzeros`, `scales`; see :func:`_packed_int_specs`) and two AutoGPTQ stores that vLLM has no
+    parameter for: `g_idx` I32 [in] (the act-order index, which vLLM's loader drops) and, in
+    AutoGPTQ versions that gave every QuantLinear a `bias` buffer, F16 [out] (``with_bias``: known
+    from the release's shard sizes, see its PROVENANCE.json; vLLM's loader skips it)."""
+
+    def stored_beside(module: str, spec: TensorSpec) -> list[TensorSpec]:
+        rows, cols = spec.shape
+        beside = [TensorSpec(module + ".g_idx", "I32", (cols,))]
+        return beside + ([TensorSpec(module + ".bias", "F16", (rows,))] if with_bias else [])
+
+    return _packed_int_specs(name, specs, gptq_key(declaration), lambda module: False, stored_beside)
+
+
+def _awq_specs(name: str, specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
+    """An AutoAWQ (GEMM) release: the parameters vLLM's AWQ method creates (see
+    :func:`_packed_int_specs`); a module whose name contains an entry of `modules_to_not_convert`
+    keeps its weight (vLLM's is_layer_skipped_awq matches substrings)."""
     skip = list(declaration.get("modules_to_not_convert") or [])
-    out = []
-    for spec in specs:
-        module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
-        if not (module and _quantizable(module, spec)) or any(s in module for s in skip):
-            out.append(spec)
-            continue
-        rows, cols = spec.shape
-        groups, packed = cols // group, rows * bits // GPTQ_WORD_BITS
-        out += [
-            TensorSpec(module + ".qweight", "I32", (cols, packed)),
-            TensorSpec(module + ".qzeros", "I32", (groups, packed)),
-            TensorSpec(module + ".scales", "F16", (groups, rows)),
-        ]
-    return out
+    return _packed_int_specs(name, specs, awq_key(declaration), lambda module: any(s in module for s in skip), lambda module, spec: [])
 
 
 BNB_BLOCK = 64  # values per absmax of bitsandbytes' 4-bit blockwise quantization
@@ -441,31 +475,52 @@ BNB_NESTED_BLOCK = 256  # absmax values per nested absmax (double quantization)
 def _bnb4_specs(specs: list[TensorSpec], declaration: dict[str, Any]) -> list[TensorSpec]:
     """A transformers bitsandbytes 4-bit save: every Linear (routers included: transformers
     replaces each nn.Linear whose name contains no `llm_int8_skip_modules` entry) stores its
-    codes flat as U8 [n/2, 1] and its Params4bit quantization state beside it (`absmax` F32 per
-    64 values, or U8 plus `nested_absmax` / `nested_quant_map` with double quantization,
-    `quant_map` F32 [16], and the packed JSON of the non-tensor state as U8)."""
+    codes flat as U8 [n/2, 1] and, by the names transformers' quantizer serializes
+    (:func:`_bnb4_state_names`), its Params4bit quantization state (:func:`_bnb4_state_spec`)."""
     skip = declaration.get("llm_int8_skip_modules")
     skip = ["lm_head"] if skip is None else list(skip)  # transformers' default: keep the output head (get_keys_to_not_convert)
     quant_type, double = declaration.get("bnb_4bit_quant_type", "fp4"), bool(declaration.get("bnb_4bit_use_double_quant"))
+    tails = _bnb4_state_names(quant_type, double)
     out = []
     for spec in specs:
         module = spec.name[: -len(".weight")] if spec.name.endswith(".weight") else None
         if not module or len(spec.shape) != 2 or module.endswith("embed_tokens") or any(s in module for s in skip):
             out.append(spec)
             continue
-        count = math.prod(spec.shape)
-        blocks = math.ceil(count / BNB_BLOCK)
-        out.append(TensorSpec(spec.name, "U8", ((count + 1) // 2, 1)))
-        if double:
-            out.append(TensorSpec(spec.name + ".absmax", "U8", (blocks,)))
-            out.append(TensorSpec(spec.name + ".nested_absmax", "F32", (math.ceil(blocks / BNB_NESTED_BLOCK),)))
-            out.append(TensorSpec(spec.name + ".nested_quant_map", "F32", (256,)))
-        else:
-            out.append(TensorSpec(spec.name + ".absmax", "F32", (blocks,)))
-        out.append(TensorSpec(spec.name + ".quant_map", "F32", (16,)))
-        state = _bnb_packed_state(quant_type, double, spec)
-        out.append(TensorSpec(f"{spec.name}.quant_state.bitsandbytes__{quant_type}", "U8", (len(state),)))
+        out.append(TensorSpec(spec.name, "U8", ((math.prod(spec.shape) + 1) // 2, 1)))
+        out += [_bnb4_state_spec(module, tail, spec, quant_type, double) for tail in tails]
     return out
+
+
+def _bnb4_state_names(quant_type: str, double: bool) -> list[str]:
+    """The tails beside `weight` that transformers' 4-bit quantizer serializes (its data), those
+    one save holds: `nested_*` only with double quantization, the packed state of its own quant
+    type only; sorted, so the order does not follow the data's listing."""
+    names = bnb_serialized_names()["4bit"]["weight"]
+    return sorted(n for n in names if n != "weight" and (double or ".nested_" not in n)
+                  and (BNB_PACKED_STATE not in n or n.endswith(BNB_PACKED_STATE + quant_type)))
+
+
+BNB_PACKED_STATE = "quant_state.bitsandbytes__"  # + quant type: the QuantState's non-tensor part
+
+
+def _bnb4_state_spec(module: str, tail: str, spec: TensorSpec, quant_type: str, double: bool) -> TensorSpec:
+    """One serialized tensor of a Params4bit's QuantState: the data names it, bitsandbytes'
+    QuantState.as_dict(packed=True) gives it its dtype and shape (`absmax` F32 per 64 values, or
+    U8 with double quantization, whose `nested_absmax` has one F32 per 256 of those and
+    `nested_quant_map` 256 entries; `quant_map` F32 [16]; the packed JSON state as U8)."""
+    blocks = math.ceil(math.prod(spec.shape) / BNB_BLOCK)
+    shapes = {
+        "weight.absmax": ("U8" if double else "F32", (blocks,)),
+        "weight.nested_absmax": ("F32", (math.ceil(blocks / BNB_NESTED_BLOCK),)),
+        "weight.nested_quant_map": ("F32", (256,)),
+        "weight.quant_map": ("F32", (16,)),
+        "weight." + BNB_PACKED_STATE + quant_type: ("U8", (len(_bnb_packed_state(quant_type, double, spec)),)),
+    }
+    if tail not in shapes:
+        raise ConfigError(f"transformers serializes `{tail}` beside a 4-bit weight, which this builder cannot size")
+    dtype, shape = shapes[tail]
+    return TensorSpec(f"{module}.{tail}", dtype, shape)
 
 
 def _bnb_packed_state(quant_type: str, double: bool, spec: TensorSpec) -> bytes:
@@ -528,8 +583,8 @@ def _compressed_tensors_specs(name: str, specs: list[TensorSpec], declaration: d
 # of name comparisons: a method not in it is refused by name).
 _BUILDERS: dict[str, Callable[[CorpusEntry, list[TensorSpec], dict[str, Any]], list[TensorSpec]]] = {
     "mxfp4": lambda entry, specs, declaration: _mxfp4_specs(specs),
-    "gptq": lambda entry, specs, declaration: _gptq_specs(specs, declaration, with_bias=bool(entry.provenance.get("gptq_zero_bias"))),
-    "awq": lambda entry, specs, declaration: _awq_specs(specs, declaration),
+    "gptq": lambda entry, specs, declaration: _gptq_specs(entry.name, specs, declaration, with_bias=bool(entry.provenance.get("gptq_zero_bias"))),
+    "awq": lambda entry, specs, declaration: _awq_specs(entry.name, specs, declaration),
     "bitsandbytes": lambda entry, specs, declaration: _bnb4_specs(specs, declaration),
     "compressed-tensors": lambda entry, specs, declaration: _compressed_tensors_specs(entry.name, specs, declaration),
     "fp8": lambda entry, specs, declaration: (_fp8_block_specs(specs, declaration) if declaration.get("weight_block_size")
