@@ -9,19 +9,21 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
+from fp4forge.errors import PipelineFailed, PipelineStepError
 from fp4forge.pipeline.run import _run_step, step_key
 from fp4forge.pipeline.state import FAILED, Hasher, HashStopped, Manifest, StepRecord, usable_cores
 from fp4forge.pipeline.steps import Context, PipelineOptions, Step
-from fp4forge.errors import PipelineFailed, PipelineStepError
 from fp4forge.quantize.job import QuantizeJob
 
 OPTIONS = PipelineOptions(quantize=QuantizeJob(recipe="nvfp4-experts-fp8-attn"))
-# The tree below, hashed by the sequential implementation (one 8 MiB read after another):
+# The tree below, hashed by the sequential implementation (8 MiB reads, one file after another):
 # Hasher.tree(root, ("reports",)) and Hasher.tree(root).
 RECORDED_TREE = "8e2b0b7d0149f6bcc98bdbdc790f59eab42dcbbad88fc4b02e8c15b398bcf762"
 RECORDED_TREE_ALL = "edeccdb6a239d59bdf4edd0c94cf91afba575abd13147976194dc591a3fad033"
@@ -152,8 +154,9 @@ def test_a_stopped_hash_raises_and_a_resumed_one_works(tmp_path: Path) -> None:
 class Gate:
     """Holds every file read of a Hasher until ``open``; records that a read was waiting."""
 
-    def __init__(self, hasher: Hasher, wait_for_stop: bool = False) -> None:
+    def __init__(self, hasher: Hasher, wait_for_stop: bool = False, linger: float = 0.0) -> None:
         self.waiting, self.opened = threading.Event(), threading.Event()
+        self.linger = linger  # seconds each read takes after the gate opened
         self._read = hasher._read_sha256
         self._hasher = hasher
         self._wait_for_stop = wait_for_stop
@@ -163,6 +166,7 @@ class Gate:
         self.waiting.set()
         # Until Ctrl-C asked the hash to stop, or the test opens the gate.
         assert (self._hasher._stopped if self._wait_for_stop else self.opened).wait(20), "the gate never opened"
+        time.sleep(self.linger)
         return self._read(path)
 
 
@@ -203,6 +207,8 @@ def test_the_key_hashed_beside_the_step_is_the_key_taken_first(tmp_path: Path) -
 
 def failing_step(gates: list[Gate]) -> Callable[[Context], dict[str, Any]]:
     def run(ctx: Context) -> dict[str, Any]:
+        time.sleep(0.05)  # file times are coarser than time.time(): written clearly after the step started
+        (ctx.reports / "fake.json").write_text('{"errors": 1}\n')
         for gate in gates:
             assert gate.waiting.wait(20)
             gate.opened.set()  # the key is still hashing when the step fails
@@ -221,14 +227,16 @@ def test_a_step_failing_while_its_key_hashes_records_what_it_recorded_with_the_k
         # A finished record whose artifact is there could be valid: the key is taken first, as ever.
         old = StepRecord("fake", "a step", "done", "stale", {"reports/fake.json": "0" * 64}) if mode == "key first" else None
         if mode == "beside":
-            gates.append(Gate(hasher))
+            gates.append(Gate(hasher, linger=0.2))  # the key ends well after the step failed
         with pytest.raises(PipelineFailed) as failure:
             _run_step(step, ctx, manifest, old, hasher, lambda event: None)
         runs[mode] = (str(failure.value), manifest.status, manifest.steps["fake"], key_taken_first(step, ctx, manifest))
     for message, status, record, key in runs.values():
         assert message == "step fake failed: the data is bad" and status == FAILED
         assert record.status == FAILED and record.message == "the data is bad" and record.key == key
-        assert record.artifacts == {} and record.seconds is not None
+        # What it wrote before failing is recorded (the wait for the key does not hide it).
+        assert record.artifacts == {"reports/fake.json": hashlib.sha256(b'{"errors": 1}\n').hexdigest()}
+        assert record.seconds is not None
     assert not hash_threads()
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from subprocess import SubprocessError
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import SubprocessError
 from typing import Any
 
 from fp4forge.checkpoint.names import CONFIG_JSON
@@ -170,6 +170,7 @@ def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | No
     record.status, record.key = "running", key
     manifest.save()
     on_event(StepEvent(step.name, "running"))
+    started = time.time()
     try:
         if key is None:
             _run_beside_key(step, ctx, record, lambda use: step_key(step, ctx, use, manifest), hasher)
@@ -191,7 +192,7 @@ def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | No
         # Whatever the failed step managed to write stays in reports/ for inspection, recorded so
         # that the card quotes it as this run's (an audit with errors); its record is not finished,
         # so the next run redoes it.
-        record.artifacts = _written_since(step, ctx, hasher, time.time() - record.seconds)
+        record.artifacts = _written_since(step, ctx, hasher, started)
         raise _step_failed(step, error, ctx.options) from error
     record.artifacts = _artifact_hashes(step, ctx, hasher)
     record.status = DONE

@@ -22,7 +22,7 @@ from typing import Any
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError
 
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 1 << 20  # per read; one buffer per file being read, so at most cores × 1 MiB at once
 MANIFEST_VERSION = 1
 
 
@@ -54,8 +54,9 @@ class Hasher:
     rather than one core's. The cache is shared by those threads (and by a step key hashed in the
     background, run.py), hence its lock."""
 
-    def __init__(self, cache_path: Path | None) -> None:
+    def __init__(self, cache_path: Path | None, threads: int | None = None) -> None:
         self.cache_path = cache_path
+        self.threads = threads or usable_cores()  # at most this many files read at once
         self._cache: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -81,14 +82,14 @@ class Hasher:
         with self._lock:
             digests = [self._cached(key, stamp) for key, stamp in zip(keys, stamps)]
         todo = [i for i, digest in enumerate(digests) if digest is None]
-        errors = []
         if not todo:
             return digests
-        if len(todo) == 1:
-            outcomes = [self._hash_or_error(paths[todo[0]])]
+        if len(todo) == 1 or self.threads == 1:
+            outcomes = [self._hash_or_error(paths[i]) for i in todo]
         else:
-            with ThreadPoolExecutor(min(len(todo), usable_cores()), thread_name_prefix="fp4forge-hash") as pool:
+            with ThreadPoolExecutor(min(len(todo), self.threads), thread_name_prefix="fp4forge-hash") as pool:
                 outcomes = list(pool.map(self._hash_or_error, [paths[i] for i in todo]))
+        errors = []
         for i, outcome in zip(todo, outcomes):
             if isinstance(outcome, BaseException):
                 errors.append(outcome)
