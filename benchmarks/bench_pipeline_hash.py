@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._util import OUT, drop_page_cache, run_measured, summarize  # noqa: E402
-from fp4forge.pipeline.state import Hasher, usable_cores  # noqa: E402
+from fp4forge.bench.host import usable_cores  # noqa: E402
+from fp4forge.pipeline.state import Hasher  # noqa: E402
 
 READ_BYTES = 16 << 20  # the stand-in step's reads
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from fp4forge.bench.host import usable_cores
 from fp4forge.errors import PipelineFailed, PipelineStepError
 from fp4forge.pipeline.run import _run_step, step_key
-from fp4forge.pipeline.state import FAILED, Hasher, HashStopped, Manifest, StepRecord, usable_cores
+from fp4forge.pipeline.state import FAILED, Hasher, HashStopped, Manifest, StepRecord
 from fp4forge.pipeline.steps import Context, PipelineOptions, Step
 from fp4forge.quantize.job import QuantizeJob
 
@@ -63,7 +64,7 @@ def test_the_parallel_tree_hash_is_the_sequential_one(tmp_path: Path) -> None:
     assert not hash_threads()
 
 
-@pytest.mark.skipif(usable_cores() < 2, reason="one core: one thread at a time")
+@pytest.mark.skipif((usable_cores() or 1) < 2, reason="one core: one thread at a time")
 def test_uncached_files_are_read_on_several_threads_at_once(tmp_path: Path) -> None:
     root = build_tree(tmp_path / "tree")
     hasher = Hasher(None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fp4forge.bench.host import usable_cores
 from fp4forge.checkpoint.atomic import write_text_atomic
 from fp4forge.errors import ConfigError
 
@@ -39,13 +39,6 @@ class HashStopped(Exception):
     """A hash in progress was stopped (``Hasher.stop``): a Ctrl-C while a step key hashed beside the step."""
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 class Hasher:
     """Content hashes of files and directory trees, cached by stat in a JSON file.
 
@@ -56,7 +49,7 @@ class Hasher:
 
     def __init__(self, cache_path: Path | None, threads: int | None = None) -> None:
         self.cache_path = cache_path
-        self.threads = threads or usable_cores()  # at most this many files read at once
+        self.threads = threads or usable_cores() or 1  # at most this many files read at once
         self._cache: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
