@@ -278,6 +278,42 @@ def test_ctrl_c_during_the_step_stops_the_key_hash(tmp_path: Path) -> None:
     assert hasher.tree(ctx.src, ("reports",)) == RECORDED_TREE  # the hasher works again afterwards
 
 
+def test_ctrl_c_while_waiting_for_the_key_stops_it(tmp_path: Path) -> None:
+    """The step is done and the key still hashes: a real SIGINT to the waiting main thread stops
+    the hash at its next read, and the step is recorded interrupted, no thread left behind."""
+    import os
+    import signal
+
+    main = threading.main_thread().ident
+    step_done = threading.Event()
+
+    def interrupt() -> None:
+        assert step_done.wait(20) and gate.waiting.wait(20)
+        time.sleep(0.2)  # the main thread is in settle()'s join by now
+        signal.pthread_kill(main, signal.SIGINT)
+
+    def run(ctx: Context) -> dict[str, Any]:
+        (ctx.reports / "fake.json").write_text("{}\n")
+        step_done.set()
+        return {}
+
+    step, ctx, manifest = fake_pipeline(tmp_path, run)
+    hasher = Hasher(None)
+    gate = Gate(hasher, wait_for_stop=True)
+    sender = threading.Thread(target=interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        sender.start()
+        with pytest.raises(KeyboardInterrupt):
+            _run_step(step, ctx, manifest, None, hasher, lambda event: None)
+    finally:
+        sender.join()
+        signal.signal(signal.SIGINT, previous)
+    record = manifest.steps["fake"]
+    assert record.status == "interrupted" and record.key is None and manifest.status == "interrupted"
+    assert not hash_threads() and os.getpid() > 0
+
+
 def test_a_source_changed_while_the_step_ran_records_no_key(tmp_path: Path) -> None:
     def run(ctx: Context) -> dict[str, Any]:
         (ctx.src / "sub" / "notes.txt").write_text("edited while the step read it\n")

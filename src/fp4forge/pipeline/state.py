@@ -168,12 +168,17 @@ class KeyFailed(Exception):
 class BackgroundKey:
     """A step key computed on its own thread (``start``) while the step runs on the caller's, which
     keeps Ctrl-C (Python delivers signals to the main thread). ``settle`` waits for the key;
-    ``stop`` ends the hash early, so that an interrupted run leaves no thread behind."""
+    ``stop`` ends the hash early, so that an interrupted run leaves no thread behind.
+
+    The waits are on an Event, not ``Thread.join``: a Ctrl-C that interrupts ``join`` can mark the
+    still running thread as ended (python/cpython#90882), and a second join then returns at once
+    with the hash still reading."""
 
     def __init__(self, compute: Callable[[], str], hasher: Hasher) -> None:
         self._hasher = hasher
         self._key: str | None = None
         self._error: BaseException | None = None
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._compute, args=(compute,), name="fp4forge-step-key", daemon=True)
 
     def start(self) -> None:
@@ -184,14 +189,17 @@ class BackgroundKey:
             self._key = compute()
         except BaseException as error:  # noqa: BLE001 (handed to the caller by settle)
             self._error = error
+        finally:
+            self._ended.set()
 
     def settle(self) -> str:
         """The key, once hashed; ``KeyFailed`` when its hash failed. A Ctrl-C while waiting stops it."""
         try:
-            self._thread.join()
+            self._ended.wait()
         except KeyboardInterrupt:
             self.stop()
             raise
+        self._thread.join()  # its last instruction: returns at once
         if self._error is not None:
             raise KeyFailed(self._error)
         assert self._key is not None
@@ -201,9 +209,14 @@ class BackgroundKey:
         """Stop the hash at its next read and wait for the thread to end."""
         self._hasher.stop()
         interrupted = False
-        while self._thread.is_alive():  # one read at most (none when never started); a second Ctrl-C waits for it too
+        while self._thread.ident is not None and not self._ended.is_set():  # one read at most (none if never started)
             try:
-                self._thread.join()
+                self._ended.wait()
+            except KeyboardInterrupt:  # a second Ctrl-C waits for that read too
+                interrupted = True
+        if self._ended.is_set():
+            try:
+                self._thread.join()  # its last instruction: returns at once
             except KeyboardInterrupt:
                 interrupted = True
         self._hasher.resume()
