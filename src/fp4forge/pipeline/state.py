@@ -80,8 +80,7 @@ class Hasher:
         if len(todo) == 1 or self.threads == 1:
             outcomes = [self._hash_or_error(paths[i]) for i in todo]
         else:
-            with ThreadPoolExecutor(min(len(todo), self.threads), thread_name_prefix="fp4forge-hash") as pool:
-                outcomes = list(pool.map(self._hash_or_error, [paths[i] for i in todo]))
+            outcomes = self._read_in_parallel([paths[i] for i in todo])
         errors = []
         for i, outcome in zip(todo, outcomes):
             if isinstance(outcome, BaseException):
@@ -98,19 +97,32 @@ class Hasher:
         cached = self._cache.get(key)
         return cached[3] if cached is not None and cached[:3] == stamp else None
 
-    def _hash_or_error(self, path: Path) -> str | BaseException:
+    def _read_in_parallel(self, paths: list[Path]) -> list[str | BaseException]:
+        """One thread per file, at most ``threads`` at once. A Ctrl-C in the waiting thread stops
+        the reads at their next chunk, and the pool ends before the interrupt goes on."""
+        halt = threading.Event()
+        pool = ThreadPoolExecutor(min(len(paths), self.threads), thread_name_prefix="fp4forge-hash")
         try:
-            return self._read_sha256(path)
+            return list(pool.map(lambda path: self._hash_or_error(path, halt), paths))
+        except BaseException:
+            halt.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _hash_or_error(self, path: Path, halt: threading.Event | None = None) -> str | BaseException:
+        try:
+            return self._read_sha256(path, halt)
         except Exception as error:  # noqa: BLE001 (handed back to files(), which raises the first in order)
             return error
 
-    def _read_sha256(self, path: Path) -> str:
+    def _read_sha256(self, path: Path, halt: threading.Event | None = None) -> str:
         sha = hashlib.sha256()
         buffer = bytearray(CHUNK_BYTES)  # one per file, reused for all its reads
         view = memoryview(buffer)
         with open(path, "rb", buffering=0) as handle:
             while count := handle.readinto(buffer):
-                if self._stopped.is_set():
+                if self._stopped.is_set() or (halt is not None and halt.is_set()):
                     raise HashStopped(str(path))
                 sha.update(view[:count])
         return sha.hexdigest()
