@@ -43,8 +43,8 @@ class Hasher:
     """Content hashes of files and directory trees, cached by stat in a JSON file.
 
     The files the cache lacks are read on a thread each, as many at once as there are cores:
-    hashlib and ``readinto`` release the GIL, so a multi-shard tree hashes at the disk's speed
-    rather than one core's. The cache is shared by those threads (and by a step key hashed in the
+    hashlib and ``readinto`` release the GIL, so a multi-shard tree is not held to one core's
+    SHA-256 speed. The cache is shared by those threads (and by a step key hashed in the
     background, run.py), hence its lock."""
 
     def __init__(self, cache_path: Path | None, threads: int | None = None) -> None:
