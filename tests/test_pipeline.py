@@ -108,6 +108,38 @@ def test_rerun_skips_every_step_and_touches_nothing(first_run: Path, model: Path
     assert [stamp(p) for p in watched] == before
 
 
+def test_keys_hashed_beside_the_steps_are_the_keys_taken_first(first_run: Path, model: Path) -> None:
+    """The first run hashed every key beside its step (no previous record): each recorded key is the
+    one a fresh hasher (no cache) computes before any step, as a re-run does."""
+    from fp4forge.pipeline.run import step_key
+    from fp4forge.pipeline.state import Hasher, Manifest, previous_records
+    from fp4forge.pipeline.steps import CARD_STEP, Context
+
+    records = previous_records(first_run / "reports" / "pipeline.json")
+    manifest = Manifest(first_run / "reports" / "pipeline.json", str(model), str(first_run), {}, records)
+    ctx = Context(model, first_run, SMALL)
+    for step in (*STEPS, CARD_STEP):
+        if step.name in LOCAL_STEPS:
+            assert records[step.name].key == step_key(step, ctx, Hasher(None), manifest), step.name
+
+
+def test_a_changed_source_redoes_the_steps_that_read_it(first_run: Path, model: Path, tmp_path: Path) -> None:
+    """A copy of the finished run over a copy of its source, the source then given one more file:
+    the steps keyed by the source run again."""
+    import shutil
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(model, src)
+    shutil.copytree(first_run, out)
+    (src / "NOTES.md").write_text("one more file in the source\n")
+    before = {s["name"]: s["key"] for s in json.loads((out / "reports" / "pipeline.json").read_text())["steps"]}
+    run_pipeline(src, out, SMALL)
+    state = statuses(out)
+    after = {s["name"]: s["key"] for s in json.loads((out / "reports" / "pipeline.json").read_text())["steps"]}
+    for name in ("calibrate", "quantize", "fidelity"):
+        assert state[name] == "done" and after[name] not in (None, before[name]), name
+
+
 def test_a_changed_option_redoes_only_the_steps_that_depend_on_it(first_run: Path, model: Path) -> None:
     fidelity = first_run / "reports" / "fidelity.json"
     ckpt_before = stamp(first_run / "model.safetensors")

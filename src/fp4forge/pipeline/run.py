@@ -12,14 +12,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from subprocess import SubprocessError
 from typing import Any
 
 from fp4forge.checkpoint.names import CONFIG_JSON
 from fp4forge.model.distributed import launched
 from fp4forge.errors import ConfigError, Fp4forgeError, PipelineFailed, option_path
 from fp4forge.pipeline.state import (
-    DONE, FAILED, FINISHED, INTERRUPTED, OFF, PENDING, SKIPPED, Hasher, Manifest, StepRecord, digest_of, previous_records,
-    require_empty_or_ours, still_valid,
+    DONE, FAILED, FINISHED, INTERRUPTED, OFF, PENDING, SKIPPED, BackgroundKey, Hasher, KeyFailed, Manifest, StampHasher, StepRecord,
+    could_be_valid, digest_of, previous_records, require_empty_or_ours, still_valid,
 )
 from fp4forge.pipeline.steps import CARD_STEP, NOT_CHECKPOINT, REPORTS, STAGING, STEPS, Context, PipelineOptions, Step
 
@@ -147,49 +148,96 @@ def run_pipeline(src: Path, out: Path, options: PipelineOptions, on_event: Event
 
 
 def _run_step(step: Step, ctx: Context, manifest: Manifest, old: StepRecord | None, hasher: Hasher, on_event: EventCallback) -> None:
-    """One step: off, skipped (unchanged), or run and recorded."""
+    """One step: off, skipped (unchanged), or run and recorded. When the previous record cannot be
+    reused whatever the key (``could_be_valid``), the key hashes beside the step (``_run_beside_key``):
+    a cold source is read once, by both, instead of twice in a row."""
     record = manifest.steps[step.name]
     reason = step.off(ctx.options)
     if reason is not None:
         record.status, record.message = OFF, reason
         on_event(StepEvent(step.name, OFF, detail=reason))
         return
-    key = step_key(step, ctx, hasher, manifest)
-    if still_valid(old, key, ctx.out, hasher, NOT_CHECKPOINT):
-        record.status, record.key, record.artifacts, record.summary = SKIPPED, key, old.artifacts, old.summary
-        record.seconds = old.seconds
-        on_event(StepEvent(step.name, SKIPPED, detail="unchanged"))
-        manifest.save()
-        return
+    key = None
+    if could_be_valid(old, ctx.out):
+        key = step_key(step, ctx, hasher, manifest)
+        if still_valid(old, key, ctx.out, hasher, NOT_CHECKPOINT):
+            record.status, record.key, record.artifacts, record.summary = SKIPPED, key, old.artifacts, old.summary
+            record.seconds = old.seconds
+            on_event(StepEvent(step.name, SKIPPED, detail="unchanged"))
+            manifest.save()
+            return
     ctx.step = step.name
     record.status, record.key = "running", key
     manifest.save()
     on_event(StepEvent(step.name, "running"))
-    started = time.monotonic()
+    started = time.time()
     try:
-        with _named_by_path(step, ctx.options):
-            record.summary = step.run(ctx) or {}
+        if key is None:
+            _run_beside_key(step, ctx, record, lambda use: step_key(step, ctx, use, manifest), hasher)
+        else:
+            _run_timed(step, ctx, record)
+    except KeyFailed as failed:
+        # Taken first, the key's error stopped the run before the step: its record is as if it never ran.
+        record.key, record.seconds, record.summary = None, None, {}
+        raise failed.error from None
     except KeyboardInterrupt:
-        record.status, record.seconds = INTERRUPTED, time.monotonic() - started
-        record.message = "interrupted (Ctrl-C); a re-run resumes here"
+        record.status, record.message = INTERRUPTED, "interrupted (Ctrl-C); a re-run resumes here"
         manifest.status = INTERRUPTED
         on_event(StepEvent(step.name, INTERRUPTED))
         raise
     except Fp4forgeError as error:
-        record.status, record.seconds, record.message = FAILED, time.monotonic() - started, str(error)
+        record.status, record.message = FAILED, str(error)
         manifest.status = FAILED
         on_event(StepEvent(step.name, FAILED, detail=str(error)))
         # Whatever the failed step managed to write stays in reports/ for inspection, recorded so
         # that the card quotes it as this run's (an audit with errors); its record is not finished,
         # so the next run redoes it.
-        record.artifacts = _written_since(step, ctx, hasher, time.time() - record.seconds)
+        record.artifacts = _written_since(step, ctx, hasher, started)
         raise _step_failed(step, error, ctx.options) from error
-    record.seconds = time.monotonic() - started
     record.artifacts = _artifact_hashes(step, ctx, hasher)
     record.status = DONE
     hasher.save()
     manifest.save()
     on_event(StepEvent(step.name, DONE, detail=_summary_text(record.summary)))
+
+
+def _run_timed(step: Step, ctx: Context, record: StepRecord) -> None:
+    """The step itself; ``record.seconds`` is its own time, however it ends."""
+    started = time.monotonic()
+    try:
+        with _named_by_path(step, ctx.options):
+            record.summary = step.run(ctx) or {}
+    finally:
+        record.seconds = time.monotonic() - started
+
+
+def _run_beside_key(step: Step, ctx: Context, record: StepRecord, key_with: Callable[[Hasher], str], hasher: Hasher) -> None:
+    """The step, while ``key_with(hasher)`` hashes its inputs on a thread; ``record.key`` is set
+    when both are done (a failed step waits for it too: its record is then as when the key came
+    first). Ctrl-C stops the hash: an interrupted record has no key (a re-run redoes the step
+    whatever it says). A failed hash raises ``KeyFailed``, after the step ended.
+
+    Inputs that change while the step runs: the key may then hash content the step never read. So
+    the inputs' stat stamps (size, mtime, inode: what the hash cache trusts too) are taken before
+    the step and after both; when they differ the key is not recorded, and the next run redoes the
+    step, as it would have had the key been taken first (its inputs' key changed since)."""
+    stamps = key_with(StampHasher())
+    keying = BackgroundKey(lambda: key_with(hasher), hasher)
+    try:
+        keying.start()
+        _run_timed(step, ctx, record)
+    except KeyboardInterrupt:
+        keying.stop()
+        raise
+    except BaseException:
+        record.key = keying.settle()
+        raise
+    key = keying.settle()
+    try:
+        unchanged = key_with(StampHasher()) == stamps
+    except (OSError, SubprocessError):  # an input went away while the step ran (or vLLM's venv did not answer)
+        unchanged = False
+    record.key = key if unchanged else None
 
 
 def _written_since(step: Step, ctx: Context, hasher: Hasher, since: float) -> dict[str, str]:
