@@ -126,3 +126,25 @@ def run_sampled(cmd: list[str], env: dict[str, str] | None = None, interval_s: f
         stdout, stderr = out.read(), err.read()
     cpu = usage.ru_utime + usage.ru_stime
     return SampledRun(wall, proc.returncode, peaks["VmHWM"] / 1024, peaks["RssAnon"] / 1024, peaks["RssFile"] / 1024, stdout, stderr, cpu, samples)
+
+
+def shards(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def evict(path: Path) -> bool:
+    """Flush and evict every shard of ``path`` from the page cache (a cold read follows)."""
+    os.sync()
+    return all(drop_page_cache(p) for p in shards(path))
+
+
+def read_all(path: Path, block: int = 64 << 20) -> tuple[int, float]:
+    """Every shard of ``path`` read sequentially once: (bytes, seconds)."""
+    import time
+
+    total, start, buffer = 0, time.perf_counter(), bytearray(block)
+    for file in shards(path):
+        with open(file, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    return total, time.perf_counter() - start

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._util import OUT, REPO, drop_page_cache, run_sampled  # noqa: E402
+from benchmarks._util import OUT, REPO, evict, read_all, run_sampled, shards  # noqa: E402
 
 CLI = [sys.executable, "-m", "fp4forge.cli"]
 #: What the pipeline holds besides two layers and the activation budget: the torch / CUDA runtime,
@@ -49,25 +49,6 @@ RSS_CONSTANT_GIB = 3.0
 def env() -> dict[str, str]:
     paths = [str(REPO / "src"), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-
-
-def shards(path: Path) -> list[Path]:
-    return sorted(path.glob("*.safetensors"))
-
-
-def evict(path: Path) -> bool:
-    """Flush and evict every shard of ``path`` from the page cache (a cold read follows)."""
-    os.sync()
-    return all(drop_page_cache(p) for p in shards(path))
-
-
-def read_all(path: Path, block: int = 64 << 20) -> tuple[int, float]:
-    total, start, buffer = 0, time.perf_counter(), bytearray(block)
-    for file in shards(path):
-        with open(file, "rb", buffering=0) as f:
-            while n := f.readinto(buffer):
-                total += n
-    return total, time.perf_counter() - start
 
 
 def _peaks_by_step(samples: list, wall_s: float, steps: list[dict]) -> dict[str, float]:

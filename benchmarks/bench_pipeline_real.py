@@ -55,8 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
-from benchmarks._util import run_measured  # noqa: E402
-from benchmarks.bench_deep_audit import evict, read_all  # noqa: E402
+from benchmarks._util import evict, read_all, run_measured  # noqa: E402
 from fp4forge.model.samples import DEFAULT_RAM_BUDGET_BYTES  # noqa: E402
 
 PRESET = "laguna-s-2.1-like"
