@@ -66,7 +66,9 @@ def _peaks_by_step(samples: list, wall_s: float, steps: list[dict]) -> dict[str,
 
 def run_step(name: str, argv: list[str], keep_samples: bool = False) -> dict:
     run = run_sampled(CLI + argv, env=env())
-    if run.returncode not in (0, 1):  # audit exits 1 on error findings: still a measured run
+    # audit exits 1 on error findings, still a measured run; but an uncaught exception exits 1 too,
+    # so with --json a run that printed no report failed
+    if run.returncode not in (0, 1) or ("--json" in argv and not run.stdout.lstrip().startswith((b"{", b"["))):
         raise SystemExit(f"{name} failed ({run.returncode}): {run.stderr.decode(errors='replace')[-2000:]}")
     print(f"  {name}: {run.wall_s:.2f} s ({run.cpu_s:.2f} CPU-s), peak RSS {run.peak_rss_mib:,.0f} MiB (anon {run.peak_anon_mib:,.0f}, file {run.peak_file_mib:,.0f})", flush=True)
     kept = {"samples": run.samples} if keep_samples else {}

@@ -185,6 +185,30 @@ def test_read_ahead_hints_every_byte_once_in_order() -> None:
     assert Ckpt.source.hints[3:] == [("b", 10, 30)]
 
 
+def test_the_reductions_modules_are_imported_before_the_pool_threads_start(exports) -> None:
+    """In a fresh process, every module the reductions import lazily is loaded before the scan's
+    pool threads run: first imports racing on several threads fail now and then ("partially
+    initialized module") and the audit exits with a traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom fp4forge.audit import deep_scan\nfrom fp4forge.audit.context import AuditContext\n"
+            "from fp4forge.checkpoint.layout import layout_or_inferred\nfrom fp4forge.checkpoint.reader import open_checkpoint\n"
+            "seen = []\ninner = deep_scan._rows_on_threads\n"
+            "def spy(*a, **k):\n"
+            "    seen.append(sorted(m for m in ('fp4forge.numerics.nvfp4', 'fp4forge.numerics.fp8', 'fp4forge.numerics.e2m1', "
+            "'fp4forge.numerics.conventions', 'fp4forge.checkpoint.codecs', 'fp4forge.checkpoint.raw') if m not in sys.modules))\n"
+            "    return inner(*a, **k)\n"
+            "deep_scan._rows_on_threads = spy\n"
+            "ckpt = open_checkpoint(sys.argv[1])\n"
+            "ctx = AuditContext(ckpt=ckpt, layout=layout_or_inferred(ckpt.config), declaration=None, deep=True, fmt='auto', vllm_version=(0, 32))\n"
+            "assert 'fp4forge.numerics' not in sys.modules\n"
+            "deep_scan.scan(ctx, 'cpu', threads=4)\n"
+            "assert seen == [[]], seen\n")
+    done = subprocess.run([sys.executable, "-c", code, str(exports["nvfp4-experts-compressed-tensors"])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_first_hint_blocks_neither_the_import_nor_the_reads() -> None:
     """A hint that blocks (a full disk queue) holds up neither :meth:`start`'s caller (which then
     imports torch) nor :meth:`take`; once it returns, taking hints on from where it stopped."""

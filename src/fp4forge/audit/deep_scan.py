@@ -557,6 +557,15 @@ def scan(ctx: AuditContext, device: str | None = None, *, piece_bytes: int = PIE
     return scan_units(ctx.ckpt, plan_units(ctx, piece_bytes), device, piece_bytes=piece_bytes, threads=threads, path=path)
 
 
+def _import_kernels() -> None:
+    """Import what the reductions import lazily (the numerics package, the codecs) on this one
+    thread, before the pool threads start: the first import of a package from several threads at
+    once can hand one of them a module its circular imports left half done (ImportError:
+    "partially initialized module"), seen on a 16-core node and on 2 cores."""
+    import fp4forge.numerics  # noqa: F401  (its __init__ imports every numerics module)
+    from fp4forge.checkpoint import codecs, raw  # noqa: F401
+
+
 def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *, piece_bytes: int = PIECE_BYTES, threads: int | None = None,
                path: str | None = None, stop: threading.Event | None = None) -> DeepValues:
     """:func:`scan` of planned units (on any thread: it reads only ``ckpt``'s files); the disk
@@ -566,6 +575,7 @@ def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *
     ahead.start()
     import torch
 
+    _import_kernels()
     from fp4forge.model.device import resolve_device
 
     where = resolve_device(device)
