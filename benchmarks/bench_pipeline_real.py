@@ -68,8 +68,10 @@ STEPS = ("calibrate", "quantize", "kv", "audit", "bytes", "fidelity", "serve-cmd
 # Outside the steps, the pipeline's content hashes (SHA-256) read the source before calibrate and
 # the export after quantize. kv, bytes, serve-cmd and the card read headers, scales and reports.
 OUTSIDE = "outside the steps"
-READS = {"calibrate": ("source",), "quantize": ("source",), "audit": ("export",),
-         "fidelity": ("source", "export"), OUTSIDE: ("source", "export")}
+# What each part reads per layer. The source's content hash runs beside calibrate (pipeline/run.py):
+# at 48 layers nothing makes the two share the page cache, so calibrate is floored at two reads.
+READS = {"calibrate": ("source", "source"), "quantize": ("source",), "audit": ("export",),
+         "fidelity": ("source", "export"), OUTSIDE: ("export",)}
 ASSUMPTIONS = (
     "Each step's cost is linear in the layer count: a fixed part (embeddings, lm_head, process start, the "
     "card) plus the same cost per layer. Layer 0 (dense) is in every run; every other layer of the preset is a "
@@ -77,19 +79,18 @@ ASSUMPTIONS = (
     "measured sliding ones only in attention, a small share of a layer's bytes and time.",
     "The token counts do not grow with the layers: calibration on the same samples x seq_len, fidelity on the "
     "same held-out tokens.",
-    "The source is evicted from the page cache before each run. Its one cold read is the pipeline's content "
-    "hash before calibrate (wall time outside the steps); calibrate, quantize and fidelity then read it from "
-    "the page cache, and the audit and fidelity read the export just written from there too. At 48 layers "
-    "neither the 235 GB source nor its export fits a node's page cache: the plain projection leaves those "
-    "cold reads out; the floored one adds them back, taking each part's per-layer cost as at least the bytes "
-    "it reads per layer over a cold-read rate (the larger of the two, not their sum: the streamed steps read "
-    "the next layer while the current one computes). Writes are not floored. The disk is assumed as fast at "
-    "235 GB as at the measured sizes. The 48-layer source and its export do not fit a 64 GiB disk: the "
-    "projection is not a run.",
-    "Cold-read rates: the disk's own, where measured (a timed cold read of the source before its pipeline "
-    "run, or given with --disk-gbps), and a lower bound from the pipeline itself, source bytes per layer over "
-    "the per-layer time outside the steps (that time also hashes the export and computes SHA-256), whose "
-    "floor is therefore an upper bound of the time.",
+    "The source is evicted from the page cache before each run. Its one cold read is calibrate's, with the "
+    "pipeline's content hash of the source reading it beside the step; quantize and fidelity then read it "
+    "from the page cache, and the audit, fidelity and the export's hash (outside the steps) read the export "
+    "just written from there too. At 48 layers neither the 235 GB source nor its export fits a node's page "
+    "cache: the plain projection leaves those cold reads out; the floored one adds them back, taking each "
+    "part's per-layer cost as at least the bytes it reads per layer over the disk's cold-read rate (the "
+    "larger of the two, not their sum: the streamed steps read the next layer while the current one "
+    "computes), calibrate's at two reads of the source (its own and the hash's). Writes are not floored. The "
+    "disk is assumed as fast at 235 GB as at the measured sizes. The 48-layer source and its export do not "
+    "fit a 64 GiB disk: the projection is not a run.",
+    "The disk's cold-read rate: a timed cold read of each source before its pipeline run (or one given with "
+    "--disk-gbps).",
     "Peak host RSS and GPU memory are per-layer quantities (the pipeline streams layers); they are reported "
     "as measured at both sizes, not projected.",
 )
@@ -287,26 +288,21 @@ def projection(small: dict, large: dict, layers: int = FULL_LAYERS, disk: dict |
     per_layer_bytes = {what: (large[f"{what}_bytes"] - small[f"{what}_bytes"]) / span for what in ("source", "export")}
     return {"layers": layers, "from": [small["layers"], large["layers"]], "steps": rows,
             "source_bytes_projected": small["source_bytes"] + (layers - small["layers"]) * per_layer_bytes["source"],
-            "bytes_per_layer": per_layer_bytes, "cold_read": cold_floors(rows, per_layer_bytes, cold_read_rates(small, large, rows, disk), layers),
+            "bytes_per_layer": per_layer_bytes, "cold_read": cold_floors(rows, per_layer_bytes, cold_read_rates(small, large, disk), layers),
             "assumptions": list(ASSUMPTIONS)}
 
 
-def cold_read_rates(small: dict, large: dict, rows: dict, disk: dict | None) -> list[dict]:
-    """Cold-read rates (bytes/s) to floor with: the disk's own (timed in the runs, or ``disk`` given),
-    and the lower bound of the source's per-layer bytes over the per-layer time outside the steps."""
-    rates = []
+def cold_read_rates(small: dict, large: dict, disk: dict | None) -> list[dict]:
+    """The cold-read rate (bytes/s) to floor with: the disk's own, timed in the runs, or ``disk``
+    given (none: no floor). The time outside the steps bounds no rate since the source's hash runs
+    beside calibrate."""
     timed = [r for r in (small, large) if r.get("source_cold_read_s")]
     if timed:
         rate = sum(r["source_bytes"] for r in timed) / sum(r["source_cold_read_s"] for r in timed)
-        rates.append({"name": "disk", "bytes_per_s": rate, "how": "a timed cold read of each source before its run"})
-    elif disk:
-        rates.append({"name": "disk", "bytes_per_s": disk["gbps"] * 1e9, "how": disk["how"]})
-    outside = rows.get(OUTSIDE, {}).get("per_layer_s")
-    if outside and outside > 0:
-        per_layer = (large["source_bytes"] - small["source_bytes"]) / (large["layers"] - small["layers"])
-        rates.append({"name": "lower bound", "bytes_per_s": per_layer / outside,
-                      "how": "source bytes per layer / per-layer time outside the steps (the content hash's cold read)"})
-    return rates
+        return [{"name": "disk", "bytes_per_s": rate, "how": "a timed cold read of each source before its run"}]
+    if disk:
+        return [{"name": "disk", "bytes_per_s": disk["gbps"] * 1e9, "how": disk["how"]}]
+    return []
 
 
 def cold_floors(rows: dict, per_layer_bytes: dict, rates: list[dict], layers: int) -> list[dict]:
