@@ -577,6 +577,7 @@ def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *
 
     _import_kernels()
     from fp4forge.model.device import resolve_device
+    from fp4forge.model.host_memory import empty_host_cache
 
     where = resolve_device(device)
     size = _buffer_bytes(jobs)
@@ -587,6 +588,7 @@ def scan_units(ckpt: Checkpoint, units: list[Unit], device: str | None = None, *
     else:
         on_device = _rows_on_device(ckpt, hinted, size, where, workers, max(2, min(READ_AHEAD_BYTES // piece_bytes, 4 * workers)), stop)
         rows = torch.cat(on_device).cpu().tolist() if on_device else []  # one transfer from the device
+        empty_host_cache()  # the ring's page-locked buffers are not held into the pipeline's next step
     return combine(units, rows)
 
 
