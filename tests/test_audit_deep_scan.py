@@ -185,28 +185,36 @@ def test_read_ahead_hints_every_byte_once_in_order() -> None:
     assert Ckpt.source.hints[3:] == [("b", 10, 30)]
 
 
+_FRESH_CONTEXT = ("import sys\nfrom fp4forge.audit import deep_scan\nfrom fp4forge.audit.context import AuditContext\n"
+                  "from fp4forge.checkpoint.layout import layout_or_inferred\nfrom fp4forge.checkpoint.reader import open_checkpoint\n"
+                  "ckpt = open_checkpoint(sys.argv[1])\n"
+                  "ctx = AuditContext(ckpt=ckpt, layout=layout_or_inferred(ckpt.config), declaration=None, deep=True, fmt='auto', vllm_version=(0, 32))\n")
+
+
+def _in_a_fresh_process(code: str, checkpoint: Path) -> None:
+    """``code`` run after :data:`_FRESH_CONTEXT` (``ctx`` of ``checkpoint``) in a new interpreter: nothing imported before."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FRESH_CONTEXT + code, str(checkpoint)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_reductions_modules_are_imported_before_the_pool_threads_start(exports) -> None:
     """In a fresh process, every module the reductions import lazily is loaded before the scan's
     pool threads run: first imports racing on several threads fail now and then ("partially
     initialized module") and the audit exits with a traceback."""
-    import subprocess
-    import sys
-
-    code = ("import sys\nfrom fp4forge.audit import deep_scan\nfrom fp4forge.audit.context import AuditContext\n"
-            "from fp4forge.checkpoint.layout import layout_or_inferred\nfrom fp4forge.checkpoint.reader import open_checkpoint\n"
-            "seen = []\ninner = deep_scan._rows_on_threads\n"
-            "def spy(*a, **k):\n"
-            "    seen.append(sorted(m for m in ('fp4forge.numerics.nvfp4', 'fp4forge.numerics.fp8', 'fp4forge.numerics.e2m1', "
-            "'fp4forge.numerics.conventions', 'fp4forge.checkpoint.codecs', 'fp4forge.checkpoint.raw') if m not in sys.modules))\n"
-            "    return inner(*a, **k)\n"
-            "deep_scan._rows_on_threads = spy\n"
-            "ckpt = open_checkpoint(sys.argv[1])\n"
-            "ctx = AuditContext(ckpt=ckpt, layout=layout_or_inferred(ckpt.config), declaration=None, deep=True, fmt='auto', vllm_version=(0, 32))\n"
-            "assert 'fp4forge.numerics' not in sys.modules\n"
-            "deep_scan.scan(ctx, 'cpu', threads=4)\n"
-            "assert seen == [[]], seen\n")
-    done = subprocess.run([sys.executable, "-c", code, str(exports["nvfp4-experts-compressed-tensors"])], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    _in_a_fresh_process(
+        "lazy = ('fp4forge.numerics.nvfp4', 'fp4forge.numerics.fp8', 'fp4forge.numerics.e2m1', 'fp4forge.numerics.conventions',"
+        " 'fp4forge.checkpoint.codecs', 'fp4forge.checkpoint.raw')\n"
+        "seen, inner = [], deep_scan._rows_on_threads\n"
+        "def spy(*a, **k):\n"
+        "    seen.append([m for m in lazy if m not in sys.modules])\n"
+        "    return inner(*a, **k)\n"
+        "deep_scan._rows_on_threads = spy\n"
+        "assert 'fp4forge.numerics' not in sys.modules\n"
+        "deep_scan.scan(ctx, 'cpu', threads=4)\n"
+        "assert seen == [[]], seen\n", exports["nvfp4-experts-compressed-tensors"])
 
 
 def test_the_first_hint_blocks_neither_the_import_nor_the_reads() -> None:
@@ -385,14 +393,6 @@ def test_a_piece_with_its_alignment_fits_the_piece_size(piece_bytes) -> None:
 def test_the_scan_is_planned_and_its_reads_hinted_before_torch_is_imported(exports) -> None:
     """An audit asks the disk for the values it will scan before importing torch (seconds on a
     GPU node), so a cold read overlaps the import: planning imports no torch."""
-    import subprocess
-    import sys
-
-    code = ("import sys\nfrom fp4forge.audit import deep_scan\nfrom fp4forge.audit.context import AuditContext\n"
-            "from fp4forge.checkpoint.layout import layout_or_inferred\nfrom fp4forge.checkpoint.reader import open_checkpoint\n"
-            "ckpt = open_checkpoint(sys.argv[1])\n"
-            "ctx = AuditContext(ckpt=ckpt, layout=layout_or_inferred(ckpt.config), declaration=None, deep=True, fmt='auto', vllm_version=(0, 32))\n"
-            "jobs = deep_scan.plan_jobs(deep_scan.plan_units(ctx))\n"
-            "assert jobs and 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n")
-    done = subprocess.run([sys.executable, "-c", code, str(exports["nvfp4-experts-compressed-tensors"])], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    _in_a_fresh_process("jobs = deep_scan.plan_jobs(deep_scan.plan_units(ctx))\n"
+                        "assert jobs and 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]\n",
+                        exports["nvfp4-experts-compressed-tensors"])
