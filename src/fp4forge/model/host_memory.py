@@ -43,7 +43,7 @@ class HostSlab:
         self._lock = threading.Lock()  # several reader threads carve one layer's tensors
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             start = self.used
             if start + nbytes > self.capacity or not self.registered and self.pin:
