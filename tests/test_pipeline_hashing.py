@@ -100,6 +100,37 @@ def test_a_cache_in_the_established_format_is_read_and_written(tmp_path: Path) -
     assert saved[str(shard.resolve())][3] == planted
 
 
+def test_the_last_save_writes_the_latest_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two saves at once: the one that snapshots later writes last. Here the first save's write is
+    held until the second thread has hashed a tree and called save; the file must then hold that
+    tree (a stale snapshot written last would drop it)."""
+    from fp4forge.pipeline import state
+
+    hasher, tree = Hasher(tmp_path / "cache.json"), build_tree(tmp_path / "tree")
+    writing, release = threading.Event(), threading.Event()
+    write_json = state.write_json
+
+    def first_write_held(path: Path, doc: Any) -> None:
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(10)
+        write_json(path, doc)
+
+    monkeypatch.setattr(state, "write_json", first_write_held)
+    empty = threading.Thread(target=hasher.save)
+    empty.start()
+    assert writing.wait(10)
+    full = threading.Thread(target=lambda: (hasher.tree(tree, ("reports",)), hasher.save()))
+    full.start()
+    deadline = time.monotonic() + 10
+    while len(hasher._cache) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the second save has begun (and, unserialised, written) by now
+    release.set()
+    empty.join(10), full.join(10)
+    assert len(json.loads((tmp_path / "cache.json").read_text())) == 5
+
+
 def test_threads_share_one_cache_safely(tmp_path: Path) -> None:
     trees = [build_tree(tmp_path / f"tree{i}") for i in range(3)]
     hasher = Hasher(tmp_path / "cache.json")

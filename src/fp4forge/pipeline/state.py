@@ -52,6 +52,7 @@ class Hasher:
         self.threads = threads or usable_cores() or 1  # at most this many files read at once
         self._cache: dict[str, list[Any]] = {}
         self._lock = threading.Lock()
+        self._saving = threading.Lock()  # one save at a time, so the last file written is the latest snapshot
         self._stopped = threading.Event()
         if cache_path is not None and cache_path.is_file():
             try:
@@ -153,9 +154,10 @@ class Hasher:
     def save(self) -> None:
         if self.cache_path is None:
             return
-        with self._lock:
-            snapshot = dict(self._cache)
-        write_json(self.cache_path, snapshot)
+        with self._saving:
+            with self._lock:
+                snapshot = dict(self._cache)
+            write_json(self.cache_path, snapshot)
 
 
 class StampHasher(Hasher):
