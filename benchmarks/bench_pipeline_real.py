@@ -109,7 +109,7 @@ start = time.perf_counter()
 def status():
     with open("/proc/self/status") as f:
         return {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f) if k in KEYS}
-steps, current = {}, ["start"]  # per step: its peaks, and torch's page-locked cache at its end
+steps, current = {}, ["start"]  # per step: its peaks
 def sample():
     while True:
         now = status()
@@ -131,10 +131,6 @@ def timed_step(step, *args, **kwargs):
     try:
         return inner_step(step, *args, **kwargs)
     finally:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            stats = torch.cuda.host_memory_stats()
-            steps.setdefault(step.name, {})["host_cache"] = {k: v for k, v in stats.items() if k.endswith(".current") or k.endswith(".peak")}
         current[0] = "between steps"
 pipeline_run._run_step = timed_step
 code = 0
